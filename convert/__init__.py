@@ -1,0 +1,1 @@
+"""Converters into MLX: target models (GGUF, Hugging Face) and, later, EAGLE heads."""

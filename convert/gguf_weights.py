@@ -1,0 +1,256 @@
+"""Read a GGUF file's model: a Hugging Face config and tensors under Hugging Face names."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Tuple
+
+import mlx.core as mx
+import numpy as np
+
+from mlx_eagle.cli import UserError
+
+from .tensors import QuantizedWeight, SourceTensor
+
+try:
+    import gguf
+    from gguf import GGMLQuantizationType as QT
+except ImportError as exc:  # pragma: no cover - gguf is a declared dependency
+    raise ImportError("reading GGUF files needs the 'gguf' package: pip install gguf") from exc
+
+
+# GGUF architecture -> mlx-lm model_type. Mistral GGUFs are written as "llama".
+ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+
+# llama.cpp reorders the Q and K rows of these architectures for its RoPE layout.
+_PERMUTED_ARCHITECTURES = {"llama"}
+
+FLOAT_TYPES = {QT.F32, QT.F16, QT.BF16}
+
+# Block formats that are MLX affine quantization with group 32 and float16
+# scale/bias, exactly: value = d * q + m. Their bits:
+NATIVE_BITS = {QT.Q4_0: 4, QT.Q4_1: 4, QT.Q5_0: 5, QT.Q5_1: 5, QT.Q8_0: 8}
+
+# Super-block formats with 6-bit sub-scales: MLX cannot hold them exactly, so
+# with no format asked for they are re-quantized at these widths (never fewer
+# bits than the source carries).
+REQUANTIZE_BITS = {QT.Q2_K: 3, QT.Q3_K: 4, QT.Q4_K: 4, QT.Q5_K: 5, QT.Q6_K: 6}
+
+SUPPORTED_TYPES = FLOAT_TYPES | set(NATIVE_BITS) | set(REQUANTIZE_BITS)
+
+_TENSOR_NAMES = [
+    (r"token_embd\.weight", "model.embed_tokens.weight"),
+    (r"output_norm\.weight", "model.norm.weight"),
+    (r"output\.weight", "lm_head.weight"),
+    (r"blk\.(\d+)\.attn_norm\.(weight)", r"model.layers.\1.input_layernorm.\2"),
+    (r"blk\.(\d+)\.attn_q\.(weight|bias)", r"model.layers.\1.self_attn.q_proj.\2"),
+    (r"blk\.(\d+)\.attn_k\.(weight|bias)", r"model.layers.\1.self_attn.k_proj.\2"),
+    (r"blk\.(\d+)\.attn_v\.(weight|bias)", r"model.layers.\1.self_attn.v_proj.\2"),
+    (r"blk\.(\d+)\.attn_output\.(weight|bias)", r"model.layers.\1.self_attn.o_proj.\2"),
+    (r"blk\.(\d+)\.attn_q_norm\.(weight)", r"model.layers.\1.self_attn.q_norm.\2"),
+    (r"blk\.(\d+)\.attn_k_norm\.(weight)", r"model.layers.\1.self_attn.k_norm.\2"),
+    (r"blk\.(\d+)\.ffn_norm\.(weight)", r"model.layers.\1.post_attention_layernorm.\2"),
+    (r"blk\.(\d+)\.ffn_gate\.(weight)", r"model.layers.\1.mlp.gate_proj.\2"),
+    (r"blk\.(\d+)\.ffn_up\.(weight)", r"model.layers.\1.mlp.up_proj.\2"),
+    (r"blk\.(\d+)\.ffn_down\.(weight)", r"model.layers.\1.mlp.down_proj.\2"),
+]
+
+
+def hf_name(gguf_name: str) -> Optional[str]:
+    for pattern, replacement in _TENSOR_NAMES:
+        if re.fullmatch(pattern, gguf_name):
+            return re.sub(pattern, replacement, gguf_name)
+    return None
+
+
+def open_gguf(path: Path) -> "gguf.GGUFReader":
+    """Open a GGUF file, turning every way it can be broken into one UserError."""
+    try:
+        with open(path, "rb") as handle:
+            magic = handle.read(4)
+    except OSError as exc:
+        raise UserError(f"cannot read {path}: {exc.strerror}") from exc
+    if magic != b"GGUF":
+        raise UserError(f"{path} is not a GGUF file (its first bytes are {magic!r}, not b'GGUF')")
+    try:
+        reader = gguf.GGUFReader(path)
+    except Exception as exc:
+        raise UserError(f"{path} is a damaged or truncated GGUF file ({exc}); download it again") from exc
+    return reader
+
+
+def field(reader, key: str, default: Any = None) -> Any:
+    entry = reader.fields.get(key)
+    return default if entry is None else entry.contents()
+
+
+def read_config(reader, path: Path) -> Dict[str, Any]:
+    """The Hugging Face config.json equivalent of a GGUF file's metadata."""
+    arch = field(reader, "general.architecture")
+    if arch not in ARCHITECTURES:
+        raise UserError(
+            f"{path}: architecture {arch!r} is not supported; supported are "
+            f"{', '.join(sorted(ARCHITECTURES))} (Mistral GGUFs use 'llama')"
+        )
+    if "rope_freqs.weight" in {t.name for t in reader.tensors}:
+        raise UserError(
+            f"{path}: Llama 3.1-style rope scaling (rope_freqs) is not supported from GGUF; "
+            "convert the Hugging Face model directory instead"
+        )
+    tokens = field(reader, "tokenizer.ggml.tokens") or []
+    heads = int(field(reader, f"{arch}.attention.head_count"))
+    hidden = int(field(reader, f"{arch}.embedding_length"))
+    config = {
+        "model_type": ARCHITECTURES[arch],
+        "architectures": [
+            {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[arch]
+        ],
+        "hidden_size": hidden,
+        "intermediate_size": int(field(reader, f"{arch}.feed_forward_length")),
+        "num_hidden_layers": int(field(reader, f"{arch}.block_count")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(field(reader, f"{arch}.attention.head_count_kv", heads)),
+        "head_dim": int(field(reader, f"{arch}.attention.key_length", hidden // heads)),
+        "rms_norm_eps": float(field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
+        "rope_theta": float(field(reader, f"{arch}.rope.freq_base", 10000.0)),
+        "max_position_embeddings": int(field(reader, f"{arch}.context_length", 4096)),
+        "vocab_size": int(field(reader, f"{arch}.vocab_size", len(tokens))),
+        "tie_word_embeddings": "output.weight" not in {t.name for t in reader.tensors},
+        "bos_token_id": field(reader, "tokenizer.ggml.bos_token_id"),
+        "eos_token_id": field(reader, "tokenizer.ggml.eos_token_id"),
+    }
+    if arch == "llama":
+        config["attention_bias"] = "blk.0.attn_q.bias" in {t.name for t in reader.tensors}
+        config["mlp_bias"] = False
+    return {k: v for k, v in config.items() if v is not None}
+
+
+def _unpermute_rows(n_heads: int, rows: int) -> np.ndarray:
+    """Row order that undoes llama.cpp's Q/K permutation (see convert_hf_to_gguf.permute)."""
+    return np.arange(rows).reshape(n_heads, rows // n_heads // 2, 2).swapaxes(1, 2).reshape(-1)
+
+
+def _block_values(blocks: np.ndarray, qtype) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Split GGUF blocks of 32 into (unsigned q [n, 32], scale d [n], bias [n]) so that
+    value = d * q + bias, with d and bias as float32 holding exact float16 values."""
+    def f16(column: np.ndarray) -> np.ndarray:
+        return column.copy().view(np.float16)[:, 0].astype(np.float32)
+
+    def nibbles(packed: np.ndarray) -> np.ndarray:
+        return np.concatenate([packed & 0x0F, packed >> 4], axis=1)
+
+    def high_bits(qh: np.ndarray) -> np.ndarray:
+        return np.unpackbits(qh, axis=1, bitorder="little") << 4
+
+    if qtype == QT.Q8_0:
+        d = f16(blocks[:, 0:2])
+        q = (blocks[:, 2:34].view(np.int8).astype(np.int16) + 128).astype(np.uint8)
+        return q, d, -128.0 * d
+    if qtype == QT.Q4_0:
+        d = f16(blocks[:, 0:2])
+        return nibbles(blocks[:, 2:18]), d, -8.0 * d
+    if qtype == QT.Q4_1:
+        return nibbles(blocks[:, 4:20]), f16(blocks[:, 0:2]), f16(blocks[:, 2:4])
+    if qtype == QT.Q5_0:
+        d = f16(blocks[:, 0:2])
+        return nibbles(blocks[:, 6:22]) | high_bits(blocks[:, 2:6]), d, -16.0 * d
+    if qtype == QT.Q5_1:
+        q = nibbles(blocks[:, 8:24]) | high_bits(blocks[:, 4:8])
+        return q, f16(blocks[:, 0:2]), f16(blocks[:, 2:4])
+    raise ValueError(f"{qtype.name} has no exact MLX form")
+
+
+def pack_bits(q: np.ndarray, bits: int) -> np.ndarray:
+    """Pack unsigned q values [rows, cols] as MLX does: a little-endian bit stream in uint32."""
+    stream = np.unpackbits(q[..., None], axis=-1, count=bits, bitorder="little")
+    packed = np.packbits(stream.reshape(q.shape[0], -1), axis=-1, bitorder="little")
+    return packed.view(np.uint32)
+
+
+def native_quantized(data: np.ndarray, qtype, rows: int, cols: int) -> Optional[QuantizedWeight]:
+    """A GGUF block-quantized matrix as the MLX quantized weight with the same values,
+    or None when a scale does not fit float16 (then the caller re-quantizes)."""
+    bits = NATIVE_BITS[qtype]
+    block_bytes = gguf.GGML_QUANT_SIZES[qtype][1]
+    q, d, bias = _block_values(np.ascontiguousarray(data).reshape(-1, block_bytes), qtype)
+    scales, biases = d.astype(np.float16), bias.astype(np.float16)
+    if not (np.isfinite(scales).all() and np.isfinite(biases).all()):
+        return None
+    groups = cols // 32
+    return QuantizedWeight(
+        weight=mx.array(pack_bits(q.reshape(rows, cols), bits)),
+        scales=mx.array(scales.reshape(rows, groups)),
+        biases=mx.array(biases.reshape(rows, groups)),
+        bits=bits,
+        group_size=32,
+    )
+
+
+def dequantized(data: np.ndarray, qtype, shape: Tuple[int, ...]) -> mx.array:
+    if qtype == QT.F32:
+        return mx.array(np.asarray(data, dtype=np.float32).reshape(shape))
+    if qtype == QT.F16:
+        return mx.array(np.asarray(data).view(np.float16).reshape(shape))
+    if qtype == QT.BF16:
+        bits = np.asarray(data).view(np.uint16).reshape(shape)
+        return mx.array(bits).view(mx.bfloat16)
+    return mx.array(gguf.quants.dequantize(data, qtype).reshape(shape))
+
+
+def read_tensors(reader, config: Dict[str, Any], path: Path) -> List[SourceTensor]:
+    permuted = config["model_type"] in _PERMUTED_ARCHITECTURES
+    tensors = []
+    for tensor in reader.tensors:
+        name = hf_name(tensor.name)
+        if name is None:
+            raise UserError(f"{path}: unexpected tensor {tensor.name!r} for a {config['model_type']} model")
+        qtype = tensor.tensor_type
+        if qtype not in SUPPORTED_TYPES:
+            raise UserError(
+                f"{path}: tensor {tensor.name} has GGUF type {qtype.name}, which is not supported; "
+                f"supported are {', '.join(sorted(t.name for t in SUPPORTED_TYPES))}"
+            )
+        shape = tuple(int(n) for n in reversed(tensor.shape.tolist()))
+        order = None
+        if permuted and re.search(r"self_attn\.(q|k)_proj", name):
+            heads = config["num_attention_heads"] if ".q_proj" in name else config["num_key_value_heads"]
+            order = _unpermute_rows(heads, shape[0])
+        tensors.append(_source_tensor(name, tensor.data, qtype, shape, order))
+    return tensors
+
+
+def _source_tensor(name, data, qtype, shape, order) -> SourceTensor:
+    def rows_in_order(array):
+        return array if order is None else array[mx.array(order)]
+
+    def load() -> mx.array:
+        return rows_in_order(dequantized(data, qtype, shape))
+
+    def load_native() -> Optional[QuantizedWeight]:
+        native = native_quantized(data, qtype, *shape)
+        if native is not None and order is not None:
+            native.weight, native.scales, native.biases = (
+                rows_in_order(a) for a in (native.weight, native.scales, native.biases)
+            )
+        return native
+
+    is_native = qtype in NATIVE_BITS and len(shape) == 2
+    return SourceTensor(
+        name=name,
+        shape=shape,
+        load=load,
+        load_native=load_native if is_native else None,
+        native_bits=NATIVE_BITS[qtype] if is_native else None,
+        requantize_bits=REQUANTIZE_BITS.get(qtype),
+    )
+
+
+def source_dtype(reader) -> Optional[mx.Dtype]:
+    """The float dtype of an unquantized GGUF's matrices, or None if it is quantized."""
+    matrix_types = {t.tensor_type for t in reader.tensors if len(t.shape) == 2}
+    if matrix_types <= FLOAT_TYPES:
+        if QT.F32 in matrix_types:
+            return mx.float32
+        return mx.bfloat16 if QT.BF16 in matrix_types else mx.float16
+    return None

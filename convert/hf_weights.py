@@ -1,0 +1,81 @@
+"""Read a Hugging Face model directory: config.json, safetensors, tokenizer files."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+import mlx.core as mx
+from mlx_lm.utils import _get_classes
+
+from mlx_eagle.cli import UserError
+
+from .tensors import SourceTensor
+
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+    "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json",
+    "generation_config.json",
+)
+
+_TORCH_DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
+
+
+def read_config(path: Path) -> Dict[str, Any]:
+    config_file = path / "config.json"
+    try:
+        config = json.loads(config_file.read_text())
+    except FileNotFoundError:
+        raise UserError(f"{path} has no config.json; is it a Hugging Face model directory?") from None
+    except (OSError, ValueError) as exc:
+        raise UserError(f"{config_file} is not valid JSON ({exc})") from exc
+    model_type = config.get("model_type")
+    if model_type not in MODEL_TYPES:
+        raise UserError(
+            f"{path}: architecture {model_type!r} is not supported; supported are {', '.join(MODEL_TYPES)}"
+        )
+    if not any((path / name).exists() for name in ("tokenizer.json", "tokenizer.model")):
+        raise UserError(f"{path} has no tokenizer (tokenizer.json or tokenizer.model); copy it from the model's repository")
+    return config
+
+
+def read_tensors(path: Path, config: Dict[str, Any]) -> List[SourceTensor]:
+    files = sorted(path.glob("model*.safetensors")) or sorted(path.glob("*.safetensors"))
+    if not files:
+        raise UserError(f"{path} has no .safetensors weights (PyTorch .bin checkpoints are not read for safety)")
+    weights: Dict[str, mx.array] = {}
+    for file in files:
+        try:
+            weights.update(mx.load(str(file)))
+        except Exception as exc:
+            raise UserError(f"{file} is damaged or truncated ({exc}); download it again") from exc
+    model_class, args_class = _get_classes(config)
+    weights = model_class(args_class.from_dict(config)).sanitize(weights)
+    return [
+        SourceTensor(name=name, shape=tuple(value.shape), load=lambda value=value: value)
+        for name, value in weights.items()
+    ]
+
+
+def source_dtype(config: Dict[str, Any], tensors: List[SourceTensor]) -> mx.Dtype:
+    named = config.get("torch_dtype") or config.get("dtype")
+    if named in _TORCH_DTYPES:
+        return _TORCH_DTYPES[named]
+    return next((t.load().dtype for t in tensors if len(t.shape) == 2), mx.float16)
+
+
+def copy_tokenizer(path: Path, out: Path) -> None:
+    for name in TOKENIZER_FILES:
+        if (path / name).exists():
+            shutil.copy(path / name, out / name)
+
+
+def output_config(config: Dict[str, Any], dtype: Optional[mx.Dtype]) -> Dict[str, Any]:
+    config = {k: v for k, v in config.items() if k not in ("quantization", "quantization_config")}
+    if dtype is not None:
+        config["torch_dtype"] = str(dtype).split(".")[-1]
+    return config

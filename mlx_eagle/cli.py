@@ -1,0 +1,92 @@
+"""What every command shares: one-line errors, Ctrl-C, and the fast BLAS on Linux."""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Callable, NoReturn, Optional, Sequence
+
+
+class UserError(Exception):
+    """A problem the user can fix. Commands print it as one line and exit 1."""
+
+
+# Debian/Ubuntu, Fedora and Arch put OpenBLAS in one of these.
+_OPENBLAS_PATHS = (
+    "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0",
+    "/usr/lib/aarch64-linux-gnu/openblas-pthread/libopenblas.so.0",
+    "/usr/lib/x86_64-linux-gnu/libopenblas.so.0",
+    "/usr/lib/aarch64-linux-gnu/libopenblas.so.0",
+    "/usr/lib64/libopenblas.so.0",
+    "/usr/lib/libopenblas.so.0",
+)
+_REEXEC_MARK = "_MLX_EAGLE_BLAS_REEXEC"
+
+
+def find_openblas() -> Optional[str]:
+    """Path of the system OpenBLAS, or None. ``MLX_EAGLE_OPENBLAS`` overrides."""
+    override = os.environ.get("MLX_EAGLE_OPENBLAS")
+    if override:
+        return override if os.path.exists(override) else None
+    return next((p for p in _OPENBLAS_PATHS if os.path.exists(p)), None)
+
+
+def openblas_loaded() -> bool:
+    try:
+        with open("/proc/self/maps") as maps:
+            return "libopenblas" in maps.read()
+    except OSError:
+        return False
+
+
+def blas_in_use() -> str:
+    """A short description of the BLAS that MLX's CPU matmuls run on."""
+    if sys.platform == "darwin":
+        return "Accelerate"
+    if openblas_loaded():
+        return "OpenBLAS (preloaded)"
+    return "MLX's bundled reference BLAS"
+
+
+def use_fast_blas() -> None:
+    """Restart this process with OpenBLAS preloaded when Linux has it.
+
+    MLX's Linux CPU wheel carries a reference BLAS that runs float32 matmuls
+    ~30x slower than OpenBLAS; a library can only replace it if it is loaded
+    before the process starts, hence the re-exec. Set MLX_EAGLE_NO_OPENBLAS=1
+    to keep the bundled one.
+    """
+    if not sys.platform.startswith("linux") or os.environ.get("MLX_EAGLE_NO_OPENBLAS"):
+        return
+    if openblas_loaded() or os.environ.get(_REEXEC_MARK):
+        return
+    library = find_openblas()
+    if library is None:
+        print(
+            "hint: install OpenBLAS (apt-get install libopenblas0-pthread) to make "
+            "float32 decoding on this CPU several times faster",
+            file=sys.stderr,
+        )
+        return
+    preload = os.environ.get("LD_PRELOAD")
+    env = dict(os.environ, _MLX_EAGLE_BLAS_REEXEC="1")
+    env["LD_PRELOAD"] = f"{library}:{preload}" if preload else library
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
+
+
+def run_cli(main: Callable[[Optional[Sequence[str]]], None], argv=None) -> NoReturn:
+    """Run a command's main: fast BLAS first, then one line per user error."""
+    use_fast_blas()
+    try:
+        main(argv)
+    except UserError as error:
+        print(f"error: {error}", file=sys.stderr)
+        sys.exit(1)
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr)
+        sys.exit(130)
+    except BrokenPipeError:
+        sys.exit(1)
+    sys.exit(0)
