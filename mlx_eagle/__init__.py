@@ -5,6 +5,10 @@ import os
 # transformers warns on import that PyTorch is absent; mlx-eagle never needs it.
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
-from .models import DEFAULT_MODEL, load_target, resolve_model  # noqa: E402
+from .generation import GenerationResponse, generate, stream_generate  # noqa: E402
+from .models import DEFAULT_MODEL, load, load_draft, load_target, resolve_model  # noqa: E402
 
-__all__ = ["DEFAULT_MODEL", "load_target", "resolve_model"]
+__all__ = [
+    "DEFAULT_MODEL", "GenerationResponse", "generate", "load", "load_draft", "load_target",
+    "resolve_model", "stream_generate",
+]

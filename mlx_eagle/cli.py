@@ -7,7 +7,7 @@ import sys
 from typing import Callable, NoReturn, Optional, Sequence
 
 
-class UserError(Exception):
+class UserError(ValueError):
     """A problem the user can fix. Commands print it as one line and exit 1."""
 
 

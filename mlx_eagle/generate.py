@@ -1,4 +1,4 @@
-"""Generate text from the command line.
+"""Generate text with EAGLE speculative decoding from the command line.
 
     python -m mlx_eagle.generate --prompt "What is the capital of France?"
 """
@@ -9,13 +9,18 @@ import argparse
 import sys
 from typing import List, Optional, Sequence
 
-from .cli import UserError, blas_in_use, run_cli
+import mlx.core as mx
+
+from .cli import blas_in_use, run_cli
+from .generation import print_stats, stream_generate
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m mlx_eagle.generate", description=__doc__.splitlines()[0])
     parser.add_argument("--model", help="MLX or Hugging Face directory, .gguf file or Hugging Face repo id "
                                         "(default: SmolLM2-135M-Instruct)")
+    parser.add_argument("--draft", help="EAGLE head directory; 'none' decodes plainly "
+                                        "(default: the model's shipped head, if any)")
     parser.add_argument("--prompt", "-p", default="Hello!", help="the user message; '-' reads standard input")
     parser.add_argument("--system", help="a system prompt")
     parser.add_argument("--max-tokens", "-m", type=int, default=256)
@@ -24,8 +29,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--top-k", type=int, default=0)
     parser.add_argument("--min-p", type=float, default=0.0)
     parser.add_argument("--seed", type=int, help="random seed for sampling")
+    parser.add_argument("--tree", default="static:default",
+                        help="draft tree: chain:K, static:default, static:FILE, dynamic:topk=8,depth=5,tokens=32, none")
+    parser.add_argument("--stop", action="append", help="stop when this text appears (repeatable)")
     parser.add_argument("--no-chat-template", action="store_true", help="send the prompt as raw text")
-    parser.add_argument("--verbose", action="store_true", help="report speed, memory and the BLAS in use")
+    parser.add_argument("--verbose", action="store_true", help="report tau, speed, memory and the BLAS in use")
     return parser
 
 
@@ -39,35 +47,26 @@ def prompt_tokens(tokenizer, prompt: str, system: Optional[str], use_chat_templa
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
     args = build_parser().parse_args(argv)
-    import mlx.core as mx
-    from mlx_lm import stream_generate
-    from mlx_lm.sample_utils import make_sampler
+    from . import load
+    from .trees import parse_tree
 
-    from .models import context_length, load_target
-
+    spec = parse_tree(args.tree)  # a malformed tree fails before any loading
     if args.verbose:
         print(f"device: {mx.default_device()}, BLAS: {blas_in_use()}", file=sys.stderr)
-    if args.seed is not None:
-        mx.random.seed(args.seed)
-    model, tokenizer, path = load_target(args.model)
+    model, tokenizer, head = load(args.model, draft=args.draft or "auto")
+    if args.verbose:
+        print(f"draft: {head.family + ' head' if head is not None else 'none (plain decoding)'}, "
+              f"tree: {spec.text}", file=sys.stderr)
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
-    tokens = prompt_tokens(tokenizer, prompt, args.system, not args.no_chat_template)
-    limit = context_length(path)
-    if limit is not None and len(tokens) + 1 > limit:
-        raise UserError(f"the prompt is {len(tokens)} tokens; the model's context holds {limit}. Shorten it")
-    max_tokens = args.max_tokens if limit is None else min(args.max_tokens, limit - len(tokens))
-    sampler = make_sampler(args.temp, args.top_p, args.min_p, top_k=args.top_k)
+    ids = prompt_tokens(tokenizer, prompt, args.system, not args.no_chat_template)
     response = None
-    for response in stream_generate(model, tokenizer, tokens, max_tokens=max_tokens, sampler=sampler):
+    for response in stream_generate(model, tokenizer, ids, max_tokens=args.max_tokens, draft=head, tree=spec,
+                                    temp=args.temp, top_p=args.top_p, min_p=args.min_p, top_k=args.top_k,
+                                    seed=args.seed, stop=args.stop):
         print(response.text, end="", flush=True)
     print()
     if args.verbose and response is not None:
-        print(
-            f"prompt: {response.prompt_tokens} tokens, {response.prompt_tps:.1f} tokens/s | "
-            f"generation: {response.generation_tokens} tokens, {response.generation_tps:.1f} tokens/s | "
-            f"peak memory: {response.peak_memory:.2f} GB",
-            file=sys.stderr,
-        )
+        print_stats(response)
 
 
 if __name__ == "__main__":

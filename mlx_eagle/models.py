@@ -124,3 +124,32 @@ def load_target(model: Optional[str] = None, tokenizer_config: Optional[Dict[str
 def context_length(path: Path) -> Optional[int]:
     config = json.loads((path / "config.json").read_text())
     return config.get("max_position_embeddings")
+
+
+def default_head_dir(model_path: Path) -> Optional[Path]:
+    """The head shipped for a model, if any (the package's heads/ folder, by model name)."""
+    shipped = Path(__file__).parent / "heads" / model_path.name.rsplit("-", 1)[0]
+    return shipped if (shipped / "config.json").exists() else None
+
+
+def load_draft(draft: Optional[str], model: nn.Module, model_path: Optional[Path] = None):
+    """An EAGLE head for ``model``: a head directory, "auto" (the shipped head for the
+    default model, if any) or None / "none" (plain decoding)."""
+    from .heads import load_head
+
+    if draft in (None, "none"):
+        return None
+    if draft == "auto":
+        found = default_head_dir(model_path) if model_path is not None else None
+        return load_head(found, model) if found is not None else None
+    return load_head(Path(draft).expanduser(), model)
+
+
+def load(path_or_hf_repo: Optional[str] = None, draft: Optional[str] = None,
+         tokenizer_config: Optional[Dict[str, Any]] = None):
+    """Like mlx_lm.load: ``(model, tokenizer)``; with ``draft`` (a head directory or
+    "auto") ``(model, tokenizer, head)``, head None when "auto" finds none."""
+    model, tokenizer, path = load_target(path_or_hf_repo, tokenizer_config)
+    if draft is None:
+        return model, tokenizer
+    return model, tokenizer, load_draft(draft, model, path)

@@ -1,0 +1,111 @@
+"""The decoding loop, draft -> verify -> accept, readable in one sitting.
+
+State between rounds: the target's KV cache holds every committed token but the
+last one, the *root*, which the target chose and which starts the next round. The
+draft head still has to read (feature, next token) pairs for the positions the
+target committed since its last round; they are kept as ``pending``.
+
+One round: the head reads the pending pairs into its cache, its output at the root
+grows a tree; the target runs [root, tree] in one forward pass with a tree mask;
+the longest agreeing path is accepted plus one bonus token from the target; both
+caches keep only that path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional, Tuple
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx_lm.models.cache import KVCache, make_prompt_cache
+
+from .target import check_target, keep_cache_entries, target_forward, tree_mask
+from .trees import DraftTree, TreeDrafter, TreeSpec
+from .verify import Sampling, accept
+
+
+@dataclass
+class Round:
+    tokens: List[int]  # the accepted draft tokens, then the bonus token
+    drafted: int  # tree nodes the target verified
+
+
+class SpeculativeDecoder:
+    def __init__(self, target: nn.Module, head: Optional[nn.Module], tree: TreeSpec,
+                 sampling: Sampling, seed: Optional[int] = None):
+        check_target(target)
+        head = head if tree.kind != "none" else None
+        self.target, self.head, self.sampling = target, head, sampling
+        self.drafter = TreeDrafter(head, target, tree) if head is not None else None
+        self.taps = head.taps(target.args.num_hidden_layers) if head is not None else None
+        self.rng = np.random.default_rng(seed)
+        self.cache = make_prompt_cache(target)
+        self.draft_cache = [KVCache()]
+        self.forwards = 0  # target forward passes, for tests and statistics
+        self.root: Optional[int] = None
+        self.pending: Optional[Tuple[mx.array, mx.array]] = None  # (features [n, F], next tokens [n])
+
+    @property
+    def length(self) -> int:
+        """Tokens committed so far, the root included."""
+        return self.cache[0].offset + 1
+
+    def _choose(self, logits: mx.array) -> int:
+        if self.sampling.greedy:
+            return int(mx.argmax(logits).item())
+        probs = np.array(self.sampling.probabilities(logits)).astype(np.float64)
+        return int(self.rng.choice(probs.shape[0], p=probs / probs.sum()))
+
+    def _forward(self, tokens: List[int], positions, mask):
+        self.forwards += 1
+        return target_forward(self.target, mx.array([tokens]), self.cache, positions, mask, self.taps)
+
+    def prefill(self, prompt: List[int], chunk: int = 512) -> int:
+        """Read the prompt; returns the first generated token (the first root)."""
+        features = []
+        for start in range(0, len(prompt), chunk):
+            block = prompt[start:start + chunk]
+            out = self._forward(block, start, "causal" if len(block) > 1 else None)
+            features.append(out.features)
+            mx.eval(out.logits, out.features)
+        self.root = self._choose(out.logits[-1])
+        self._set_pending(mx.concatenate(features), prompt[1:] + [self.root])
+        return self.root
+
+    def _set_pending(self, features: mx.array, next_tokens: List[int]) -> None:
+        if self.head is not None:
+            self.pending = (self.head.project(features), mx.array(next_tokens))
+
+    def _draft(self, room: int) -> DraftTree:
+        """Bring the draft cache up to date and grow this round's tree."""
+        hidden, tokens = self.pending
+        start = self.draft_cache[0].offset
+        out = self.head.step(self.target, hidden[None], tokens[None], self.draft_cache,
+                             start, "causal" if tokens.shape[0] > 1 else None)
+        if room < 1:
+            return DraftTree()
+        tree = self.drafter.draft(out[:, -1], self.draft_cache, self.draft_cache[0].offset - 1)
+        if max(tree.depths, default=0) > room:  # near the context's end: keep what fits
+            tree = tree.subtree([n for n in range(len(tree)) if tree.depths[n] <= room])
+        return tree
+
+    def step(self, room: int) -> Round:
+        """One round. ``room``: how many tokens past the root may still be produced."""
+        tree = self._draft(room - 1) if self.head is not None else DraftTree()
+        start = self.cache[0].offset
+        tokens = [self.root] + tree.tokens
+        if tree.is_chain():  # a chain is just a longer causal block
+            out = self._forward(tokens, start, "causal" if len(tokens) > 1 else None)
+        else:
+            positions = mx.array([start] + [start + d for d in tree.depths])
+            out = self._forward(tokens, positions, tree_mask(start, mx.array(tree.ancestor_matrix())))
+        path, bonus = accept(tree, out.logits, self.sampling, self.rng)
+        kept = [0] + [n + 1 for n in path]
+        keep_cache_entries(self.cache, start, kept)
+        accepted = [tree.tokens[n] for n in path]
+        if self.head is not None:
+            self._set_pending(out.features[mx.array(kept)], accepted + [bonus])
+        self.root = bonus
+        return Round(tokens=accepted + [bonus], drafted=len(tree))

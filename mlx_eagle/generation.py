@@ -1,0 +1,157 @@
+"""Generate text with EAGLE speculative decoding: the Python API, as mlx-lm's."""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass
+from typing import Generator, List, Optional, Sequence, Union
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .cli import UserError
+
+
+@dataclass
+class GenerationResponse:
+    """One generated token, as mlx-lm's stream_generate yields them, plus speculation
+    statistics: ``accepted`` draft tokens in this token's round, and ``mean_accepted``
+    (tau): tokens produced per target forward pass so far."""
+
+    text: str
+    token: int
+    from_draft: bool
+    prompt_tokens: int
+    prompt_tps: float
+    generation_tokens: int
+    generation_tps: float
+    peak_memory: float
+    finish_reason: Optional[str] = None
+    accepted: int = 0
+    mean_accepted: float = 0.0
+    target_forwards: int = 0
+
+
+def _prompt_ids(tokenizer, prompt: Union[str, List[int], mx.array]) -> List[int]:
+    if isinstance(prompt, str):
+        return tokenizer.encode(prompt)
+    if isinstance(prompt, mx.array):
+        return prompt.tolist()
+    return list(prompt)
+
+
+def _context_length(model: nn.Module) -> Optional[int]:
+    return getattr(model.args, "max_position_embeddings", None)
+
+
+def stream_generate(
+    model: nn.Module,
+    tokenizer,
+    prompt: Union[str, List[int], mx.array],
+    max_tokens: int = 256,
+    draft: Optional[nn.Module] = None,
+    tree=None,
+    temp: float = 0.0,
+    top_p: float = 1.0,
+    min_p: float = 0.0,
+    top_k: int = 0,
+    seed: Optional[int] = None,
+    stop: Optional[Sequence[str]] = None,
+) -> Generator[GenerationResponse, None, None]:
+    """Yield the continuation of ``prompt`` token by token.
+
+    ``draft``: an EAGLE head (see ``load``); None decodes plainly through the same
+    loop. ``tree``: a --tree spec (default ``static:default``). The text is exactly
+    what the target alone would produce: the same tokens when greedy (temp 0),
+    the same distribution when sampling.
+    """
+    from .decoder import SpeculativeDecoder
+    from .trees import parse_tree
+    from .verify import Sampling
+
+    spec = parse_tree(tree or "static:default") if isinstance(tree, (str, type(None))) else tree
+    ids = _prompt_ids(tokenizer, prompt)
+    if not ids:
+        raise UserError("the prompt is empty")
+    limit = _context_length(model)
+    if limit is not None and len(ids) >= limit:
+        raise UserError(f"the prompt is {len(ids)} tokens; the model's context holds {limit}. Shorten it")
+    decoder = SpeculativeDecoder(model, draft, spec, Sampling(temp, top_p, min_p, top_k), seed)
+    eos = set(tokenizer.eos_token_ids)
+    stops = [s for s in (stop or []) if s]
+    detokenizer = tokenizer.detokenizer
+    detokenizer.reset()
+    shown = 0  # characters of detokenizer.text already yielded
+
+    tic = time.perf_counter()
+    round_tokens = [decoder.prefill(ids)]
+    prompt_tps = len(ids) / (time.perf_counter() - tic)
+    tic = time.perf_counter()
+    generated, produced, rounds, accepted = 0, 0, 0, 0
+    from_draft = [False]
+    while True:
+        for token, drafted in zip(round_tokens, from_draft):
+            generated += 1
+            finish = None
+            if token in eos:
+                finish = "stop"
+            else:
+                detokenizer.add_token(token)
+            if finish is None and generated >= max_tokens:
+                finish = "length"
+            if finish is None and limit is not None and decoder.length >= limit:
+                finish = "length"
+            if finish is not None:
+                detokenizer.finalize()
+            text = detokenizer.text
+            cut = min((i for i in (text.find(s, max(0, shown - len(s))) for s in stops) if i >= 0), default=-1)
+            if cut >= 0:
+                text, finish = text[:cut], "stop"
+            elif finish is None and stops:  # hold back what may begin a stop string
+                text = text[: max(shown, len(text) - max(len(s) for s in stops) + 1)]
+            segment, shown = text[shown:], max(shown, len(text))
+            elapsed = time.perf_counter() - tic
+            yield GenerationResponse(
+                text=segment, token=token, from_draft=drafted, prompt_tokens=len(ids),
+                prompt_tps=prompt_tps, generation_tokens=generated,
+                generation_tps=generated / elapsed if elapsed > 0 else 0.0,
+                peak_memory=mx.get_peak_memory() / 1e9, finish_reason=finish,
+                accepted=accepted, mean_accepted=produced / rounds if rounds else 0.0,
+                target_forwards=decoder.forwards,
+            )
+            if finish is not None:
+                return
+        room = max_tokens - generated
+        if limit is not None:
+            room = min(room, limit - decoder.length)
+        result = decoder.step(room)
+        round_tokens = result.tokens
+        rounds += 1
+        produced += len(result.tokens)
+        accepted = len(result.tokens) - 1
+        from_draft = [True] * accepted + [False]
+
+
+def generate(model: nn.Module, tokenizer, prompt: Union[str, List[int]], verbose: bool = False,
+             **kwargs) -> str:
+    """The whole continuation as a string; keyword arguments as for stream_generate."""
+    text, response = "", None
+    for response in stream_generate(model, tokenizer, prompt, **kwargs):
+        text += response.text
+        if verbose:
+            print(response.text, end="", flush=True)
+    if verbose and response is not None:
+        print()
+        print_stats(response)
+    return text
+
+
+def print_stats(response: GenerationResponse, file=sys.stderr) -> None:
+    print(
+        f"prompt: {response.prompt_tokens} tokens, {response.prompt_tps:.1f} tokens/s | "
+        f"generation: {response.generation_tokens} tokens, {response.generation_tps:.1f} tokens/s | "
+        f"tau: {response.mean_accepted:.2f} tokens per target forward | "
+        f"peak memory: {response.peak_memory:.2f} GB",
+        file=file,
+    )

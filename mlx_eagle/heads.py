@@ -1,0 +1,265 @@
+"""EAGLE draft heads in MLX, in the official checkpoints' key layouts.
+
+EAGLE-1/2: ``fc`` over [embedding, feature], one decoder layer (``layers.0``) without
+an input norm, then the target's LM head. EAGLE-3: ``fc`` over three tapped target
+states, a ``midlayer`` whose attention reads [input_layernorm(embedding),
+hidden_norm(hidden)] (2H wide), its own ``norm`` and reduced-vocabulary ``lm_head``,
+mapped back to target ids by ``d2t``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import List, Optional, Tuple
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+from mlx_lm.models import llama
+
+from .cli import UserError
+from .target import Mask, Positions, attention, default_taps, lm_head
+
+FAMILIES = ("eagle1", "eagle3")
+
+
+@dataclass
+class HeadConfig:
+    family: str
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    vocab_size: int  # the target's
+    head_dim: Optional[int] = None
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 8192
+    bias: bool = False  # EAGLE-1: fc has a bias
+    attention_bias: bool = False  # q/k/v biases (Qwen2-style heads)
+    draft_vocab_size: Optional[int] = None  # EAGLE-3
+    target_hidden_size: Optional[int] = None  # EAGLE-3
+    taps: Optional[List[int]] = None  # EAGLE-3: the states entering these target layers
+    rope_scaling: Optional[dict] = None
+    extra: dict = field(default_factory=dict)
+
+    def layer_args(self) -> llama.ModelArgs:
+        return llama.ModelArgs(
+            model_type="llama", hidden_size=self.hidden_size, num_hidden_layers=1,
+            intermediate_size=self.intermediate_size, num_attention_heads=self.num_attention_heads,
+            rms_norm_eps=self.rms_norm_eps, vocab_size=self.vocab_size,
+            num_key_value_heads=self.num_key_value_heads, head_dim=self.head_dim,
+            rope_theta=self.rope_theta, rope_scaling=self.rope_scaling,
+            max_position_embeddings=self.max_position_embeddings, attention_bias=self.attention_bias,
+        )
+
+
+class Eagle1Layer(nn.Module):
+    """A Llama decoder layer without input_layernorm: fc's output goes straight in."""
+
+    def __init__(self, config: HeadConfig):
+        super().__init__()
+        args = config.layer_args()
+        self.self_attn = llama.Attention(args)
+        self.mlp = llama.MLP(args)
+        self.post_attention_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+
+class Eagle3Layer(nn.Module):
+    """EAGLE-3's midlayer: attention over [normed embedding, normed hidden], 2H wide."""
+
+    def __init__(self, config: HeadConfig):
+        super().__init__()
+        args = config.layer_args()
+        hidden, head_dim = config.hidden_size, args.head_dim or config.hidden_size // config.num_attention_heads
+        self.self_attn = llama.Attention(args)
+        bias = config.attention_bias
+        self.self_attn.q_proj = nn.Linear(2 * hidden, config.num_attention_heads * head_dim, bias=bias)
+        self.self_attn.k_proj = nn.Linear(2 * hidden, config.num_key_value_heads * head_dim, bias=bias)
+        self.self_attn.v_proj = nn.Linear(2 * hidden, config.num_key_value_heads * head_dim, bias=bias)
+        self.mlp = llama.MLP(args)
+        self.input_layernorm = nn.RMSNorm(hidden, eps=config.rms_norm_eps)
+        self.hidden_norm = nn.RMSNorm(hidden, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = nn.RMSNorm(hidden, eps=config.rms_norm_eps)
+
+
+class Eagle1Head(nn.Module):
+    family = "eagle1"
+
+    def __init__(self, config: HeadConfig):
+        super().__init__()
+        self.config = config
+        self.fc = nn.Linear(2 * config.hidden_size, config.hidden_size, bias=config.bias)
+        self.layers = [Eagle1Layer(config)]
+
+    def taps(self, num_target_layers: int) -> None:
+        return None  # the post-norm last hidden state
+
+    def project(self, features: mx.array) -> mx.array:
+        return features
+
+    def step(self, target: nn.Module, hidden: mx.array, tokens: mx.array, cache: List,
+             positions: Positions, mask: Mask) -> mx.array:
+        embedding = target.model.embed_tokens(tokens)
+        x = self.fc(mx.concatenate([embedding, hidden.astype(embedding.dtype)], axis=-1))
+        layer = self.layers[0]
+        h = x + attention(layer.self_attn, x, cache[0], positions, mask)
+        return h + layer.mlp(layer.post_attention_layernorm(h))
+
+    def logits(self, target: nn.Module, hidden: mx.array) -> mx.array:
+        return lm_head(target, hidden)
+
+    def target_ids(self, draft_ids: mx.array) -> mx.array:
+        return draft_ids
+
+
+class Eagle3Head(nn.Module):
+    family = "eagle3"
+
+    def __init__(self, config: HeadConfig):
+        super().__init__()
+        self.config = config
+        target_hidden = config.target_hidden_size or config.hidden_size
+        self.fc = nn.Linear(3 * target_hidden, config.hidden_size, bias=False)
+        self.midlayer = Eagle3Layer(config)
+        self.norm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        draft_vocab = config.draft_vocab_size or config.vocab_size
+        self.lm_head = nn.Linear(config.hidden_size, draft_vocab, bias=False)
+        self.d2t = mx.zeros((draft_vocab,), dtype=mx.int64)
+
+    def taps(self, num_target_layers: int) -> Tuple[int, ...]:
+        return tuple(self.config.taps or default_taps(num_target_layers))
+
+    def project(self, features: mx.array) -> mx.array:
+        return self.fc(features)
+
+    def step(self, target: nn.Module, hidden: mx.array, tokens: mx.array, cache: List,
+             positions: Positions, mask: Mask) -> mx.array:
+        layer = self.midlayer
+        embedding = target.model.embed_tokens(tokens).astype(hidden.dtype)
+        x = mx.concatenate([layer.input_layernorm(embedding), layer.hidden_norm(hidden)], axis=-1)
+        h = hidden + attention(layer.self_attn, x, cache[0], positions, mask)
+        return h + layer.mlp(layer.post_attention_layernorm(h))
+
+    def logits(self, target: nn.Module, hidden: mx.array) -> mx.array:
+        return self.lm_head(self.norm(hidden))
+
+    def target_ids(self, draft_ids: mx.array) -> mx.array:
+        return draft_ids + self.d2t[draft_ids]
+
+
+Head = nn.Module  # Eagle1Head | Eagle3Head
+
+
+def _target_config(target: nn.Module) -> dict:
+    return dict(vars(target.args))
+
+
+def new_head(target: nn.Module, family: str, draft_vocab_size: Optional[int] = None, seed: int = 0) -> Head:
+    """A randomly initialised head shaped for ``target`` (for training, and for tests:
+    a bad head must still give exactly the target's text)."""
+    if family not in FAMILIES:
+        raise UserError(f"unknown head family {family!r}; use one of {', '.join(FAMILIES)}")
+    args = target.args
+    config = HeadConfig(
+        family=family, hidden_size=args.hidden_size, intermediate_size=args.intermediate_size,
+        num_attention_heads=args.num_attention_heads, num_key_value_heads=args.num_key_value_heads,
+        vocab_size=args.vocab_size, head_dim=getattr(args, "head_dim", None), rms_norm_eps=args.rms_norm_eps,
+        rope_theta=getattr(args, "rope_theta", 10000.0),
+        max_position_embeddings=getattr(args, "max_position_embeddings", 8192),
+    )
+    if family == "eagle3":
+        config.target_hidden_size = args.hidden_size
+        config.draft_vocab_size = draft_vocab_size or args.vocab_size
+        config.taps = list(default_taps(args.num_hidden_layers))
+    mx.random.seed(seed)
+    head = (Eagle1Head if family == "eagle1" else Eagle3Head)(config)
+    if family == "eagle3" and config.draft_vocab_size < args.vocab_size:
+        # Any sorted subset of the target vocabulary will do for a fresh head.
+        used = mx.sort(mx.random.permutation(args.vocab_size)[: config.draft_vocab_size])
+        head.d2t = (used - mx.arange(config.draft_vocab_size)).astype(mx.int64)
+    head.set_dtype(target.model.norm.weight.dtype)
+    return head
+
+
+def save_head(head: Head, path: Path) -> None:
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    config = {k: v for k, v in asdict(head.config).items() if k != "extra"}
+    config.update(head.config.extra)
+    config["num_hidden_layers"] = 1
+    config["architectures"] = ["Eagle3LlamaForCausalLM" if head.family == "eagle3" else "EagleLlamaForCausalLM"]
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    mx.save_safetensors(str(path / "model.safetensors"), dict(tree_flatten(head.parameters())))
+
+
+def _read_config(path: Path) -> HeadConfig:
+    try:
+        raw = json.loads((path / "config.json").read_text())
+    except FileNotFoundError:
+        raise UserError(f"{path} is not an EAGLE head directory (no config.json)") from None
+    except ValueError as exc:
+        raise UserError(f"{path / 'config.json'} is not valid JSON ({exc})") from exc
+    known = set(HeadConfig.__dataclass_fields__) - {"extra"}
+    values = {k: v for k, v in raw.items() if k in known}
+    values.setdefault("family", "eagle3" if raw.get("draft_vocab_size") else "eagle1")
+    if values["family"] not in FAMILIES:
+        raise UserError(f"{path}: unknown head family {values['family']!r}")
+    try:
+        return HeadConfig(**values, extra={k: v for k, v in raw.items() if k not in known})
+    except TypeError as exc:
+        raise UserError(f"{path / 'config.json'} lacks a field ({exc})") from exc
+
+
+def load_head(path: Path, target: nn.Module) -> Head:
+    """Load a head directory (config.json + safetensors) and check it fits ``target``."""
+    path = Path(path)
+    if not path.is_dir():
+        raise UserError(f"draft head {path} does not exist; pass an EAGLE head directory")
+    config = _read_config(path)
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise UserError(f"{path} has no .safetensors weights")
+    weights = {}
+    for file in files:
+        try:
+            weights.update(mx.load(str(file)))
+        except Exception as exc:
+            raise UserError(f"{file} is damaged or truncated ({exc})") from exc
+    head = (Eagle3Head if config.family == "eagle3" else Eagle1Head)(config)
+    if "quantization" in config.extra:
+        q = config.extra["quantization"]
+        nn.quantize(head, group_size=q["group_size"], bits=q["bits"],
+                    class_predicate=lambda p, m: f"{p}.scales" in weights)
+    check_fits(head, target, path)
+    try:
+        head.load_weights(list(weights.items()), strict=True)
+    except ValueError as exc:
+        raise UserError(f"{path}: weights do not match its config.json ({exc})") from exc
+    head.set_dtype(target.model.norm.weight.dtype, predicate=lambda d: mx.issubdtype(d, mx.floating))
+    if config.family == "eagle3":
+        targets = head.target_ids(mx.arange(head.d2t.shape[0]))
+        if mx.min(targets).item() < 0 or mx.max(targets).item() >= target.args.vocab_size:
+            raise UserError(f"{path}: d2t maps draft tokens outside the target's vocabulary of "
+                            f"{target.args.vocab_size}; the head was made for another model")
+    mx.eval(head.parameters())
+    return head
+
+
+def check_fits(head: Head, target: nn.Module, path) -> None:
+    """Name exactly what does not match between a head and its target."""
+    config, args = head.config, target.args
+    problems = []
+    if config.vocab_size != args.vocab_size:
+        problems.append(f"vocabulary {config.vocab_size} vs the target's {args.vocab_size}")
+    wanted = config.target_hidden_size or config.hidden_size
+    if wanted != args.hidden_size:
+        problems.append(f"hidden size {wanted} vs the target's {args.hidden_size}")
+    if config.family == "eagle3":
+        bad = [t for t in head.taps(args.num_hidden_layers) if not 0 <= t < args.num_hidden_layers]
+        if bad:
+            problems.append(f"feature taps {bad} outside the target's {args.num_hidden_layers} layers")
+    if problems:
+        raise UserError(f"draft head {path} does not fit this target: {'; '.join(problems)}")
