@@ -1,0 +1,91 @@
+"""Lossless decoding on the real SmolLM2-135M-Instruct in float32: every tree, both head
+families, random heads and an oracle head give exactly plain mlx-lm's greedy tokens."""
+
+import itertools
+
+import mlx.core as mx
+import pytest
+from mlx_lm.generate import generate_step
+
+from mlx_eagle import load, stream_generate
+from mlx_eagle.heads import new_head
+from oracle import OracleHead
+
+PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain what a hash table is in two sentences.",
+    "Translate 'good morning, my friend' into Spanish.",
+    "List three prime numbers greater than 50.",
+    "Write a Python function that reverses a string.",
+    "Say just the word 'yes'.",
+    "What is 17 times 23?",
+    "Give me a tip for sleeping better.",
+    "Summarise the plot of Romeo and Juliet in one sentence.",
+]
+TREES = ["chain:4", "static:default", "dynamic:topk=4,depth=4,tokens=12"]
+MAX_TOKENS = 64
+
+
+@pytest.fixture(scope="module")
+def smollm():
+    model, tokenizer = load()  # the default model: float32 on this CPU
+    return model, tokenizer
+
+
+@pytest.fixture(scope="module")
+def references(smollm):
+    """Plain mlx-lm greedy decoding: prompt ids and the tokens up to EOS or 64."""
+    model, tokenizer = smollm
+    result = []
+    for text in PROMPTS:
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+        tokens = []
+        for token, _ in generate_step(mx.array(ids), model, max_tokens=MAX_TOKENS):
+            tokens.append(int(token))
+            if token in tokenizer.eos_token_ids:
+                break
+        result.append((ids, tokens))
+    assert any(tokens[-1] in tokenizer.eos_token_ids for _, tokens in result), "no prompt ends on EOS"
+    assert any(len(tokens) == MAX_TOKENS for _, tokens in result)
+    return result
+
+
+def _decode(smollm, ids, head, tree):
+    model, tokenizer = smollm
+    responses = list(stream_generate(model, tokenizer, ids, max_tokens=MAX_TOKENS, draft=head, tree=tree))
+    return [r.token for r in responses], responses[-1]
+
+
+# Random heads draft garbage: every combination over all prompts would take minutes,
+# so each prompt gets one (family, tree) pair, all pairs covered.
+COMBOS = list(itertools.product(["eagle1", "eagle3"], TREES))
+
+
+@pytest.mark.parametrize("index", range(len(PROMPTS)))
+def test_random_heads_keep_greedy_output(smollm, references, index):
+    family, tree = COMBOS[index % len(COMBOS)]
+    head = new_head(smollm[0], family, draft_vocab_size=8192 if family == "eagle3" else None, seed=index)
+    ids, expected = references[index]
+    tokens, last = _decode(smollm, ids, head, tree)
+    assert tokens == expected, (family, tree)
+
+
+@pytest.mark.parametrize("tree", TREES)
+def test_oracle_head_keeps_greedy_output(smollm, references, tree):
+    """Long accepted paths, through second branches, on every prompt."""
+    model, _ = smollm
+    taus = []
+    for ids, expected in references:
+        head = OracleHead(ids + expected, model.args.vocab_size)
+        tokens, last = _decode(smollm, ids, head, tree)
+        assert tokens == expected, tree
+        taus.append(last.mean_accepted)
+    assert min(taus) > 1.5, taus  # the oracle's drafts were really accepted
+
+
+@pytest.mark.parametrize("index", [0, 6])
+def test_plain_decoding_through_the_same_loop(smollm, references, index):
+    ids, expected = references[index]
+    tokens, last = _decode(smollm, ids, None, None)
+    assert tokens == expected and last.mean_accepted == 1.0

@@ -1,0 +1,113 @@
+"""Sampling is exact: on a tiny model with a 6-token vocabulary, the first three generated
+tokens over many seeds follow the target's exact joint distribution (chi-square, fixed
+seeds), with a good draft and with a deliberately wrong one."""
+
+import itertools
+import math
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.models import llama
+from mlx_lm.sample_utils import make_sampler
+
+from mlx_eagle.decoder import SpeculativeDecoder
+from mlx_eagle.trees import TreeSpec
+from mlx_eagle.verify import Sampling
+from oracle import FixedDraft
+
+VOCAB = 6
+PROMPT = [1, 4, 2]
+TREE = TreeSpec("static", [(0,), (1,), (0, 0), (0, 1), (1, 0)], text="test")
+SAMPLES = 3000
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    mx.random.seed(7)
+    args = llama.ModelArgs(model_type="llama", hidden_size=32, num_hidden_layers=2, intermediate_size=64,
+                           num_attention_heads=4, rms_norm_eps=1e-5, vocab_size=VOCAB, num_key_value_heads=2,
+                           max_position_embeddings=64, tie_word_embeddings=False, rope_theta=10000.0)
+    model = llama.Model(args)
+    model.lm_head.weight = model.lm_head.weight * 12  # peaky, context-dependent distributions
+    mx.eval(model.parameters())
+    return model
+
+
+def exact_joint(model, sampling: Sampling) -> np.ndarray:
+    """p(t1, t2, t3 | prompt) from plain forward passes."""
+    def next_probs(context):
+        return np.array(sampling.probabilities(model(mx.array([context]))[0, -1])).astype(np.float64)
+
+    joint = np.zeros((VOCAB,) * 3)
+    p1 = next_probs(PROMPT)
+    for t1 in range(VOCAB):
+        p2 = next_probs(PROMPT + [t1])
+        for t2 in range(VOCAB):
+            joint[t1, t2] = p1[t1] * p2[t2] * next_probs(PROMPT + [t1, t2])
+    return joint
+
+
+def chi_square_ok(counts: np.ndarray, expected_probs: np.ndarray) -> bool:
+    expected = expected_probs.ravel() * counts.sum()
+    counts = counts.ravel()
+    big = expected >= 5
+    observed = np.append(counts[big], counts[~big].sum())
+    wanted = np.append(expected[big], expected[~big].sum())
+    keep = wanted > 0
+    stat = (((observed - wanted) ** 2)[keep] / wanted[keep]).sum()
+    dof = keep.sum() - 1
+    critical = dof * (1 - 2 / (9 * dof) + 3.09 * math.sqrt(2 / (9 * dof))) ** 3  # Wilson-Hilferty, p = 0.001
+    return stat < critical
+
+
+def sample_first_three(model, draft, sampling: Sampling):
+    counts = np.zeros((VOCAB,) * 3)
+    drafted_tokens = accepted_tokens = 0
+    for seed in range(SAMPLES):
+        decoder = SpeculativeDecoder(model, draft, TREE, sampling, seed=seed)
+        tokens = [decoder.prefill(PROMPT)]
+        while len(tokens) < 3:
+            result = decoder.step(3 - len(tokens))
+            tokens += result.tokens
+            drafted_tokens += result.drafted
+            accepted_tokens += len(result.tokens) - 1
+        counts[tuple(tokens[:3])] += 1
+    return counts, accepted_tokens
+
+
+SETTINGS = {"temp 1": Sampling(temp=1.0), "temp 0.7, top-p 0.9, top-k 4, min-p 0.05":
+            Sampling(temp=0.7, top_p=0.9, top_k=4, min_p=0.05)}
+
+
+@pytest.mark.parametrize("setting", SETTINGS)
+@pytest.mark.parametrize("quality", ["good", "wrong"])
+def test_first_tokens_follow_the_target_distribution(tiny, setting, quality):
+    sampling = SETTINGS[setting]
+    joint = exact_joint(tiny, sampling)
+    likely = list(np.argsort(-joint.sum(axis=(0, 2))))  # by how often t2 is each token
+    draft = FixedDraft(likely if quality == "good" else likely[::-1], VOCAB)
+    counts, accepted = sample_first_three(tiny, draft, sampling)
+    assert chi_square_ok(counts, joint)
+    if quality == "good":
+        assert accepted > SAMPLES / 3  # drafts were really accepted, the test bites
+
+
+def test_a_biased_sampler_fails_the_check(tiny):
+    """The statistic can fail: the same counts against a slightly different distribution."""
+    sampling = SETTINGS["temp 1"]
+    joint = exact_joint(tiny, sampling)
+    counts, _ = sample_first_three(tiny, None, sampling)
+    assert chi_square_ok(counts, joint)
+    assert not chi_square_ok(counts, exact_joint(tiny, Sampling(temp=1.3)))
+
+
+@pytest.mark.parametrize("setting", list(SETTINGS.values()) + [Sampling(temp=0.9, top_k=3)])
+def test_distribution_is_what_mlx_lm_samples(setting):
+    logits = mx.random.normal((1, 12), key=mx.random.key(3)) * 2
+    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    sampler = make_sampler(setting.temp, setting.top_p, setting.min_p, top_k=setting.top_k)
+    mx.random.seed(0)
+    draws = np.array(sampler(mx.broadcast_to(logprobs, (20000, 12))))
+    counts = np.bincount(draws, minlength=12)
+    assert chi_square_ok(counts, np.array(setting.probabilities(logits[0])).astype(np.float64))
