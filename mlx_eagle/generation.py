@@ -100,7 +100,7 @@ def stream_generate(
                 detokenizer.add_token(token)
             if finish is None and generated >= max_tokens:
                 finish = "length"
-            if finish is None and limit is not None and decoder.length >= limit:
+            if finish is None and limit is not None and len(ids) + generated >= limit:
                 finish = "length"
             if finish is not None:
                 detokenizer.finalize()

@@ -181,6 +181,7 @@ def new_head(target: nn.Module, family: str, draft_vocab_size: Optional[int] = N
         used = mx.sort(mx.random.permutation(args.vocab_size)[: config.draft_vocab_size])
         head.d2t = (used - mx.arange(config.draft_vocab_size)).astype(mx.int64)
     head.set_dtype(target.model.norm.weight.dtype)
+    check_fits(head, target, "a new head")
     return head
 
 

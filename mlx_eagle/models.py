@@ -127,8 +127,8 @@ def context_length(path: Path) -> Optional[int]:
 
 
 def default_head_dir(model_path: Path) -> Optional[Path]:
-    """The head shipped for a model, if any (the package's heads/ folder, by model name)."""
-    shipped = Path(__file__).parent / "heads" / model_path.name.rsplit("-", 1)[0]
+    """The head shipped for a model, if any (in the package's weights/ folder, by model name)."""
+    shipped = Path(__file__).parent / "weights" / model_path.name.rsplit("-", 1)[0]
     return shipped if (shipped / "config.json").exists() else None
 
 

@@ -76,7 +76,7 @@ def _spm_model() -> bytes:
 
 def _config(model_type: str, vocab_size: int) -> Dict:
     config = {
-        "model_type": model_type, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+        "model_type": model_type, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "rms_norm_eps": 1e-6,
         "rope_theta": 10000.0, "max_position_embeddings": 256, "vocab_size": vocab_size,
         "tie_word_embeddings": model_type != "mistral", "torch_dtype": "float32",

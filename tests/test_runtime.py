@@ -1,0 +1,172 @@
+"""The runtime's contracts: one target forward per round, head files in the official
+layouts, tree specs, and one clear line for each kind of bad input."""
+
+import json
+import subprocess
+import sys
+
+import mlx.core as mx
+import pytest
+from mlx.utils import tree_flatten
+
+from mlx_eagle.cli import UserError
+from mlx_eagle.decoder import SpeculativeDecoder
+from mlx_eagle.heads import load_head, new_head, save_head
+from mlx_eagle.trees import DEFAULT_STATIC, parse_tree
+from mlx_eagle.verify import Sampling
+from oracle import OracleHead
+from synthetic import write_model
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from convert.target import convert_target
+    from mlx_eagle import load
+
+    root = tmp_path_factory.mktemp("tiny")
+    path = convert_target(write_model(root, "qwen3")["hf"], root / "mlx", progress=False)
+    model, tokenizer = load(str(path))
+    return model, tokenizer, path
+
+
+@pytest.mark.parametrize("tree", ["chain:6", "static:default", "dynamic:topk=5,depth=4,tokens=20"])
+def test_a_tree_costs_one_target_forward_per_round(tiny, tree):
+    model, _, _ = tiny
+    calls = []
+    norm = model.model.norm
+
+    class CountingNorm(type(norm)):
+        def __call__(self, x):
+            calls.append(x.shape[1])
+            return super().__call__(x)
+
+    counting = CountingNorm(norm.weight.shape[0], eps=norm.eps)
+    counting.weight = norm.weight
+    model.model.norm = counting
+    try:
+        sequence = list(range(3, 60))
+        decoder = SpeculativeDecoder(model, OracleHead(sequence, model.args.vocab_size), parse_tree(tree), Sampling())
+        decoder.prefill(sequence[:5])
+        assert len(calls) == 1
+        for round_number in range(1, 6):
+            result = decoder.step(40)
+            assert len(calls) == 1 + round_number
+            assert calls[-1] == 1 + result.drafted  # the whole tree in that one pass
+            assert result.drafted == parse_tree(tree).max_nodes
+    finally:
+        model.model.norm = norm
+
+
+@pytest.mark.parametrize("family", ["eagle1", "eagle3"])
+def test_head_round_trips_in_the_official_layout(tiny, tmp_path, family):
+    model, _, _ = tiny
+    head = new_head(model, family, draft_vocab_size=64 if family == "eagle3" else None, seed=3)
+    save_head(head, tmp_path / "head")
+    keys = set(mx.load(str(tmp_path / "head" / "model.safetensors")))
+    if family == "eagle1":
+        assert {"fc.weight", "layers.0.self_attn.q_proj.weight", "layers.0.post_attention_layernorm.weight"} <= keys
+        assert not any("input_layernorm" in k for k in keys)
+    else:
+        assert {"fc.weight", "midlayer.self_attn.q_proj.weight", "midlayer.hidden_norm.weight",
+                "midlayer.input_layernorm.weight", "norm.weight", "lm_head.weight", "d2t"} <= keys
+        assert mx.load(str(tmp_path / "head" / "model.safetensors"))["midlayer.self_attn.q_proj.weight"].shape[1] \
+            == 2 * model.args.hidden_size
+    loaded = load_head(tmp_path / "head", model)
+    for (name, a), (_, b) in zip(tree_flatten(head.parameters()), tree_flatten(loaded.parameters())):
+        assert mx.array_equal(a, b), name
+
+
+def test_tree_specs():
+    assert parse_tree("chain:3").paths == [(0,), (0, 0), (0, 0, 0)]
+    assert parse_tree("static:default").paths == sorted(DEFAULT_STATIC, key=lambda p: (len(p), p))
+    dynamic = parse_tree("dynamic:topk=8,depth=5,tokens=32")
+    assert (dynamic.kind, dynamic.topk, dynamic.depth, dynamic.tokens) == ("dynamic", 8, 5, 32)
+    for bad in ["chain:x", "chain:0", "static:/nope.json", "dynamic:topk=8,width=3", "bush:4", "dynamic:topk=0"]:
+        with pytest.raises(UserError):
+            parse_tree(bad)
+
+
+def test_static_tree_file(tmp_path):
+    (tmp_path / "tree.json").write_text(json.dumps([[0], [1], [0, 0], [1, 0]]))
+    assert parse_tree(f"static:{tmp_path / 'tree.json'}").paths == [(0,), (1,), (0, 0), (1, 0)]
+    (tmp_path / "orphan.json").write_text(json.dumps([[0], [1, 0]]))
+    with pytest.raises(UserError, match="no parent"):
+        parse_tree(f"static:{tmp_path / 'orphan.json'}")
+
+
+def run_generate(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "mlx_eagle.generate", *args], capture_output=True,
+                          text=True, timeout=300)
+
+
+def assert_one_line_error(result, *words):
+    assert result.returncode != 0
+    lines = [line for line in result.stderr.splitlines() if line and not line.startswith("hint:")]
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    for word in words:
+        assert word in lines[0], lines[0]
+
+
+@pytest.fixture(scope="module")
+def other_heads(tiny, tmp_path_factory):
+    """Heads made for other targets: wider, and with another vocabulary."""
+    from mlx_lm.models import qwen3
+
+    model, _, _ = tiny
+    root = tmp_path_factory.mktemp("heads")
+    wide = dict(vars(model.args), hidden_size=96, num_attention_heads=6, head_dim=16)
+    save_head(new_head(qwen3.Model(qwen3.ModelArgs.from_dict(wide)), "eagle3"), root / "wide")
+    other_vocab = dict(vars(model.args), vocab_size=model.args.vocab_size + 32)
+    save_head(new_head(qwen3.Model(qwen3.ModelArgs.from_dict(other_vocab)), "eagle1"), root / "vocab")
+    return root
+
+
+def test_head_of_another_width(tiny, other_heads):
+    result = run_generate("--model", str(tiny[2]), "--draft", str(other_heads / "wide"), "--max-tokens", "4")
+    assert_one_line_error(result, "does not fit", "hidden size 96")
+
+
+def test_head_of_another_vocabulary(tiny, other_heads):
+    result = run_generate("--model", str(tiny[2]), "--draft", str(other_heads / "vocab"), "--max-tokens", "4")
+    assert_one_line_error(result, "does not fit", "vocabulary")
+
+
+def test_missing_head_files(tiny, tmp_path):
+    assert_one_line_error(run_generate("--model", str(tiny[2]), "--draft", str(tmp_path / "absent")), "does not exist")
+    (tmp_path / "empty").mkdir()
+    assert_one_line_error(run_generate("--model", str(tiny[2]), "--draft", str(tmp_path / "empty")), "config.json")
+    save_head(new_head(tiny[0], "eagle1"), tmp_path / "no-weights")
+    (tmp_path / "no-weights" / "model.safetensors").unlink()
+    assert_one_line_error(run_generate("--model", str(tiny[2]), "--draft", str(tmp_path / "no-weights")),
+                          "safetensors")
+
+
+def test_malformed_tree(tiny):
+    assert_one_line_error(run_generate("--model", str(tiny[2]), "--tree", "dynamic:topk=8,deep=2"), "deep")
+
+
+def test_prompt_longer_than_the_context(tiny):
+    long_prompt = "hello world " * 400  # the tiny model's context holds 256 tokens
+    assert_one_line_error(run_generate("--model", str(tiny[2]), "--prompt", long_prompt), "context")
+
+
+def test_generation_stops_at_the_context_end(tiny):
+    model, tokenizer, _ = tiny
+    from mlx_eagle import stream_generate
+
+    ids = list(range(3, 250))
+    responses = list(stream_generate(model, tokenizer, ids, max_tokens=100, draft=new_head(model, "eagle1"),
+                                     tree="chain:4"))
+    assert responses[-1].finish_reason in ("length", "stop")
+    assert len(ids) + len(responses) <= model.args.max_position_embeddings
+
+
+def test_stop_strings(tiny):
+    model, tokenizer, _ = tiny
+    from mlx_eagle import generate
+
+    full = generate(model, tokenizer, "The quick brown fox", max_tokens=30)
+    assert len(full) > 6
+    stop = full[3:6]
+    text = generate(model, tokenizer, "The quick brown fox", max_tokens=30, stop=[stop])
+    assert text == full[: full.find(stop)]
