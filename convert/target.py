@@ -91,5 +91,10 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     print(f"wrote {out}")
 
 
-if __name__ == "__main__":
+def cli() -> None:
+    """Console-script entry point."""
     run_cli(main)
+
+
+if __name__ == "__main__":
+    cli()

@@ -21,7 +21,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
-from .target import check_target, keep_cache_entries, target_forward, tree_mask
+from .target import TargetOutput, check_target, keep_cache_entries, target_forward, tree_mask
 from .trees import DraftTree, TreeDrafter, TreeSpec
 from .verify import Sampling, accept
 
@@ -58,9 +58,10 @@ class SpeculativeDecoder:
         probs = np.array(self.sampling.probabilities(logits)).astype(np.float64)
         return int(self.rng.choice(probs.shape[0], p=probs / probs.sum()))
 
-    def _forward(self, tokens: List[int], positions, mask):
+    def _forward(self, tokens: List[int], positions, mask) -> TargetOutput:
         self.forwards += 1
-        return target_forward(self.target, mx.array([tokens]), self.cache, positions, mask, self.taps)
+        out = target_forward(self.target, mx.array([tokens]), self.cache, positions, mask, self.taps)
+        return TargetOutput(logits=out.logits[0], features=out.features[0])
 
     def prefill(self, prompt: List[int], chunk: int = 512) -> int:
         """Read the prompt; returns the first generated token (the first root)."""

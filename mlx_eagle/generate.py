@@ -69,5 +69,10 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         print_stats(response)
 
 
-if __name__ == "__main__":
+def cli() -> None:
+    """Console-script entry point."""
     run_cli(main)
+
+
+if __name__ == "__main__":
+    cli()

@@ -55,8 +55,9 @@ def decoder_layer(layer: nn.Module, x: mx.array, cache, positions: Positions, ma
 
 @dataclass
 class TargetOutput:
-    logits: mx.array  # [tokens, vocab]
-    features: mx.array  # [tokens, feature width]: what the draft head reads
+    logits: mx.array  # [batch, tokens, vocab]
+    features: mx.array  # [batch, tokens, feature width]: what the draft head reads
+    hidden: Optional[mx.array] = None  # [batch, tokens, hidden]: the post-norm last state
 
 
 def check_target(model: nn.Module) -> None:
@@ -82,21 +83,21 @@ def target_forward(
     mask: Mask,
     taps: Optional[Sequence[int]] = None,
 ) -> TargetOutput:
-    """One forward pass over ``tokens`` [1, n], appending them to ``cache``.
+    """One forward pass over ``tokens`` [batch, n], appending them to ``cache``.
 
     ``taps`` None returns the post-norm last hidden state (EAGLE-1/2 features);
     otherwise the states entering those layers, concatenated (EAGLE-3).
     """
     inner = model.model
     h = inner.embed_tokens(tokens)
-    tapped = []
+    entering = {}
     for index, (layer, layer_cache) in enumerate(zip(inner.layers, cache)):
         if taps is not None and index in taps:
-            tapped.append(h)
+            entering[index] = h
         h = decoder_layer(layer, h, layer_cache, positions, mask)
     h = inner.norm(h)
-    features = h if taps is None else mx.concatenate(tapped, axis=-1)
-    return TargetOutput(logits=lm_head(model, h)[0], features=features[0])
+    features = h if taps is None else mx.concatenate([entering[i] for i in taps], axis=-1)
+    return TargetOutput(logits=lm_head(model, h), features=features, hidden=h)
 
 
 def tree_mask(cached: int, ancestors: mx.array) -> mx.array:

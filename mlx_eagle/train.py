@@ -1,0 +1,435 @@
+"""Train an EAGLE draft head for any supported target, resumably.
+
+    python -m mlx_eagle.train --out my-head [--model M] [--family eagle3] [--prompts 2000]
+
+Stages, each kept in --work and skipped when already done, so a stopped run resumes:
+  data/      ShareGPT prompts answered by the target itself (greedy), as token ids
+  features/  the target's states for every token (float16): the EAGLE-3 taps and the
+             post-norm last state (which gives the target's probabilities, and is the
+             EAGLE-1 feature)
+  vocab.npz  the draft vocabulary: the most frequent answer tokens (d2t, t2d)
+  checkpoint/, log.jsonl, curves.png: training; the head is then written to --out.
+EAGLE-3 trains by training-time test: the head is unrolled --ttt-steps times on its own
+outputs, each step under the attention mask it meets at inference, against the target's
+probabilities; step k's loss is weighted by --step-decay ** k. Data parallel:
+``mlx.launch -n 2 python -m mlx_eagle.train ...`` (each process takes its share of
+every batch; gradients are averaged).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import mlx.core as mx
+import mlx.nn as nn
+import mlx.optimizers as optim
+import numpy as np
+from mlx.utils import tree_flatten, tree_unflatten
+from mlx_lm.models.cache import KVCache, make_prompt_cache
+
+from .cli import UserError, run_cli
+from .target import lm_head, target_forward
+
+Sequences = List[Tuple[np.ndarray, int]]  # (token ids, prompt length)
+
+
+@dataclass
+class TrainConfig:
+    family: str = "eagle3"
+    steps: int = 2000
+    batch_size: int = 8
+    seq_len: int = 512
+    lr: float = 5e-4
+    warmup: int = 100
+    weight_decay: float = 0.0
+    clip: float = 0.5
+    ttt_steps: int = 5
+    step_decay: float = 0.8
+    checkpoint_every: int = 200
+    seed: int = 0
+
+
+def draft_vocabulary(sequences: Sequences, vocab_size: int, size: int) -> np.ndarray:
+    """The ``size`` most frequent answer tokens, sorted: draft id i is target id used[i]."""
+    counts = np.zeros(vocab_size, dtype=np.int64)
+    for tokens, prompt_length in sequences:
+        np.add.at(counts, tokens[prompt_length:], 1)
+    return np.sort(np.argsort(-counts, kind="stable")[: min(size, vocab_size)])
+
+
+def d2t_t2d(used: np.ndarray, vocab_size: int) -> Tuple[np.ndarray, np.ndarray]:
+    """EAGLE-3's maps: target_id = draft_id + d2t[draft_id]; t2d[target_id]: in the draft vocab."""
+    t2d = np.zeros(vocab_size, dtype=bool)
+    t2d[used] = True
+    return (used - np.arange(len(used))).astype(np.int64), t2d
+
+
+def compute_features(model: nn.Module, sequences: Sequences, out: Path, taps: Sequence[int], seq_len: int,
+                     shard_size: int = 32, progress: bool = True) -> None:
+    """Every token's EAGLE-3 taps and post-norm last state, float16, in resumable shards."""
+    from tqdm import tqdm
+
+    out.mkdir(parents=True, exist_ok=True)
+    count = (len(sequences) + shard_size - 1) // shard_size
+    todo = [i for i in range(count) if not (out / f"features-{i:05d}.npz").exists()]
+    bar = tqdm(total=count, initial=count - len(todo), unit="shard", desc="target features", disable=not progress)
+    for index in todo:
+        columns: Dict[str, list] = {"tokens": [], "prompt_lengths": [], "taps": [], "last": []}
+        for tokens, prompt_length in sequences[index * shard_size:(index + 1) * shard_size]:
+            tokens = np.asarray(tokens[:seq_len], dtype=np.int32)
+            state = target_forward(model, mx.array(tokens)[None], make_prompt_cache(model), 0, "causal", taps)
+            columns["tokens"].append(tokens)
+            columns["prompt_lengths"].append(min(prompt_length, len(tokens)))
+            columns["taps"].append(np.array(state.features[0].astype(mx.float16)))
+            columns["last"].append(np.array(state.hidden[0].astype(mx.float16)))
+        partial = out / f"features-{index:05d}.partial.npz"
+        np.savez(partial, lengths=np.array([len(t) for t in columns["tokens"]], dtype=np.int32),
+                 prompt_lengths=np.array(columns["prompt_lengths"], dtype=np.int32),
+                 **{k: np.concatenate(columns[k]) for k in ("tokens", "taps", "last")})
+        partial.replace(out / f"features-{index:05d}.npz")
+        bar.update(1)
+    bar.close()
+
+
+def load_features(directory: Path) -> List[Dict[str, np.ndarray]]:
+    """One dict per sequence: tokens, taps, last, prompt_length."""
+    result = []
+    for path in sorted(Path(directory).glob("features-*.npz")):
+        if path.name.endswith(".partial.npz"):
+            continue
+        data = np.load(path)
+        starts = np.concatenate([[0], np.cumsum(data["lengths"])])
+        for i, prompt_length in enumerate(data["prompt_lengths"]):
+            span = slice(starts[i], starts[i + 1])
+            result.append({"tokens": data["tokens"][span], "taps": data["taps"][span],
+                           "last": data["last"][span], "prompt_length": int(prompt_length)})
+    return result
+
+
+def make_batch(records: Sequence[Dict[str, np.ndarray]]) -> Dict[str, mx.array]:
+    """Pad to a common length. Position t trains the prediction of token t + 2 from
+    (feature t, token t + 1); it counts when that token belongs to the answer."""
+    length = max(len(r["tokens"]) for r in records)
+
+    def pad(array, width):
+        out = np.zeros((length, *array.shape[1:]), dtype=array.dtype)
+        out[: len(array)] = array
+        return out
+
+    tokens = np.stack([pad(r["tokens"], length) for r in records])
+    positions = np.arange(length)[None]
+    lengths = np.array([len(r["tokens"]) for r in records])[:, None]
+    prompt = np.array([r["prompt_length"] for r in records])[:, None]
+    mask = (positions + 2 < lengths) & (positions + 2 >= prompt)
+    return {
+        "tokens": mx.array(tokens),
+        "next_tokens": mx.array(np.concatenate([tokens[:, 1:], np.zeros_like(tokens[:, :1])], axis=1)),
+        "taps": mx.array(np.stack([pad(r["taps"], length) for r in records])),
+        "last": mx.array(np.stack([pad(r["last"], length) for r in records])),
+        "mask": mx.array(mask),
+    }
+
+
+def ttt_mask(length: int, step: int) -> mx.array:
+    """Attention mask of unrolled step ``step`` over the keys of steps 0..step: position t
+    sees step 0 up to t - step (the committed context) and, from each later step j, only
+    its own ancestor at t - step + j, as a depth-``step`` tree node does at inference."""
+    t = mx.arange(length)[:, None]
+    s = mx.arange(length)[None]
+    blocks = [s <= t - step] + [s == t - step + j for j in range(1, step + 1)]
+    return mx.concatenate(blocks, axis=1)
+
+
+def _shift(x: mx.array, by: int) -> mx.array:
+    """Move along the sequence axis by ``by`` (>0: right), filling with zeros."""
+    zeros = mx.zeros_like(x[:, :abs(by)])
+    return mx.concatenate([zeros, x[:, :-by]], axis=1) if by > 0 else mx.concatenate([x[:, -by:], zeros], axis=1)
+
+
+def eagle3_loss(head, target, batch, used: mx.array, ttt_steps: int, step_decay: float):
+    """Training-time test; returns (loss, per-step losses, per-step accuracies)."""
+    target_logits = lm_head(target, batch["last"].astype(mx.float32)).astype(mx.float32)
+    target_probs = mx.softmax(target_logits, axis=-1)
+    wanted = _shift(target_probs[..., used], -1)  # position t: the target's distribution at t + 1
+    wanted = wanted / mx.maximum(wanted.sum(-1, keepdims=True), 1e-9)
+    target_choice = _shift(mx.argmax(target_logits, axis=-1), -1)
+    length = batch["tokens"].shape[1]
+    cache = [KVCache()]
+    hidden = head.project(batch["taps"].astype(mx.float32))
+    total, losses, accuracies = 0.0, [], []
+    for step in range(ttt_steps):
+        mask = "causal" if step == 0 else ttt_mask(length, step)
+        out = head.step(target, hidden, batch["next_tokens"], cache, 0, mask)
+        logprobs = nn.log_softmax(head.logits(target, out).astype(mx.float32), axis=-1)
+        valid = batch["mask"] & (mx.arange(length)[None] >= step)
+        count = mx.maximum(valid.sum(), 1)
+        loss = (-(wanted * logprobs).sum(-1) * valid).sum() / count
+        correct = head.target_ids(mx.argmax(logprobs, axis=-1)) == target_choice
+        accuracies.append((correct & valid).sum() / count)
+        losses.append(loss)
+        total = total + (step_decay ** step) * loss
+        hidden = _shift(out, 1)  # position t next reads the head's own output at t - 1
+    return total, losses, accuracies
+
+
+def eagle1_loss(head, target, batch):
+    """EAGLE-1/2: regress the next feature (smooth L1) + 0.1 x token cross-entropy."""
+    features = batch["last"].astype(mx.float32)
+    out = head.step(target, features, batch["next_tokens"], [KVCache()], 0, "causal")
+    valid = batch["mask"]
+    count = mx.maximum(valid.sum(), 1)
+    regression = (nn.losses.smooth_l1_loss(out, _shift(features, -1), reduction="none").mean(-1) * valid).sum() / count
+    target_logits = lm_head(target, _shift(features, -1)).astype(mx.float32)
+    logprobs = nn.log_softmax(lm_head(target, out).astype(mx.float32), axis=-1)
+    cross_entropy = (-(mx.softmax(target_logits, axis=-1) * logprobs).sum(-1) * valid).sum() / count
+    correct = mx.argmax(logprobs, axis=-1) == mx.argmax(target_logits, axis=-1)
+    return regression + 0.1 * cross_entropy, [regression, cross_entropy], [(correct & valid).sum() / count]
+
+
+def learning_rate(config: TrainConfig):
+    warmup = max(1, min(config.warmup, config.steps - 1))
+    return optim.join_schedules(
+        [optim.linear_schedule(config.lr / warmup, config.lr, warmup),
+         optim.cosine_decay(config.lr, max(1, config.steps - warmup), config.lr * 0.05)],
+        [warmup],
+    )
+
+
+def batch_order(count: int, config: TrainConfig, step: int, world: int = 1, rank: int = 0) -> List[int]:
+    """The sequences of global step ``step``: a pure function of (seed, step), so a resumed
+    run sees exactly the batches an uninterrupted one would; each rank takes its share."""
+    per_epoch = max(1, count // config.batch_size)
+    epoch, within = divmod(step, per_epoch)
+    order = np.random.default_rng(config.seed + epoch).permutation(count)
+    chosen = order[within * config.batch_size:(within + 1) * config.batch_size]
+    return [int(i) for i in chosen[rank::world]]
+
+
+class Trainer:
+    """Owns the head, optimizer and checkpoints of one training run."""
+
+    def __init__(self, target: nn.Module, head: nn.Module, records, config: TrainConfig, work: Path,
+                 used: Optional[np.ndarray] = None, progress: bool = True):
+        self.target, self.head, self.records, self.config, self.work = target, head, records, config, work
+        self.used = mx.array(used) if used is not None else None
+        work.mkdir(parents=True, exist_ok=True)
+        self.group = mx.distributed.init()
+        self.main = self.group.rank() == 0
+        self.progress = progress and self.main
+        head.freeze(keys=["d2t"], strict=False)
+        target.freeze()
+        self.optimizer = optim.AdamW(learning_rate=learning_rate(config), weight_decay=config.weight_decay)
+        self.step = 0
+        self._resume()
+
+    def loss(self, head, batch):
+        if self.config.family == "eagle3":
+            return eagle3_loss(head, self.target, batch, self.used, self.config.ttt_steps, self.config.step_decay)
+        return eagle1_loss(head, self.target, batch)
+
+    def _train_step(self, batch):
+        def objective(head):
+            total, losses, accuracies = self.loss(head, batch)
+            return total, (losses, accuracies)
+
+        (total, (losses, accuracies)), grads = nn.value_and_grad(self.head, objective)(self.head)
+        if self.group.size() > 1:
+            grads = nn.average_gradients(grads, group=self.group)
+        grads, norm = optim.clip_grad_norm(grads, self.config.clip)
+        self.optimizer.update(self.head, grads)
+        mx.eval(self.head.parameters(), self.optimizer.state, total, losses, accuracies)
+        return float(total), [float(x) for x in losses], [float(x) for x in accuracies]
+
+    def run(self, stop_after: Optional[int] = None) -> None:
+        """Train to ``config.steps``, or only up to step ``stop_after``."""
+        from tqdm import tqdm
+
+        config = self.config
+        bar = tqdm(total=config.steps, initial=self.step, unit="step", desc=f"training {config.family}",
+                   disable=not self.progress)
+        log = open(self.work / "log.jsonl", "a") if self.main else None
+        tic, tokens = time.perf_counter(), 0
+        while self.step < min(config.steps, stop_after or config.steps):
+            chosen = batch_order(len(self.records), config, self.step, self.group.size(), self.group.rank())
+            batch = make_batch([self.records[i] for i in chosen])
+            total, losses, accuracies = self._train_step(batch)
+            self.step += 1
+            tokens += int(batch["mask"].sum().item())
+            if log is not None:
+                entry = {"step": self.step, "loss": total, "step_losses": losses, "step_accuracy": accuracies,
+                         "lr": float(self.optimizer.learning_rate), "tokens_per_s": tokens / (time.perf_counter() - tic)}
+                log.write(json.dumps(entry) + "\n")
+                log.flush()
+            bar.update(1)
+            bar.set_postfix(loss=f"{total:.3f}", acc="/".join(f"{a:.2f}" for a in accuracies))
+            if self.step % config.checkpoint_every == 0 or self.step == config.steps:
+                self.save_checkpoint()
+        bar.close()
+        if log is not None:
+            log.close()
+
+    def save_checkpoint(self) -> None:
+        if not self.main:
+            return
+        directory = self.work / "checkpoint"
+        partial = self.work / "checkpoint.partial"
+        partial.mkdir(parents=True, exist_ok=True)
+        mx.save_safetensors(str(partial / "head.safetensors"), dict(tree_flatten(self.head.parameters())))
+        mx.save_safetensors(str(partial / "optimizer.safetensors"), dict(tree_flatten(self.optimizer.state)))
+        (partial / "state.json").write_text(json.dumps({"step": self.step, "config": asdict(self.config)}))
+        if directory.exists():
+            import shutil
+
+            shutil.rmtree(directory)
+        partial.replace(directory)
+
+    def _resume(self) -> None:
+        directory = self.work / "checkpoint"
+        if not (directory / "state.json").exists():
+            return
+        state = json.loads((directory / "state.json").read_text())
+        self.head.load_weights(str(directory / "head.safetensors"))
+        self.optimizer.state = tree_unflatten(list(mx.load(str(directory / "optimizer.safetensors")).items()))
+        self.step = state["step"]
+        mx.eval(self.head.parameters(), self.optimizer.state)
+
+
+def plot_curves(log_path: Path, out: Path) -> None:
+    """Loss and draft accuracy per unrolled step, over training."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    entries = [json.loads(line) for line in log_path.read_text().splitlines() if line.strip()]
+    if not entries:
+        return
+    steps = [e["step"] for e in entries]
+    figure, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    left.plot(steps, [e["loss"] for e in entries], label="total")
+    for k in range(len(entries[0]["step_losses"])):
+        left.plot(steps, [e["step_losses"][k] for e in entries], alpha=0.6, label=f"step {k}")
+    left.set(xlabel="training step", ylabel="loss", title="loss")
+    left.legend()
+    for k in range(len(entries[0]["step_accuracy"])):
+        right.plot(steps, [e["step_accuracy"][k] for e in entries], label=f"step {k}")
+    right.set(xlabel="training step", ylabel="top-1 agreement with the target", title="draft accuracy", ylim=(0, 1))
+    right.legend()
+    figure.tight_layout()
+    figure.savefig(out, dpi=110)
+    plt.close(figure)
+
+
+def acceptance_by_depth(target, tokenizer, head, prompts: Sequence[str], depth: int = 6,
+                        max_tokens: int = 128) -> Dict[str, object]:
+    """Greedy decoding with a chain of ``depth`` on held-out prompts: how often the
+    draft token at each depth is accepted once all before it were, and tau."""
+    from .decoder import SpeculativeDecoder
+    from .trees import parse_tree
+    from .verify import Sampling
+
+    reached, accepted, produced, rounds = np.zeros(depth), np.zeros(depth), 0, 0
+    for prompt in prompts:
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
+        decoder = SpeculativeDecoder(target, head, parse_tree(f"chain:{depth}"), Sampling())
+        decoder.prefill(ids)
+        generated = 1
+        while generated < max_tokens:
+            result = decoder.step(max_tokens - generated)
+            taken = len(result.tokens) - 1
+            reached[: min(taken + 1, result.drafted)] += 1
+            accepted[:taken] += 1
+            produced, rounds, generated = produced + len(result.tokens), rounds + 1, generated + len(result.tokens)
+            if result.tokens[-1] in tokenizer.eos_token_ids or any(t in tokenizer.eos_token_ids for t in result.tokens):
+                break
+    rates = [float(a / r) if r else 0.0 for a, r in zip(accepted, reached)]
+    return {"tau": produced / max(rounds, 1), "acceptance_by_depth": rates, "rounds": rounds}
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m mlx_eagle.train", description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True, type=Path, help="the head directory to write")
+    parser.add_argument("--model", help="target (default: SmolLM2-135M-Instruct)")
+    parser.add_argument("--work", type=Path, help="where resumable stages live (default: OUT.work)")
+    parser.add_argument("--family", choices=["eagle3", "eagle1"], default="eagle3")
+    parser.add_argument("--prompts", type=int, default=2000, help="ShareGPT prompts to train on")
+    parser.add_argument("--held-out", type=int, default=20, help="further prompts kept for measuring acceptance")
+    parser.add_argument("--answers", choices=["self", "sharegpt"], default="self",
+                        help="answers regenerated by the target (self-distillation) or ShareGPT's own")
+    parser.add_argument("--max-answer-tokens", type=int, default=256)
+    parser.add_argument("--draft-vocab", type=int, default=8192, help="EAGLE-3 draft vocabulary size")
+    defaults = TrainConfig()
+    for name in ("steps", "batch_size", "seq_len", "warmup", "ttt_steps", "checkpoint_every", "seed"):
+        parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(defaults, name))
+    for name in ("lr", "weight_decay", "clip", "step_decay"):
+        parser.add_argument(f"--{name.replace('_', '-')}", type=float, default=getattr(defaults, name))
+    parser.add_argument("--prepare-only", action="store_true", help="stop after data, vocabulary and features")
+    parser.add_argument("--quiet", action="store_true")
+    args = parser.parse_args(argv)
+
+    from .data import generate_answers, load_shards, original_answers, sharegpt_pairs, sharegpt_prompts
+    from .heads import new_head, save_head
+    from .models import load
+
+    config = TrainConfig(family=args.family, **{k: getattr(args, k) for k in asdict(defaults) if k != "family"})
+    work = args.work or args.out.with_name(args.out.name + ".work")
+    work.mkdir(parents=True, exist_ok=True)
+    progress = not args.quiet
+    world = mx.distributed.init()
+    model, tokenizer = load(args.model)
+
+    prompts = sharegpt_prompts(limit=args.prompts + args.held_out)
+    train_prompts, held_out = prompts[: args.prompts], prompts[args.prompts:]
+    data = work / f"data-{args.answers}"
+    features = work / f"features-{args.answers}"
+    prepared = (work / "vocab.npz").exists() and (features / "done").exists()
+    if not prepared:
+        if world.size() > 1:
+            raise UserError(f"prepare the data once without mlx.launch first: {parser.prog} ... --prepare-only")
+        if args.answers == "self":
+            generate_answers(model, tokenizer, train_prompts, data, max_answer_tokens=args.max_answer_tokens,
+                             progress=progress)
+        else:
+            original_answers(tokenizer, sharegpt_pairs(train_prompts), data, max_answer_tokens=args.max_answer_tokens)
+        sequences = load_shards(data)
+        used = draft_vocabulary(sequences, model.args.vocab_size, args.draft_vocab)
+        d2t, t2d = d2t_t2d(used, model.args.vocab_size)
+        np.savez(work / "vocab.npz", used=used, d2t=d2t, t2d=t2d)
+        taps = new_head(model, "eagle3").taps(model.args.num_hidden_layers)
+        compute_features(model, sequences, features, taps, config.seq_len, progress=progress)
+        (features / "done").write_text(f"{len(sequences)} sequences\n")
+    if args.prepare_only:
+        return
+
+    vocab = np.load(work / "vocab.npz")
+    records = load_features(features)
+    head = new_head(model, config.family, draft_vocab_size=len(vocab["used"]), seed=config.seed)
+    if config.family == "eagle3":
+        head.d2t = mx.array(vocab["d2t"])
+    trainer = Trainer(model, head, records, config, work, used=vocab["used"], progress=progress)
+    trainer.run()
+    if world.rank() != 0:
+        return
+    save_head(head, args.out)
+    plot_curves(work / "log.jsonl", work / "curves.png")
+    result = acceptance_by_depth(model, tokenizer, head, held_out)
+    result.update(prompts=args.prompts, answers=args.answers, steps=config.steps,
+                  tokens=int(sum(len(r["tokens"]) - r["prompt_length"] for r in records)))
+    (work / "eval.json").write_text(json.dumps(result, indent=2))
+    print(f"wrote {args.out}; held-out tau {result['tau']:.2f}, acceptance by depth "
+          + " ".join(f"{r:.2f}" for r in result["acceptance_by_depth"]))
+
+
+def cli() -> None:
+    """Console-script entry point."""
+    run_cli(main)
+
+
+if __name__ == "__main__":
+    cli()
