@@ -12,8 +12,8 @@ Stages, each kept in --work and skipped when already done, so a stopped run resu
 EAGLE-3 trains by training-time test: the head is unrolled --ttt-steps times on its own
 outputs, each step under the attention mask it meets at inference, against the target's
 probabilities; step k's loss is weighted by --step-decay ** k. Data parallel:
-``mlx.launch -n 2 python -m mlx_eagle.train ...`` (each process takes its share of
-every batch; gradients are averaged).
+``mlx.launch -n 2 --backend ring .venv/bin/python -m mlx_eagle.train ...`` after one
+``--prepare-only`` run (each process takes its share of every batch; gradients are averaged).
 """
 
 from __future__ import annotations

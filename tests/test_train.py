@@ -17,11 +17,17 @@ from synthetic import write_model
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
+def tiny_root(tmp_path_factory):
+    return tmp_path_factory.mktemp("tiny-train")
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_root):
+    """A sharpened tiny llama, its features for 12 repetitive sequences, and a draft vocabulary."""
     from convert.target import convert_target
     from mlx_eagle import load
 
-    root = tmp_path_factory.mktemp("tiny-train")
+    root = tiny_root
     model, _ = load(str(convert_target(write_model(root, "llama")["hf"], root / "mlx", progress=False)))
     # Sharpen the random target (its LM head is the tied embedding): a near-uniform
     # target has nothing to learn, its cross-entropy floor is its entropy.
@@ -112,3 +118,30 @@ def test_sharegpt_reader_on_a_cut_file(tmp_path):
     text = json.dumps(records)
     (tmp_path / "cut.json").write_text(text[: len(text) - 30])
     assert [r["id"] for r in read_sharegpt(tmp_path / "cut.json")] == ["0", "1", "2", "3"]
+
+
+def test_data_parallel_with_two_processes(tiny, tiny_root, tmp_path):
+    """mlx.launch starts two ranks on this machine; they share batches, average
+    gradients, end with the same weights, and learn."""
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    model, records, used = tiny
+    features = tmp_path / "features"
+    model_dir = tiny_root / "mlx"
+    shutil.copytree(tiny_root / "features", features)
+    np.save(tmp_path / "vocab.npy", used)
+    launcher = Path(sys.executable).parent / "mlx.launch"
+    worker = Path(__file__).parent / "distributed_worker.py"
+    result = subprocess.run(
+        [str(launcher), "-n", "2", "--backend", "ring", sys.executable, str(worker), str(model_dir), str(features),
+         str(tmp_path / "vocab.npy"), str(tmp_path)],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    ranks = [mx.load(str(tmp_path / f"rank{r}-of-2.safetensors")) for r in range(2)]
+    assert all(mx.array_equal(ranks[0][k], ranks[1][k]) for k in ranks[0])
+    losses = [json.loads(line)["loss"] for line in (tmp_path / "work0" / "log.jsonl").read_text().splitlines()]
+    assert np.mean(losses[-5:]) < np.mean(losses[:5])
