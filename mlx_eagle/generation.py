@@ -5,12 +5,15 @@ from __future__ import annotations
 import sys
 import time
 from dataclasses import dataclass
-from typing import Generator, List, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Generator, List, Optional, Sequence, Union
 
 import mlx.core as mx
 import mlx.nn as nn
 
 from .cli import UserError
+
+if TYPE_CHECKING:
+    from .trees import TreeSpec
 
 
 @dataclass
@@ -51,7 +54,7 @@ def stream_generate(
     prompt: Union[str, List[int], mx.array],
     max_tokens: int = 256,
     draft: Optional[nn.Module] = None,
-    tree=None,
+    tree: Union[str, "TreeSpec", None] = None,
     temp: float = 0.0,
     top_p: float = 1.0,
     min_p: float = 0.0,

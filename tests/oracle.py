@@ -9,7 +9,6 @@ from scattered slots. FixedDraft always proposes the same tokens in the same ord
 from typing import List, Sequence
 
 import mlx.core as mx
-import mlx.nn as nn
 
 
 class _TestHead:

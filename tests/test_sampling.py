@@ -2,7 +2,6 @@
 tokens over many seeds follow the target's exact joint distribution (chi-square, fixed
 seeds), with a good draft and with a deliberately wrong one."""
 
-import itertools
 import math
 
 import mlx.core as mx
