@@ -153,10 +153,6 @@ class Eagle3Head(nn.Module):
 Head = nn.Module  # Eagle1Head | Eagle3Head
 
 
-def _target_config(target: nn.Module) -> dict:
-    return dict(vars(target.args))
-
-
 def new_head(target: nn.Module, family: str, draft_vocab_size: Optional[int] = None, seed: int = 0) -> Head:
     """A randomly initialised head shaped for ``target`` (for training, and for tests:
     a bad head must still give exactly the target's text)."""

@@ -121,11 +121,6 @@ def load_target(model: Optional[str] = None, tokenizer_config: Optional[Dict[str
     return loaded, tokenizer, path
 
 
-def context_length(path: Path) -> Optional[int]:
-    config = json.loads((path / "config.json").read_text())
-    return config.get("max_position_embeddings")
-
-
 def default_head_dir(model_path: Path) -> Optional[Path]:
     """The head shipped for a model, if any (in the package's weights/ folder, by model name)."""
     shipped = Path(__file__).parent / "weights" / model_path.name.rsplit("-", 1)[0]

@@ -43,12 +43,6 @@ class TreeSpec:
     text: str = "none"
 
     @property
-    def max_depth(self) -> int:
-        if self.kind == "dynamic":
-            return self.depth
-        return max((len(p) for p in self.paths), default=0)
-
-    @property
     def max_nodes(self) -> int:
         return self.tokens if self.kind == "dynamic" else len(self.paths)
 
