@@ -181,7 +181,9 @@ def new_head(target: nn.Module, family: str, draft_vocab_size: Optional[int] = N
     return head
 
 
-def save_head(head: Head, path: Path) -> None:
+def save_head(head: Head, path: Path, dtype: Optional[mx.Dtype] = None) -> None:
+    """Write config.json + model.safetensors in the official key layout; ``dtype`` casts the
+    floating-point weights (float16 halves a shipped head; loading widens it again on CPU)."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     config = {k: v for k, v in asdict(head.config).items() if k != "extra"}
@@ -189,7 +191,10 @@ def save_head(head: Head, path: Path) -> None:
     config["num_hidden_layers"] = 1
     config["architectures"] = ["Eagle3LlamaForCausalLM" if head.family == "eagle3" else "EagleLlamaForCausalLM"]
     (path / "config.json").write_text(json.dumps(config, indent=2))
-    mx.save_safetensors(str(path / "model.safetensors"), dict(tree_flatten(head.parameters())))
+    weights = dict(tree_flatten(head.parameters()))
+    if dtype is not None:
+        weights = {k: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) else v for k, v in weights.items()}
+    mx.save_safetensors(str(path / "model.safetensors"), weights)
 
 
 def _read_config(path: Path) -> HeadConfig:

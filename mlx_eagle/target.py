@@ -75,6 +75,20 @@ def lm_head(model: nn.Module, hidden: mx.array) -> mx.array:
     return model.lm_head(hidden)
 
 
+def lm_head_rows(model: nn.Module, hidden: mx.array, rows: mx.array) -> mx.array:
+    """The LM head's logits for vocabulary ``rows`` only: a draft vocabulary's share of
+    the head, without paying for the whole vocabulary."""
+    layer = model.model.embed_tokens if model.args.tie_word_embeddings else model.lm_head
+    if "scales" in layer:
+        biases = layer["biases"][rows] if "biases" in layer else None
+        weight = mx.dequantize(layer.weight[rows], layer.scales[rows], biases, layer.group_size, layer.bits,
+                               mode=layer.mode)
+    else:
+        weight = layer.weight[rows]
+    logits = hidden @ weight.astype(hidden.dtype).T
+    return logits + layer.bias[rows] if "bias" in layer else logits
+
+
 def target_forward(
     model: nn.Module,
     tokens: mx.array,

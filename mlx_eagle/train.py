@@ -30,13 +30,11 @@ import mlx.nn as nn
 import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
-from mlx_lm.models.cache import KVCache, make_prompt_cache
+from mlx_lm.models.cache import KVCache
 
 from .cli import UserError, run_cli
-from .target import lm_head, target_forward
-
-Sequences = List[Tuple[np.ndarray, int]]  # (token ids, prompt length)
-
+from .features import Sequences, compute_features, load_features, self_distill
+from .target import lm_head, lm_head_rows
 
 @dataclass
 class TrainConfig:
@@ -69,46 +67,13 @@ def d2t_t2d(used: np.ndarray, vocab_size: int) -> Tuple[np.ndarray, np.ndarray]:
     return (used - np.arange(len(used))).astype(np.int64), t2d
 
 
-def compute_features(model: nn.Module, sequences: Sequences, out: Path, taps: Sequence[int], seq_len: int,
-                     shard_size: int = 32, progress: bool = True) -> None:
-    """Every token's EAGLE-3 taps and post-norm last state, float16, in resumable shards."""
-    from tqdm import tqdm
-
-    out.mkdir(parents=True, exist_ok=True)
-    count = (len(sequences) + shard_size - 1) // shard_size
-    todo = [i for i in range(count) if not (out / f"features-{i:05d}.npz").exists()]
-    bar = tqdm(total=count, initial=count - len(todo), unit="shard", desc="target features", disable=not progress)
-    for index in todo:
-        columns: Dict[str, list] = {"tokens": [], "prompt_lengths": [], "taps": [], "last": []}
-        for tokens, prompt_length in sequences[index * shard_size:(index + 1) * shard_size]:
-            tokens = np.asarray(tokens[:seq_len], dtype=np.int32)
-            state = target_forward(model, mx.array(tokens)[None], make_prompt_cache(model), 0, "causal", taps)
-            columns["tokens"].append(tokens)
-            columns["prompt_lengths"].append(min(prompt_length, len(tokens)))
-            columns["taps"].append(np.array(state.features[0].astype(mx.float16)))
-            columns["last"].append(np.array(state.hidden[0].astype(mx.float16)))
-        partial = out / f"features-{index:05d}.partial.npz"
-        np.savez(partial, lengths=np.array([len(t) for t in columns["tokens"]], dtype=np.int32),
-                 prompt_lengths=np.array(columns["prompt_lengths"], dtype=np.int32),
-                 **{k: np.concatenate(columns[k]) for k in ("tokens", "taps", "last")})
-        partial.replace(out / f"features-{index:05d}.npz")
-        bar.update(1)
-    bar.close()
-
-
-def load_features(directory: Path) -> List[Dict[str, np.ndarray]]:
-    """One dict per sequence: tokens, taps, last, prompt_length."""
-    result = []
-    for path in sorted(Path(directory).glob("features-*.npz")):
-        if path.name.endswith(".partial.npz"):
-            continue
-        data = np.load(path)
-        starts = np.concatenate([[0], np.cumsum(data["lengths"])])
-        for i, prompt_length in enumerate(data["prompt_lengths"]):
-            span = slice(starts[i], starts[i + 1])
-            result.append({"tokens": data["tokens"][span], "taps": data["taps"][span],
-                           "last": data["last"][span], "prompt_length": int(prompt_length)})
-    return result
+def init_from_target(head, target, used: np.ndarray) -> None:
+    """Start an EAGLE-3 head speaking the target's output language: its final norm and
+    reduced LM head begin as the target's own (the draft vocabulary's rows of it), so
+    training spends its steps on prediction rather than on relearning the vocabulary."""
+    head.norm.weight = target.model.norm.weight.astype(head.norm.weight.dtype)
+    rows = lm_head_rows(target, mx.eye(target.args.hidden_size), mx.array(used)).T
+    head.lm_head.weight = rows.astype(head.lm_head.weight.dtype)
 
 
 def make_batch(records: Sequence[Dict[str, np.ndarray]]) -> Dict[str, mx.array]:
@@ -132,6 +97,7 @@ def make_batch(records: Sequence[Dict[str, np.ndarray]]) -> Dict[str, mx.array]:
         "taps": mx.array(np.stack([pad(r["taps"], length) for r in records])),
         "last": mx.array(np.stack([pad(r["last"], length) for r in records])),
         "mask": mx.array(mask),
+        "index": mx.array(np.flatnonzero(mask)),
     }
 
 
@@ -152,25 +118,31 @@ def _shift(x: mx.array, by: int) -> mx.array:
 
 
 def eagle3_loss(head, target, batch, used: mx.array, ttt_steps: int, step_decay: float):
-    """Training-time test; returns (loss, per-step losses, per-step accuracies)."""
-    target_logits = lm_head(target, batch["last"].astype(mx.float32)).astype(mx.float32)
-    target_probs = mx.softmax(target_logits, axis=-1)
-    wanted = _shift(target_probs[..., used], -1)  # position t: the target's distribution at t + 1
-    wanted = wanted / mx.maximum(wanted.sum(-1, keepdims=True), 1e-9)
-    target_choice = _shift(mx.argmax(target_logits, axis=-1), -1)
+    """Training-time test; returns (loss, per-step losses, per-step accuracies). Only the
+    positions that count go through the LM heads, the costliest part of a step."""
     length = batch["tokens"].shape[1]
+    index = batch["index"]  # flat [batch * length] positions that count
+
+    def counted(x):
+        return x.reshape(-1, x.shape[-1])[index]
+
+    # EAGLE-3's target: the target's logits restricted to the draft vocabulary, renormalised;
+    # position t holds the target's distribution at t + 1.
+    target_logits = lm_head_rows(target, counted(_shift(batch["last"], -1)).astype(mx.float32), used)
+    wanted = mx.softmax(target_logits, axis=-1)
+    target_choice = mx.argmax(target_logits, axis=-1)
+    position = index % length
     cache = [KVCache()]
     hidden = head.project(batch["taps"].astype(mx.float32))
     total, losses, accuracies = 0.0, [], []
     for step in range(ttt_steps):
         mask = "causal" if step == 0 else ttt_mask(length, step)
         out = head.step(target, hidden, batch["next_tokens"], cache, 0, mask)
-        logprobs = nn.log_softmax(head.logits(target, out).astype(mx.float32), axis=-1)
-        valid = batch["mask"] & (mx.arange(length)[None] >= step)
+        logprobs = nn.log_softmax(head.logits(target, counted(out)).astype(mx.float32), axis=-1)
+        valid = position >= step  # a step-k draft needs k tokens of context before it
         count = mx.maximum(valid.sum(), 1)
         loss = (-(wanted * logprobs).sum(-1) * valid).sum() / count
-        correct = head.target_ids(mx.argmax(logprobs, axis=-1)) == target_choice
-        accuracies.append((correct & valid).sum() / count)
+        accuracies.append(((mx.argmax(logprobs, axis=-1) == target_choice) & valid).sum() / count)
         losses.append(loss)
         total = total + (step_decay ** step) * loss
         hidden = _shift(out, 1)  # position t next reads the head's own output at t - 1
@@ -200,14 +172,22 @@ def learning_rate(config: TrainConfig):
     )
 
 
-def batch_order(count: int, config: TrainConfig, step: int, world: int = 1, rank: int = 0) -> List[int]:
+def batch_order(lengths: Sequence[int], config: TrainConfig, step: int, world: int = 1, rank: int = 0) -> List[int]:
     """The sequences of global step ``step``: a pure function of (seed, step), so a resumed
-    run sees exactly the batches an uninterrupted one would; each rank takes its share."""
-    per_epoch = max(1, count // config.batch_size)
+    run sees exactly the batches an uninterrupted one would; each rank takes its share.
+    Each epoch is shuffled, then cut into windows of 32 batches whose sequences are
+    grouped by length, so little of a batch is padding."""
+    size = config.batch_size
+    per_epoch = max(1, len(lengths) // size)
     epoch, within = divmod(step, per_epoch)
-    order = np.random.default_rng(config.seed + epoch).permutation(count)
-    chosen = order[within * config.batch_size:(within + 1) * config.batch_size]
-    return [int(i) for i in chosen[rank::world]]
+    rng = np.random.default_rng(config.seed + epoch)
+    order = rng.permutation(len(lengths))[: per_epoch * size]
+    window = 32 * size
+    for start in range(0, len(order), window):
+        part = order[start:start + window]
+        order[start:start + window] = part[np.argsort([lengths[i] for i in part], kind="stable")]
+    batches = order[: per_epoch * size].reshape(per_epoch, -1)[rng.permutation(per_epoch)]
+    return [int(i) for i in batches[within][rank::world]]
 
 
 class Trainer:
@@ -217,6 +197,7 @@ class Trainer:
                  used: Optional[np.ndarray] = None, progress: bool = True):
         self.target, self.head, self.records, self.config, self.work = target, head, records, config, work
         self.used = mx.array(used) if used is not None else None
+        self.lengths = [len(r["tokens"]) for r in records]
         work.mkdir(parents=True, exist_ok=True)
         self.group = mx.distributed.init()
         self.main = self.group.rank() == 0
@@ -255,7 +236,7 @@ class Trainer:
         log = open(self.work / "log.jsonl", "a") if self.main else None
         tic, tokens = time.perf_counter(), 0
         while self.step < min(config.steps, stop_after or config.steps):
-            chosen = batch_order(len(self.records), config, self.step, self.group.size(), self.group.rank())
+            chosen = batch_order(self.lengths, config, self.step, self.group.size(), self.group.rank())
             batch = make_batch([self.records[i] for i in chosen])
             total, losses, accuracies = self._train_step(batch)
             self.step += 1
@@ -355,7 +336,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m mlx_eagle.train", description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, type=Path, help="the head directory to write")
     parser.add_argument("--model", help="target (default: SmolLM2-135M-Instruct)")
-    parser.add_argument("--work", type=Path, help="where resumable stages live (default: OUT.work)")
+    parser.add_argument("--work", type=Path, help="checkpoints, log and curves (default: OUT.work)")
+    parser.add_argument("--data", type=Path, help="answers, features and vocabularies, shareable between runs "
+                        "(default: --work)")
     parser.add_argument("--family", choices=["eagle3", "eagle1"], default="eagle3")
     parser.add_argument("--prompts", type=int, default=2000, help="ShareGPT prompts to train on")
     parser.add_argument("--held-out", type=int, default=20, help="further prompts kept for measuring acceptance")
@@ -368,11 +351,13 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(defaults, name))
     for name in ("lr", "weight_decay", "clip", "step_decay"):
         parser.add_argument(f"--{name.replace('_', '-')}", type=float, default=getattr(defaults, name))
+    parser.add_argument("--save-dtype", choices=["float16", "bfloat16", "float32"], default="float16",
+                        help="weights of the written head (training runs in float32)")
     parser.add_argument("--prepare-only", action="store_true", help="stop after data, vocabulary and features")
     parser.add_argument("--quiet", action="store_true")
     args = parser.parse_args(argv)
 
-    from .data import generate_answers, load_shards, original_answers, sharegpt_pairs, sharegpt_prompts
+    from .data import load_shards, original_answers, sharegpt_pairs, sharegpt_prompts
     from .heads import new_head, save_head
     from .models import load
 
@@ -385,37 +370,38 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
 
     prompts = sharegpt_prompts(limit=args.prompts + args.held_out)
     train_prompts, held_out = prompts[: args.prompts], prompts[args.prompts:]
-    data = work / f"data-{args.answers}"
-    features = work / f"features-{args.answers}"
-    prepared = (work / "vocab.npz").exists() and (features / "done").exists()
+    root = args.data or work
+    data, features = root / f"data-{args.answers}", root / f"features-{args.answers}"
+    vocab_path = root / f"vocab-{args.answers}-{args.draft_vocab}.npz"
+    prepared = vocab_path.exists() and (features / "done").exists()
     if not prepared:
         if world.size() > 1:
             raise UserError(f"prepare the data once without mlx.launch first: {parser.prog} ... --prepare-only")
+        taps = new_head(model, "eagle3").taps(model.args.num_hidden_layers)
         if args.answers == "self":
-            generate_answers(model, tokenizer, train_prompts, data, max_answer_tokens=args.max_answer_tokens,
-                             progress=progress)
+            self_distill(model, tokenizer, train_prompts, data, features, taps,
+                         max_answer_tokens=args.max_answer_tokens, progress=progress)
         else:
             original_answers(tokenizer, sharegpt_pairs(train_prompts), data, max_answer_tokens=args.max_answer_tokens)
-        sequences = load_shards(data)
-        used = draft_vocabulary(sequences, model.args.vocab_size, args.draft_vocab)
+            compute_features(model, load_shards(data), features, taps, config.seq_len, progress=progress)
+        used = draft_vocabulary(load_shards(data), model.args.vocab_size, args.draft_vocab)
         d2t, t2d = d2t_t2d(used, model.args.vocab_size)
-        np.savez(work / "vocab.npz", used=used, d2t=d2t, t2d=t2d)
-        taps = new_head(model, "eagle3").taps(model.args.num_hidden_layers)
-        compute_features(model, sequences, features, taps, config.seq_len, progress=progress)
-        (features / "done").write_text(f"{len(sequences)} sequences\n")
+        np.savez(vocab_path, used=used, d2t=d2t, t2d=t2d)
+        (features / "done").write_text("complete\n")
     if args.prepare_only:
         return
 
-    vocab = np.load(work / "vocab.npz")
-    records = load_features(features)
+    vocab = np.load(vocab_path)
+    records = load_features(features, config.seq_len)
     head = new_head(model, config.family, draft_vocab_size=len(vocab["used"]), seed=config.seed)
     if config.family == "eagle3":
         head.d2t = mx.array(vocab["d2t"])
+        init_from_target(head, model, vocab["used"])
     trainer = Trainer(model, head, records, config, work, used=vocab["used"], progress=progress)
     trainer.run()
     if world.rank() != 0:
         return
-    save_head(head, args.out)
+    save_head(head, args.out, dtype=getattr(mx, args.save_dtype))
     plot_curves(work / "log.jsonl", work / "curves.png")
     result = acceptance_by_depth(model, tokenizer, head, held_out)
     result.update(prompts=args.prompts, answers=args.answers, steps=config.steps,

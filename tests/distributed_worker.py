@@ -14,7 +14,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from mlx_eagle import load  # noqa: E402
 from mlx_eagle.heads import new_head  # noqa: E402
-from mlx_eagle.train import TrainConfig, Trainer, d2t_t2d, load_features  # noqa: E402
+from mlx_eagle.features import load_features  # noqa: E402
+from mlx_eagle.train import TrainConfig, Trainer, d2t_t2d  # noqa: E402
 
 
 def main(model_dir: str, features: str, vocab: str, out: str) -> None:

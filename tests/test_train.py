@@ -11,8 +11,8 @@ from mlx.utils import tree_flatten
 
 from mlx_eagle.data import read_sharegpt, sharegpt_path, sharegpt_prompts, mtbench_questions
 from mlx_eagle.heads import new_head
-from mlx_eagle.train import (TrainConfig, Trainer, compute_features, d2t_t2d, draft_vocabulary, load_features,
-                             ttt_mask)
+from mlx_eagle.features import compute_features, load_features
+from mlx_eagle.train import TrainConfig, Trainer, d2t_t2d, draft_vocabulary, ttt_mask
 from synthetic import write_model
 
 

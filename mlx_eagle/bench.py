@@ -1,0 +1,357 @@
+"""Benchmark EAGLE against plain mlx-lm decoding (and mlx-lm's draft-model speculative
+decoding), side by side in one run: same model object, dtype, prompts and machine.
+
+    python -m mlx_eagle.bench --suite mt-bench --max-turns 1 --max-tokens 128 --out results.json
+
+Methods alternate per prompt, so drift of a shared machine hits all alike; one warm-up
+prompt runs first and is not counted. Writes JSON (per method and per prompt), prints a
+table, and with --plot draws speedup and tau per category.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable, Dict, List, Optional, Sequence
+
+import mlx.core as mx
+
+from .cli import UserError, blas_in_use, run_cli
+
+METHODS = ("baseline", "eagle", "draft-model")
+
+
+@dataclass
+class BenchPrompt:
+    id: str
+    category: str
+    turns: List[str] = field(default_factory=list)  # user turns, asked in order
+    messages: List[dict] = field(default_factory=list)  # or a fixed conversation to answer
+
+
+@dataclass
+class Answer:
+    tokens: List[int]
+    seconds: float  # prompt processing included
+    rounds: List[int]  # accepted draft tokens per target forward (speculative methods)
+
+
+def _prompt_from_record(record: object, where: str) -> BenchPrompt:
+    if not isinstance(record, dict):
+        raise UserError(f"{where}: expected a JSON object with 'prompt', 'turns' or 'messages'")
+    ident = str(record.get("id", record.get("question_id", where)))
+    category = str(record.get("category", "all"))
+    shapes = [k for k in ("prompt", "turns", "messages") if k in record]
+    if len(shapes) != 1:
+        raise UserError(f"{where}: give exactly one of 'prompt', 'turns' or 'messages' (found {shapes or 'none'})")
+    value = record[shapes[0]]
+    if shapes[0] == "prompt":
+        if not isinstance(value, str) or not value:
+            raise UserError(f"{where}: 'prompt' must be a non-empty string")
+        return BenchPrompt(ident, category, turns=[value])
+    if shapes[0] == "turns":
+        if not value or not all(isinstance(t, str) and t for t in value):
+            raise UserError(f"{where}: 'turns' must be a list of non-empty strings")
+        return BenchPrompt(ident, category, turns=list(value))
+    if (not value or not all(isinstance(m, dict) and isinstance(m.get("role"), str)
+                             and isinstance(m.get("content"), str) for m in value)):
+        raise UserError(f"{where}: 'messages' must be a list of {{\"role\": ..., \"content\": ...}} objects")
+    return BenchPrompt(ident, category, messages=list(value))
+
+
+def read_prompts(path: Path) -> List[BenchPrompt]:
+    """A JSONL prompt file: one object per line with ``id``, optional ``category``, and
+    ``prompt`` (one user turn), ``turns`` (asked in order) or ``messages``."""
+    if not path.is_file():
+        raise UserError(f"no prompt file at {path}")
+    prompts = []
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as error:
+            raise UserError(f"{path}:{number}: not valid JSON ({error.msg}); write one JSON object per line")
+        prompts.append(_prompt_from_record(record, f"{path}:{number}"))
+    if not prompts:
+        raise UserError(f"{path} holds no prompts")
+    return prompts
+
+
+def mtbench_suite() -> List[BenchPrompt]:
+    """The 80 MT-bench questions, two turns each."""
+    from .data import mtbench_questions
+
+    return [_prompt_from_record(q, f"MT-bench {q['question_id']}") for q in mtbench_questions()]
+
+
+def machine() -> Dict[str, str]:
+    return {"platform": platform.platform(), "processor": platform.machine(), "cpus": str(os.cpu_count()),
+            "device": str(mx.default_device()), "blas": blas_in_use(), "mlx": mx.__version__}
+
+
+Generator = Callable[[List[int]], Answer]
+
+
+def eagle_method(model, tokenizer, head, tree, max_tokens: int, sampling: dict) -> Generator:
+    from .generation import stream_generate
+
+    def run(ids: List[int]) -> Answer:
+        tokens, rounds, run_length = [], [], 0
+        tic = time.perf_counter()
+        for response in stream_generate(model, tokenizer, ids, max_tokens=max_tokens, draft=head, tree=tree,
+                                        **sampling):
+            tokens.append(response.token)
+            if response.from_draft:
+                run_length += 1
+            elif len(tokens) > 1:  # a bonus token closes a round; the first token comes from prefill
+                rounds.append(run_length)
+                run_length = 0
+        return Answer(tokens, time.perf_counter() - tic, rounds)
+
+    return run
+
+
+def mlx_lm_method(model, tokenizer, max_tokens: int, sampling: dict, draft_model=None,
+                  num_draft_tokens: int = 3) -> Generator:
+    """Plain mlx-lm decoding, or its draft-model speculative decoding."""
+    from mlx_lm import stream_generate
+    from mlx_lm.sample_utils import make_sampler
+
+    def run(ids: List[int]) -> Answer:
+        sampler = make_sampler(sampling["temp"], top_p=sampling["top_p"], min_p=sampling["min_p"],
+                               top_k=sampling["top_k"])
+        if sampling.get("seed") is not None:
+            mx.random.seed(sampling["seed"])
+        extra = {"draft_model": draft_model, "num_draft_tokens": num_draft_tokens} if draft_model is not None else {}
+        tokens, rounds, run_length = [], [], 0
+        tic = time.perf_counter()
+        for response in stream_generate(model, tokenizer, mx.array(ids), max_tokens=max_tokens, sampler=sampler,
+                                        **extra):
+            tokens.append(response.token)  # the end-of-sequence token too, as ours yields it
+            if draft_model is not None:
+                if response.from_draft:
+                    run_length += 1
+                elif len(tokens) > 1:
+                    rounds.append(run_length)
+                    run_length = 0
+        return Answer(tokens, time.perf_counter() - tic, rounds)
+
+    return run
+
+
+def conversation(prompt: BenchPrompt, tokenizer, generate: Generator) -> List[Answer]:
+    """Ask every turn in order, keeping each answer in the conversation."""
+    if prompt.messages:
+        ids = tokenizer.apply_chat_template(prompt.messages, add_generation_prompt=True)
+        return [generate(list(ids))]
+    messages, answers = [], []
+    eos = set(tokenizer.eos_token_ids)
+    for turn in prompt.turns:
+        messages.append({"role": "user", "content": turn})
+        answer = generate(list(tokenizer.apply_chat_template(messages, add_generation_prompt=True)))
+        answers.append(answer)
+        messages.append({"role": "assistant", "content": tokenizer.decode([t for t in answer.tokens if t not in eos])})
+    return answers
+
+
+def acceptance_by_depth(rounds: Sequence[int]) -> List[float]:
+    """P(draft token at depth d accepted | all before it were), from accepted counts per round."""
+    deepest = max(rounds, default=0)
+    rates = []
+    for depth in range(1, deepest + 1):
+        reached = sum(1 for r in rounds if r >= depth - 1)
+        rates.append(sum(1 for r in rounds if r >= depth) / reached if reached else 0.0)
+    return rates
+
+
+def summarize(per_prompt: List[dict], rounds: List[int], peak_memory: float) -> dict:
+    speeds = [p["tokens_per_s"] for p in per_prompt]
+    tokens = sum(p["new_tokens"] for p in per_prompt)
+    return {
+        "tokens_per_s_median": statistics.median(speeds),
+        "tokens_per_s_mean": statistics.fmean(speeds),
+        "tokens_per_s_overall": tokens / sum(p["seconds"] for p in per_prompt),
+        "total_tokens": tokens,
+        "tau": (sum(rounds) + len(rounds)) / len(rounds) if rounds else None,
+        "acceptance_by_depth": acceptance_by_depth(rounds) if rounds else None,
+        "peak_memory_gb": peak_memory,
+    }
+
+
+def run_bench(prompts: List[BenchPrompt], tokenizer, generators: Dict[str, Generator], greedy: bool,
+              progress: bool = True) -> dict:
+    """Every prompt through every method, methods rotating per prompt."""
+    from tqdm import tqdm
+
+    names = list(generators)
+    for name in names:  # warm-up: compile paths and fill allocator caches
+        conversation(BenchPrompt("warm-up", "warm-up", turns=["Say hello."]), tokenizer, generators[name])
+    per_prompt: Dict[str, List[dict]] = {n: [] for n in names}
+    rounds: Dict[str, List[int]] = {n: [] for n in names}
+    peaks = {n: 0.0 for n in names}
+    texts: Dict[str, List[List[int]]] = {n: [] for n in names}
+    bar = tqdm(prompts, unit="prompt", desc="bench", disable=not progress)
+    for index, prompt in enumerate(bar):
+        for name in names[index % len(names):] + names[:index % len(names)]:
+            mx.reset_peak_memory()
+            answers = conversation(prompt, tokenizer, generators[name])
+            peaks[name] = max(peaks[name], mx.get_peak_memory() / 1e9)
+            new_tokens = sum(len(a.tokens) for a in answers)
+            seconds = sum(a.seconds for a in answers)
+            prompt_rounds = [r for a in answers for r in a.rounds]
+            rounds[name] += prompt_rounds
+            texts[name].append([t for a in answers for t in a.tokens])
+            per_prompt[name].append({
+                "id": prompt.id, "category": prompt.category, "new_tokens": new_tokens, "seconds": seconds,
+                "tokens_per_s": new_tokens / seconds,
+                "tau": (sum(prompt_rounds) + len(prompt_rounds)) / len(prompt_rounds) if prompt_rounds else None,
+            })
+        bar.set_postfix({n: f"{statistics.median(p['tokens_per_s'] for p in per_prompt[n]):.1f}t/s"
+                         for n in names})
+    methods = {n: summarize(per_prompt[n], rounds[n], peaks[n]) for n in names}
+    if "baseline" in methods:
+        for name, summary in methods.items():
+            summary["speedup"] = summary["tokens_per_s_overall"] / methods["baseline"]["tokens_per_s_overall"]
+            if greedy:
+                summary["identical"] = texts[name] == texts["baseline"]
+    return {"methods": methods, "prompts": per_prompt}
+
+
+def print_table(results: dict) -> None:
+    rows = [("method", "tok/s median", "tok/s mean", "tokens", "tau", "speedup", "identical", "peak GB")]
+    for name, m in results["methods"].items():
+        rows.append((name, f"{m['tokens_per_s_median']:.1f}", f"{m['tokens_per_s_mean']:.1f}", str(m["total_tokens"]),
+                     f"{m['tau']:.2f}" if m["tau"] else "-", f"{m['speedup']:.2f}x" if "speedup" in m else "-",
+                     str(m.get("identical", "-")), f"{m['peak_memory_gb']:.2f}"))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for row in rows:
+        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)))
+    for name, m in results["methods"].items():
+        if m["acceptance_by_depth"]:
+            print(f"{name} acceptance by depth: " + " ".join(f"{r:.2f}" for r in m["acceptance_by_depth"]))
+
+
+def plot(results: dict, out: Path) -> None:
+    """Speedup over baseline and tau, per category."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [n for n in results["methods"] if n != "baseline"]
+    categories = sorted({p["category"] for p in next(iter(results["prompts"].values()))})
+
+    def by_category(name, key):
+        values = []
+        for category in categories:
+            chosen = [p for p in results["prompts"][name] if p["category"] == category]
+            if key == "speedup":
+                base = [p for p in results["prompts"]["baseline"] if p["category"] == category]
+                values.append((sum(p["new_tokens"] for p in chosen) / sum(p["seconds"] for p in chosen))
+                              / (sum(p["new_tokens"] for p in base) / sum(p["seconds"] for p in base)))
+            else:
+                taus = [p["tau"] for p in chosen if p["tau"]]
+                values.append(statistics.fmean(taus) if taus else 0.0)
+        return values
+
+    panels = (["speedup"] if "baseline" in results["methods"] else []) + ["tau"]
+    figure, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4), squeeze=False)
+    width = 0.8 / max(len(names), 1)
+    for axis, key in zip(axes[0], panels):
+        for i, name in enumerate(names):
+            axis.bar([c + i * width for c in range(len(categories))], by_category(name, key), width, label=name)
+        axis.set_xticks([c + width * (len(names) - 1) / 2 for c in range(len(categories))], categories, rotation=30)
+        axis.set_title("speedup over plain mlx-lm decoding" if key == "speedup" else "tau (tokens per target forward)")
+        if key == "speedup":
+            axis.axhline(1.0, color="gray", linewidth=0.8)
+        axis.legend()
+    figure.tight_layout()
+    figure.savefig(out, dpi=110)
+    plt.close(figure)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m mlx_eagle.bench", description=__doc__.splitlines()[0])
+    parser.add_argument("--model", help="target (default: SmolLM2-135M-Instruct)")
+    parser.add_argument("--draft", help="EAGLE head directory (default: the model's shipped head)")
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--prompts", type=Path, help="JSONL prompt file")
+    source.add_argument("--suite", choices=["mt-bench"])
+    parser.add_argument("--max-turns", type=int, help="ask at most this many turns of each prompt")
+    parser.add_argument("--limit", type=int, help="only the first N prompts")
+    parser.add_argument("--max-tokens", type=int, default=128, help="new tokens per turn")
+    parser.add_argument("--temp", type=float, default=0.0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--min-p", type=float, default=0.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--methods", default="baseline,eagle", help=f"comma-separated: {', '.join(METHODS)}")
+    parser.add_argument("--tree", default="static:default", help="EAGLE draft tree (see generate --help)")
+    parser.add_argument("--draft-model", help="small model for mlx-lm's draft-model speculative decoding")
+    parser.add_argument("--num-draft-tokens", type=int, default=3)
+    parser.add_argument("--out", type=Path, help="write results as JSON here")
+    parser.add_argument("--plot", type=Path, help="draw speedup and tau per category here (PNG)")
+    parser.add_argument("--quiet", action="store_true")
+    args = parser.parse_args(argv)
+
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown or not methods:
+        raise UserError(f"unknown method(s) {unknown or methods}; choose from {', '.join(METHODS)}")
+    if "draft-model" in methods and not args.draft_model:
+        raise UserError("the draft-model method needs --draft-model (a small model with the same tokenizer)")
+    from . import load
+    from .models import default_head_dir, resolve_model
+    from .trees import parse_tree
+
+    tree = parse_tree(args.tree)
+    prompts = read_prompts(args.prompts) if args.prompts else mtbench_suite()
+    for prompt in prompts:
+        prompt.turns = prompt.turns[: args.max_turns] if args.max_turns else prompt.turns
+    prompts = prompts[: args.limit] if args.limit else prompts
+    model, tokenizer, head = load(args.model, draft=args.draft or "auto")
+    if "eagle" in methods and head is None:
+        raise UserError("no EAGLE head for this model: pass --draft DIR (see python -m mlx_eagle.train)")
+    sampling = {"temp": args.temp, "top_p": args.top_p, "min_p": args.min_p, "top_k": args.top_k, "seed": args.seed}
+    generators: Dict[str, Generator] = {}
+    for name in methods:
+        if name == "baseline":
+            generators[name] = mlx_lm_method(model, tokenizer, args.max_tokens, sampling)
+        elif name == "eagle":
+            generators[name] = eagle_method(model, tokenizer, head, tree, args.max_tokens, sampling)
+        else:
+            draft_model, _ = load(args.draft_model)
+            generators[name] = mlx_lm_method(model, tokenizer, args.max_tokens, sampling, draft_model,
+                                             args.num_draft_tokens)
+    results = run_bench(prompts, tokenizer, generators, greedy=args.temp == 0, progress=not args.quiet)
+    results.update(
+        machine=machine(), model=str(resolve_model(args.model)), dtype=str(model.model.embed_tokens.weight.dtype),
+        head=str(args.draft or default_head_dir(resolve_model(args.model))) if head is not None else None,
+        tree=tree.text,
+        settings={k: v for k, v in vars(args).items() if k not in ("out", "plot", "quiet")},
+        prompt_count=len(prompts),
+    )
+    print_table(results)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(results, indent=2, default=str))
+        print(f"wrote {args.out}")
+    if args.plot:
+        plot(results, args.plot)
+        print(f"wrote {args.plot}")
+
+
+def cli() -> None:
+    """Console-script entry point."""
+    run_cli(main)
+
+
+if __name__ == "__main__":
+    cli()

@@ -1,0 +1,54 @@
+"""Self-distillation on the real SmolLM2: a batch of prompts of different lengths is
+answered exactly as plain mlx-lm greedy decoding answers each alone, and the states
+kept on the way are the ones a separate forward pass over the finished text gives."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.generate import generate_step
+
+from mlx_eagle import load
+from mlx_eagle.data import load_shards
+from mlx_eagle.features import compute_features, greedy_batch, load_features, self_distill
+from mlx_eagle.target import default_taps
+
+PROMPTS = ["Name a colour.", "Write one sentence about the moon and the tides.",
+           "What is the largest planet in our solar system? Answer briefly, please."]
+MAX_ANSWER = 24
+
+
+@pytest.fixture(scope="module")
+def smollm():
+    return load()
+
+
+def test_batch_answers_equal_plain_greedy_decoding(smollm):
+    model, tokenizer = smollm
+    ids = [tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True)
+           for p in PROMPTS]
+    assert len({len(i) for i in ids}) == len(ids)  # different lengths: teacher forcing inside the batch
+    answered = greedy_batch(model, ids, MAX_ANSWER, tokenizer.eos_token_ids, default_taps(30))
+    for prompt, (tokens, taps, last) in zip(ids, answered):
+        reference = []
+        for token, _ in generate_step(mx.array(prompt), model, max_tokens=MAX_ANSWER):
+            reference.append(int(token))
+            if token in tokenizer.eos_token_ids:
+                break
+        assert list(tokens[len(prompt):]) == reference
+        assert taps.shape == (len(tokens), 3 * 576) and last.shape == (len(tokens), 576)
+
+
+def test_kept_states_equal_a_separate_forward_pass(smollm, tmp_path):
+    model, tokenizer = smollm
+    self_distill(model, tokenizer, PROMPTS, tmp_path / "data", tmp_path / "features", default_taps(30),
+                 shard_size=2, max_answer_tokens=MAX_ANSWER, progress=False)
+    kept = load_features(tmp_path / "features")
+    sequences = load_shards(tmp_path / "data")
+    assert [len(r["tokens"]) for r in kept] == [len(t) for t, _ in sequences]
+    compute_features(model, sequences, tmp_path / "again", default_taps(30), seq_len=512, progress=False)
+    for mine, separate in zip(kept, load_features(tmp_path / "again")):
+        assert np.array_equal(mine["tokens"], separate["tokens"])
+        assert mine["prompt_length"] == separate["prompt_length"]
+        for key in ("taps", "last"):
+            scale = np.abs(separate[key].astype(np.float32)).max()
+            assert np.abs(mine[key].astype(np.float32) - separate[key].astype(np.float32)).max() < 2e-2 * scale
