@@ -293,7 +293,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parser.add_argument("--top-k", type=int, default=0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--methods", default="baseline,eagle", help=f"comma-separated: {', '.join(METHODS)}")
-    parser.add_argument("--tree", default="static:default", help="EAGLE draft tree (see generate --help)")
+    parser.add_argument("--tree", default="auto", help="EAGLE draft tree (see generate --help)")
     parser.add_argument("--draft-model", help="small model for mlx-lm's draft-model speculative decoding")
     parser.add_argument("--num-draft-tokens", type=int, default=3)
     parser.add_argument("--out", type=Path, help="write results as JSON here")
@@ -308,10 +308,11 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     if "draft-model" in methods and not args.draft_model:
         raise UserError("the draft-model method needs --draft-model (a small model with the same tokenizer)")
     from . import load
-    from .models import default_head_dir, resolve_model
+    from .models import resolve_model
     from .trees import parse_tree
+    from .tune import auto_tree
 
-    tree = parse_tree(args.tree)
+    tree = parse_tree(args.tree) if args.tree != "auto" else None
     prompts = read_prompts(args.prompts) if args.prompts else mtbench_suite()
     for prompt in prompts:
         prompt.turns = prompt.turns[: args.max_turns] if args.max_turns else prompt.turns
@@ -319,6 +320,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     model, tokenizer, head = load(args.model, draft=args.draft or "auto")
     if "eagle" in methods and head is None:
         raise UserError("no EAGLE head for this model: pass --draft DIR (see python -m mlx_eagle.train)")
+    tree_reason = "given"
+    if tree is None:
+        tree, tree_reason = auto_tree(model, head)
     sampling = {"temp": args.temp, "top_p": args.top_p, "min_p": args.min_p, "top_k": args.top_k, "seed": args.seed}
     generators: Dict[str, Generator] = {}
     for name in methods:
@@ -333,8 +337,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     results = run_bench(prompts, tokenizer, generators, greedy=args.temp == 0, progress=not args.quiet)
     results.update(
         machine=machine(), model=str(resolve_model(args.model)), dtype=str(model.model.embed_tokens.weight.dtype),
-        head=str(args.draft or default_head_dir(resolve_model(args.model))) if head is not None else None,
-        tree=tree.text,
+        head=str(head.directory) if head is not None else None,
+        tree=tree.text, tree_reason=tree_reason, tree_nodes=tree.max_nodes,
         settings={k: v for k, v in vars(args).items() if k not in ("out", "plot", "quiet")},
         prompt_count=len(prompts),
     )

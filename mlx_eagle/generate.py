@@ -29,8 +29,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--top-k", type=int, default=0)
     parser.add_argument("--min-p", type=float, default=0.0)
     parser.add_argument("--seed", type=int, help="random seed for sampling")
-    parser.add_argument("--tree", default="static:default",
-                        help="draft tree: chain:K, static:default, static:FILE, dynamic:topk=8,depth=5,tokens=32, none")
+    parser.add_argument("--tree", default="auto",
+                        help="draft tree: auto (tuned for this device, see mlx_eagle.tune), chain:K, static:default, "
+                             "static:FILE, dynamic:topk=8,depth=5,tokens=32, none")
     parser.add_argument("--stop", action="append", help="stop when this text appears (repeatable)")
     parser.add_argument("--no-chat-template", action="store_true", help="send the prompt as raw text")
     parser.add_argument("--verbose", action="store_true", help="report tau, speed, memory and the BLAS in use")
@@ -49,11 +50,18 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     args = build_parser().parse_args(argv)
     from . import load
     from .trees import parse_tree
+    from .tune import auto_tree
 
-    spec = parse_tree(args.tree)  # a malformed tree fails before any loading
+    spec = parse_tree(args.tree) if args.tree != "auto" else None  # a malformed tree fails before loading
     if args.verbose:
         print(f"device: {mx.default_device()}, BLAS: {blas_in_use()}", file=sys.stderr)
     model, tokenizer, head = load(args.model, draft=args.draft or "auto")
+    if spec is None:
+        spec, why = auto_tree(model, head)
+        if head is not None and spec.kind == "none":
+            print(f"decoding plainly: {why}", file=sys.stderr)
+        elif args.verbose:
+            print(f"tree auto: {why}", file=sys.stderr)
     if args.verbose:
         print(f"draft: {head.family + ' head' if head is not None else 'none (plain decoding)'}, "
               f"tree: {spec.text}", file=sys.stderr)

@@ -65,15 +65,21 @@ def stream_generate(
     """Yield the continuation of ``prompt`` token by token.
 
     ``draft``: an EAGLE head (see ``load``); None decodes plainly through the same
-    loop. ``tree``: a --tree spec (default ``static:default``). The text is exactly
+    loop. ``tree``: a --tree spec; ``auto`` (default) takes the tree tuned for this
+    device beside the head (``python -m mlx_eagle.tune``), else ``static:default``, or
+    plain decoding where speculation cannot pay off. The text is exactly
     what the target alone would produce: the same tokens when greedy (temp 0),
     the same distribution when sampling.
     """
     from .decoder import SpeculativeDecoder
     from .trees import parse_tree
+    from .tune import auto_tree
     from .verify import Sampling
 
-    spec = parse_tree(tree or "static:default") if isinstance(tree, (str, type(None))) else tree
+    if tree in (None, "auto"):
+        spec = auto_tree(model, draft)[0]
+    else:
+        spec = parse_tree(tree) if isinstance(tree, str) else tree
     ids = _prompt_ids(tokenizer, prompt)
     if not ids:
         raise UserError("the prompt is empty")

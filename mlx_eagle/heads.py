@@ -247,6 +247,7 @@ def load_head(path: Path, target: nn.Module) -> Head:
             raise UserError(f"{path}: d2t maps draft tokens outside the target's vocabulary of "
                             f"{target.args.vocab_size}; the head was made for another model")
     mx.eval(head.parameters())
+    head.directory = path  # where tuned trees for it live (see tune.py)
     return head
 
 

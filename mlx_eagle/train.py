@@ -23,7 +23,7 @@ import json
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -117,35 +117,49 @@ def _shift(x: mx.array, by: int) -> mx.array:
     return mx.concatenate([zeros, x[:, :-by]], axis=1) if by > 0 else mx.concatenate([x[:, -by:], zeros], axis=1)
 
 
-def eagle3_loss(head, target, batch, used: mx.array, ttt_steps: int, step_decay: float):
-    """Training-time test; returns (loss, per-step losses, per-step accuracies). Only the
-    positions that count go through the LM heads, the costliest part of a step."""
+def counted(x: mx.array, batch: Dict[str, mx.array]) -> mx.array:
+    """The rows of ``x`` [batch, length, ...] at the positions that count, flattened."""
+    return x.reshape(-1, x.shape[-1])[batch["index"]]
+
+
+def ttt_unroll(head, target, batch: Dict[str, mx.array], steps: int) -> Iterator[Tuple[int, mx.array]]:
+    """Training-time test: the head unrolled ``steps`` times on its own outputs. Yields
+    (step, the head's logits at the positions that count). Step k at position t predicts
+    token t + 2 as a depth-(k + 1) tree node does: true tokens up to t + 1, the target's
+    features only up to t - k, the head's own outputs after that."""
     length = batch["tokens"].shape[1]
-    index = batch["index"]  # flat [batch * length] positions that count
-
-    def counted(x):
-        return x.reshape(-1, x.shape[-1])[index]
-
-    # EAGLE-3's target: the target's logits restricted to the draft vocabulary, renormalised;
-    # position t holds the target's distribution at t + 1.
-    target_logits = lm_head_rows(target, counted(_shift(batch["last"], -1)).astype(mx.float32), used)
-    wanted = mx.softmax(target_logits, axis=-1)
-    target_choice = mx.argmax(target_logits, axis=-1)
-    position = index % length
     cache = [KVCache()]
-    hidden = head.project(batch["taps"].astype(mx.float32))
-    total, losses, accuracies = 0.0, [], []
-    for step in range(ttt_steps):
+    features = batch["taps"] if head.family == "eagle3" else batch["last"]
+    hidden = head.project(features.astype(mx.float32))
+    for step in range(steps):
         mask = "causal" if step == 0 else ttt_mask(length, step)
         out = head.step(target, hidden, batch["next_tokens"], cache, 0, mask)
-        logprobs = nn.log_softmax(head.logits(target, counted(out)).astype(mx.float32), axis=-1)
+        # Only the positions that count go through the LM head, a step's costliest part.
+        yield step, head.logits(target, counted(out, batch)).astype(mx.float32)
+        hidden = _shift(out, 1)  # position t next reads the head's own output at t - 1
+
+
+def target_choices(target, batch: Dict[str, mx.array], used: mx.array) -> mx.array:
+    """EAGLE-3's target: the target's logits at t + 1 restricted to the draft vocabulary."""
+    return lm_head_rows(target, counted(_shift(batch["last"], -1), batch).astype(mx.float32), used)
+
+
+def eagle3_loss(head, target, batch, used: mx.array, ttt_steps: int, step_decay: float):
+    """Training-time test; returns (loss, per-step losses, per-step accuracies). The target
+    distribution is renormalised over the draft vocabulary, as EAGLE-3 trains."""
+    target_logits = target_choices(target, batch, used)
+    wanted = mx.softmax(target_logits, axis=-1)
+    target_choice = mx.argmax(target_logits, axis=-1)
+    position = batch["index"] % batch["tokens"].shape[1]
+    total, losses, accuracies = 0.0, [], []
+    for step, logits in ttt_unroll(head, target, batch, ttt_steps):
+        logprobs = nn.log_softmax(logits, axis=-1)
         valid = position >= step  # a step-k draft needs k tokens of context before it
         count = mx.maximum(valid.sum(), 1)
         loss = (-(wanted * logprobs).sum(-1) * valid).sum() / count
         accuracies.append(((mx.argmax(logprobs, axis=-1) == target_choice) & valid).sum() / count)
         losses.append(loss)
         total = total + (step_decay ** step) * loss
-        hidden = _shift(out, 1)  # position t next reads the head's own output at t - 1
     return total, losses, accuracies
 
 

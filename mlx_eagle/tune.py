@@ -1,0 +1,315 @@
+"""Build the static draft tree that decodes fastest on this device, for one head.
+
+    python -m mlx_eagle.tune [--model M] [--draft HEAD] [--max-nodes 64]
+
+1. Costs, measured here: the target's forward pass over k = 1..64 tokens (a round's
+   verification), one head step (a tree depth), the rest of a round, and plain mlx-lm
+   decoding per token.
+2. Acceptance by (depth, rank), estimated on calibration prompts from ShareGPT (the end
+   of the file, which training does not reach; never MT-bench): the target answers them
+   greedily, the head is unrolled along those answers, and p[d][r] is how often the
+   target's token is the head's rank-r choice at depth d + 1 once the path to it is right.
+3. The tree: a node (r1, ..., rd) is accepted with probability p[0][r1] * ... * p[d-1][rd]
+   (so a child never beats its parent, and the best n nodes always form a tree). For
+   each depth limit and size the best nodes are taken; the tree with the most expected
+   tokens per second wins, or plain decoding if nothing beats it.
+
+The result is saved beside the head as trees/<device>.json, and ``--tree auto`` (the
+default of the commands) uses it on this device.
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+import json
+import platform
+import re
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from .cli import UserError, openblas_loaded, run_cli
+from .trees import DEFAULT_STATIC, RankPath, TreeSpec, check_paths, parse_tree
+
+VERIFY_SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64)
+
+
+@dataclass
+class Costs:
+    verify_ms: Dict[int, float]  # one target forward over k tokens (the root + k - 1 nodes)
+    draft_step_ms: float  # one head step over a tree depth
+    round_ms: float  # the rest of a round: acceptance, cache compaction, host work
+    plain_ms: float  # one token of plain mlx-lm decoding
+
+    def verify(self, tokens: int) -> float:
+        sizes = sorted(self.verify_ms)
+        return float(np.interp(tokens, sizes, [self.verify_ms[k] for k in sizes]))
+
+    def round(self, nodes: int, depth: int) -> float:
+        # One head step per depth, and one to read the previous round's accepted tokens.
+        return self.verify(nodes + 1) + (depth + 1) * self.draft_step_ms + self.round_ms
+
+
+@dataclass
+class TreeChoice:
+    paths: List[RankPath]  # empty: plain decoding is faster
+    expected_tau: float  # tokens per target forward
+    expected_tokens_per_s: float
+    plain_tokens_per_s: float
+
+
+def device_key(model: nn.Module) -> str:
+    """What a tuned tree depends on: the device (and BLAS on CPU) and the target's format."""
+    device = mx.default_device()
+    name = platform.machine()
+    if device.type == mx.gpu and mx.metal.is_available():
+        name = mx.metal.device_info().get("device_name", name)
+    elif device.type == mx.cpu and openblas_loaded():
+        name += "-openblas"
+    embed = model.model.embed_tokens
+    weights = f"q{embed.bits}" if "scales" in embed else str(embed.weight.dtype).split(".")[-1]
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", f"{device.type.name}-{name}-{weights}").lower()
+
+
+def node_values(acceptance: np.ndarray, max_nodes: int, max_depth: int) -> List[Tuple[RankPath, float]]:
+    """The best ``max_nodes`` nodes of depth <= ``max_depth``, best first, each with its
+    acceptance probability. Best-first over a max-heap: a child is only considered once
+    its parent is in, so every prefix of the result is a tree."""
+    depths, ranks = acceptance.shape
+    heap = [(-acceptance[0][r], (r,)) for r in range(ranks)]
+    heapq.heapify(heap)
+    chosen: List[Tuple[RankPath, float]] = []
+    while heap and len(chosen) < max_nodes:
+        negative, path = heapq.heappop(heap)
+        if -negative <= 0:
+            break
+        chosen.append((path, -negative))
+        if len(path) < min(max_depth, depths):
+            for r in range(ranks):
+                heapq.heappush(heap, (negative * acceptance[len(path)][r], path + (r,)))
+    return chosen
+
+
+def best_tree(acceptance: np.ndarray, costs: Optional[Costs], max_nodes: int) -> TreeChoice:
+    """The static tree with the most expected tokens per second under ``costs``; with no
+    costs, the one with the highest expected tau within ``max_nodes``."""
+    best = TreeChoice([], 1.0, 1000 / costs.plain_ms if costs else 0.0, 1000 / costs.plain_ms if costs else 0.0)
+    for max_depth in range(1, acceptance.shape[0] + 1):
+        nodes = node_values(acceptance, max_nodes, max_depth)
+        tau = 1.0
+        for count in range(1, len(nodes) + 1):
+            tau += nodes[count - 1][1]
+            paths = [p for p, _ in nodes[:count]]
+            depth = max(len(p) for p in paths)
+            speed = 1000 * tau / costs.round(count, depth) if costs else tau
+            if speed > best.expected_tokens_per_s + 1e-12:
+                best = TreeChoice(check_paths(paths, "tuned"), tau, speed, best.plain_tokens_per_s)
+    return best
+
+
+def _median_ms(run: Callable[[], None], repeats: int) -> float:
+    run()  # warm-up
+    times = []
+    for _ in range(repeats):
+        tic = time.perf_counter()
+        run()
+        times.append(1000 * (time.perf_counter() - tic))
+    return statistics.median(times)
+
+
+def measure_costs(model: nn.Module, tokenizer, head, context: int = 256, repeats: int = 5,
+                  progress: bool = True) -> Costs:
+    """Time verification, a draft step, a round's remainder and plain decoding here."""
+    from mlx_lm import stream_generate
+    from mlx_lm.models.cache import KVCache, make_prompt_cache
+    from tqdm import tqdm
+
+    from .decoder import SpeculativeDecoder
+    from .target import keep_cache_entries, target_forward
+    from .trees import TreeDrafter
+    from .verify import Sampling
+
+    rng = np.random.default_rng(0)
+    prompt = rng.integers(100, model.args.vocab_size - 100, size=context).tolist()
+    taps = head.taps(model.args.num_hidden_layers)
+    cache = make_prompt_cache(model)
+    mx.eval(target_forward(model, mx.array([prompt]), cache, 0, "causal", taps).features)
+
+    def verify(k: int) -> None:
+        out = target_forward(model, mx.array([prompt[:k]]), cache, context, "causal" if k > 1 else None, taps)
+        mx.eval(out.logits, out.features)
+        keep_cache_entries(cache, context, [])
+
+    verify_ms = {k: _median_ms(lambda: verify(k), repeats)
+                 for k in tqdm(VERIFY_SIZES, desc="timing verification", disable=not progress)}
+
+    # One tree depth: the head over a few nodes, then their top-k.
+    draft_cache = [KVCache()]
+    hidden = head.project(mx.zeros((1, context, len(taps) * model.args.hidden_size) if head.family == "eagle3"
+                                   else (1, context, model.args.hidden_size)))
+    out = head.step(model, hidden, mx.array([prompt]), draft_cache, 0, "causal")
+    mx.eval(out)
+    drafter = TreeDrafter(head, model, parse_tree("static:default"))
+
+    def draft_step() -> None:
+        drafter.draft(out[:, -1], draft_cache, context - 1)
+
+    depth = max(len(p) for p in DEFAULT_STATIC)
+    draft_step_ms = _median_ms(draft_step, repeats) / depth
+
+    # A whole round of a one-node chain, less its verification and draft steps.
+    decoder = SpeculativeDecoder(model, head, parse_tree("chain:1"), Sampling())
+    decoder.prefill(prompt)
+    round_ms = _median_ms(lambda: decoder.step(4), repeats * 2)
+    remainder = max(0.0, round_ms - verify_ms[2] - 2 * draft_step_ms)
+
+    times = []
+    tic = time.perf_counter()
+    for response in stream_generate(model, tokenizer, mx.array(prompt[:64]), max_tokens=48):
+        times.append(time.perf_counter() - tic)
+    plain_ms = 1000 * statistics.median(np.diff(times[8:]))
+    return Costs(verify_ms, draft_step_ms, remainder, plain_ms)
+
+
+def calibration_records(model: nn.Module, tokenizer, prompts: Sequence[str], max_tokens: int,
+                        taps: Sequence[int]) -> List[dict]:
+    """The target's greedy answers to ``prompts`` and its states along them."""
+    from .features import greedy_batch
+
+    ids = [tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True)
+           for p in prompts]
+    ids = sorted((i for i in ids if len(i) <= 256), key=len)
+    records = []
+    for start in range(0, len(ids), 16):
+        batch = ids[start:start + 16]
+        for prompt, (tokens, tapped, last) in zip(batch, greedy_batch(model, batch, max_tokens,
+                                                                      tokenizer.eos_token_ids, taps)):
+            records.append({"tokens": tokens, "taps": tapped, "last": last, "prompt_length": len(prompt)})
+    return records
+
+
+def measure_acceptance(model: nn.Module, head, records: Sequence[dict], depths: int = 8,
+                       ranks: int = 8) -> np.ndarray:
+    """p[d][r]: how often the target's token is the head's rank-r draft at depth d + 1,
+    given the path to it is right (the head unrolled as in training-time test)."""
+    from .train import counted, make_batch, ttt_unroll
+
+    hits = np.zeros((depths, ranks))
+    totals = np.zeros(depths)
+    for start in range(0, len(records), 4):
+        batch = make_batch(records[start:start + 4])
+        length = batch["tokens"].shape[1]
+        position = batch["index"] % length
+        truth = counted(mx.concatenate([batch["tokens"][:, 2:], mx.zeros_like(batch["tokens"][:, :2])], 1)[..., None],
+                        batch)[:, 0]
+        if head.family == "eagle3":  # target ids -> draft ids; -1 where the draft vocabulary lacks it
+            lookup = mx.full((model.args.vocab_size,), -1, dtype=mx.int32)
+            draft_size = head.d2t.shape[0]
+            lookup[head.target_ids(mx.arange(draft_size))] = mx.arange(draft_size, dtype=mx.int32)
+            truth = lookup[truth]
+        for step, logits in ttt_unroll(head, model, batch, depths):
+            valid = (position >= step) & (truth >= 0)
+            chosen = mx.take_along_axis(logits, mx.maximum(truth, 0)[:, None], axis=-1)
+            rank = (logits > chosen).sum(-1)
+            rank, valid = np.array(rank), np.array(valid)
+            totals[step] += (position >= step).sum().item()
+            for r in range(ranks):
+                hits[step, r] += ((rank == r) & valid).sum()
+    return hits / np.maximum(totals, 1)[:, None]
+
+
+def tree_file(head_dir: Path, key: str) -> Path:
+    return Path(head_dir) / "trees" / f"{key}.json"
+
+
+def auto_tree(model: nn.Module, head) -> Tuple[TreeSpec, str]:
+    """``--tree auto``: the tree tuned for this device beside the head, or, untuned, the
+    default static tree; plain decoding where that is expected to be faster. Returns the
+    tree and why it was chosen."""
+    key = device_key(model)
+    if head is None:
+        return parse_tree("none"), "no draft head"
+    head_dir = getattr(head, "directory", None)
+    path = tree_file(head_dir, key) if head_dir is not None else None
+    if path is not None and path.exists():
+        tuned = json.loads(path.read_text())
+        if not tuned["paths"]:
+            return parse_tree("none"), (f"tuned for {key}: plain decoding is faster here "
+                                        f"({tuned['plain_tokens_per_s']:.1f} vs at best "
+                                        f"{tuned['tree_tokens_per_s']:.1f} tokens/s speculating)")
+        spec = TreeSpec("static", check_paths(tuned["paths"], str(path)), text=f"auto ({path})")
+        return spec, f"tuned for {key}: {len(spec.paths)} nodes, expected tau {tuned['expected_tau']:.2f}"
+    if mx.default_device().type == mx.cpu and "scales" in model.model.embed_tokens:
+        return parse_tree("none"), ("quantized weights on a CPU: verifying k tokens costs about k times one, "
+                                    "so speculation cannot pay off (convert with --dtype float32 to speculate)")
+    return parse_tree("static:default"), f"not tuned for {key} (python -m mlx_eagle.tune): the default static tree"
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m mlx_eagle.tune", description=__doc__.splitlines()[0])
+    parser.add_argument("--model", help="target (default: SmolLM2-135M-Instruct)")
+    parser.add_argument("--draft", help="EAGLE head directory (default: the model's shipped head)")
+    parser.add_argument("--prompts", type=int, default=24, help="calibration prompts")
+    parser.add_argument("--max-tokens", type=int, default=128, help="answer tokens per calibration prompt")
+    parser.add_argument("--max-nodes", type=int, default=64)
+    parser.add_argument("--objective", choices=["speed", "tau"], default="speed",
+                        help="speed: most tokens/s on this device (saved for --tree auto); "
+                             "tau: most tokens per target forward within --max-nodes (written to --out only)")
+    parser.add_argument("--out", type=Path, help="where to write the tree (default: beside the head)")
+    parser.add_argument("--quiet", action="store_true")
+    args = parser.parse_args(argv)
+    if not 1 <= args.max_nodes <= 64:
+        raise UserError("--max-nodes must be between 1 and 64")
+    if args.objective == "tau" and args.out is None:
+        raise UserError("--objective tau needs --out FILE (the tree kept for --tree auto is the fastest one)")
+
+    from . import load
+    from .data import sharegpt_prompts
+
+    model, tokenizer, head = load(args.model, draft=args.draft or "auto")
+    if head is None:
+        raise UserError("no EAGLE head for this model: pass --draft DIR")
+    head_dir = head.directory
+    progress = not args.quiet
+    prompts = sharegpt_prompts()[-args.prompts:]
+    records = calibration_records(model, tokenizer, prompts, args.max_tokens, head.taps(model.args.num_hidden_layers))
+    acceptance = measure_acceptance(model, head, records)
+    costs = measure_costs(model, tokenizer, head, progress=progress) if args.objective == "speed" else None
+    choice = best_tree(acceptance, costs, args.max_nodes)
+    key = device_key(model)
+    result = {
+        "device": key, "objective": args.objective, "paths": [list(p) for p in choice.paths],
+        "expected_tau": choice.expected_tau, "tree_tokens_per_s": choice.expected_tokens_per_s,
+        "plain_tokens_per_s": choice.plain_tokens_per_s,
+        "acceptance_by_depth_and_rank": acceptance.round(4).tolist(),
+        "costs_ms": asdict(costs) if costs else None, "calibration_prompts": len(records),
+    }
+    out = args.out or tree_file(head_dir, key)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1))
+    depth1 = ", ".join(f"{p:.2f}" for p in acceptance[:, 0])
+    print(f"acceptance of the top draft by depth: {depth1}")
+    if choice.paths:
+        print(f"tree: {len(choice.paths)} nodes, depth {max(len(p) for p in choice.paths)}, expected tau "
+              f"{choice.expected_tau:.2f}" + (f", {choice.expected_tokens_per_s:.1f} tokens/s vs "
+                                               f"{choice.plain_tokens_per_s:.1f} plain" if costs else ""))
+    else:
+        print(f"plain decoding is faster on {key}: no tree is expected to beat "
+              f"{choice.plain_tokens_per_s:.1f} tokens/s")
+    print(f"wrote {out}")
+
+
+def cli() -> None:
+    """Console-script entry point."""
+    run_cli(main)
+
+
+if __name__ == "__main__":
+    cli()

@@ -1,0 +1,125 @@
+"""Device-tuned trees: the builder finds the optimal tree for a known acceptance table
+within its budget, weighs depth and size by their cost, and --tree auto decodes plainly
+when speculation is expected to lose."""
+
+import itertools
+import json
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from mlx_eagle.heads import new_head
+from mlx_eagle.tune import Costs, auto_tree, best_tree, device_key, measure_acceptance, tree_file
+from synthetic import write_model
+
+TABLE = np.array([[0.8, 0.1, 0.05], [0.7, 0.1, 0.0], [0.6, 0.0, 0.0]])
+
+
+def flat(ms=100.0, plain=100.0, step=0.0):
+    return Costs({k: ms for k in (1, 2, 64)}, draft_step_ms=step, round_ms=0.0, plain_ms=plain)
+
+
+def brute_force_tau(table, max_nodes):
+    """The best expected tau over every tree of at most ``max_nodes`` nodes."""
+    depths, ranks = table.shape
+    nodes = [p for d in range(1, depths + 1) for p in itertools.product(range(ranks), repeat=d)]
+    value = {p: float(np.prod([table[i][r] for i, r in enumerate(p)])) for p in nodes}
+    best = 1.0
+    for size in range(1, max_nodes + 1):
+        for subset in itertools.combinations(nodes, size):
+            chosen = set(subset)
+            if all(len(p) == 1 or p[:-1] in chosen for p in subset):
+                best = max(best, 1.0 + sum(value[p] for p in subset))
+    return best
+
+
+@pytest.mark.parametrize("max_nodes", [1, 3, 4])
+def test_the_builder_finds_the_optimal_tree(max_nodes):
+    choice = best_tree(TABLE, None, max_nodes)  # no costs: the most tau within the budget
+    assert len(choice.paths) <= max_nodes
+    assert choice.expected_tau == pytest.approx(brute_force_tau(TABLE, max_nodes))
+    if max_nodes == 4:
+        assert choice.paths == [(0,), (1,), (0, 0), (0, 0, 0)]
+        assert choice.expected_tau == pytest.approx(1 + 0.8 + 0.1 + 0.56 + 0.336)
+
+
+def test_the_budget_is_respected():
+    table = np.full((8, 8), 0.9)
+    for budget in (5, 16, 64):
+        assert len(best_tree(table, flat(), budget).paths) == budget
+
+
+def test_costs_shape_the_tree():
+    # Free verification: the biggest tree that still gains; pricey draft steps: a shallow one.
+    cheap = best_tree(TABLE, flat(), 64)
+    assert cheap.expected_tau == pytest.approx(1 + sum(
+        float(np.prod([TABLE[i][r] for i, r in enumerate(p)]))
+        for d in (1, 2, 3) for p in itertools.product(range(3), repeat=d)))
+    shallow = best_tree(TABLE, flat(step=40.0), 64)
+    assert max(len(p) for p in shallow.paths) < 3
+
+
+def test_expensive_verification_means_plain_decoding():
+    # Verifying k tokens costs k times one (quantized weights on a CPU): nothing pays off.
+    linear = Costs({k: 100.0 * k for k in (1, 2, 4, 8, 16, 32, 64)}, draft_step_ms=5.0, round_ms=2.0,
+                   plain_ms=100.0)
+    choice = best_tree(TABLE, linear, 64)
+    assert choice.paths == [] and choice.expected_tokens_per_s == pytest.approx(10.0)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from convert.target import convert_target
+    from mlx_eagle import load
+
+    root = tmp_path_factory.mktemp("tiny-tune")
+    model, _ = load(str(convert_target(write_model(root, "llama")["hf"], root / "mlx", progress=False)))
+    return model, root
+
+
+def test_auto_follows_the_tuned_file(tiny, tmp_path):
+    model, _ = tiny
+    head = new_head(model, "eagle3", draft_vocab_size=64)
+    assert auto_tree(model, head)[0].text == "static:default"  # untuned
+    assert auto_tree(model, None)[0].kind == "none"
+    head.directory = tmp_path
+    path = tree_file(tmp_path, device_key(model))
+    path.parent.mkdir()
+    path.write_text(json.dumps({"paths": [], "plain_tokens_per_s": 12.0, "tree_tokens_per_s": 9.0}))
+    spec, why = auto_tree(model, head)
+    assert spec.kind == "none" and "plain decoding is faster" in why
+    path.write_text(json.dumps({"paths": [[0], [0, 0], [1]], "expected_tau": 2.1}))
+    spec, _ = auto_tree(model, head)
+    assert spec.kind == "static" and spec.paths == [(0,), (1,), (0, 0)]
+
+
+def test_auto_decodes_plainly_for_quantized_weights_on_a_cpu(tiny):
+    import mlx.nn as nn
+
+    model, _ = tiny
+    if mx.default_device().type != mx.cpu:
+        pytest.skip("the rule is for CPUs")
+    head = new_head(model, "eagle3", draft_vocab_size=64)
+    quantized = nn.QuantizedEmbedding.from_embedding(model.model.embed_tokens, group_size=32, bits=4)
+    original, model.model.embed_tokens = model.model.embed_tokens, quantized
+    try:
+        spec, why = auto_tree(model, head)
+    finally:
+        model.model.embed_tokens = original
+    assert spec.kind == "none" and "quantized" in why
+
+
+def test_measured_acceptance_is_a_probability_table(tiny):
+    model, _ = tiny
+    head = new_head(model, "eagle3", draft_vocab_size=model.args.vocab_size)
+    rng = np.random.default_rng(0)
+    records = []
+    from mlx_eagle.features import greedy_batch
+
+    prompts = [rng.integers(3, model.args.vocab_size, size=n).tolist() for n in (5, 7)]
+    for prompt, (tokens, taps, last) in zip(prompts, greedy_batch(model, prompts, 12, [], head.taps(
+            model.args.num_hidden_layers))):
+        records.append({"tokens": tokens, "taps": taps, "last": last, "prompt_length": len(prompt)})
+    table = measure_acceptance(model, head, records, depths=3, ranks=4)
+    assert table.shape == (3, 4) and (table >= 0).all() and (table.sum(1) <= 1 + 1e-6).all()
