@@ -21,7 +21,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
-from .target import TargetOutput, check_target, keep_cache_entries, target_forward, tree_mask
+from .target import TargetOutput, check_target, keep_cache_entries, lm_head, target_forward, tree_mask
 from .trees import DraftTree, TreeDrafter, TreeSpec
 from .verify import Sampling, accept
 
@@ -61,7 +61,7 @@ class SpeculativeDecoder:
     def _forward(self, tokens: List[int], positions, mask) -> TargetOutput:
         self.forwards += 1
         out = target_forward(self.target, mx.array([tokens]), self.cache, positions, mask, self.taps)
-        return TargetOutput(logits=out.logits[0], features=out.features[0])
+        return TargetOutput(logits=out.logits[0], features=out.features[0], hidden=out.hidden[0])
 
     def prefill(self, prompt: List[int], chunk: int = 512) -> int:
         """Read the prompt; returns the first generated token (the first root)."""
@@ -70,8 +70,8 @@ class SpeculativeDecoder:
             block = prompt[start:start + chunk]
             out = self._forward(block, start, "causal" if len(block) > 1 else None)
             features.append(out.features)
-            mx.eval(out.logits, out.features)
-        self.root = self._choose(out.logits[-1])
+            mx.eval(out.features)  # the prompt's own logits are never needed: only the last
+        self.root = self._choose(lm_head(self.target, out.hidden[-1]))
         self._set_pending(mx.concatenate(features), prompt[1:] + [self.root])
         return self.root
 
