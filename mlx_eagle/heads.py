@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -52,8 +52,20 @@ class HeadConfig:
             rms_norm_eps=self.rms_norm_eps, vocab_size=self.vocab_size,
             num_key_value_heads=self.num_key_value_heads, head_dim=self.head_dim,
             rope_theta=self.rope_theta, rope_scaling=self.rope_scaling,
-            max_position_embeddings=self.max_position_embeddings, attention_bias=self.attention_bias,
+            max_position_embeddings=self.max_position_embeddings,
         )
+
+
+def _attention(config: HeadConfig, width: int) -> nn.Module:
+    """Llama attention reading ``width`` inputs; q/k/v biases as Qwen2-style heads carry them."""
+    args = config.layer_args()
+    attn = llama.Attention(args)
+    head_dim = args.head_dim or config.hidden_size // config.num_attention_heads
+    bias = config.attention_bias
+    attn.q_proj = nn.Linear(width, config.num_attention_heads * head_dim, bias=bias)
+    attn.k_proj = nn.Linear(width, config.num_key_value_heads * head_dim, bias=bias)
+    attn.v_proj = nn.Linear(width, config.num_key_value_heads * head_dim, bias=bias)
+    return attn
 
 
 class Eagle1Layer(nn.Module):
@@ -62,7 +74,7 @@ class Eagle1Layer(nn.Module):
     def __init__(self, config: HeadConfig):
         super().__init__()
         args = config.layer_args()
-        self.self_attn = llama.Attention(args)
+        self.self_attn = _attention(config, config.hidden_size)
         self.mlp = llama.MLP(args)
         self.post_attention_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
@@ -73,16 +85,18 @@ class Eagle3Layer(nn.Module):
     def __init__(self, config: HeadConfig):
         super().__init__()
         args = config.layer_args()
-        hidden, head_dim = config.hidden_size, args.head_dim or config.hidden_size // config.num_attention_heads
-        self.self_attn = llama.Attention(args)
-        bias = config.attention_bias
-        self.self_attn.q_proj = nn.Linear(2 * hidden, config.num_attention_heads * head_dim, bias=bias)
-        self.self_attn.k_proj = nn.Linear(2 * hidden, config.num_key_value_heads * head_dim, bias=bias)
-        self.self_attn.v_proj = nn.Linear(2 * hidden, config.num_key_value_heads * head_dim, bias=bias)
+        hidden = config.hidden_size
+        self.self_attn = _attention(config, 2 * hidden)
         self.mlp = llama.MLP(args)
         self.input_layernorm = nn.RMSNorm(hidden, eps=config.rms_norm_eps)
         self.hidden_norm = nn.RMSNorm(hidden, eps=config.rms_norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(hidden, eps=config.rms_norm_eps)
+
+
+def embed(head: nn.Module, target: nn.Module, tokens: mx.array) -> mx.array:
+    """Token embeddings: the head's own when its checkpoint has one that differs from the
+    target's, else the target's."""
+    return (head.embed_tokens if "embed_tokens" in head else target.model.embed_tokens)(tokens)
 
 
 class Eagle1Head(nn.Module):
@@ -102,7 +116,7 @@ class Eagle1Head(nn.Module):
 
     def step(self, target: nn.Module, hidden: mx.array, tokens: mx.array, cache: List,
              positions: Positions, mask: Mask) -> mx.array:
-        embedding = target.model.embed_tokens(tokens)
+        embedding = embed(self, target, tokens)
         x = self.fc(mx.concatenate([embedding, hidden.astype(embedding.dtype)], axis=-1))
         layer = self.layers[0]
         h = x + attention(layer.self_attn, x, cache[0], positions, mask)
@@ -138,7 +152,7 @@ class Eagle3Head(nn.Module):
     def step(self, target: nn.Module, hidden: mx.array, tokens: mx.array, cache: List,
              positions: Positions, mask: Mask) -> mx.array:
         layer = self.midlayer
-        embedding = target.model.embed_tokens(tokens).astype(hidden.dtype)
+        embedding = embed(self, target, tokens).astype(hidden.dtype)
         x = mx.concatenate([layer.input_layernorm(embedding), layer.hidden_norm(hidden)], axis=-1)
         h = hidden + attention(layer.self_attn, x, cache[0], positions, mask)
         return h + layer.mlp(layer.post_attention_layernorm(h))
@@ -197,30 +211,21 @@ def save_head(head: Head, path: Path, dtype: Optional[mx.Dtype] = None) -> None:
     mx.save_safetensors(str(path / "model.safetensors"), weights)
 
 
-def _read_config(path: Path) -> HeadConfig:
+def read_head_weights(path: Path) -> Tuple[dict, Dict[str, mx.array]]:
+    """A head directory's config.json (with its family) and tensors, or one clear line
+    saying what is missing or damaged."""
+    path = Path(path)
+    if not path.is_dir():
+        raise UserError(f"draft head {path} does not exist; pass an EAGLE head directory")
     try:
         raw = json.loads((path / "config.json").read_text())
     except FileNotFoundError:
         raise UserError(f"{path} is not an EAGLE head directory (no config.json)") from None
     except ValueError as exc:
         raise UserError(f"{path / 'config.json'} is not valid JSON ({exc})") from exc
-    known = set(HeadConfig.__dataclass_fields__) - {"extra"}
-    values = {k: v for k, v in raw.items() if k in known}
-    values.setdefault("family", "eagle3" if raw.get("draft_vocab_size") else "eagle1")
-    if values["family"] not in FAMILIES:
-        raise UserError(f"{path}: unknown head family {values['family']!r}")
-    try:
-        return HeadConfig(**values, extra={k: v for k, v in raw.items() if k not in known})
-    except TypeError as exc:
-        raise UserError(f"{path / 'config.json'} lacks a field ({exc})") from exc
-
-
-def load_head(path: Path, target: nn.Module) -> Head:
-    """Load a head directory (config.json + safetensors) and check it fits ``target``."""
-    path = Path(path)
-    if not path.is_dir():
-        raise UserError(f"draft head {path} does not exist; pass an EAGLE head directory")
-    config = _read_config(path)
+    raw.setdefault("family", "eagle3" if raw.get("draft_vocab_size") else "eagle1")
+    if raw["family"] not in FAMILIES:
+        raise UserError(f"{path}: unknown head family {raw['family']!r}")
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise UserError(f"{path} has no .safetensors weights")
@@ -230,7 +235,22 @@ def load_head(path: Path, target: nn.Module) -> Head:
             weights.update(mx.load(str(file)))
         except Exception as exc:
             raise UserError(f"{file} is damaged or truncated ({exc})") from exc
+    return raw, weights
+
+
+def load_head(path: Path, target: nn.Module) -> Head:
+    """Load a head directory (config.json + safetensors) and check it fits ``target``."""
+    path = Path(path)
+    raw, weights = read_head_weights(path)
+    known = set(HeadConfig.__dataclass_fields__) - {"extra"}
+    try:
+        config = HeadConfig(**{k: v for k, v in raw.items() if k in known},
+                            extra={k: v for k, v in raw.items() if k not in known})
+    except TypeError as exc:
+        raise UserError(f"{path / 'config.json'} lacks a field ({exc})") from exc
     head = (Eagle3Head if config.family == "eagle3" else Eagle1Head)(config)
+    if "embed_tokens.weight" in weights:
+        head.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
     if "quantization" in config.extra:
         q = config.extra["quantization"]
         nn.quantize(head, group_size=q["group_size"], bits=q["bits"],
@@ -242,13 +262,21 @@ def load_head(path: Path, target: nn.Module) -> Head:
         raise UserError(f"{path}: weights do not match its config.json ({exc})") from exc
     head.set_dtype(target.model.norm.weight.dtype, predicate=lambda d: mx.issubdtype(d, mx.floating))
     if config.family == "eagle3":
-        targets = head.target_ids(mx.arange(head.d2t.shape[0]))
-        if mx.min(targets).item() < 0 or mx.max(targets).item() >= target.args.vocab_size:
-            raise UserError(f"{path}: d2t maps draft tokens outside the target's vocabulary of "
-                            f"{target.args.vocab_size}; the head was made for another model")
+        check_draft_vocabulary(head.d2t, target.args.vocab_size, path)
     mx.eval(head.parameters())
     head.directory = path  # where tuned trees for it live (see tune.py)
     return head
+
+
+def check_draft_vocabulary(d2t: mx.array, vocab_size: int, source, t2d: Optional[mx.array] = None) -> None:
+    """d2t must map into the target's vocabulary (and agree with t2d, when given)."""
+    targets = mx.arange(d2t.shape[0]) + d2t
+    if mx.min(targets).item() < 0 or mx.max(targets).item() >= vocab_size:
+        raise UserError(f"{source}: d2t maps draft tokens outside the target's vocabulary of {vocab_size}; "
+                        "the head was made for another model")
+    if t2d is not None and (t2d.shape[0] != vocab_size or int(t2d.astype(mx.int32).sum().item()) != d2t.shape[0]
+                            or not bool(t2d[targets].all().item())):
+        raise UserError(f"{source}: t2d and d2t disagree on the draft vocabulary; the checkpoint is inconsistent")
 
 
 def check_fits(head: Head, target: nn.Module, path) -> None:
@@ -260,6 +288,9 @@ def check_fits(head: Head, target: nn.Module, path) -> None:
     wanted = config.target_hidden_size or config.hidden_size
     if wanted != args.hidden_size:
         problems.append(f"hidden size {wanted} vs the target's {args.hidden_size}")
+    elif "embed_tokens" not in head and config.hidden_size != args.hidden_size:
+        problems.append(f"width {config.hidden_size} vs the target's embeddings of {args.hidden_size}, "
+                        "and no embedding of its own")
     if config.family == "eagle3":
         bad = [t for t in head.taps(args.num_hidden_layers) if not 0 <= t < args.num_hidden_layers]
         if bad:

@@ -1,0 +1,222 @@
+"""Convert a published EAGLE head (EAGLE-1/2 or EAGLE-3) into an MLX head directory.
+
+    python -m convert.head SRC OUT --target TARGET [--q-bits 8|4 [--q-group-size 64]] [--dtype float16]
+
+SRC is a checkpoint directory as published (config.json with model.safetensors, sharded
+safetensors with an index, or pytorch_model.bin) or a Hugging Face repo id. The family
+comes from the tensors; the head is checked against TARGET (any --model value) and the
+output is written atomically, then loaded once to prove it works.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Dict, Optional, Sequence, Tuple
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+
+from mlx_eagle.cli import UserError, run_cli
+from mlx_eagle.heads import Eagle1Head, Eagle3Head, HeadConfig, check_draft_vocabulary, check_fits, save_head
+
+from .target import DTYPES
+
+_HUB_FILES = ["*.json", "*.safetensors", "*.bin"]
+
+
+def _locate(src: str) -> Path:
+    path = Path(src).expanduser()
+    if path.is_dir():
+        return path
+    if path.exists():
+        raise UserError(f"{path} is a file; pass the head's directory (config.json and weights)")
+    if src.count("/") == 1 and not src.startswith((".", "/", "~")):
+        try:
+            from huggingface_hub import snapshot_download
+
+            return Path(snapshot_download(src, allow_patterns=_HUB_FILES))
+        except Exception as exc:
+            reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            raise UserError(f"cannot fetch {src} from the Hugging Face Hub ({reason}); "
+                            "when offline, pass a local head directory") from None
+    raise UserError(f"{src} does not exist; pass an EAGLE head directory or a Hugging Face repo id")
+
+
+def _weight_files(path: Path) -> Sequence[Path]:
+    for index in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
+        if (path / index).exists():
+            try:
+                weight_map = json.loads((path / index).read_text())["weight_map"]
+            except (ValueError, KeyError) as exc:
+                raise UserError(f"{path / index} is not a valid shard index ({exc})") from None
+            files = [path / name for name in sorted(set(weight_map.values()))]
+            missing = [f.name for f in files if not f.exists()]
+            if missing:
+                raise UserError(f"{path}: shard {missing[0]} named in {index} is missing; download it too")
+            return files
+    files = sorted(path.glob("*.safetensors")) or sorted(path.glob("*.bin"))
+    if not files:
+        raise UserError(f"{path} has no weights (model.safetensors or pytorch_model.bin)")
+    return files
+
+
+def read_checkpoint(path: Path) -> Tuple[dict, Dict[str, mx.array]]:
+    """config.json and every tensor, read without running pickled code."""
+    from tqdm import tqdm
+
+    from .torch_pickle import load_torch_bin
+
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except FileNotFoundError:
+        raise UserError(f"{path} has no config.json; is it an EAGLE head checkpoint?") from None
+    except ValueError as exc:
+        raise UserError(f"{path / 'config.json'} is not valid JSON ({exc})") from None
+    tensors: Dict[str, mx.array] = {}
+    for file in tqdm(_weight_files(path), desc="reading head", unit="file", leave=False):
+        if file.suffix == ".bin":
+            tensors.update({k: mx.array(v) for k, v in load_torch_bin(file).items()})
+            continue
+        try:
+            tensors.update(mx.load(str(file)))
+        except Exception as exc:
+            raise UserError(f"{file} is damaged or truncated ({exc}); download it again") from None
+    return config, tensors
+
+
+def detect_family(tensors: Dict[str, mx.array]) -> str:
+    """EAGLE-3 has its own norm, LM head and d2t; EAGLE-1/2 use the target's."""
+    if "fc.weight" not in tensors:
+        raise UserError("not an EAGLE head: no fc.weight (found " + ", ".join(sorted(tensors)[:4]) + ", ...)")
+    if any(k.startswith("midlayer.") for k in tensors) or "lm_head.weight" in tensors or "d2t" in tensors:
+        return "eagle3"
+    return "eagle1"
+
+
+def head_config(raw: dict, family: str, tensors: Dict[str, mx.array], target: nn.Module) -> HeadConfig:
+    args = target.args
+    hidden = raw.get("hidden_size")
+    if hidden is None:
+        raise UserError("the head's config.json has no hidden_size")
+    layer = "midlayer" if family == "eagle3" else "layers.0"
+    config = HeadConfig(
+        family=family, hidden_size=hidden, intermediate_size=raw.get("intermediate_size", 0),
+        num_attention_heads=raw.get("num_attention_heads", 0),
+        num_key_value_heads=raw.get("num_key_value_heads", raw.get("num_attention_heads", 0)),
+        vocab_size=raw.get("vocab_size", args.vocab_size), head_dim=raw.get("head_dim"),
+        rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
+        rope_theta=raw.get("rope_theta", 10000.0),  # the official code's default when absent
+        rope_scaling=raw.get("rope_scaling"), max_position_embeddings=raw.get("max_position_embeddings", 8192),
+        bias="fc.bias" in tensors, attention_bias=f"{layer}.self_attn.q_proj.bias" in tensors,
+    )
+    if family == "eagle3":
+        config.draft_vocab_size = int(tensors["lm_head.weight"].shape[0]) if "lm_head.weight" in tensors else None
+        config.target_hidden_size = raw.get("target_hidden_size") or int(tensors["fc.weight"].shape[1]) // 3
+        taps = (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+        config.taps = [int(t) for t in taps] if taps else None
+    return config
+
+
+def normalise(family: str, tensors: Dict[str, mx.array]) -> Dict[str, mx.array]:
+    """Our key layout (the official one): some EAGLE-3 exporters call midlayer layers.0."""
+    if family == "eagle3":
+        tensors = {("midlayer." + k[len("layers.0."):] if k.startswith("layers.0.") else k): v
+                   for k, v in tensors.items()}
+    return tensors
+
+
+def _embedding_matches(own: mx.array, target: nn.Module) -> bool:
+    layer = target.model.embed_tokens
+    theirs = layer(mx.arange(layer.weight.shape[0])) if "scales" in layer else layer.weight
+    if theirs.shape != own.shape:
+        return False
+    tolerance = 1e-2 * float(mx.abs(own).max().item()) if "scales" in layer else 1e-3
+    return bool(mx.allclose(own.astype(mx.float32), theirs.astype(mx.float32), atol=tolerance).item())
+
+
+def build_head(raw: dict, tensors: Dict[str, mx.array], target: nn.Module, source: str) -> nn.Module:
+    """The head as an MLX module holding the checkpoint's tensors, checked against ``target``."""
+    family = detect_family(tensors)
+    tensors = normalise(family, tensors)
+    config = head_config(raw, family, tensors, target)
+    head = (Eagle3Head if family == "eagle3" else Eagle1Head)(config)
+    t2d = tensors.pop("t2d", None)  # implied by d2t
+    own = tensors.pop("embed_tokens.weight", None)
+    if own is not None and not _embedding_matches(own, target):
+        head.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        tensors["embed_tokens.weight"] = own
+    check_fits(head, target, source)
+    expected = dict(tree_flatten(head.parameters()))
+    unknown = sorted(set(tensors) - set(expected))
+    missing = sorted(set(expected) - set(tensors))
+    if unknown or missing:
+        raise UserError(f"{source}: not a {family} head in the official layout: "
+                        + (f"unexpected {', '.join(unknown[:3])}" if unknown else "")
+                        + ("; " if unknown and missing else "") + (f"missing {', '.join(missing[:3])}" if missing else ""))
+    for name, value in tensors.items():
+        if tuple(value.shape) != tuple(expected[name].shape):
+            raise UserError(f"{source}: {name} has shape {tuple(value.shape)}, its config.json implies "
+                            f"{tuple(expected[name].shape)}")
+    if family == "eagle3":
+        tensors["d2t"] = tensors["d2t"].astype(mx.int64)
+        check_draft_vocabulary(tensors["d2t"], target.args.vocab_size, source, t2d)
+    head.load_weights(list(tensors.items()), strict=True)
+    return head
+
+
+def convert_head(src: str, out: Path, target: Optional[str] = None, q_bits: Optional[int] = None,
+                 q_group_size: int = 64, dtype: Optional[str] = None, overwrite: bool = False) -> Path:
+    from mlx_eagle.heads import load_head
+    from mlx_eagle.models import load_target
+
+    out = Path(out)
+    if out.exists() and not overwrite:
+        raise UserError(f"{out} exists; pass --overwrite to replace it")
+    model, _, _ = load_target(target)
+    path = _locate(src)
+    raw, tensors = read_checkpoint(path)
+    head = build_head(raw, tensors, model, str(path))
+    if q_bits:
+        nn.quantize(head, group_size=q_group_size, bits=q_bits,
+                    class_predicate=lambda p, m: isinstance(m, nn.Linear) and m.weight.shape[-1] % q_group_size == 0)
+        head.config.extra["quantization"] = {"group_size": q_group_size, "bits": q_bits}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    try:
+        save_head(head, staging, dtype=DTYPES[dtype] if dtype else None)
+        load_head(staging, model)  # what was written loads and fits
+        if out.exists():
+            shutil.rmtree(out)
+        staging.replace(out)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return out
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m convert.head", description=__doc__.splitlines()[0])
+    parser.add_argument("src", help="head checkpoint directory or Hugging Face repo id")
+    parser.add_argument("out", type=Path, help="the MLX head directory to write")
+    parser.add_argument("--target", help="the target it drafts for, as --model takes it (default: SmolLM2)")
+    parser.add_argument("--q-bits", type=int, choices=[4, 8], help="quantize the head's linear layers")
+    parser.add_argument("--q-group-size", type=int, choices=[32, 64, 128], default=64)
+    parser.add_argument("--dtype", choices=list(DTYPES), help="float type of the weights (default: as published)")
+    parser.add_argument("--overwrite", action="store_true")
+    args = parser.parse_args(argv)
+    out = convert_head(args.src, args.out, args.target, args.q_bits, args.q_group_size, args.dtype, args.overwrite)
+    print(f"wrote {out}")
+
+
+def cli() -> None:
+    """Console-script entry point."""
+    run_cli(main)
+
+
+if __name__ == "__main__":
+    cli()

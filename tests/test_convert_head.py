@@ -1,0 +1,299 @@
+"""Converting published EAGLE heads: checkpoints written by the tests in the published
+layouts and file formats (pytorch_model.bin as PyTorch writes it, safetensors, sharded
+safetensors) for llama and qwen2 targets give the draft logits an independent numpy
+reference computes from the original tensors; export and convert back is the identity;
+a pickle that calls anything but tensor rebuilding is refused before it runs; a head for
+another target fails with one line; a converted head keeps greedy decoding lossless."""
+
+import json
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.models.cache import KVCache
+
+from convert.export import export_head
+from convert.head import convert_head, main
+from mlx_eagle.cli import UserError
+from mlx_eagle.heads import load_head
+from synthetic import write_model
+
+HEAD = {"hidden_size": 64, "intermediate_size": 96, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": 16, "rms_norm_eps": 1e-5, "max_position_embeddings": 256}
+DRAFT_VOCAB = 100
+
+
+def official_tensors(family, target_embed, rng, qkv_bias=False, fc_bias=False, own_embedding=False,
+                     prefix="midlayer", hidden=64):
+    """Random tensors under the official names, float32 numpy."""
+    def w(*shape):
+        return (0.1 * rng.standard_normal(shape)).astype(np.float32)
+
+    heads, kv, head_dim, inter = 4, 2, 16, 96
+    wide = 2 * hidden if family == "eagle3" else hidden
+    layer = prefix if family == "eagle3" else "layers.0"
+    t = {
+        f"{layer}.self_attn.q_proj.weight": w(heads * head_dim, wide),
+        f"{layer}.self_attn.k_proj.weight": w(kv * head_dim, wide),
+        f"{layer}.self_attn.v_proj.weight": w(kv * head_dim, wide),
+        f"{layer}.self_attn.o_proj.weight": w(hidden, heads * head_dim),
+        f"{layer}.mlp.gate_proj.weight": w(inter, hidden),
+        f"{layer}.mlp.up_proj.weight": w(inter, hidden),
+        f"{layer}.mlp.down_proj.weight": w(hidden, inter),
+        f"{layer}.post_attention_layernorm.weight": 1 + w(hidden),
+    }
+    if qkv_bias:
+        for name in ("q", "k", "v"):
+            t[f"{layer}.self_attn.{name}_proj.bias"] = w(t[f"{layer}.self_attn.{name}_proj.weight"].shape[0])
+    vocab = target_embed.shape[0]
+    if family == "eagle3":
+        used = np.sort(rng.choice(vocab, DRAFT_VOCAB, replace=False))
+        t2d = np.zeros(vocab, dtype=bool)
+        t2d[used] = True
+        t.update({"fc.weight": w(hidden, 3 * hidden), f"{layer}.input_layernorm.weight": 1 + w(hidden),
+                  f"{layer}.hidden_norm.weight": 1 + w(hidden), "norm.weight": 1 + w(hidden),
+                  "lm_head.weight": w(DRAFT_VOCAB, hidden), "d2t": (used - np.arange(DRAFT_VOCAB)).astype(np.int64),
+                  "t2d": t2d})
+    else:
+        t["fc.weight"] = w(hidden, 2 * hidden)
+        if fc_bias:
+            t["fc.bias"] = w(hidden)
+        t["embed_tokens.weight"] = w(vocab, hidden) if own_embedding else target_embed.copy()
+    return t
+
+
+def write_checkpoint(directory, tensors, config, fmt):
+    """As published: config.json plus pytorch_model.bin / model.safetensors / shards + index."""
+    from safetensors.numpy import save_file
+
+    directory.mkdir(parents=True)
+    (directory / "config.json").write_text(json.dumps(config))
+    if fmt == "bin":
+        import torch
+
+        torch.save({k: torch.from_numpy(v) for k, v in tensors.items()}, directory / "pytorch_model.bin")
+    elif fmt == "safetensors":
+        save_file(tensors, str(directory / "model.safetensors"))
+    else:
+        names = sorted(tensors)
+        shards = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+        for file, keys in shards.items():
+            save_file({k: tensors[k] for k in keys}, str(directory / file))
+        index = {"metadata": {}, "weight_map": {k: f for f, keys in shards.items() for k in keys}}
+        (directory / "model.safetensors.index.json").write_text(json.dumps(index))
+
+
+# An independent reference, in numpy, from the original tensors.
+def rms(x, w, eps=1e-5):
+    return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * w
+
+
+def rope(x, theta):
+    half = x.shape[-1] // 2
+    angles = np.arange(x.shape[1])[:, None] / theta ** (np.arange(half) / half)
+    cos, sin = np.cos(np.concatenate([angles] * 2, -1)), np.sin(np.concatenate([angles] * 2, -1))
+    return x * cos + np.concatenate([-x[..., half:], x[..., :half]], -1) * sin
+
+
+def attention(t, layer, x, theta):
+    def proj(name, heads):
+        y = x @ t[f"{layer}.self_attn.{name}_proj.weight"].T + t.get(f"{layer}.self_attn.{name}_proj.bias", 0)
+        return y.reshape(len(x), heads, 16).transpose(1, 0, 2)
+
+    q, k, v = rope(proj("q", 4), theta), rope(proj("k", 2), theta), proj("v", 2)
+    k, v = np.repeat(k, 2, axis=0), np.repeat(v, 2, axis=0)
+    scores = q @ k.transpose(0, 2, 1) / 4.0 + np.triu(np.full((len(x), len(x)), -np.inf), 1)
+    weights = np.exp(scores - scores.max(-1, keepdims=True))
+    out = (weights / weights.sum(-1, keepdims=True)) @ v
+    return out.transpose(1, 0, 2).reshape(len(x), -1) @ t[f"{layer}.self_attn.o_proj.weight"].T
+
+
+def mlp(t, layer, x):
+    gate = x @ t[f"{layer}.mlp.gate_proj.weight"].T
+    return (gate / (1 + np.exp(-gate)) * (x @ t[f"{layer}.mlp.up_proj.weight"].T)) @ t[f"{layer}.mlp.down_proj.weight"].T
+
+
+def reference_logits(family, t, target_embed, features, tokens, theta):
+    """Draft logits over target ids (EAGLE-3: scattered through d2t, -inf elsewhere)."""
+    if family == "eagle1":
+        embedding = t["embed_tokens.weight"][tokens]
+        x = np.concatenate([embedding, features], -1) @ t["fc.weight"].T + t.get("fc.bias", 0)
+        h = x + attention(t, "layers.0", x, theta)
+        out = h + mlp(t, "layers.0", rms(h, t["layers.0.post_attention_layernorm.weight"]))
+        return out @ target_embed.T
+    layer = "midlayer" if "midlayer.hidden_norm.weight" in t else "layers.0"
+    hidden = features @ t["fc.weight"].T
+    x = np.concatenate([rms(target_embed[tokens], t[f"{layer}.input_layernorm.weight"]),
+                        rms(hidden, t[f"{layer}.hidden_norm.weight"])], -1)
+    h = hidden + attention(t, layer, x, theta)
+    out = h + mlp(t, layer, rms(h, t[f"{layer}.post_attention_layernorm.weight"]))
+    draft = rms(out, t["norm.weight"]) @ t["lm_head.weight"].T
+    full = np.full((len(tokens), target_embed.shape[0]), -np.inf, dtype=np.float32)
+    full[:, np.arange(DRAFT_VOCAB) + t["d2t"]] = draft
+    return full
+
+
+def mlx_logits(head, target, features, tokens):
+    out = head.step(target, head.project(mx.array(features)[None]), mx.array(tokens)[None], [KVCache()], 0, "causal")
+    logits = head.logits(target, out)[0].astype(mx.float32)
+    if head.family == "eagle1":
+        return np.array(logits)
+    full = np.full((len(tokens), target.args.vocab_size), -np.inf, dtype=np.float32)
+    full[:, np.array(head.target_ids(mx.arange(logits.shape[-1])))] = np.array(logits)
+    return full
+
+
+@pytest.fixture(scope="module")
+def targets(tmp_path_factory):
+    from convert.target import convert_target
+    from mlx_eagle import load
+
+    root = tmp_path_factory.mktemp("head-targets")
+    result = {}
+    for arch in ("llama", "qwen2"):
+        written = write_model(root, arch)
+        path = convert_target(written["hf"], root / f"{arch}-mlx", progress=False)
+        model, _ = load(str(path))
+        embed = np.array(mx.load(str(written["hf"] / "model.safetensors"))["model.embed_tokens.weight"])
+        result[arch] = (path, model, embed)
+    return result
+
+
+CASES = [  # (target, family, file format, variant)
+    ("llama", "eagle3", "bin", "midlayer"),
+    ("llama", "eagle3", "safetensors", "layers.0 naming, no rope_theta"),
+    ("llama", "eagle1", "sharded", "embedding copied from the target"),
+    ("qwen2", "eagle3", "sharded", "qkv biases"),
+    ("qwen2", "eagle1", "bin", "fc bias, own embedding"),
+]
+
+
+@pytest.mark.parametrize("arch, family, fmt, variant", CASES)
+def test_converted_heads_draft_as_the_numpy_reference(targets, tmp_path, arch, family, fmt, variant):
+    path, model, embed = targets[arch]
+    rng = np.random.default_rng(len(variant))
+    tensors = official_tensors(family, embed, rng, qkv_bias="qkv" in variant, fc_bias="fc bias" in variant,
+                               own_embedding="own" in variant, prefix="layers.0" if "layers.0" in variant else "midlayer")
+    config = dict(HEAD, vocab_size=embed.shape[0], architectures=["LlamaForCausalLM"])
+    if "no rope_theta" not in variant:
+        config["rope_theta"] = 5000.0
+    if family == "eagle3":
+        config.update(draft_vocab_size=DRAFT_VOCAB, target_hidden_size=64, architectures=["LlamaForCausalLMEagle3"])
+    write_checkpoint(tmp_path / "published", tensors, config, fmt)
+    out = convert_head(str(tmp_path / "published"), tmp_path / "mlx-head", target=str(path))
+    head = load_head(out, model)
+    assert ("embed_tokens" in head) == ("own" in variant)
+    width = 3 * 64 if family == "eagle3" else 64
+    features = rng.standard_normal((7, width)).astype(np.float32)
+    tokens = rng.integers(0, embed.shape[0], size=7)
+    theta = config.get("rope_theta", 10000.0)
+    expected = reference_logits(family, tensors, embed, features, tokens, theta)
+    got = mlx_logits(head, model, features, tokens)
+    finite = np.isfinite(expected)
+    assert np.array_equal(finite, np.isfinite(got))
+    assert np.abs(got[finite] - expected[finite]).max() < 1e-4
+
+    # Export to the official layout and convert back: the same weights, the same drafts.
+    export_head(out, tmp_path / "exported")
+    exported = mx.load(str(tmp_path / "exported" / "model.safetensors"))
+    if family == "eagle3":
+        assert exported["t2d"].dtype == mx.bool_ and np.array_equal(np.array(exported["t2d"]), tensors["t2d"])
+    again = convert_head(str(tmp_path / "exported"), tmp_path / "again", target=str(path))
+    first, second = mx.load(str(out / "model.safetensors")), mx.load(str(again / "model.safetensors"))
+    assert set(first) == set(second) and all(mx.array_equal(first[k], second[k]) for k in first)
+    assert np.array_equal(mlx_logits(load_head(again, model), model, features, tokens), got)
+
+
+def test_quantized_conversion_stays_close(targets, tmp_path):
+    path, model, embed = targets["llama"]
+    rng = np.random.default_rng(5)
+    tensors = official_tensors("eagle3", embed, rng)
+    config = dict(HEAD, vocab_size=embed.shape[0], draft_vocab_size=DRAFT_VOCAB, rope_theta=10000.0)
+    write_checkpoint(tmp_path / "published", tensors, config, "safetensors")
+    out = convert_head(str(tmp_path / "published"), tmp_path / "q8", target=str(path), q_bits=8, q_group_size=32)
+    head = load_head(out, model)
+    assert "scales" in head.midlayer.mlp.gate_proj
+    features = rng.standard_normal((5, 192)).astype(np.float32)
+    tokens = rng.integers(0, embed.shape[0], size=5)
+    expected = reference_logits("eagle3", tensors, embed, features, tokens, 10000.0)
+    got = mlx_logits(head, model, features, tokens)
+    finite = np.isfinite(expected)
+    assert np.abs(got[finite] - expected[finite]).max() < 0.05 * np.abs(expected[finite]).max()
+
+
+class Payload:
+    """What a malicious checkpoint pickles: a call to os.system."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        import os
+
+        return os.system, (f"touch {self.marker}",)
+
+
+def test_a_pickle_that_calls_anything_else_is_refused(tmp_path, targets):
+    import torch
+
+    marker = tmp_path / "pwned"
+    directory = tmp_path / "evil"
+    directory.mkdir()
+    (directory / "config.json").write_text(json.dumps(dict(HEAD, vocab_size=384)))
+    torch.save({"fc.weight": torch.zeros(2, 2), "x": Payload(marker)}, directory / "pytorch_model.bin")
+    with pytest.raises(UserError, match=r"refused: its pickle asks for (posix|os)\.system"):
+        convert_head(str(directory), tmp_path / "out", target=str(targets["llama"][0]))
+    assert not marker.exists() and not (tmp_path / "out").exists()
+    assert not list(tmp_path.glob(".out.partial-*"))
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"hidden_size": 32}, "hidden size 32 vs the target's 64"),
+    ({"vocab_size": 999}, "vocabulary 999 vs the target's"),
+])
+def test_a_head_for_another_target_fails_with_one_line(targets, tmp_path, capsys, change, message):
+    path, _, embed = targets["llama"]
+    rng = np.random.default_rng(0)
+    tensors = official_tensors("eagle3", embed, rng, hidden=change.get("hidden_size", 64))
+    config = {**HEAD, "vocab_size": embed.shape[0], "draft_vocab_size": DRAFT_VOCAB, **change}
+    write_checkpoint(tmp_path / "published", tensors, config, "safetensors")
+    with pytest.raises(UserError, match=message) as caught:
+        main([str(tmp_path / "published"), str(tmp_path / "out"), "--target", str(path)])
+    assert "\n" not in str(caught.value) and not (tmp_path / "out").exists()
+
+
+def test_a_converted_head_keeps_greedy_decoding_lossless(tmp_path):
+    """A published-layout EAGLE-3 head for the real SmolLM2 (random weights), converted
+    with 8-bit quantization, drafting through the runtime: exactly mlx-lm's greedy text."""
+    from mlx_lm.generate import generate_step
+
+    from mlx_eagle import load, stream_generate
+
+    model, tokenizer = load()
+    rng = np.random.default_rng(3)
+    hidden, vocab, draft_vocab = 576, model.args.vocab_size, 512
+
+    def w(*shape):
+        return (0.05 * rng.standard_normal(shape)).astype(np.float32)
+
+    used = np.sort(rng.choice(vocab, draft_vocab, replace=False))
+    tensors = {"fc.weight": w(hidden, 3 * hidden), "norm.weight": 1 + w(hidden), "lm_head.weight": w(draft_vocab, hidden),
+               "d2t": (used - np.arange(draft_vocab)).astype(np.int64),
+               "midlayer.self_attn.q_proj.weight": w(576, 2 * hidden), "midlayer.self_attn.k_proj.weight": w(192, 2 * hidden),
+               "midlayer.self_attn.v_proj.weight": w(192, 2 * hidden), "midlayer.self_attn.o_proj.weight": w(hidden, 576),
+               "midlayer.mlp.gate_proj.weight": w(512, hidden), "midlayer.mlp.up_proj.weight": w(512, hidden),
+               "midlayer.mlp.down_proj.weight": w(hidden, 512)}
+    for norm in ("input_layernorm", "hidden_norm", "post_attention_layernorm"):
+        tensors[f"midlayer.{norm}.weight"] = 1 + w(hidden)
+    config = {"hidden_size": hidden, "intermediate_size": 512, "num_attention_heads": 9, "num_key_value_heads": 3,
+              "rms_norm_eps": 1e-5, "rope_theta": 100000.0, "vocab_size": vocab, "draft_vocab_size": draft_vocab}
+    write_checkpoint(tmp_path / "published", tensors, config, "bin")
+    head = load_head(convert_head(str(tmp_path / "published"), tmp_path / "head", q_bits=8), model)
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Name three fruits."}], add_generation_prompt=True)
+    expected = []
+    for token, _ in generate_step(mx.array(prompt), model, max_tokens=24):
+        expected.append(int(token))
+        if token in tokenizer.eos_token_ids:
+            break
+    got = [r.token for r in stream_generate(model, tokenizer, prompt, max_tokens=24, draft=head, tree="static:default")]
+    assert got == expected
