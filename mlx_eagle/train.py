@@ -365,6 +365,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(defaults, name))
     for name in ("lr", "weight_decay", "clip", "step_decay"):
         parser.add_argument(f"--{name.replace('_', '-')}", type=float, default=getattr(defaults, name))
+    parser.add_argument("--subset", type=int, help="train on this many of the sequences, chosen at random "
+                        "(for measuring what more data buys)")
     parser.add_argument("--save-dtype", choices=["float16", "bfloat16", "float32"], default="float16",
                         help="weights of the written head (training runs in float32)")
     parser.add_argument("--prepare-only", action="store_true", help="stop after data, vocabulary and features")
@@ -407,6 +409,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
 
     vocab = np.load(vocab_path)
     records = load_features(features, config.seq_len)
+    if args.subset:
+        chosen = np.random.default_rng(config.seed).permutation(len(records))[: args.subset]
+        records = [records[i] for i in sorted(chosen)]
     head = new_head(model, config.family, draft_vocab_size=len(vocab["used"]), seed=config.seed)
     if config.family == "eagle3":
         head.d2t = mx.array(vocab["d2t"])
