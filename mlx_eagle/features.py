@@ -136,10 +136,11 @@ def load_features(directory: Path, seq_len: Optional[int] = None) -> List[Dict[s
     for path in sorted(Path(directory).glob("features-*.npz")):
         if path.name.endswith(".partial.npz"):
             continue
-        data = np.load(path)
-        starts = np.concatenate([[0], np.cumsum(data["lengths"])])
-        for i, prompt_length in enumerate(data["prompt_lengths"]):
-            span = slice(starts[i], starts[i] + min(data["lengths"][i], seq_len or data["lengths"][i]))
-            result.append({"tokens": data["tokens"][span], "taps": data["taps"][span],
-                           "last": data["last"][span], "prompt_length": int(prompt_length)})
+        with np.load(path) as data:  # each key read once: an NpzFile re-reads a key on every access
+            columns = {key: data[key] for key in ("lengths", "prompt_lengths", "tokens", "taps", "last")}
+        starts = np.concatenate([[0], np.cumsum(columns["lengths"])])
+        for i, prompt_length in enumerate(columns["prompt_lengths"]):
+            span = slice(starts[i], starts[i] + min(columns["lengths"][i], seq_len or columns["lengths"][i]))
+            result.append({"tokens": columns["tokens"][span], "taps": columns["taps"][span],
+                           "last": columns["last"][span], "prompt_length": int(prompt_length)})
     return result

@@ -89,3 +89,4 @@ def test_plain_decoding_through_the_same_loop(smollm, references, index):
     ids, expected = references[index]
     tokens, last = _decode(smollm, ids, None, None)
     assert tokens == expected and last.mean_accepted == 1.0
+
