@@ -14,17 +14,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Dict, Optional, Sequence
 
 import mlx.core as mx
 
-from mlx_eagle.cli import UserError, run_cli
+from mlx_eagle.cli import run_cli
 from mlx_eagle.heads import read_head_weights
 
 from .target import DTYPES
+from .writer import write_atomically
 
 
 def dequantized(weights: Dict[str, mx.array], config: dict) -> Dict[str, mx.array]:
@@ -61,10 +60,7 @@ def official_config(config: dict, dtype: mx.Dtype) -> dict:
 
 
 def export_head(head: Path, out: Path, dtype: Optional[str] = None, overwrite: bool = False) -> Path:
-    head, out = Path(head), Path(out)
-    if out.exists() and not overwrite:
-        raise UserError(f"{out} exists; pass --overwrite to replace it")
-    config, weights = read_head_weights(head)
+    config, weights = read_head_weights(Path(head))
     weights = dequantized(weights, config)
     floats = [v.dtype for v in weights.values() if mx.issubdtype(v.dtype, mx.floating)]
     target_dtype = DTYPES[dtype] if dtype else floats[0]
@@ -75,18 +71,12 @@ def export_head(head: Path, out: Path, dtype: Optional[str] = None, overwrite: b
         t2d = mx.zeros((config["vocab_size"],), dtype=mx.bool_)
         t2d[used] = True
         weights.update(d2t=d2t, t2d=t2d)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
-    try:
+
+    def fill(staging: Path) -> None:
         mx.save_safetensors(str(staging / "model.safetensors"), weights, metadata={"format": "pt"})
         (staging / "config.json").write_text(json.dumps(official_config(config, target_dtype), indent=2))
-        if out.exists():
-            shutil.rmtree(out)
-        staging.replace(out)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    return out
+
+    return write_atomically(out, fill, overwrite)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Dict, Optional, Sequence, Tuple
 
@@ -25,6 +23,7 @@ from mlx_eagle.cli import UserError, run_cli
 from mlx_eagle.heads import Eagle1Head, Eagle3Head, HeadConfig, check_draft_vocabulary, check_fits, save_head
 
 from .target import DTYPES
+from .writer import write_atomically
 
 _HUB_FILES = ["*.json", "*.safetensors", "*.bin"]
 
@@ -174,9 +173,6 @@ def convert_head(src: str, out: Path, target: Optional[str] = None, q_bits: Opti
     from mlx_eagle.heads import load_head
     from mlx_eagle.models import load_target
 
-    out = Path(out)
-    if out.exists() and not overwrite:
-        raise UserError(f"{out} exists; pass --overwrite to replace it")
     model, _, _ = load_target(target)
     path = _locate(src)
     raw, tensors = read_checkpoint(path)
@@ -185,18 +181,12 @@ def convert_head(src: str, out: Path, target: Optional[str] = None, q_bits: Opti
         nn.quantize(head, group_size=q_group_size, bits=q_bits,
                     class_predicate=lambda p, m: isinstance(m, nn.Linear) and m.weight.shape[-1] % q_group_size == 0)
         head.config.extra["quantization"] = {"group_size": q_group_size, "bits": q_bits}
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
-    try:
+
+    def fill(staging: Path) -> None:
         save_head(head, staging, dtype=DTYPES[dtype] if dtype else None)
         load_head(staging, model)  # what was written loads and fits
-        if out.exists():
-            shutil.rmtree(out)
-        staging.replace(out)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    return out
+
+    return write_atomically(out, fill, overwrite)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:

@@ -62,21 +62,9 @@ def _module_path(name: str) -> str:
     return name.rsplit(".", 1)[0]
 
 
-def write_model_dir(
-    out: Path,
-    config: Dict[str, Any],
-    tensors: List[SourceTensor],
-    save_tokenizer: Callable[[Path], None],
-    fmt: OutputFormat,
-    float_dtype: mx.Dtype,
-    overwrite: bool = False,
-    progress: bool = True,
-) -> Path:
-    """Convert ``tensors`` into an mlx-lm directory at ``out``.
-
-    Everything is written into a temporary sibling directory, checked by loading
-    it with mlx-lm, and renamed into place only then.
-    """
+def write_atomically(out: Path, fill: Callable[[Path], None], overwrite: bool = False) -> Path:
+    """Have ``fill`` write a temporary sibling of ``out`` (and check it), then rename it into
+    place: ``out`` is all of it or nothing, also when ``fill`` fails or is interrupted."""
     out = Path(out).absolute()
     if out.exists() and not overwrite:
         raise UserError(f"{out} already exists; choose another output directory or pass --overwrite")
@@ -86,8 +74,7 @@ def write_model_dir(
     except OSError as exc:
         raise UserError(f"cannot write to {out.parent} ({exc.strerror}); choose a writable output directory") from exc
     try:
-        _write(staging, config, tensors, save_tokenizer, fmt, float_dtype, progress)
-        _check_loads(staging)
+        fill(staging)
         if out.exists():
             retired = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".old", dir=out.parent))
             os.replace(out, retired / "model")
@@ -99,6 +86,26 @@ def write_model_dir(
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return out
+
+
+def write_model_dir(
+    out: Path,
+    config: Dict[str, Any],
+    tensors: List[SourceTensor],
+    save_tokenizer: Callable[[Path], None],
+    fmt: OutputFormat,
+    float_dtype: mx.Dtype,
+    overwrite: bool = False,
+    progress: bool = True,
+) -> Path:
+    """Convert ``tensors`` into an mlx-lm directory at ``out``, checked by loading it with
+    mlx-lm before it is renamed into place."""
+
+    def fill(staging: Path) -> None:
+        _write(staging, config, tensors, save_tokenizer, fmt, float_dtype, progress)
+        _check_loads(staging)
+
+    return write_atomically(out, fill, overwrite)
 
 
 def _write(staging, config, tensors, save_tokenizer, fmt, float_dtype, progress) -> None:
