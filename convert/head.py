@@ -173,9 +173,9 @@ def convert_head(src: str, out: Path, target: Optional[str] = None, q_bits: Opti
     from mlx_eagle.heads import load_head
     from mlx_eagle.models import load_target
 
-    model, _, _ = load_target(target)
-    path = _locate(src)
+    path = _locate(src)  # a wrong SRC fails before the target is loaded
     raw, tensors = read_checkpoint(path)
+    model, _, _ = load_target(target)
     head = build_head(raw, tensors, model, str(path))
     if q_bits:
         nn.quantize(head, group_size=q_group_size, bits=q_bits,
