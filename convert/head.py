@@ -19,7 +19,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from mlx_eagle.cli import UserError, run_cli
+from mlx_eagle.cli import UserError, read_config, run_cli
 from mlx_eagle.heads import Eagle1Head, Eagle3Head, HeadConfig, check_draft_vocabulary, check_fits, save_head
 
 from .target import DTYPES
@@ -70,12 +70,7 @@ def read_checkpoint(path: Path) -> Tuple[dict, Dict[str, mx.array]]:
 
     from .torch_pickle import load_torch_bin
 
-    try:
-        config = json.loads((path / "config.json").read_text())
-    except FileNotFoundError:
-        raise UserError(f"{path} has no config.json; is it an EAGLE head checkpoint?") from None
-    except ValueError as exc:
-        raise UserError(f"{path / 'config.json'} is not valid JSON ({exc})") from None
+    config = read_config(path, "an EAGLE head checkpoint")
     tensors: Dict[str, mx.array] = {}
     for file in tqdm(_weight_files(path), desc="reading head", unit="file", leave=False):
         if file.suffix == ".bin":

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 from typing import Any, Dict, List, Optional
@@ -10,7 +9,7 @@ from typing import Any, Dict, List, Optional
 import mlx.core as mx
 from mlx_lm.utils import _get_classes
 
-from mlx_eagle.cli import UserError
+from mlx_eagle.cli import UserError, read_config as read_config_json
 
 from .tensors import SourceTensor
 
@@ -26,13 +25,7 @@ _TORCH_DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bf
 
 
 def read_config(path: Path) -> Dict[str, Any]:
-    config_file = path / "config.json"
-    try:
-        config = json.loads(config_file.read_text())
-    except FileNotFoundError:
-        raise UserError(f"{path} has no config.json; is it a Hugging Face model directory?") from None
-    except (OSError, ValueError) as exc:
-        raise UserError(f"{config_file} is not valid JSON ({exc})") from exc
+    config = read_config_json(path, "a Hugging Face model directory")
     model_type = config.get("model_type")
     if model_type not in MODEL_TYPES:
         raise UserError(

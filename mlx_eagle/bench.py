@@ -16,7 +16,7 @@ import os
 import platform
 import statistics
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence
 
@@ -99,21 +99,28 @@ def machine() -> Dict[str, str]:
 Generator = Callable[[List[int]], Answer]
 
 
+def accepted_per_round(from_draft: Sequence[bool]) -> List[int]:
+    """Draft tokens accepted in each round: a round's accepted tokens are followed by the
+    target's own (bonus) token, which closes it. The first token comes from prefill."""
+    rounds, run_length = [], 0
+    for drafted in from_draft[1:]:
+        if drafted:
+            run_length += 1
+        else:
+            rounds.append(run_length)
+            run_length = 0
+    return rounds
+
+
 def eagle_method(model, tokenizer, head, tree, max_tokens: int, sampling: dict) -> Generator:
     from .generation import stream_generate
 
     def run(ids: List[int]) -> Answer:
-        tokens, rounds, run_length = [], [], 0
         tic = time.perf_counter()
-        for response in stream_generate(model, tokenizer, ids, max_tokens=max_tokens, draft=head, tree=tree,
-                                        **sampling):
-            tokens.append(response.token)
-            if response.from_draft:
-                run_length += 1
-            elif len(tokens) > 1:  # a bonus token closes a round; the first token comes from prefill
-                rounds.append(run_length)
-                run_length = 0
-        return Answer(tokens, time.perf_counter() - tic, rounds)
+        responses = list(stream_generate(model, tokenizer, ids, max_tokens=max_tokens, draft=head, tree=tree,
+                                         **sampling))
+        return Answer([r.token for r in responses], time.perf_counter() - tic,
+                      accepted_per_round([r.from_draft for r in responses]))
 
     return run
 
@@ -130,18 +137,12 @@ def mlx_lm_method(model, tokenizer, max_tokens: int, sampling: dict, draft_model
         if sampling.get("seed") is not None:
             mx.random.seed(sampling["seed"])
         extra = {"draft_model": draft_model, "num_draft_tokens": num_draft_tokens} if draft_model is not None else {}
-        tokens, rounds, run_length = [], [], 0
         tic = time.perf_counter()
-        for response in stream_generate(model, tokenizer, mx.array(ids), max_tokens=max_tokens, sampler=sampler,
-                                        **extra):
-            tokens.append(response.token)  # the end-of-sequence token too, as ours yields it
-            if draft_model is not None:
-                if response.from_draft:
-                    run_length += 1
-                elif len(tokens) > 1:
-                    rounds.append(run_length)
-                    run_length = 0
-        return Answer(tokens, time.perf_counter() - tic, rounds)
+        # Every token, the end-of-sequence one too, as ours yields it.
+        responses = list(stream_generate(model, tokenizer, mx.array(ids), max_tokens=max_tokens, sampler=sampler,
+                                         **extra))
+        rounds = accepted_per_round([r.from_draft for r in responses]) if draft_model is not None else []
+        return Answer([r.token for r in responses], time.perf_counter() - tic, rounds)
 
     return run
 

@@ -19,7 +19,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 from mlx_lm.models import llama
 
-from .cli import UserError
+from .cli import UserError, read_config
 from .target import Mask, Positions, attention, default_taps, lm_head
 
 FAMILIES = ("eagle1", "eagle3")
@@ -217,12 +217,7 @@ def read_head_weights(path: Path) -> Tuple[dict, Dict[str, mx.array]]:
     path = Path(path)
     if not path.is_dir():
         raise UserError(f"draft head {path} does not exist; pass an EAGLE head directory")
-    try:
-        raw = json.loads((path / "config.json").read_text())
-    except FileNotFoundError:
-        raise UserError(f"{path} is not an EAGLE head directory (no config.json)") from None
-    except ValueError as exc:
-        raise UserError(f"{path / 'config.json'} is not valid JSON ({exc})") from exc
+    raw = read_config(path, "an EAGLE head directory")
     raw.setdefault("family", "eagle3" if raw.get("draft_vocab_size") else "eagle1")
     if raw["family"] not in FAMILIES:
         raise UserError(f"{path}: unknown head family {raw['family']!r}")

@@ -111,7 +111,7 @@ def ttt_mask(length: int, step: int) -> mx.array:
     return mx.concatenate(blocks, axis=1)
 
 
-def _shift(x: mx.array, by: int) -> mx.array:
+def shift(x: mx.array, by: int) -> mx.array:
     """Move along the sequence axis by ``by`` (>0: right), filling with zeros."""
     zeros = mx.zeros_like(x[:, :abs(by)])
     return mx.concatenate([zeros, x[:, :-by]], axis=1) if by > 0 else mx.concatenate([x[:, -by:], zeros], axis=1)
@@ -136,18 +136,18 @@ def ttt_unroll(head, target, batch: Dict[str, mx.array], steps: int) -> Iterator
         out = head.step(target, hidden, batch["next_tokens"], cache, 0, mask)
         # Only the positions that count go through the LM head, a step's costliest part.
         yield step, head.logits(target, counted(out, batch)).astype(mx.float32)
-        hidden = _shift(out, 1)  # position t next reads the head's own output at t - 1
+        hidden = shift(out, 1)  # position t next reads the head's own output at t - 1
 
 
-def target_choices(target, batch: Dict[str, mx.array], used: mx.array) -> mx.array:
+def draft_vocabulary_logits(target, batch: Dict[str, mx.array], used: mx.array) -> mx.array:
     """EAGLE-3's target: the target's logits at t + 1 restricted to the draft vocabulary."""
-    return lm_head_rows(target, counted(_shift(batch["last"], -1), batch).astype(mx.float32), used)
+    return lm_head_rows(target, counted(shift(batch["last"], -1), batch).astype(mx.float32), used)
 
 
 def eagle3_loss(head, target, batch, used: mx.array, ttt_steps: int, step_decay: float):
     """Training-time test; returns (loss, per-step losses, per-step accuracies). The target
     distribution is renormalised over the draft vocabulary, as EAGLE-3 trains."""
-    target_logits = target_choices(target, batch, used)
+    target_logits = draft_vocabulary_logits(target, batch, used)
     wanted = mx.softmax(target_logits, axis=-1)
     target_choice = mx.argmax(target_logits, axis=-1)
     position = batch["index"] % batch["tokens"].shape[1]
@@ -169,8 +169,8 @@ def eagle1_loss(head, target, batch):
     out = head.step(target, features, batch["next_tokens"], [KVCache()], 0, "causal")
     valid = batch["mask"]
     count = mx.maximum(valid.sum(), 1)
-    regression = (nn.losses.smooth_l1_loss(out, _shift(features, -1), reduction="none").mean(-1) * valid).sum() / count
-    target_logits = lm_head(target, _shift(features, -1)).astype(mx.float32)
+    regression = (nn.losses.smooth_l1_loss(out, shift(features, -1), reduction="none").mean(-1) * valid).sum() / count
+    target_logits = lm_head(target, shift(features, -1)).astype(mx.float32)
     logprobs = nn.log_softmax(lm_head(target, out).astype(mx.float32), axis=-1)
     cross_entropy = (-(mx.softmax(target_logits, axis=-1) * logprobs).sum(-1) * valid).sum() / count
     correct = mx.argmax(logprobs, axis=-1) == mx.argmax(target_logits, axis=-1)

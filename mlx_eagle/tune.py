@@ -199,20 +199,20 @@ def measure_acceptance(model: nn.Module, head, records: Sequence[dict], depths: 
                        ranks: int = 8) -> np.ndarray:
     """p[d][r]: how often the target's token is the head's rank-r draft at depth d + 1,
     given the path to it is right (the head unrolled as in training-time test)."""
-    from .train import counted, make_batch, ttt_unroll
+    from .train import make_batch, shift, ttt_unroll
 
     hits = np.zeros((depths, ranks))
     totals = np.zeros(depths)
+    lookup = None
+    if head.family == "eagle3":  # target ids -> draft ids; -1 where the draft vocabulary lacks one
+        draft_size = head.d2t.shape[0]
+        lookup = mx.full((model.args.vocab_size,), -1, dtype=mx.int32)
+        lookup[head.target_ids(mx.arange(draft_size))] = mx.arange(draft_size, dtype=mx.int32)
     for start in range(0, len(records), 4):
         batch = make_batch(records[start:start + 4])
-        length = batch["tokens"].shape[1]
-        position = batch["index"] % length
-        truth = counted(mx.concatenate([batch["tokens"][:, 2:], mx.zeros_like(batch["tokens"][:, :2])], 1)[..., None],
-                        batch)[:, 0]
-        if head.family == "eagle3":  # target ids -> draft ids; -1 where the draft vocabulary lacks it
-            lookup = mx.full((model.args.vocab_size,), -1, dtype=mx.int32)
-            draft_size = head.d2t.shape[0]
-            lookup[head.target_ids(mx.arange(draft_size))] = mx.arange(draft_size, dtype=mx.int32)
+        position = batch["index"] % batch["tokens"].shape[1]
+        truth = shift(batch["next_tokens"], -1).reshape(-1)[batch["index"]]  # token t + 2 at position t
+        if lookup is not None:
             truth = lookup[truth]
         for step, logits in ttt_unroll(head, model, batch, depths):
             valid = (position >= step) & (truth >= 0)
