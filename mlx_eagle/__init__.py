@@ -5,10 +5,11 @@ import os
 # transformers warns on import that PyTorch is absent; mlx-eagle never needs it.
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
+from .decoder import PromptCache, make_prompt_cache  # noqa: E402
 from .generation import GenerationResponse, generate, stream_generate  # noqa: E402
 from .models import DEFAULT_MODEL, load, load_draft, load_target, resolve_model  # noqa: E402
 
 __all__ = [
-    "DEFAULT_MODEL", "GenerationResponse", "generate", "load", "load_draft", "load_target",
-    "resolve_model", "stream_generate",
+    "DEFAULT_MODEL", "GenerationResponse", "PromptCache", "generate", "load", "load_draft", "load_target",
+    "make_prompt_cache", "resolve_model", "stream_generate",
 ]

@@ -3,7 +3,9 @@
 State between rounds: the target's KV cache holds every committed token but the
 last one, the *root*, which the target chose and which starts the next round. The
 draft head still has to read (feature, next token) pairs for the positions the
-target committed since its last round; they are kept as ``pending``.
+target committed since its last round; they are kept as ``pending``. Both caches
+live in a ``PromptCache``, which a conversation keeps from turn to turn: a new
+prompt that begins with what the caches hold is read from where they diverge.
 
 One round: the head reads the pending pairs into its cache, its output at the root
 grows a tree; the target runs [root, tree] in one forward pass with a tree mask;
@@ -19,11 +21,34 @@ from typing import List, Optional, Tuple
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-from mlx_lm.models.cache import KVCache, make_prompt_cache
+from mlx_lm.models import cache as mlx_lm_cache
 
 from .target import TargetOutput, check_target, keep_cache_entries, lm_head, target_forward, tree_mask
 from .trees import DraftTree, TreeDrafter, TreeSpec
 from .verify import Sampling, accept
+
+
+@dataclass
+class PromptCache:
+    """The target's and the draft head's KV caches, and the tokens they hold."""
+
+    target: List
+    draft: List
+    tokens: List[int]  # committed tokens; the last (the root) is not in the target cache yet
+
+
+def make_prompt_cache(model: nn.Module) -> PromptCache:
+    """An empty cache for ``model``; pass it to every turn of one conversation."""
+    return PromptCache(target=mlx_lm_cache.make_prompt_cache(model), draft=[mlx_lm_cache.KVCache()], tokens=[])
+
+
+def common_prefix(a: List[int], b: List[int]) -> int:
+    count = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        count += 1
+    return count
 
 
 @dataclass
@@ -34,15 +59,16 @@ class Round:
 
 class SpeculativeDecoder:
     def __init__(self, target: nn.Module, head: Optional[nn.Module], tree: TreeSpec,
-                 sampling: Sampling, seed: Optional[int] = None):
+                 sampling: Sampling, seed: Optional[int] = None, cache: Optional[PromptCache] = None):
         check_target(target)
         head = head if tree.kind != "none" else None
         self.target, self.head, self.sampling = target, head, sampling
         self.drafter = TreeDrafter(head, target, tree) if head is not None else None
         self.taps = head.taps(target.args.num_hidden_layers) if head is not None else None
         self.rng = np.random.default_rng(seed)
-        self.cache = make_prompt_cache(target)
-        self.draft_cache = [KVCache()]
+        self.state = cache if cache is not None else make_prompt_cache(target)
+        self.cache, self.draft_cache = self.state.target, self.state.draft
+        self.reused = 0  # prompt tokens the last prefill found already in the caches
         self.forwards = 0  # target forward passes, for tests and statistics
         self.root: Optional[int] = None
         self.pending: Optional[Tuple[mx.array, mx.array]] = None  # (features [n, F], next tokens [n])
@@ -63,16 +89,34 @@ class SpeculativeDecoder:
         out = target_forward(self.target, mx.array([tokens]), self.cache, positions, mask, self.taps)
         return TargetOutput(logits=out.logits[0], features=out.features[0], hidden=out.hidden[0])
 
+    def _reusable(self, prompt: List[int]) -> int:
+        """How many leading prompt tokens the caches already hold; both caches are cut
+        back to that. The head's entry at t pairs feature t with token t + 1, so it is
+        still good only where token t + 1 is shared too."""
+        common = common_prefix(self.state.tokens, prompt)
+        draft_valid = min(self.draft_cache[0].offset, max(common - 1, 0))
+        keep_cache_entries(self.draft_cache, draft_valid, [])
+        reuse = min(common, self.cache[0].offset, len(prompt) - 1)
+        if self.head is not None:
+            reuse = min(reuse, draft_valid)
+            keep_cache_entries(self.draft_cache, reuse, [])
+        keep_cache_entries(self.cache, reuse, [])
+        return reuse
+
     def prefill(self, prompt: List[int], chunk: int = 512) -> int:
-        """Read the prompt; returns the first generated token (the first root)."""
+        """Read the prompt (what the caches do not already hold of it); returns the
+        first generated token (the first root)."""
+        self.reused = self._reusable(prompt)
+        self.state.tokens = []  # until this returns, the caches hold nothing certain
         features = []
-        for start in range(0, len(prompt), chunk):
+        for start in range(self.reused, len(prompt), chunk):
             block = prompt[start:start + chunk]
             out = self._forward(block, start, "causal" if len(block) > 1 else None)
             features.append(out.features)
             mx.eval(out.features)  # the prompt's own logits are never needed: only the last
         self.root = self._choose(lm_head(self.target, out.hidden[-1]))
-        self._set_pending(mx.concatenate(features), prompt[1:] + [self.root])
+        self._set_pending(mx.concatenate(features), prompt[self.reused + 1:] + [self.root])
+        self.state.tokens = list(prompt) + [self.root]
         return self.root
 
     def _set_pending(self, features: mx.array, next_tokens: List[int]) -> None:
@@ -94,6 +138,7 @@ class SpeculativeDecoder:
 
     def step(self, room: int) -> Round:
         """One round. ``room``: how many tokens past the root may still be produced."""
+        committed, self.state.tokens = self.state.tokens, []  # an interrupted round leaves nothing certain
         tree = self._draft(room - 1) if self.head is not None else DraftTree()
         start = self.cache[0].offset
         tokens = [self.root] + tree.tokens
@@ -109,4 +154,5 @@ class SpeculativeDecoder:
         if self.head is not None:
             self._set_pending(out.features[mx.array(kept)], accepted + [bonus])
         self.root = bonus
+        self.state.tokens = committed + accepted + [bonus]
         return Round(tokens=accepted + [bonus], drafted=len(tree))

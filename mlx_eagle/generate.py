@@ -12,7 +12,7 @@ from typing import List, Optional, Sequence
 import mlx.core as mx
 
 from .cli import blas_in_use, run_cli
-from .generation import print_stats, stream_generate
+from .generation import chat_tokens, print_stats, stream_generate
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -41,7 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
 def prompt_tokens(tokenizer, prompt: str, system: Optional[str], use_chat_template: bool) -> List[int]:
     if use_chat_template and tokenizer.chat_template is not None:
         messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
-        return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True))
+        return chat_tokens(tokenizer, messages)
     text = f"{system}\n\n{prompt}" if system else prompt
     return tokenizer.encode(text)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Generator, List, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Dict, Generator, List, Optional, Sequence, Union
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -13,14 +13,16 @@ import mlx.nn as nn
 from .cli import UserError
 
 if TYPE_CHECKING:
+    from .decoder import PromptCache
     from .trees import TreeSpec
 
 
 @dataclass
 class GenerationResponse:
     """One generated token, as mlx-lm's stream_generate yields them, plus speculation
-    statistics: ``accepted`` draft tokens in this token's round, and ``mean_accepted``
-    (tau): tokens produced per target forward pass so far."""
+    statistics: ``accepted`` draft tokens in this token's round, ``mean_accepted``
+    (tau): tokens produced per target forward pass so far, and ``prompt_reused``:
+    prompt tokens found already in the ``prompt_cache`` (not read again)."""
 
     text: str
     token: int
@@ -34,6 +36,7 @@ class GenerationResponse:
     accepted: int = 0
     mean_accepted: float = 0.0
     target_forwards: int = 0
+    prompt_reused: int = 0
 
 
 def _prompt_ids(tokenizer, prompt: Union[str, List[int], mx.array]) -> List[int]:
@@ -42,6 +45,15 @@ def _prompt_ids(tokenizer, prompt: Union[str, List[int], mx.array]) -> List[int]
     if isinstance(prompt, mx.array):
         return prompt.tolist()
     return list(prompt)
+
+
+def chat_tokens(tokenizer, messages: Sequence[Dict[str, str]]) -> List[int]:
+    """The prompt for ``messages`` through the model's chat template, ready for the
+    assistant's turn (a plain "role: text" rendering for models without a template)."""
+    if tokenizer.chat_template is not None:
+        return list(tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True))
+    text = "\n\n".join(f"{m['role']}: {m['content']}" for m in messages) + "\n\nassistant:"
+    return tokenizer.encode(text)
 
 
 def _context_length(model: nn.Module) -> Optional[int]:
@@ -61,6 +73,7 @@ def stream_generate(
     top_k: int = 0,
     seed: Optional[int] = None,
     stop: Optional[Sequence[str]] = None,
+    prompt_cache: Optional["PromptCache"] = None,
 ) -> Generator[GenerationResponse, None, None]:
     """Yield the continuation of ``prompt`` token by token.
 
@@ -69,7 +82,10 @@ def stream_generate(
     device beside the head (``python -m mlx_eagle.tune``), else ``static:default``, or
     plain decoding where speculation cannot pay off. The text is exactly
     what the target alone would produce: the same tokens when greedy (temp 0),
-    the same distribution when sampling.
+    the same distribution when sampling. ``prompt_cache`` (``make_prompt_cache``):
+    keep it across the turns of a conversation and pass the whole conversation each
+    time; the part the cache already holds is not read again. Stopping the iteration
+    between tokens leaves it usable.
     """
     from .decoder import SpeculativeDecoder
     from .trees import parse_tree
@@ -86,7 +102,7 @@ def stream_generate(
     limit = _context_length(model)
     if limit is not None and len(ids) >= limit:
         raise UserError(f"the prompt is {len(ids)} tokens; the model's context holds {limit}. Shorten it")
-    decoder = SpeculativeDecoder(model, draft, spec, Sampling(temp, top_p, min_p, top_k), seed)
+    decoder = SpeculativeDecoder(model, draft, spec, Sampling(temp, top_p, min_p, top_k), seed, prompt_cache)
     eos = set(tokenizer.eos_token_ids)
     stops = [s for s in (stop or []) if s]
     detokenizer = tokenizer.detokenizer
@@ -95,7 +111,7 @@ def stream_generate(
 
     tic = time.perf_counter()
     round_tokens = [decoder.prefill(ids)]
-    prompt_tps = len(ids) / (time.perf_counter() - tic)
+    prompt_tps = (len(ids) - decoder.reused) / (time.perf_counter() - tic)
     tic = time.perf_counter()
     generated, produced, rounds, accepted = 0, 0, 0, 0
     from_draft = [False]
@@ -127,7 +143,7 @@ def stream_generate(
                 generation_tps=generated / elapsed if elapsed > 0 else 0.0,
                 peak_memory=mx.get_peak_memory() / 1e9, finish_reason=finish,
                 accepted=accepted, mean_accepted=produced / rounds if rounds else 0.0,
-                target_forwards=decoder.forwards,
+                target_forwards=decoder.forwards, prompt_reused=decoder.reused,
             )
             if finish is not None:
                 return

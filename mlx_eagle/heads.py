@@ -192,6 +192,7 @@ def new_head(target: nn.Module, family: str, draft_vocab_size: Optional[int] = N
         head.d2t = (used - mx.arange(config.draft_vocab_size)).astype(mx.int64)
     head.set_dtype(target.model.norm.weight.dtype)
     check_fits(head, target, "a new head")
+    mx.eval(head.parameters())
     return head
 
 

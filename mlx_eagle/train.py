@@ -50,7 +50,6 @@ class TrainConfig:
     step_decay: float = 0.8
     checkpoint_every: int = 200
     seed: int = 0
-    normalize_taps: bool = True
 
 
 def draft_vocabulary(sequences: Sequences, vocab_size: int, size: int) -> np.ndarray:
@@ -77,30 +76,9 @@ def init_from_target(head, target, used: np.ndarray) -> None:
     head.lm_head.weight = rows.astype(head.lm_head.weight.dtype)
 
 
-def tap_scale(records: Sequence[Dict[str, np.ndarray]]) -> np.ndarray:
-    """Each tap channel's RMS over the training data, first positions left out.
-    SmolLM2's taps span scales from ~1 to ~350 per channel (and ~1000 at position 0,
-    the massive activations of the first token); under Adam a weight's step moves fc's
-    output in proportion to its input's scale, so the head trains on channels divided
-    by this and the division is folded into fc when it is saved (fold_tap_scale)."""
-    squares, count = np.zeros(records[0]["taps"].shape[-1]), 0
-    for record in records:
-        taps = record["taps"][1:].astype(np.float32)
-        squares += np.einsum("tc,tc->c", taps, taps)
-        count += len(taps)
-    return np.sqrt(squares / max(count, 1)).clip(min=1e-2).astype(np.float32)
-
-
-def fold_tap_scale(head, scale: np.ndarray) -> None:
-    """fc(taps / scale) == (fc with its input columns divided by scale)(taps): the saved
-    head takes raw taps, as the runtime and the official layout expect."""
-    head.fc.weight = head.fc.weight / mx.array(scale).astype(head.fc.weight.dtype)
-
-
-def make_batch(records: Sequence[Dict[str, np.ndarray]], scale: Optional[np.ndarray] = None) -> Dict[str, mx.array]:
+def make_batch(records: Sequence[Dict[str, np.ndarray]]) -> Dict[str, mx.array]:
     """Pad to a common length. Position t trains the prediction of token t + 2 from
-    (feature t, token t + 1); it counts when that token belongs to the answer. Taps are
-    divided by ``scale`` when given (see tap_scale)."""
+    (feature t, token t + 1); it counts when that token belongs to the answer."""
     length = max(len(r["tokens"]) for r in records)
 
     def pad(array, width):
@@ -113,11 +91,10 @@ def make_batch(records: Sequence[Dict[str, np.ndarray]], scale: Optional[np.ndar
     lengths = np.array([len(r["tokens"]) for r in records])[:, None]
     prompt = np.array([r["prompt_length"] for r in records])[:, None]
     mask = (positions + 2 < lengths) & (positions + 2 >= prompt)
-    taps = np.stack([pad(r["taps"], length) for r in records])
     return {
         "tokens": mx.array(tokens),
         "next_tokens": mx.array(np.concatenate([tokens[:, 1:], np.zeros_like(tokens[:, :1])], axis=1)),
-        "taps": mx.array(taps) if scale is None else mx.array(taps.astype(np.float32) / scale),
+        "taps": mx.array(np.stack([pad(r["taps"], length) for r in records])),
         "last": mx.array(np.stack([pad(r["last"], length) for r in records])),
         "mask": mx.array(mask),
         "index": mx.array(np.flatnonzero(mask)),
@@ -228,16 +205,13 @@ def batch_order(lengths: Sequence[int], config: TrainConfig, step: int, world: i
 
 
 class Trainer:
-    """Owns the head, optimizer and checkpoints of one training run. With
-    ``config.normalize_taps`` the head trains on scaled taps: call ``finished_head``
-    for the head that takes raw ones."""
+    """Owns the head, optimizer and checkpoints of one training run."""
 
     def __init__(self, target: nn.Module, head: nn.Module, records, config: TrainConfig, work: Path,
                  used: Optional[np.ndarray] = None, progress: bool = True):
         self.target, self.head, self.records, self.config, self.work = target, head, records, config, work
         self.used = mx.array(used) if used is not None else None
         self.lengths = [len(r["tokens"]) for r in records]
-        self.tap_scale = tap_scale(records) if config.normalize_taps and config.family == "eagle3" else None
         work.mkdir(parents=True, exist_ok=True)
         self.group = mx.distributed.init()
         self.main = self.group.rank() == 0
@@ -277,7 +251,7 @@ class Trainer:
         tic, tokens = time.perf_counter(), 0
         while self.step < min(config.steps, stop_after or config.steps):
             chosen = batch_order(self.lengths, config, self.step, self.group.size(), self.group.rank())
-            batch = make_batch([self.records[i] for i in chosen], self.tap_scale)
+            batch = make_batch([self.records[i] for i in chosen])
             total, losses, accuracies = self._train_step(batch)
             self.step += 1
             tokens += int(batch["mask"].sum().item())
@@ -293,13 +267,6 @@ class Trainer:
         bar.close()
         if log is not None:
             log.close()
-
-    def finished_head(self) -> nn.Module:
-        """The trained head, taking the target's raw taps (call once training is over)."""
-        if self.tap_scale is not None:
-            fold_tap_scale(self.head, self.tap_scale)
-            self.tap_scale = None
-        return self.head
 
     def save_checkpoint(self) -> None:
         if not self.main:
@@ -402,8 +369,6 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                         "(for measuring what more data buys)")
     parser.add_argument("--save-dtype", choices=["float16", "bfloat16", "float32"], default="float16",
                         help="weights of the written head (training runs in float32)")
-    parser.add_argument("--raw-taps", dest="normalize_taps", action="store_false",
-                        help="train on the raw tap scales (default: per-channel normalised, folded into fc)")
     parser.add_argument("--prepare-only", action="store_true", help="stop after data, vocabulary and features")
     parser.add_argument("--quiet", action="store_true")
     args = parser.parse_args(argv)
@@ -455,7 +420,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     trainer.run()
     if world.rank() != 0:
         return
-    save_head(trainer.finished_head(), args.out, dtype=getattr(mx, args.save_dtype))
+    save_head(head, args.out, dtype=getattr(mx, args.save_dtype))
     plot_curves(work / "log.jsonl", work / "curves.png")
     # Measured on the head as written (saved dtype), as users will load it.
     result = acceptance_by_depth(model, tokenizer, load_head(args.out, model), held_out)

@@ -12,7 +12,7 @@ from mlx.utils import tree_flatten
 from mlx_eagle.data import read_sharegpt, sharegpt_path, sharegpt_prompts, mtbench_questions
 from mlx_eagle.heads import new_head
 from mlx_eagle.features import compute_features, load_features
-from mlx_eagle.train import TrainConfig, Trainer, d2t_t2d, draft_vocabulary, make_batch, tap_scale, ttt_mask
+from mlx_eagle.train import TrainConfig, Trainer, d2t_t2d, draft_vocabulary, ttt_mask
 from synthetic import write_model
 
 
@@ -102,20 +102,6 @@ def test_resumed_run_reaches_the_same_weights(tiny, tmp_path):
     resumed.run()
     for (name, a), (_, b) in zip(tree_flatten(straight.head.parameters()), tree_flatten(resumed.head.parameters())):
         assert mx.allclose(a, b, atol=1e-6), name
-
-
-def test_trained_on_normalised_taps_the_saved_head_takes_raw_ones(tiny, tmp_path):
-    model, records, used = tiny
-    head = new_head(model, "eagle3", draft_vocab_size=len(used), seed=3)
-    trainer = Trainer(model, head, records, TrainConfig(steps=2, batch_size=4, warmup=1, ttt_steps=2),
-                      tmp_path, used=used, progress=False)
-    trainer.run()
-    scale = tap_scale(records)
-    assert scale.shape == (records[0]["taps"].shape[-1],) and (scale > 0).all()
-    while_training = head.project(make_batch(records[:3], scale)["taps"])
-    finished = trainer.finished_head()
-    assert mx.allclose(finished.project(make_batch(records[:3])["taps"].astype(mx.float32)), while_training,
-                       rtol=1e-4, atol=1e-4)
 
 
 def test_sharegpt_reader_survives_the_truncated_file():

@@ -1,0 +1,219 @@
+"""Chat with a local model in the terminal, EAGLE-accelerated.
+
+    python -m apps.chat [--model M] [--draft D] [--system TEXT] [--temp X] [--tree SPEC]
+
+Enter sends; end a line with \\ to continue on the next, or wrap a block in \"\"\".
+Ctrl-C stops a reply (the conversation stays), Ctrl-D or /quit leaves.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import List, Optional, Sequence
+
+from mlx_eagle.cli import UserError, run_cli
+
+COMMANDS = """commands:
+  /help           this list
+  /reset          forget the conversation (the system prompt stays)
+  /system TEXT    set the system prompt ('/system' alone clears it)
+  /temp X         sampling temperature (0: greedy)
+  /tree SPEC      draft tree: auto, chain:K, static:default, static:FILE, dynamic:..., none
+  /stats          show or hide the line after each reply
+  /save FILE      write the conversation as JSON
+  /quit           leave (Ctrl-D too)"""
+
+HISTORY_FILE = Path.home() / ".cache" / "mlx-eagle" / "chat_history"
+
+
+class Terminal:
+    """Line input with editing and history (readline), and dim text where it shows."""
+
+    def __init__(self, out=sys.stdout):
+        self.out = out
+        self.styled = out.isatty() and os.environ.get("TERM") != "dumb" and "NO_COLOR" not in os.environ
+        try:
+            import readline
+        except ImportError:  # Windows without pyreadline: plain input() still works
+            self.readline = None
+        else:
+            self.readline = readline
+            try:
+                readline.read_history_file(HISTORY_FILE)
+            except OSError:
+                pass
+
+    def dim(self, text: str) -> str:
+        return f"\x1b[2m{text}\x1b[0m" if self.styled else text
+
+    def say(self, text: str = "") -> None:
+        print(text, file=self.out, flush=True)
+
+    def read_message(self) -> str:
+        """One message: a line, lines joined by trailing backslashes, or a \"\"\" block."""
+        line = input(">>> ")
+        if line.strip() == '"""':
+            lines = []
+            while (line := input("... ")).strip() != '"""':
+                lines.append(line)
+            return "\n".join(lines)
+        lines = []
+        while line.endswith("\\"):
+            lines.append(line[:-1])
+            line = input("... ")
+        return "\n".join(lines + [line])
+
+    def save_history(self) -> None:
+        if self.readline is not None:
+            try:
+                HISTORY_FILE.parent.mkdir(parents=True, exist_ok=True)
+                self.readline.write_history_file(HISTORY_FILE)
+            except OSError:
+                pass
+
+
+def save_conversation(session, path: Path) -> None:
+    """The conversation as JSON, all of it or nothing (written beside, then renamed)."""
+    data = {"model": session.engine.name, "system": session.system, "messages": session.history}
+    partial = path.with_name(f".{path.name}.partial")
+    partial.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n")
+    os.replace(partial, path)
+
+
+def command(session, terminal: Terminal, text: str, state: dict) -> bool:
+    """Run a /command; False when it asks to leave."""
+    from mlx_eagle.trees import parse_tree
+
+    name, _, argument = text.partition(" ")
+    argument = argument.strip()
+    if name in ("/quit", "/exit"):
+        return False
+    if name == "/help":
+        terminal.say(COMMANDS)
+    elif name == "/reset":
+        session.reset()
+        terminal.say(terminal.dim("(conversation forgotten)"))
+    elif name == "/system":
+        session.system = argument or None
+        terminal.say(terminal.dim(f"(system prompt {'set' if argument else 'cleared'})"))
+    elif name == "/temp":
+        try:
+            value = float(argument)
+            if value < 0:
+                raise ValueError
+        except ValueError:
+            terminal.say("usage: /temp X, with X >= 0 (0: greedy)")
+        else:
+            session.temp = value
+            terminal.say(terminal.dim(f"(temperature {value:g})"))
+    elif name == "/tree":
+        try:
+            if argument != "auto":
+                parse_tree(argument)
+        except UserError as error:
+            terminal.say(f"error: {error}")
+        else:
+            session.tree = argument
+            terminal.say(terminal.dim(f"(tree {argument})"))
+    elif name == "/stats":
+        state["stats"] = not state["stats"]
+        terminal.say(terminal.dim(f"(stats {'on' if state['stats'] else 'off'})"))
+    elif name == "/save":
+        if not argument:
+            terminal.say("usage: /save FILE")
+        else:
+            try:
+                save_conversation(session, Path(argument).expanduser())
+                terminal.say(terminal.dim(f"(saved to {argument})"))
+            except OSError as error:
+                terminal.say(f"error: cannot write {argument} ({error.strerror})")
+    else:
+        terminal.say(f"unknown command {name}; /help lists them")
+    return True
+
+
+def reply(session, terminal: Terminal, text: str, show_stats: bool) -> None:
+    """Stream one reply; Ctrl-C stops it and keeps what was shown."""
+    chunks = session.send(text)
+    try:
+        for chunk in chunks:
+            terminal.out.write(chunk.text)
+            terminal.out.flush()
+    except KeyboardInterrupt:
+        chunks.close()  # cancels the generation; the worker stops within a round
+        terminal.say()
+        terminal.say(terminal.dim("(stopped)"))
+    else:
+        terminal.say()
+    if show_stats and session.stats is not None:
+        terminal.say(terminal.dim(session.stats.line()))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m apps.chat", description=__doc__.splitlines()[0])
+    parser.add_argument("--model", help="MLX or Hugging Face directory, .gguf file or repo id "
+                                        "(default: SmolLM2-135M-Instruct)")
+    parser.add_argument("--draft", default="auto", help="EAGLE head directory; 'none' decodes plainly "
+                                                        "(default: the model's shipped head, if any)")
+    parser.add_argument("--system", help="a system prompt")
+    parser.add_argument("--tree", default="auto", help="draft tree (as in mlx_eagle.generate)")
+    parser.add_argument("--temp", type=float, default=0.0, help="sampling temperature (0: greedy)")
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--max-tokens", "-m", type=int, default=512, help="longest reply")
+    parser.add_argument("--seed", type=int)
+    parser.add_argument("--no-stats", action="store_true", help="hide the line after each reply")
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    args = build_parser().parse_args(argv)
+    from mlx_eagle.session import ChatSession
+    from mlx_eagle.trees import parse_tree
+
+    if args.tree != "auto":
+        parse_tree(args.tree)  # a malformed tree fails before loading
+    terminal = Terminal()
+    terminal.say(terminal.dim("loading..."))
+    session = ChatSession(args.model, args.draft, system=args.system, tree=args.tree, temp=args.temp,
+                          top_p=args.top_p, max_tokens=args.max_tokens, seed=args.seed,
+                          on_notice=lambda text: terminal.say(terminal.dim(f"({text})")))
+    engine = session.engine
+    drafting = f"{engine.head.family} head" if engine.head is not None else "no draft head (plain decoding)"
+    terminal.say(terminal.dim(f"{engine.name}, {drafting}. /help for commands, Ctrl-D to leave."))
+    state = {"stats": not args.no_stats}
+    try:
+        while True:
+            try:
+                text = terminal.read_message()
+            except KeyboardInterrupt:
+                terminal.say()
+                continue
+            except EOFError:
+                terminal.say()
+                break
+            if not text.strip():
+                continue
+            if text.startswith("/"):
+                if not command(session, terminal, text.strip(), state):
+                    break
+                continue
+            try:
+                reply(session, terminal, text, state["stats"])
+            except UserError as error:
+                terminal.say(f"error: {error}")
+    finally:
+        terminal.save_history()
+        engine.close()
+
+
+def cli() -> None:
+    """Console-script entry point."""
+    run_cli(main)
+
+
+if __name__ == "__main__":
+    cli()

@@ -1,0 +1,277 @@
+"""Chat sessions for desktop tools, the chat app and the server.
+
+    from mlx_eagle.session import ChatSession
+    chat = ChatSession()                      # loads the default model and head once
+    for chunk in chat.send("Hi! Who are you?"):
+        print(chunk.text, end="", flush=True)
+    chat.cancel()                             # from any thread: stops within one round
+
+MLX streams belong to the thread that made them, so all model work runs on one worker
+thread that the ``Engine`` owns; any thread may submit, iterate and cancel. The engine
+keeps one ``PromptCache``: a turn that extends the last conversation reads only its
+new tokens.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
+
+import mlx.core as mx
+
+from .cli import UserError
+from .decoder import make_prompt_cache
+from .generation import GenerationResponse, chat_tokens, stream_generate
+from .models import DEFAULT_MODEL, load_draft, load_target
+
+Message = Dict[str, str]
+ROLES = ("system", "user", "assistant")
+
+
+def check_messages(messages: Any) -> List[Message]:
+    """Plain-data history: a list of {"role": system|user|assistant, "content": str}."""
+    if not isinstance(messages, list):
+        raise UserError("messages must be a list of {'role': ..., 'content': ...} objects")
+    checked = []
+    for index, message in enumerate(messages):
+        if not isinstance(message, dict) or message.get("role") not in ROLES \
+                or not isinstance(message.get("content"), str):
+            raise UserError(f"message {index} must be {{'role': one of {', '.join(ROLES)}, 'content': a string}}")
+        checked.append({"role": message["role"], "content": message["content"]})
+    return checked
+
+
+_DONE = object()
+
+
+class Engine:
+    """One model and head on their own worker thread, one generation at a time;
+    others wait their turn in a queue."""
+
+    def __init__(self, model: Optional[str] = None, draft: Optional[str] = "auto", loaded: Optional[tuple] = None,
+                 name: Optional[str] = None):
+        """``loaded``: (model, tokenizer, head) already in memory, instead of loading
+        ``model`` and ``draft``; ``name``: what to call the model (default: its directory's)."""
+        self._jobs: "queue.Queue" = queue.Queue()
+        self._current: Optional[threading.Event] = None
+        self._thread = threading.Thread(target=self._work, name="mlx-eagle-engine", daemon=True)
+        self._thread.start()
+        if loaded is None:
+            loaded = self._call(lambda: self._load(model, draft))
+        else:  # a lazy array can only be evaluated on the thread whose stream made it
+            mx.eval([m.parameters() for m in loaded if hasattr(m, "parameters")])
+        self.model, self.tokenizer, self.head, *path = loaded
+        self.name = name or (path[0].name if path else DEFAULT_MODEL)
+        self.cache = self._call(lambda: make_prompt_cache(self.model))
+
+    @staticmethod
+    def _load(model: Optional[str], draft: Optional[str]):
+        target, tokenizer, path = load_target(model)
+        return target, tokenizer, load_draft(draft, target, path), path
+
+    def _work(self) -> None:
+        mx.set_default_stream(mx.new_stream(mx.default_device()))
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            job()
+
+    def _call(self, function: Callable[[], Any]) -> Any:
+        """Run ``function`` on the worker and return its result (or raise its error)."""
+        box: "queue.Queue" = queue.Queue()
+
+        def job():
+            try:
+                box.put((True, function()))
+            except BaseException as exc:  # handed to the caller
+                box.put((False, exc))
+
+        self._jobs.put(job)
+        ok, value = box.get()
+        if not ok:
+            raise value
+        return value
+
+    @property
+    def context_length(self) -> Optional[int]:
+        return getattr(self.model.args, "max_position_embeddings", None)
+
+    def generate(self, ids: List[int], **options) -> Iterator[GenerationResponse]:
+        """Stream the continuation of ``ids``; ``options`` as for stream_generate.
+        Leaving the loop early, or ``cancel()``, stops the generation within a round."""
+        out: "queue.Queue" = queue.Queue()
+        cancel = threading.Event()
+
+        def job():
+            self._current = cancel
+            try:
+                if cancel.is_set():
+                    return
+                for response in stream_generate(self.model, self.tokenizer, ids, draft=self.head,
+                                                prompt_cache=self.cache, **options):
+                    out.put(response)
+                    if cancel.is_set():
+                        break
+            except BaseException as exc:
+                out.put(exc)
+            finally:
+                self._current = None
+                out.put(_DONE)
+
+        self._jobs.put(job)
+        try:
+            while True:
+                item = out.get()
+                if item is _DONE:
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            cancel.set()
+
+    def cancel(self) -> None:
+        """Stop the generation in progress (safe from any thread)."""
+        current = self._current
+        if current is not None:
+            current.set()
+
+    def reset_cache(self) -> None:
+        self._call(lambda: setattr(self, "cache", make_prompt_cache(self.model)))
+
+    def close(self) -> None:
+        self.cancel()
+        self._jobs.put(None)
+        self._thread.join()
+
+
+@dataclass
+class TurnStats:
+    """What the last reply cost: tokens, speed, tau and the prompt tokens read vs reused."""
+
+    tokens: int
+    tokens_per_s: float
+    tau: float
+    prompt_tokens: int
+    prompt_reused: int
+    finish_reason: Optional[str]
+
+    def line(self) -> str:
+        return (f"{self.tokens} tokens, {self.tokens_per_s:.1f} tokens/s, tau {self.tau:.2f}, "
+                f"prompt {self.prompt_tokens - self.prompt_reused} read + {self.prompt_reused} cached")
+
+
+class ChatSession:
+    """A conversation with one model: ``send`` streams replies, the history is plain
+    data (``history``, assignable), ``cancel`` stops a reply from any thread, ``reset``
+    forgets. Oldest turns are dropped (with a notice) once the history outgrows the
+    context window."""
+
+    def __init__(self, model: Optional[str] = None, draft: Optional[str] = "auto", *, system: Optional[str] = None,
+                 tree: str = "auto", temp: float = 0.0, top_p: float = 1.0, max_tokens: int = 512,
+                 seed: Optional[int] = None, engine: Optional[Engine] = None,
+                 on_notice: Callable[[str], None] = lambda text: None):
+        self.engine = engine or Engine(model, draft)
+        self.system, self.tree, self.temp, self.top_p = system, tree, temp, top_p
+        self.max_tokens, self.seed, self.on_notice = max_tokens, seed, on_notice
+        self.stats: Optional[TurnStats] = None
+        self._history: List[Message] = []
+        self._busy = threading.Lock()
+
+    @property
+    def history(self) -> List[Message]:
+        """The conversation so far (user and assistant turns), as plain data."""
+        return [dict(m) for m in self._history]
+
+    @history.setter
+    def history(self, messages: List[Message]) -> None:
+        messages = check_messages(messages)
+        if messages and messages[0]["role"] == "system":
+            self.system, messages = messages[0]["content"], messages[1:]
+        if any(m["role"] == "system" for m in messages):
+            raise UserError("only the first message may be a system prompt")
+        if not self._busy.acquire(blocking=False):
+            raise RuntimeError("a reply is in progress; cancel it before replacing the history")
+        self._history = messages
+        self._busy.release()
+
+    def messages(self, extra: Sequence[Message] = ()) -> List[Message]:
+        head = [{"role": "system", "content": self.system}] if self.system else []
+        return head + self._history + list(extra)
+
+    def reset(self) -> None:
+        """Forget the conversation (the system prompt stays); a reply in progress on
+        another thread is cancelled first."""
+        self.cancel()
+        with self._busy:
+            self._history = []
+
+    def cancel(self) -> None:
+        self.engine.cancel()
+
+    def _fit(self, message: Message) -> List[int]:
+        """The prompt for the history plus ``message``, dropping the oldest turns while
+        it leaves less than ``max_tokens`` of the context for the reply."""
+        tokenizer, limit = self.engine.tokenizer, self.engine.context_length
+        ids = chat_tokens(tokenizer, self.messages([message]))
+        dropped = 0
+        while limit is not None and len(ids) + self.max_tokens > limit and self._history:
+            # A turn is a user message and the reply after it.
+            cut = next((i for i in range(1, len(self._history)) if self._history[i]["role"] == "user"),
+                       len(self._history))
+            self._history = self._history[cut:]
+            dropped += 1
+            ids = chat_tokens(tokenizer, self.messages([message]))
+        if dropped:
+            self.on_notice(f"the conversation outgrew the {limit}-token context: dropped the oldest "
+                           f"{dropped} turn{'s' if dropped > 1 else ''}")
+        if limit is not None and len(ids) >= limit:
+            raise UserError(f"the message is {len(ids)} tokens with the chat template; the model's context "
+                            f"holds {limit}. Shorten it")
+        return ids
+
+    def send(self, text: str) -> Iterator[GenerationResponse]:
+        """Stream the reply to ``text``. What was shown stays in the history, a cancelled
+        reply included; a reply cancelled before its first token leaves no turn."""
+        if not self._busy.acquire(blocking=False):
+            raise RuntimeError("a reply is already in progress; cancel it or wait for it")
+        try:
+            message = {"role": "user", "content": text}
+            ids = self._fit(message)
+            reply, last = "", None
+            try:
+                for last in self.engine.generate(ids, max_tokens=self.max_tokens, tree=self.tree, temp=self.temp,
+                                                 top_p=self.top_p, seed=self.seed):
+                    reply += last.text
+                    yield last
+            finally:
+                if last is not None:
+                    self._history += [message, {"role": "assistant", "content": reply}]
+                    self.stats = TurnStats(
+                        tokens=last.generation_tokens, tokens_per_s=last.generation_tps, tau=last.mean_accepted,
+                        prompt_tokens=last.prompt_tokens, prompt_reused=last.prompt_reused,
+                        finish_reason=last.finish_reason or "cancelled")
+        finally:
+            self._busy.release()
+
+    def send_in_background(self, text: str, on_chunk: Callable[[GenerationResponse], None],
+                           on_done: Callable[[Optional[BaseException]], None] = lambda error: None) -> threading.Thread:
+        """For GUIs: stream the reply on a thread of its own, calling ``on_chunk`` for
+        each piece and ``on_done`` at the end (with the error, if any). The callbacks run
+        on that thread; hand their results to your toolkit's main loop."""
+
+        def run():
+            try:
+                for chunk in self.send(text):
+                    on_chunk(chunk)
+            except BaseException as exc:
+                on_done(exc)
+            else:
+                on_done(None)
+
+        thread = threading.Thread(target=run, name="mlx-eagle-reply", daemon=True)
+        thread.start()
+        return thread

@@ -1,0 +1,100 @@
+"""The chat-session API on the real SmolLM2: turns reuse the KV cache and still give
+the text a fresh prefill of the whole conversation gives; cancelling from another
+thread stops within one round; history round-trips as plain data; an overflowing
+history loses its oldest turns with a notice."""
+
+import json
+import threading
+
+import pytest
+
+from mlx_eagle import load, stream_generate
+from mlx_eagle.cli import UserError
+from mlx_eagle.generation import chat_tokens
+from mlx_eagle.heads import new_head
+from mlx_eagle.session import ChatSession, Engine
+
+TURNS = ["Name three primary colors.", "Which of them is the color of the sky?", "Write one sentence about it."]
+
+
+@pytest.fixture(scope="module")
+def engine():
+    model, tokenizer = load()
+    head = new_head(model, "eagle3", seed=4)  # random, so some drafts fail and some caches are cut back
+    engine = Engine(loaded=(model, tokenizer, head))
+    yield engine
+    engine.close()
+
+
+def fresh_reply(engine, messages, max_tokens):
+    """The reply from a new cache: the whole conversation read again."""
+    ids = chat_tokens(engine.tokenizer, messages)
+    return "".join(r.text for r in stream_generate(engine.model, engine.tokenizer, ids, max_tokens=max_tokens,
+                                                   draft=engine.head, tree="static:default"))
+
+
+def test_turns_reuse_the_cache_and_match_a_fresh_prefill(engine):
+    chat = ChatSession(engine=engine, tree="static:default", max_tokens=32, system="Answer briefly.")
+    reused = []
+    for turn in TURNS:
+        reply = "".join(chunk.text for chunk in chat.send(turn))
+        assert reply == fresh_reply(engine, chat.messages()[:-1], 32), turn
+        reused.append(chat.stats.prompt_reused)
+    assert reused[0] == 0 and all(r > 20 for r in reused[1:])
+    # A follow-up sees the earlier turns: they are in its prompt.
+    assert [m["content"] for m in chat.history if m["role"] == "user"] == TURNS
+    # An edited history shares only a prefix with the cache: still the fresh text.
+    chat.history = chat.history[:2]
+    reply = "".join(chunk.text for chunk in chat.send("And a fourth color?"))
+    assert reply == fresh_reply(engine, chat.messages()[:-1], 32)
+
+
+def test_cancel_from_another_thread_stops_within_one_round(engine):
+    chat = ChatSession(engine=engine, tree="static:default", max_tokens=200)
+    seen, done = [], threading.Event()
+    at_cancel = {}
+
+    def on_chunk(chunk):
+        seen.append(chunk)
+        if len(seen) == 3:
+            at_cancel["forwards"] = chunk.target_forwards
+            threading.Thread(target=chat.cancel).start()  # as a GUI's button would
+
+    chat.send_in_background("Tell me a long story about a lighthouse keeper.", on_chunk,
+                            lambda error: done.set()).join(timeout=300)
+    assert done.is_set()
+    assert len(seen) < 200 and chat.stats.finish_reason == "cancelled"
+    # The round in flight may finish; no further round starts.
+    assert seen[-1].target_forwards <= at_cancel["forwards"] + 1
+    assert chat.history[-1]["content"] == "".join(c.text for c in seen)
+    assert "".join(c.text for c in chat.send("Thanks!"))  # the session carries on
+
+
+def test_history_round_trips_as_plain_data(engine):
+    chat = ChatSession(engine=engine, max_tokens=8, system="Be terse.")
+    list(chat.send("Hello"))
+    data = json.loads(json.dumps(chat.messages()))
+    again = ChatSession(engine=engine, max_tokens=8)
+    again.history = data
+    assert again.system == "Be terse." and again.messages() == chat.messages()
+    again.reset()
+    assert again.history == [] and again.system == "Be terse."
+    for bad in ("hello", [{"role": "robot", "content": "hi"}], [{"role": "user", "content": 3}]):
+        with pytest.raises(UserError):
+            again.history = bad
+
+
+def test_oldest_turns_are_dropped_when_the_context_fills(engine):
+    notices = []
+    limit = engine.context_length
+    chat = ChatSession(engine=engine, max_tokens=8, on_notice=notices.append)
+    list(chat.send("Hello"))
+    list(chat.send("How are you?"))
+    # A reply budget that leaves room for one turn only: the older two must go.
+    chat.max_tokens = limit - len(chat_tokens(engine.tokenizer, chat.messages([{"role": "user", "content": "Bye"}]))) + 30
+    for _ in chat.send("Bye"):
+        break  # the first piece is enough; leaving the loop cancels the rest
+    assert notices and "dropped the oldest 2 turns" in notices[0]
+    assert [m["content"] for m in chat.history if m["role"] == "user"] == ["Bye"]
+    with pytest.raises(UserError, match="context"):
+        list(chat.send("word " * limit))
