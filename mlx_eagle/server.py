@@ -14,6 +14,7 @@ import argparse
 import ipaddress
 import json
 import select
+import signal
 import socket
 import sys
 import threading
@@ -206,6 +207,9 @@ class Handler(BaseHTTPRequestHandler):
         if length is None or not length.isdigit():
             raise RequestError(411, "a Content-Length header is required")
         if int(length) > self.server.max_body:
+            if int(length) <= 64 * self.server.max_body:  # read it, so the client hears the answer
+                for start in range(0, int(length), 1 << 16):
+                    self.rfile.read(min(1 << 16, int(length) - start))
             raise RequestError(413, f"the request body is {length} bytes; at most {self.server.max_body} are accepted")
         raw = self.rfile.read(int(length))
         try:
@@ -303,6 +307,10 @@ class Server(ThreadingHTTPServer):
             self.counts[what] += 1
 
 
+def _stop(signum, frame) -> None:
+    raise KeyboardInterrupt  # SIGTERM stops the server as Ctrl-C does: cleanly, exit 0
+
+
 def main(argv: Optional[Sequence[str]] = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m mlx_eagle.server", description=__doc__.splitlines()[0])
     parser.add_argument("--model", help="MLX or Hugging Face directory, .gguf file or repo id "
@@ -334,6 +342,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
               file=sys.stderr)
     drafting = f"{engine.head.family} head" if engine.head is not None else "plain decoding"
     print(f"serving {engine.name} ({drafting}) at http://{host}:{port}/v1", file=sys.stderr, flush=True)
+    signal.signal(signal.SIGTERM, _stop)
     try:
         server.serve_forever()
     except KeyboardInterrupt:

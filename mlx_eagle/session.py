@@ -157,11 +157,13 @@ class TurnStats:
     tau: float
     prompt_tokens: int
     prompt_reused: int
+    prompt_seconds: float  # reading the part of the prompt the cache did not hold
     finish_reason: Optional[str]
 
     def line(self) -> str:
         return (f"{self.tokens} tokens, {self.tokens_per_s:.1f} tokens/s, tau {self.tau:.2f}, "
-                f"prompt {self.prompt_tokens - self.prompt_reused} read + {self.prompt_reused} cached")
+                f"prompt {self.prompt_tokens - self.prompt_reused} read + {self.prompt_reused} cached "
+                f"in {self.prompt_seconds:.2f} s")
 
 
 class ChatSession:
@@ -253,6 +255,7 @@ class ChatSession:
                     self.stats = TurnStats(
                         tokens=last.generation_tokens, tokens_per_s=last.generation_tps, tau=last.mean_accepted,
                         prompt_tokens=last.prompt_tokens, prompt_reused=last.prompt_reused,
+                        prompt_seconds=(last.prompt_tokens - last.prompt_reused) / max(last.prompt_tps, 1e-9),
                         finish_reason=last.finish_reason or "cancelled")
         finally:
             self._busy.release()

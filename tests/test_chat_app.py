@@ -1,0 +1,126 @@
+"""The terminal chat app, driven in a pseudo-terminal as a person would: a streamed
+answer with a stats line, a follow-up that sees the earlier turn, Ctrl-C mid-answer
+back to the prompt, /save, /reset, /quit and Ctrl-D."""
+
+import json
+import os
+import pty
+import re
+import select
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from mlx_eagle import load
+from mlx_eagle.heads import new_head, save_head
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def random_head(tmp_path_factory):
+    """A random EAGLE-3 head, so the app's replies go through speculation."""
+    model, _ = load()
+    path = tmp_path_factory.mktemp("head") / "random-eagle3"
+    save_head(new_head(model, "eagle3", seed=5), path)
+    return path
+
+
+class Terminal:
+    """The app on the slave side of a pty; we type on the master side."""
+
+    def __init__(self, *args: str):
+        self.pid, self.fd = pty.fork()
+        if self.pid == 0:  # the child: the pty is its controlling terminal, so ^C is SIGINT
+            os.chdir(ROOT)
+            env = dict(os.environ, TERM="dumb", PYTHONPATH=str(ROOT))
+            os.execve(sys.executable, [sys.executable, "-m", "apps.chat", *args], env)
+        self.seen = ""
+
+    def type(self, text: str) -> None:
+        os.write(self.fd, text.encode())
+
+    def expect(self, pattern: str, timeout: float = 240) -> re.Match:
+        """Wait for ``pattern`` in what the app printed since the last match."""
+        deadline = time.monotonic() + timeout
+        while True:
+            match = re.search(pattern, self.seen)
+            if match:
+                self.seen = self.seen[match.end():]
+                return match
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise AssertionError(f"no {pattern!r} in {self.seen[-800:]!r}")
+            ready, _, _ = select.select([self.fd], [], [], remaining)
+            if ready:
+                try:
+                    chunk = os.read(self.fd, 4096)
+                except OSError:  # the app has exited
+                    chunk = b""
+                if not chunk:
+                    raise AssertionError(f"the app ended before {pattern!r}: {self.seen[-800:]!r}")
+                self.seen += chunk.decode(errors="replace").replace("\r\n", "\n")
+
+    def exit_code(self, timeout: float = 60) -> int:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                os.close(self.fd)
+                return os.waitstatus_to_exitcode(status)
+            try:
+                os.read(self.fd, 4096)  # keep the pty drained
+            except OSError:
+                time.sleep(0.1)
+        raise AssertionError("the app did not exit")
+
+
+def test_chat_in_a_terminal(random_head, tmp_path):
+    app = Terminal("--draft", str(random_head), "--max-tokens", "300")
+    app.expect(r"Ctrl-D to leave")
+    app.expect(r">>> ")
+    app.type("Name three primary colors.\r")
+    app.expect(r"[Rr]ed")  # the answer streams in
+    first = app.expect(r"(\d+) tokens, [\d.]+ tokens/s, tau [\d.]+, prompt (\d+) read \+ (\d+) cached")
+    assert int(first.group(1)) > 0
+    app.expect(r">>> ")
+
+    app.type("Which of them is the color of the sky?\r")
+    second = app.expect(r"tokens/s, tau [\d.]+, prompt (\d+) read \+ (\d+) cached")
+    assert int(second.group(2)) > int(first.group(2)), "the follow-up's prompt holds the first turn (cached)"
+    app.expect(r">>> ")
+    app.type(f"/save {tmp_path / 'two.json'}\r")
+    app.expect(r"saved")
+    saved = json.loads((tmp_path / "two.json").read_text())
+    assert [m["content"] for m in saved["messages"] if m["role"] == "user"] == [
+        "Name three primary colors.", "Which of them is the color of the sky?"]
+    assert len(saved["messages"]) == 4 and "red" in saved["messages"][1]["content"].lower()
+
+    app.type("Write a very long story about a dragon who learns to bake bread.\r")
+    app.expect(r"story about a dragon[^\n]*\n\s*\S")  # the reply has begun
+    app.type("\x03")
+    app.expect(r"\(stopped\)")
+    app.expect(r">>> ")
+    app.type(f"/save {tmp_path / 'three.json'}\r")
+    app.expect(r"saved")
+    messages = json.loads((tmp_path / "three.json").read_text())["messages"]
+    assert len(messages) == 6 and messages[4]["content"].startswith("Write a very long story")
+
+    app.type("/reset\r")
+    app.expect(r"forgotten")
+    app.type(f"/save {tmp_path / 'none.json'}\r")
+    app.expect(r"saved")
+    assert json.loads((tmp_path / "none.json").read_text())["messages"] == []
+    app.type("/temp hot\r")
+    app.expect(r"usage: /temp")
+    app.type("/quit\r")
+    assert app.exit_code() == 0
+
+
+def test_ctrl_d_leaves_cleanly():
+    app = Terminal("--draft", "none")
+    app.expect(r">>> ")
+    app.type("\x04")
+    assert app.exit_code() == 0

@@ -1,0 +1,153 @@
+"""The OpenAI-compatible server as a real process on loopback, spoken to with the
+official ``openai`` client: plain and streamed chat completions (the target's own
+greedy text), completions, models and health, a client that leaves mid-stream, and a
+batch of malformed requests that each get a 4xx while the server keeps serving."""
+
+import http.client
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import openai
+import pytest
+
+from mlx_eagle import load, resolve_model, stream_generate
+from mlx_eagle.generation import chat_tokens
+from mlx_eagle.heads import new_head, save_head
+
+ROOT = Path(__file__).resolve().parent.parent
+QUESTION = [{"role": "system", "content": "Answer briefly."},
+            {"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def smollm():
+    return load()
+
+
+@pytest.fixture(scope="module")
+def server(smollm, tmp_path_factory):
+    """``python -m mlx_eagle.server --port 0`` with a random EAGLE-3 head; yields its address."""
+    head = tmp_path_factory.mktemp("head") / "random-eagle3"
+    save_head(new_head(smollm[0], "eagle3", seed=6), head)
+    process = subprocess.Popen(
+        [sys.executable, "-m", "mlx_eagle.server", "--port", "0", "--draft", str(head), "--quiet"],
+        cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)), stderr=subprocess.PIPE, text=True)
+    lines = []
+    for line in process.stderr:
+        lines.append(line)
+        match = re.search(r"at http://127\.0\.0\.1:(\d+)/v1", line)
+        if match:
+            break
+    else:
+        raise AssertionError("the server did not start: " + "".join(lines))
+    yield "127.0.0.1", int(match.group(1))
+    process.terminate()
+    assert process.wait(timeout=30) == 0
+
+
+def client(server) -> openai.OpenAI:
+    host, port = server
+    return openai.OpenAI(base_url=f"http://{host}:{port}/v1", api_key="local", max_retries=0, timeout=300)
+
+
+def plain_text(smollm, ids, max_tokens):
+    model, tokenizer = smollm
+    return "".join(r.text for r in stream_generate(model, tokenizer, ids, max_tokens=max_tokens, draft=None))
+
+
+def raw(server, method, path, body=b"", headers=None):
+    connection = http.client.HTTPConnection(*server, timeout=300)
+    connection.request(method, path, body=body, headers=headers or {"Content-Type": "application/json"})
+    response = connection.getresponse()
+    payload = response.read()
+    connection.close()
+    return response.status, json.loads(payload)
+
+
+def health(server):
+    return raw(server, "GET", "/health")[1]
+
+
+def test_chat_completion_plain_and_streamed(server, smollm):
+    expected = plain_text(smollm, chat_tokens(smollm[1], QUESTION), 40)
+    reply = client(server).chat.completions.create(model="SmolLM2", messages=QUESTION, max_tokens=40, temperature=0)
+    assert reply.choices[0].message.content == expected
+    assert reply.choices[0].finish_reason in ("stop", "length")
+    assert reply.usage.prompt_tokens == len(chat_tokens(smollm[1], QUESTION))
+    speculation = reply.usage.model_extra["speculation"]
+    assert speculation["mean_accepted_tokens"] >= 1 and speculation["target_forwards"] >= 1
+
+    stream = client(server).chat.completions.create(model="SmolLM2", messages=QUESTION, max_tokens=40,
+                                                    temperature=0, stream=True,
+                                                    stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected
+    assert chunks[-1].usage.completion_tokens == reply.usage.completion_tokens
+    # The second request shares the first's prompt: its cache held it.
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens > 0
+
+
+def test_completions_models_and_health(server, smollm):
+    prompt = "The three primary colors are"
+    completion = client(server).completions.create(model="SmolLM2", prompt=prompt, max_tokens=12, temperature=0)
+    assert completion.choices[0].text == plain_text(smollm, smollm[1].encode(prompt), 12)
+    assert [m.id for m in client(server).models.list()] == [resolve_model().name]
+    assert health(server)["status"] == "ok"
+
+
+def test_a_client_that_leaves_mid_stream_cancels_its_generation(server):
+    before = health(server)["cancelled"]
+    connection = http.client.HTTPConnection(*server, timeout=300)
+    body = json.dumps({"messages": [{"role": "user", "content": "Write a very long story about a dragon."}],
+                       "max_tokens": 2000, "stream": True})
+    connection.request("POST", "/v1/chat/completions", body=body, headers={"Content-Type": "application/json"})
+    response = connection.getresponse()
+    assert response.status == 200
+    while not response.fp.readline().startswith(b"data:"):
+        pass
+    response.close()  # gone, 2,000 tokens before the end (the response owns the socket now)
+    connection.close()
+    deadline = time.monotonic() + 120
+    while health(server)["cancelled"] == before:
+        assert time.monotonic() < deadline, "the generation went on without its client"
+        time.sleep(0.2)
+    reply = client(server).chat.completions.create(model="m", messages=QUESTION, max_tokens=4)
+    assert reply.choices[0].message.content
+
+
+MALFORMED = [
+    ("POST", "/v1/chat/completions", b"{not json", 400),
+    ("POST", "/v1/chat/completions", json.dumps({"model": "m"}).encode(), 400),
+    ("POST", "/v1/chat/completions", json.dumps({"messages": "hello"}).encode(), 400),
+    ("POST", "/v1/chat/completions", json.dumps({"messages": [{"role": "wizard", "content": "x"}]}).encode(), 400),
+    ("POST", "/v1/chat/completions", json.dumps({"messages": [{"role": "user", "content": 5}]}).encode(), 400),
+    ("POST", "/v1/chat/completions", json.dumps({"messages": QUESTION, "max_tokens": 10 ** 9}).encode(), 400),
+    ("POST", "/v1/chat/completions", json.dumps({"messages": QUESTION, "max_tokens": "ten"}).encode(), 400),
+    ("POST", "/v1/chat/completions", json.dumps({"messages": QUESTION, "temperature": "hot"}).encode(), 400),
+    ("POST", "/v1/chat/completions", json.dumps({"messages": QUESTION, "stream": "yes"}).encode(), 400),
+    ("POST", "/v1/chat/completions", json.dumps({"messages": QUESTION, "n": 3}).encode(), 400),
+    ("POST", "/v1/chat/completions", json.dumps({"messages": QUESTION, "stop": 5}).encode(), 400),
+    ("POST", "/v1/chat/completions", json.dumps([1, 2]).encode(), 400),
+    ("POST", "/v1/completions", json.dumps({"prompt": ""}).encode(), 400),
+    ("POST", "/v1/completions", json.dumps({"prompt": [10 ** 7]}).encode(), 400),
+    ("POST", "/v1/completions", json.dumps({"prompt": "word " * 9000}).encode(), 400),
+    ("POST", "/v1/chat/completions", b"{" + b" " * (2 << 20) + b"}", 413),
+    ("POST", "/v1/embeddings", b"{}", 404),
+    ("GET", "/v1/nothing", b"", 404),
+]
+
+
+def test_malformed_requests_get_4xx_and_the_server_keeps_serving(server):
+    for method, path, body, status in MALFORMED:
+        got, payload = raw(server, method, path, body)
+        assert got == status, (path, body[:80], payload)
+        assert payload["error"]["message"], payload
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+        client(server).chat.completions.create(model="m", messages=QUESTION, max_tokens=10 ** 9)
+    reply = client(server).chat.completions.create(model="m", messages=QUESTION, max_tokens=4)
+    assert reply.choices[0].message.content
