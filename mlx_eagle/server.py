@@ -201,6 +201,12 @@ class Handler(BaseHTTPRequestHandler):
             self._send_error(error)
         except UserError as error:
             self._send_error(RequestError(400, str(error)))
+        except (BrokenPipeError, ConnectionResetError):
+            self.close_connection = True
+        except Exception as error:  # a bug of ours: say so, keep serving
+            self.log_error("error serving %s: %r", self.path, error)
+            self._send_json(500, {"error": {"message": f"internal error: {error}", "type": "server_error",
+                                            "param": None, "code": None}})
 
     def _read_json(self) -> Any:
         length = self.headers.get("Content-Length")
@@ -289,6 +295,9 @@ class Handler(BaseHTTPRequestHandler):
             # The client left; leaving the loop has cancelled its generation.
             if not self.client_left:
                 self.server.count("cancelled")
+        except Exception as error:  # the status line is out: report it in the stream
+            self.log_error("error streaming %s: %r", self.path, error)
+            self.wfile.write(f"data: {json.dumps({'error': {'message': str(error), 'type': 'server_error'}})}\n\n".encode())
 
 
 class Server(ThreadingHTTPServer):

@@ -13,6 +13,8 @@
    (so a child never beats its parent, and the best n nodes always form a tree). For
    each depth limit and size the best nodes are taken; the tree with the most expected
    tokens per second wins, or plain decoding if nothing beats it.
+4. The check: the winning tree and plain mlx-lm decode six more ShareGPT prompts in
+   turn; unless the tree is measured at least 5% faster, plain decoding is kept.
 
 The result is saved beside the head as trees/<device>.json, and ``--tree auto`` (the
 default of the commands) uses it on this device.
@@ -112,6 +114,32 @@ def best_tree(acceptance: np.ndarray, costs: Optional[Costs], max_nodes: int) ->
             if speed > best.expected_tokens_per_s + 1e-12:
                 best = TreeChoice(check_paths(paths, "tuned"), tau, speed, best.plain_tokens_per_s)
     return best
+
+
+# A tuned tree is kept only if it decodes this much faster than plain mlx-lm when run: the
+# cost model leaves out host work per round and its timings are noisy, and a tree it
+# favours by a few percent can lose in practice.
+CONFIRM_MARGIN = 1.05
+
+
+def confirm_speedup(model: nn.Module, tokenizer, head, paths: List[RankPath], prompts: Sequence[str],
+                    max_tokens: int = 64) -> Tuple[float, float]:
+    """Decode ``prompts`` greedily with the tree and with plain mlx-lm, alternating;
+    returns (tree tokens/s, plain tokens/s), measured."""
+    from .bench import eagle_method, mlx_lm_method
+
+    sampling = {"temp": 0.0, "top_p": 1.0, "min_p": 0.0, "top_k": 0}
+    spec = TreeSpec("static", paths, text="tuned")
+    methods = [eagle_method(model, tokenizer, head, spec, max_tokens, sampling),
+               mlx_lm_method(model, tokenizer, max_tokens, sampling)]
+    tokens, seconds = [0, 0], [0.0, 0.0]
+    for index, prompt in enumerate(prompts):
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
+        for m in (index % 2, 1 - index % 2):
+            answer = methods[m](list(ids))
+            tokens[m] += len(answer.tokens)
+            seconds[m] += answer.seconds
+    return tokens[0] / seconds[0], tokens[1] / seconds[1]
 
 
 def _median_ms(run: Callable[[], None], repeats: int) -> float:
@@ -241,9 +269,10 @@ def auto_tree(model: nn.Module, head) -> Tuple[TreeSpec, str]:
     if path is not None and path.exists():
         tuned = json.loads(path.read_text())
         if not tuned["paths"]:
-            return parse_tree("none"), (f"tuned for {key}: plain decoding is faster here "
-                                        f"({tuned['plain_tokens_per_s']:.1f} vs at best "
-                                        f"{tuned['tree_tokens_per_s']:.1f} tokens/s speculating)")
+            measured = tuned.get("measured_tokens_per_s")
+            detail = (f"the best tree ran at {measured['tree']:.1f} tokens/s, plain at {measured['plain']:.1f}"
+                      if measured else f"no tree is expected to beat {tuned['plain_tokens_per_s']:.1f} tokens/s")
+            return parse_tree("none"), f"tuned for {key}: plain decoding is faster here ({detail})"
         spec = TreeSpec("static", check_paths(tuned["paths"], str(path)), text=f"auto ({path})")
         return spec, f"tuned for {key}: {len(spec.paths)} nodes, expected tau {tuned['expected_tau']:.2f}"
     if mx.default_device().type == mx.cpu and "scales" in model.model.embed_tokens:
@@ -284,10 +313,20 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     costs = measure_costs(model, tokenizer, head, progress=progress) if args.objective == "speed" else None
     choice = best_tree(acceptance, costs, args.max_nodes)
     key = device_key(model)
+    measured = None
+    if costs is not None and choice.paths:
+        # Six prompts just before the calibration ones: not in training, not in calibration.
+        measured = confirm_speedup(model, tokenizer, head, choice.paths,
+                                   sharegpt_prompts()[-args.prompts - 6:-args.prompts])
+        if measured[0] < CONFIRM_MARGIN * measured[1]:
+            print(f"the best tree ran at {measured[0]:.1f} tokens/s against {measured[1]:.1f} plain: "
+                  "not fast enough, so auto will decode plainly")
+            choice = TreeChoice([], 1.0, choice.expected_tokens_per_s, choice.plain_tokens_per_s)
     result = {
         "device": key, "objective": args.objective, "paths": [list(p) for p in choice.paths],
         "expected_tau": choice.expected_tau, "tree_tokens_per_s": choice.expected_tokens_per_s,
         "plain_tokens_per_s": choice.plain_tokens_per_s,
+        "measured_tokens_per_s": ({"tree": measured[0], "plain": measured[1]} if measured else None),
         "acceptance_by_depth_and_rank": acceptance.round(4).tolist(),
         "costs_ms": asdict(costs) if costs else None, "calibration_prompts": len(records),
     }
@@ -300,7 +339,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         print(f"tree: {len(choice.paths)} nodes, depth {max(len(p) for p in choice.paths)}, expected tau "
               f"{choice.expected_tau:.2f}" + (f", {choice.expected_tokens_per_s:.1f} tokens/s vs "
                                                f"{choice.plain_tokens_per_s:.1f} plain" if costs else ""))
-    else:
+    elif measured is None:
         print(f"plain decoding is faster on {key}: no tree is expected to beat "
               f"{choice.plain_tokens_per_s:.1f} tokens/s")
     print(f"wrote {out}")
