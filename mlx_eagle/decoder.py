@@ -96,10 +96,10 @@ class SpeculativeDecoder:
         common = common_prefix(self.state.tokens, prompt)
         draft_valid = min(self.draft_cache[0].offset, max(common - 1, 0))
         keep_cache_entries(self.draft_cache, draft_valid, [])
+        # Never below draft_valid: the draft cache is never ahead of the target's.
         reuse = min(common, self.cache[0].offset, len(prompt) - 1)
-        if self.head is not None:
-            reuse = min(reuse, draft_valid)
-            keep_cache_entries(self.draft_cache, reuse, [])
+        if self.head is not None:  # the head must read on from where its cache ends
+            reuse = draft_valid
         keep_cache_entries(self.cache, reuse, [])
         return reuse
 
