@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
 
@@ -46,6 +47,24 @@ def check_messages(messages: Any) -> List[Message]:
 _DONE = object()
 
 
+def _work(jobs: "queue.Queue") -> None:
+    mx.set_default_stream(mx.new_stream(mx.default_device()))
+    while True:
+        job = jobs.get()
+        if job is None:
+            break
+        job()
+    # a stream left to the C++ teardown of a finished thread aborts the process at exit
+    mx.synchronize()
+    mx.clear_streams()
+
+
+def _stop_worker(jobs: "queue.Queue", thread: threading.Thread) -> None:
+    jobs.put(None)
+    if thread is not threading.current_thread():
+        thread.join()
+
+
 class Engine:
     """One model and head on their own worker thread, one generation at a time;
     others wait their turn in a queue."""
@@ -56,8 +75,10 @@ class Engine:
         ``model`` and ``draft``; ``name``: what to call the model (default: its directory's)."""
         self._jobs: "queue.Queue" = queue.Queue()
         self._current: Optional[threading.Event] = None
-        self._thread = threading.Thread(target=self._work, name="mlx-eagle-engine", daemon=True)
-        self._thread.start()
+        worker = threading.Thread(target=_work, args=(self._jobs,), name="mlx-eagle-engine", daemon=True)
+        worker.start()
+        # also when the engine is collected, or at exit without close()
+        self._stop = weakref.finalize(self, _stop_worker, self._jobs, worker)
         if loaded is None:
             loaded = self._call(lambda: self._load(model, draft))
         else:  # a lazy array can only be evaluated on the thread whose stream made it
@@ -70,14 +91,6 @@ class Engine:
     def _load(model: Optional[str], draft: Optional[str]):
         target, tokenizer, path = load_target(model)
         return target, tokenizer, load_draft(draft, target, path), path
-
-    def _work(self) -> None:
-        mx.set_default_stream(mx.new_stream(mx.default_device()))
-        while True:
-            job = self._jobs.get()
-            if job is None:
-                return
-            job()
 
     def _call(self, function: Callable[[], Any]) -> Any:
         """Run ``function`` on the worker and return its result (or raise its error)."""
@@ -144,8 +157,7 @@ class Engine:
 
     def close(self) -> None:
         self.cancel()
-        self._jobs.put(None)
-        self._thread.join()
+        self._stop()
 
 
 @dataclass

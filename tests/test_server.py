@@ -47,7 +47,8 @@ def server(smollm, tmp_path_factory):
         raise AssertionError("the server did not start: " + "".join(lines))
     yield "127.0.0.1", int(match.group(1))
     process.terminate()
-    assert process.wait(timeout=30) == 0
+    _, rest = process.communicate(timeout=30)
+    assert process.returncode == 0, "".join(lines) + rest
 
 
 def client(server) -> openai.OpenAI:

@@ -4,7 +4,11 @@ thread stops within one round; history round-trips as plain data; an overflowing
 history loses its oldest turns with a notice."""
 
 import json
+import os
+import subprocess
+import sys
 import threading
+from pathlib import Path
 
 import pytest
 
@@ -14,6 +18,7 @@ from mlx_eagle.generation import chat_tokens
 from mlx_eagle.heads import new_head
 from mlx_eagle.session import ChatSession, Engine
 
+ROOT = Path(__file__).resolve().parent.parent
 TURNS = ["Name three primary colors.", "Which of them is the color of the sky?", "Write one sentence about it."]
 
 
@@ -98,3 +103,16 @@ def test_oldest_turns_are_dropped_when_the_context_fills(engine):
     assert [m["content"] for m in chat.history if m["role"] == "user"] == ["Bye"]
     with pytest.raises(UserError, match="context"):
         list(chat.send("word " * limit))
+
+
+@pytest.mark.parametrize("ending", ["chat.engine.close()", "pass"])
+def test_a_process_that_used_a_session_exits_cleanly(ending):
+    """MLX aborts at exit when a finished thread's streams are left to its C++ teardown;
+    the engine clears them, whether closed or simply left for the interpreter to end."""
+    script = ("from mlx_eagle.session import ChatSession\n"
+              "chat = ChatSession(draft='none', max_tokens=3)\n"
+              "print(''.join(chunk.text for chunk in chat.send('Hi')))\n" + ending + "\n")
+    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)),
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip()
