@@ -1,14 +1,19 @@
 """Lossless decoding on the real SmolLM2-135M-Instruct in float32: every tree, both head
-families, random heads and an oracle head give exactly plain mlx-lm's greedy tokens."""
+families, random heads, an oracle head and the shipped trained head give exactly plain
+mlx-lm's greedy tokens."""
 
 import itertools
+import json
+from pathlib import Path
 
 import mlx.core as mx
 import pytest
 from mlx_lm.generate import generate_step
 
+import mlx_eagle
 from mlx_eagle import load, stream_generate
 from mlx_eagle.heads import new_head
+from mlx_eagle.tune import auto_tree, device_key, tree_file
 from oracle import OracleHead
 
 PROMPTS = [
@@ -90,3 +95,39 @@ def test_plain_decoding_through_the_same_loop(smollm, references, index):
     tokens, last = _decode(smollm, ids, None, None)
     assert tokens == expected and last.mean_accepted == 1.0
 
+
+
+@pytest.fixture(scope="module")
+def shipped():
+    head = load(draft="auto")[2]
+    assert head is not None, "no head shipped for the default model"
+    return head
+
+
+def test_the_shipped_head_is_found_by_default(shipped):
+    assert shipped.family == "eagle3"
+    assert shipped.directory == Path(mlx_eagle.__file__).parent / "weights" / "SmolLM2-135M-Instruct"
+    size = sum(path.stat().st_size for path in shipped.directory.rglob("*") if path.is_file())
+    assert size <= 25 * 2 ** 20, size
+
+
+@pytest.mark.parametrize("tree", ["static:default", "chain:5"])
+def test_the_shipped_head_keeps_greedy_output(smollm, references, shipped, tree):
+    taus = []
+    for ids, expected in references:
+        tokens, last = _decode(smollm, ids, shipped, tree)
+        assert tokens == expected, tree
+        taus.append(last.mean_accepted)
+    # a random head's drafts are almost never accepted (tau ~1.0); a trained one's are
+    assert sum(taus) / len(taus) > 1.3, taus
+
+
+def test_auto_follows_the_shipped_tree_file(smollm, shipped):
+    model, _ = smollm
+    spec, why = auto_tree(model, shipped)
+    path = tree_file(shipped.directory, device_key(model))
+    if not path.exists():  # a device nobody tuned for: the default static tree
+        assert "not tuned" in why and spec.paths
+        return
+    assert len(spec.paths) == len(json.loads(path.read_text())["paths"]), why
+    assert why.startswith(f"tuned for {device_key(model)}")
