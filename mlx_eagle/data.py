@@ -135,17 +135,19 @@ def generate_answers(model, tokenizer, prompts: List[str], out: Path, shard_size
 
 
 def original_answers(tokenizer, prompts_and_answers: List[Tuple[str, str]], out: Path, shard_size: int = 64,
-                     max_prompt_tokens: int = 384, max_answer_tokens: int = 256) -> None:
-    """ShareGPT's own answers instead of the target's, for comparison."""
+                     max_prompt_tokens: int = 256, max_answer_tokens: int = 256) -> None:
+    """ShareGPT's own answers instead of the target's, for comparison. Prompts longer than
+    ``max_prompt_tokens`` are skipped, as self-distillation skips them, so both train on
+    the same prompts (cutting one would also cut off the generation prompt)."""
     out.mkdir(parents=True, exist_ok=True)
-    for index in range((len(prompts_and_answers) + shard_size - 1) // shard_size):
+    encoded = [(tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True),
+                answer) for prompt, answer in prompts_and_answers]
+    encoded = [(ids, answer) for ids, answer in encoded if len(ids) <= max_prompt_tokens]
+    for index in range((len(encoded) + shard_size - 1) // shard_size):
         if shard_path(out, index).exists():
             continue
-        pairs = []
-        for prompt, answer in prompts_and_answers[index * shard_size:(index + 1) * shard_size]:
-            ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
-                                                add_generation_prompt=True)[:max_prompt_tokens]
-            pairs.append((ids, tokenizer.encode(answer, add_special_tokens=False)[:max_answer_tokens]))
+        pairs = [(list(ids), tokenizer.encode(answer, add_special_tokens=False)[:max_answer_tokens])
+                 for ids, answer in encoded[index * shard_size:(index + 1) * shard_size]]
         save_shard(shard_path(out, index), pairs)
 
 
