@@ -101,11 +101,12 @@ def greedy_batch(model: nn.Module, prompts: Sequence[Sequence[int]], max_answer_
 
 def self_distill(model: nn.Module, tokenizer, prompts: Sequence[str], data: Path, features: Path,
                  taps: Sequence[int], shard_size: int = 32, max_prompt_tokens: int = 256,
-                 max_answer_tokens: int = 256, progress: bool = True) -> None:
+                 max_answer_tokens: int = 256, first_shard: int = 0, progress: bool = True) -> int:
     """Regenerate answers with the target (greedy) and keep their features, ``shard_size``
-    prompts per shard; prompts longer than ``max_prompt_tokens`` are skipped (cutting one
-    would cut off the chat template's generation prompt). Finished shards are skipped, so
-    an interrupted run resumes where it stopped."""
+    prompts per shard, numbered from ``first_shard`` (more prompts for data made before);
+    prompts longer than ``max_prompt_tokens`` are skipped (cutting one would cut off the
+    chat template's generation prompt). Finished shards are skipped, so an interrupted
+    run resumes where it stopped. Returns the number of the shard after the last."""
     from tqdm import tqdm
 
     data.mkdir(parents=True, exist_ok=True)
@@ -114,12 +115,13 @@ def self_distill(model: nn.Module, tokenizer, prompts: Sequence[str], data: Path
                for p in prompts]
     encoded = sorted((ids for ids in encoded if len(ids) <= max_prompt_tokens), key=len)
     count = (len(encoded) + shard_size - 1) // shard_size
-    todo = [i for i in range(count) if not (shard_path(data, i).exists() and features_path(features, i).exists())]
+    todo = [i for i in range(count)
+            if not (shard_path(data, first_shard + i).exists() and features_path(features, first_shard + i).exists())]
     bar = tqdm(total=len(encoded), initial=(count - len(todo)) * shard_size, unit="answer",
                desc="self-distillation", disable=not progress)
     tokens_made = 0
-    for index in todo:
-        batch = encoded[index * shard_size:(index + 1) * shard_size]
+    for i in todo:
+        batch, index = encoded[i * shard_size:(i + 1) * shard_size], first_shard + i
         answered = greedy_batch(model, batch, max_answer_tokens, tokenizer.eos_token_ids, taps)
         save_features(features_path(features, index), [t for t, _, _ in answered], [len(p) for p in batch],
                       [f for _, f, _ in answered], [h for _, _, h in answered])
@@ -128,6 +130,7 @@ def self_distill(model: nn.Module, tokenizer, prompts: Sequence[str], data: Path
         bar.update(len(batch))
         bar.set_postfix(answer_tokens=tokens_made)
     bar.close()
+    return first_shard + count
 
 
 def load_features(directory: Path, seq_len: Optional[int] = None) -> List[Dict[str, np.ndarray]]:

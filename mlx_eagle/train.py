@@ -346,6 +346,49 @@ def acceptance_by_depth(target, tokenizer, head, prompts: Sequence[str], depth: 
     return {"tau": produced / max(rounds, 1), "acceptance_by_depth": rates, "rounds": rounds}
 
 
+def prepared_prompts(root: Path, args: argparse.Namespace) -> int:
+    """How many prompts the answers and features under ``root`` were made from (0: none)."""
+    marker = root / f"features-{args.answers}" / "done"
+    if not marker.exists():
+        return 0
+    done = json.loads(marker.read_text())
+    if done["max_answer_tokens"] != args.max_answer_tokens:
+        raise UserError(f"{root} holds answers of up to {done['max_answer_tokens']} tokens; pass "
+                        f"--max-answer-tokens {done['max_answer_tokens']} or another --data")
+    return done["prompts"]
+
+
+def prepare_data(model: nn.Module, tokenizer, prompts: Sequence[str], root: Path, args: argparse.Namespace,
+                 progress: bool) -> None:
+    """Answers and features for ``prompts`` under ``root``. Data made before from fewer
+    prompts is extended with the rest; its draft vocabulary is kept, so heads trained on
+    it still resume (delete vocab-*.npz to count the tokens again)."""
+    from .data import load_shards, original_answers, sharegpt_pairs
+    from .heads import new_head
+
+    data, features = root / f"data-{args.answers}", root / f"features-{args.answers}"
+    done = prepared_prompts(root, args)
+    if done > len(prompts):
+        raise UserError(f"{root} holds answers to {done} prompts; pass --prompts {done} "
+                        "(--subset N trains on fewer) or another --data")
+    if done == len(prompts):
+        return
+    taps = new_head(model, "eagle3").taps(model.args.num_hidden_layers)
+    if args.answers == "self":
+        first_shard = json.loads((features / "done").read_text())["shards"] if done else 0
+        shards = self_distill(model, tokenizer, prompts[done:], data, features, taps, first_shard=first_shard,
+                              max_answer_tokens=args.max_answer_tokens, progress=progress)
+    elif done:
+        raise UserError(f"{data} holds ShareGPT answers to {done} prompts and cannot be extended; "
+                        f"pass --prompts {done} or another --data")
+    else:
+        original_answers(tokenizer, sharegpt_pairs(list(prompts)), data, max_answer_tokens=args.max_answer_tokens)
+        compute_features(model, load_shards(data), features, taps, args.seq_len, progress=progress)
+        shards = len(list(features.glob("features-?????.npz")))
+    (features / "done").write_text(json.dumps({"prompts": len(prompts), "shards": shards,
+                                               "max_answer_tokens": args.max_answer_tokens}) + "\n")
+
+
 def main(argv: Optional[Sequence[str]] = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m mlx_eagle.train", description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, type=Path, help="the head directory to write")
@@ -373,7 +416,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parser.add_argument("--quiet", action="store_true")
     args = parser.parse_args(argv)
 
-    from .data import load_shards, original_answers, sharegpt_pairs, sharegpt_prompts
+    from .data import load_shards, sharegpt_prompts
     from .heads import load_head, new_head, save_head
     from .models import load
 
@@ -387,28 +430,19 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     prompts = sharegpt_prompts(limit=args.prompts + args.held_out)
     train_prompts, held_out = prompts[: args.prompts], prompts[args.prompts:]
     root = args.data or work
-    data, features = root / f"data-{args.answers}", root / f"features-{args.answers}"
     vocab_path = root / f"vocab-{args.answers}-{args.draft_vocab}.npz"
-    prepared = vocab_path.exists() and (features / "done").exists()
-    if not prepared:
-        if world.size() > 1:
-            raise UserError(f"prepare the data once without mlx.launch first: {parser.prog} ... --prepare-only")
-        taps = new_head(model, "eagle3").taps(model.args.num_hidden_layers)
-        if args.answers == "self":
-            self_distill(model, tokenizer, train_prompts, data, features, taps,
-                         max_answer_tokens=args.max_answer_tokens, progress=progress)
-        else:
-            original_answers(tokenizer, sharegpt_pairs(train_prompts), data, max_answer_tokens=args.max_answer_tokens)
-            compute_features(model, load_shards(data), features, taps, config.seq_len, progress=progress)
-        used = draft_vocabulary(load_shards(data), model.args.vocab_size, args.draft_vocab)
+    if world.size() > 1 and not (vocab_path.exists() and prepared_prompts(root, args) == len(train_prompts)):
+        raise UserError(f"prepare the data once without mlx.launch first: {parser.prog} ... --prepare-only")
+    prepare_data(model, tokenizer, train_prompts, root, args, progress)
+    if not vocab_path.exists():
+        used = draft_vocabulary(load_shards(root / f"data-{args.answers}"), model.args.vocab_size, args.draft_vocab)
         d2t, t2d = d2t_t2d(used, model.args.vocab_size)
         np.savez(vocab_path, used=used, d2t=d2t, t2d=t2d)
-        (features / "done").write_text("complete\n")
     if args.prepare_only:
         return
 
     vocab = np.load(vocab_path)
-    records = load_features(features, config.seq_len)
+    records = load_features(root / f"features-{args.answers}", config.seq_len)
     if args.subset:
         chosen = np.random.default_rng(config.seed).permutation(len(records))[: args.subset]
         records = [records[i] for i in sorted(chosen)]
@@ -417,6 +451,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         head.d2t = mx.array(vocab["d2t"])
         init_from_target(head, model, vocab["used"])
     trainer = Trainer(model, head, records, config, work, used=vocab["used"], progress=progress)
+    if config.family == "eagle3" and not np.array_equal(np.array(head.d2t), vocab["d2t"]):
+        raise UserError(f"the checkpoint in {work} was trained with another draft vocabulary than {vocab_path}; "
+                        "pass a new --work")
     trainer.run()
     if world.rank() != 0:
         return

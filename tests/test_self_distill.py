@@ -52,3 +52,26 @@ def test_kept_states_equal_a_separate_forward_pass(smollm, tmp_path):
         for key in ("taps", "last"):
             scale = np.abs(separate[key].astype(np.float32)).max()
             assert np.abs(mine[key].astype(np.float32) - separate[key].astype(np.float32)).max() < 2e-2 * scale
+
+
+def test_more_prompts_extend_the_data_made_before(tmp_path):
+    """--prompts 2 then 3: the third prompt's answer is added in a shard of its own, the
+    first two's are kept (their draft vocabulary too); asking for fewer is one clear error."""
+    from mlx_eagle.cli import UserError
+    from mlx_eagle.train import main
+
+    def prepare(prompts):
+        main(["--out", str(tmp_path / "head"), "--data", str(tmp_path), "--prompts", str(prompts), "--held-out", "0",
+              "--max-answer-tokens", "6", "--draft-vocab", "64", "--prepare-only", "--quiet"])
+
+    prepare(2)
+    before = load_shards(tmp_path / "data-self")
+    vocab = (tmp_path / "vocab-self-64.npz").read_bytes()
+    prepare(3)
+    after = load_shards(tmp_path / "data-self")
+    assert len(before) == 2 and len(after) == 3
+    assert all(np.array_equal(a[0], b[0]) for a, b in zip(before, after))
+    assert len(load_features(tmp_path / "features-self")) == 3
+    assert (tmp_path / "vocab-self-64.npz").read_bytes() == vocab
+    with pytest.raises(UserError, match="--prompts 3"):
+        prepare(2)
