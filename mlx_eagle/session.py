@@ -49,11 +49,9 @@ _DONE = object()
 
 def _work(jobs: "queue.Queue") -> None:
     mx.set_default_stream(mx.new_stream(mx.default_device()))
-    while True:
-        job = jobs.get()
-        if job is None:
-            break
+    for job in iter(jobs.get, None):
         job()
+        del job  # a finished job holds its engine, which could then never be collected
     # a stream left to the C++ teardown of a finished thread aborts the process at exit
     mx.synchronize()
     mx.clear_streams()
