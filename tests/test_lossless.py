@@ -111,12 +111,11 @@ def test_the_shipped_head_is_found_by_default(shipped):
     assert size <= 25 * 2 ** 20, size
 
 
-@pytest.mark.parametrize("tree", ["static:default", "chain:5"])
-def test_the_shipped_head_keeps_greedy_output(smollm, references, shipped, tree):
+def test_the_shipped_head_keeps_greedy_output(smollm, references, shipped):
     taus = []
     for ids, expected in references:
-        tokens, last = _decode(smollm, ids, shipped, tree)
-        assert tokens == expected, tree
+        tokens, last = _decode(smollm, ids, shipped, "static:default")
+        assert tokens == expected
         taus.append(last.mean_accepted)
     # a random head's drafts are almost never accepted (tau ~1.0); a trained one's are
     assert sum(taus) / len(taus) > 1.3, taus
