@@ -146,7 +146,7 @@ def original_answers(tokenizer, prompts_and_answers: List[Tuple[str, str]], out:
     for index in range((len(encoded) + shard_size - 1) // shard_size):
         if shard_path(out, index).exists():
             continue
-        pairs = [(list(ids), tokenizer.encode(answer, add_special_tokens=False)[:max_answer_tokens])
+        pairs = [(ids, tokenizer.encode(answer, add_special_tokens=False)[:max_answer_tokens])
                  for ids, answer in encoded[index * shard_size:(index + 1) * shard_size]]
         save_shard(shard_path(out, index), pairs)
 

@@ -346,16 +346,16 @@ def acceptance_by_depth(target, tokenizer, head, prompts: Sequence[str], depth: 
     return {"tau": produced / max(rounds, 1), "acceptance_by_depth": rates, "rounds": rounds}
 
 
-def prepared_prompts(root: Path, args: argparse.Namespace) -> int:
-    """How many prompts the answers and features under ``root`` were made from (0: none)."""
+def prepared(root: Path, args: argparse.Namespace) -> Dict[str, int]:
+    """What the answers and features under ``root`` were made from: prompts and shards (0: none)."""
     marker = root / f"features-{args.answers}" / "done"
     if not marker.exists():
-        return 0
+        return {"prompts": 0, "shards": 0}
     done = json.loads(marker.read_text())
     if done["max_answer_tokens"] != args.max_answer_tokens:
         raise UserError(f"{root} holds answers of up to {done['max_answer_tokens']} tokens; pass "
                         f"--max-answer-tokens {done['max_answer_tokens']} or another --data")
-    return done["prompts"]
+    return done
 
 
 def prepare_data(model: nn.Module, tokenizer, prompts: Sequence[str], root: Path, args: argparse.Namespace,
@@ -367,7 +367,8 @@ def prepare_data(model: nn.Module, tokenizer, prompts: Sequence[str], root: Path
     from .heads import new_head
 
     data, features = root / f"data-{args.answers}", root / f"features-{args.answers}"
-    done = prepared_prompts(root, args)
+    before = prepared(root, args)
+    done = before["prompts"]
     if done > len(prompts):
         raise UserError(f"{root} holds answers to {done} prompts; pass --prompts {done} "
                         "(--subset N trains on fewer) or another --data")
@@ -375,8 +376,7 @@ def prepare_data(model: nn.Module, tokenizer, prompts: Sequence[str], root: Path
         return
     taps = new_head(model, "eagle3").taps(model.args.num_hidden_layers)
     if args.answers == "self":
-        first_shard = json.loads((features / "done").read_text())["shards"] if done else 0
-        shards = self_distill(model, tokenizer, prompts[done:], data, features, taps, first_shard=first_shard,
+        shards = self_distill(model, tokenizer, prompts[done:], data, features, taps, first_shard=before["shards"],
                               max_answer_tokens=args.max_answer_tokens, progress=progress)
     elif done:
         raise UserError(f"{data} holds ShareGPT answers to {done} prompts and cannot be extended; "
@@ -431,7 +431,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     train_prompts, held_out = prompts[: args.prompts], prompts[args.prompts:]
     root = args.data or work
     vocab_path = root / f"vocab-{args.answers}-{args.draft_vocab}.npz"
-    if world.size() > 1 and not (vocab_path.exists() and prepared_prompts(root, args) == len(train_prompts)):
+    if world.size() > 1 and not (vocab_path.exists() and prepared(root, args)["prompts"] == len(train_prompts)):
         raise UserError(f"prepare the data once without mlx.launch first: {parser.prog} ... --prepare-only")
     prepare_data(model, tokenizer, train_prompts, root, args, progress)
     if not vocab_path.exists():
