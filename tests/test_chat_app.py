@@ -37,10 +37,17 @@ class Terminal:
             os.chdir(ROOT)
             env = dict(os.environ, TERM="dumb", PYTHONPATH=str(ROOT))
             os.execve(sys.executable, [sys.executable, "-m", "apps.chat", *args], env)
-        self.seen = ""
+        self.seen = ""  # printed since the last match
+        self.transcript = ""  # all of it, for failure messages
 
     def type(self, text: str) -> None:
         os.write(self.fd, text.encode())
+
+    def enter(self, line: str) -> None:
+        """Wait for the prompt, then type a line, as a person would: text typed ahead of the
+        prompt races readline taking over the terminal, which may discard it."""
+        self.expect(r">>> ")
+        self.type(line + "\r")
 
     def expect(self, pattern: str, timeout: float = 240) -> re.Match:
         """Wait for ``pattern`` in what the app printed since the last match."""
@@ -52,7 +59,8 @@ class Terminal:
                 return match
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise AssertionError(f"no {pattern!r} in {self.seen[-800:]!r}")
+                raise AssertionError(f"no {pattern!r} after the last match; the session so far: "
+                                     f"{self.transcript[-2000:]!r}")
             ready, _, _ = select.select([self.fd], [], [], remaining)
             if ready:
                 try:
@@ -60,8 +68,10 @@ class Terminal:
                 except OSError:  # the app has exited
                     chunk = b""
                 if not chunk:
-                    raise AssertionError(f"the app ended before {pattern!r}: {self.seen[-800:]!r}")
-                self.seen += chunk.decode(errors="replace").replace("\r\n", "\n")
+                    raise AssertionError(f"the app ended before {pattern!r}: {self.transcript[-2000:]!r}")
+                text = chunk.decode(errors="replace").replace("\r\n", "\n")
+                self.seen += text
+                self.transcript += text
 
     def exit_code(self, timeout: float = 60) -> int:
         deadline = time.monotonic() + timeout
@@ -80,42 +90,38 @@ class Terminal:
 def test_chat_in_a_terminal(random_head, tmp_path):
     app = Terminal("--draft", str(random_head), "--max-tokens", "300")
     app.expect(r"Ctrl-D to leave")
-    app.expect(r">>> ")
-    app.type("Name three primary colors.\r")
+    app.enter("Name three primary colors.")
     app.expect(r"[Rr]ed")  # the answer streams in
     first = app.expect(r"(\d+) tokens, [\d.]+ tokens/s, tau [\d.]+, prompt (\d+) read \+ (\d+) cached")
     assert int(first.group(1)) > 0
-    app.expect(r">>> ")
 
-    app.type("Which of them is the color of the sky?\r")
+    app.enter("Which of them is the color of the sky?")
     second = app.expect(r"tokens/s, tau [\d.]+, prompt (\d+) read \+ (\d+) cached")
     assert int(second.group(2)) > int(first.group(2)), "the follow-up's prompt holds the first turn (cached)"
-    app.expect(r">>> ")
-    app.type(f"/save {tmp_path / 'two.json'}\r")
+    app.enter(f"/save {tmp_path / 'two.json'}")
     app.expect(r"saved")
     saved = json.loads((tmp_path / "two.json").read_text())
     assert [m["content"] for m in saved["messages"] if m["role"] == "user"] == [
         "Name three primary colors.", "Which of them is the color of the sky?"]
     assert len(saved["messages"]) == 4 and "red" in saved["messages"][1]["content"].lower()
 
-    app.type("Write a very long story about a dragon who learns to bake bread.\r")
-    app.expect(r"story about a dragon[^\n]*\n\s*\S")  # the reply has begun
+    app.enter("Write a very long story about a dragon who learns to bake bread.")
+    app.expect(r"story about a dragon[^\n]*\n\s*[^\s>]")  # the reply has begun
     app.type("\x03")
     app.expect(r"\(stopped\)")
-    app.expect(r">>> ")
-    app.type(f"/save {tmp_path / 'three.json'}\r")
+    app.enter(f"/save {tmp_path / 'three.json'}")
     app.expect(r"saved")
     messages = json.loads((tmp_path / "three.json").read_text())["messages"]
     assert len(messages) == 6 and messages[4]["content"].startswith("Write a very long story")
 
-    app.type("/reset\r")
+    app.enter("/reset")
     app.expect(r"forgotten")
-    app.type(f"/save {tmp_path / 'none.json'}\r")
+    app.enter(f"/save {tmp_path / 'none.json'}")
     app.expect(r"saved")
     assert json.loads((tmp_path / "none.json").read_text())["messages"] == []
-    app.type("/temp hot\r")
+    app.enter("/temp hot")
     app.expect(r"usage: /temp")
-    app.type("/quit\r")
+    app.enter("/quit")
     assert app.exit_code() == 0
 
 
