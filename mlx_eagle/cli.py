@@ -52,13 +52,16 @@ def openblas_loaded() -> bool:
         return False
 
 
+REFERENCE_BLAS = "MLX's bundled reference BLAS"
+
+
 def blas_in_use() -> str:
     """A short description of the BLAS that MLX's CPU matmuls run on."""
     if sys.platform == "darwin":
         return "Accelerate"
     if openblas_loaded():
         return "OpenBLAS (preloaded)"
-    return "MLX's bundled reference BLAS"
+    return REFERENCE_BLAS
 
 
 def use_fast_blas() -> None:

@@ -37,7 +37,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from .cli import UserError, openblas_loaded, run_cli
+from .cli import REFERENCE_BLAS, UserError, blas_in_use, openblas_loaded, run_cli
 from .trees import DEFAULT_STATIC, RankPath, TreeSpec, check_paths, parse_tree
 
 VERIFY_SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64)
@@ -275,10 +275,25 @@ def auto_tree(model: nn.Module, head) -> Tuple[TreeSpec, str]:
             return parse_tree("none"), f"tuned for {key}: plain decoding is faster here ({detail})"
         spec = TreeSpec("static", check_paths(tuned["paths"], str(path)), text=f"auto ({path})")
         return spec, f"tuned for {key}: {len(spec.paths)} nodes, expected tau {tuned['expected_tau']:.2f}"
-    if mx.default_device().type == mx.cpu and "scales" in model.model.embed_tokens:
-        return parse_tree("none"), ("quantized weights on a CPU: verifying k tokens costs about k times one, "
-                                    "so speculation cannot pay off (convert with --dtype float32 to speculate)")
+    blocker = cpu_blocker(model) if mx.default_device().type == mx.cpu else None
+    if blocker is not None:
+        return parse_tree("none"), (f"{blocker}: verifying k tokens costs about k times one on a CPU, so "
+                                    "speculation cannot pay off")
     return parse_tree("static:default"), f"not tuned for {key} (python -m mlx_eagle.tune): the default static tree"
+
+
+def cpu_blocker(model: nn.Module) -> Optional[str]:
+    """Why a CPU would verify a tree at about k times the cost of one token (and the
+    fix), or None where a fast float32 BLAS makes it cheap."""
+    embed = model.model.embed_tokens
+    if "scales" in embed:
+        return "quantized weights (convert with --dtype float32 to speculate)"
+    if embed.weight.dtype != mx.float32:
+        return f"{str(embed.weight.dtype).split('.')[-1]} weights (convert with --dtype float32 to speculate)"
+    if blas_in_use() == REFERENCE_BLAS:
+        return ("MLX's bundled reference BLAS (install OpenBLAS: apt-get install libopenblas0-pthread; "
+                "the mlx_eagle commands preload it, Python programs need LD_PRELOAD)")
+    return None
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:

@@ -94,20 +94,34 @@ def test_auto_follows_the_tuned_file(tiny, tmp_path):
     assert spec.kind == "static" and spec.paths == [(0,), (1,), (0, 0)]
 
 
-def test_auto_decodes_plainly_for_quantized_weights_on_a_cpu(tiny):
+@pytest.mark.parametrize("setting", ["quantized", "float16", "reference BLAS"])
+def test_auto_decodes_plainly_where_a_cpu_verifies_slowly(tiny, monkeypatch, setting):
+    """Untuned, a CPU drafts only with float32 weights on a fast BLAS: otherwise a tree
+    of k tokens costs about k plain steps, and auto says why and what to change."""
     import mlx.nn as nn
+
+    import mlx_eagle.tune
 
     model, _ = tiny
     if mx.default_device().type != mx.cpu:
         pytest.skip("the rule is for CPUs")
     head = new_head(model, "eagle3", draft_vocab_size=64)
-    quantized = nn.QuantizedEmbedding.from_embedding(model.model.embed_tokens, group_size=32, bits=4)
-    original, model.model.embed_tokens = model.model.embed_tokens, quantized
+    assert auto_tree(model, head)[0].text == "static:default"  # float32 on OpenBLAS, as the tests run
+    embed, weight = model.model.embed_tokens, model.model.embed_tokens.weight
+    if setting == "quantized":
+        model.model.embed_tokens = nn.QuantizedEmbedding.from_embedding(embed, group_size=32, bits=4)
+        expected = "quantized weights (convert with --dtype float32"
+    elif setting == "float16":
+        embed.weight = embed.weight.astype(mx.float16)
+        expected = "float16 weights (convert with --dtype float32"
+    else:
+        monkeypatch.setattr(mlx_eagle.tune, "blas_in_use", lambda: mlx_eagle.tune.REFERENCE_BLAS)
+        expected = "reference BLAS (install OpenBLAS"
     try:
         spec, why = auto_tree(model, head)
-    finally:
-        model.model.embed_tokens = original
-    assert spec.kind == "none" and "quantized" in why
+    finally:  # the model is shared with the other tests
+        model.model.embed_tokens, embed.weight = embed, weight
+    assert spec.kind == "none" and expected in why and "cannot pay off" in why
 
 
 def test_measured_acceptance_is_a_probability_table(tiny):
