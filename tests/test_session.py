@@ -16,7 +16,7 @@ from mlx_eagle import load, stream_generate
 from mlx_eagle.cli import UserError
 from mlx_eagle.generation import chat_tokens
 from mlx_eagle.heads import new_head
-from mlx_eagle.session import ChatSession, Engine
+from mlx_eagle.session import ChatSession, Engine, TurnStats
 
 ROOT = Path(__file__).resolve().parent.parent
 TURNS = ["Name three primary colors.", "Which of them is the color of the sky?", "Write one sentence about it."]
@@ -117,3 +117,12 @@ def test_a_process_that_used_a_session_exits_cleanly(ending):
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip()
+
+
+def test_the_stats_line_gives_a_speed_only_from_two_tokens():
+    stopped = TurnStats(tokens=1, tokens_per_s=4290.1, tau=0.0, prompt_tokens=44, prompt_reused=0,
+                        prompt_seconds=0.5, finish_reason="cancelled")
+    assert stopped.line() == "1 token, tau 0.00, prompt 44 read + 0 cached in 0.50 s"
+    reply = TurnStats(tokens=24, tokens_per_s=10.61, tau=1.5, prompt_tokens=60, prompt_reused=40,
+                      prompt_seconds=0.2, finish_reason="stop")
+    assert reply.line() == "24 tokens, 10.6 tokens/s, tau 1.50, prompt 20 read + 40 cached in 0.20 s"
