@@ -152,6 +152,19 @@ def _median_ms(run: Callable[[], None], repeats: int) -> float:
     return statistics.median(times)
 
 
+def non_decreasing(values: Sequence[float]) -> List[float]:
+    """The closest non-decreasing sequence (least squares; pool adjacent violators).
+    More tokens never cost less to verify; on a noisy machine a dip (10 tokens timed
+    below 8) would otherwise make the tree builder favour a size for no reason."""
+    blocks: List[List[float]] = []  # [mean, count]
+    for value in values:
+        blocks.append([value, 1])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            (mean_a, count_a), (mean_b, count_b) = blocks.pop(-2), blocks.pop()
+            blocks.append([(mean_a * count_a + mean_b * count_b) / (count_a + count_b), count_a + count_b])
+    return [mean for mean, count in blocks for _ in range(count)]
+
+
 def measure_costs(model: nn.Module, tokenizer, head, context: int = 256, repeats: int = 5,
                   progress: bool = True) -> Costs:
     """Time verification, a draft step, a round's remainder and plain decoding here."""
@@ -175,8 +188,9 @@ def measure_costs(model: nn.Module, tokenizer, head, context: int = 256, repeats
         mx.eval(out.logits, out.features)
         keep_cache_entries(cache, context, [])
 
-    verify_ms = {k: _median_ms(lambda: verify(k), repeats)
-                 for k in tqdm(VERIFY_SIZES, desc="timing verification", disable=not progress)}
+    timed = [_median_ms(lambda: verify(k), repeats)
+             for k in tqdm(VERIFY_SIZES, desc="timing verification", disable=not progress)]
+    verify_ms = dict(zip(VERIFY_SIZES, non_decreasing(timed)))
 
     # One tree depth: the head over a few nodes, then their top-k.
     draft_cache = [KVCache()]

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from mlx_eagle.heads import new_head
-from mlx_eagle.tune import Costs, auto_tree, best_tree, device_key, measure_acceptance, tree_file
+from mlx_eagle.tune import Costs, auto_tree, best_tree, device_key, measure_acceptance, non_decreasing, tree_file
 from synthetic import write_model
 
 TABLE = np.array([[0.8, 0.1, 0.05], [0.7, 0.1, 0.0], [0.6, 0.0, 0.0]])
@@ -137,3 +137,22 @@ def test_measured_acceptance_is_a_probability_table(tiny):
         records.append({"tokens": tokens, "taps": taps, "last": last, "prompt_length": len(prompt)})
     table = measure_acceptance(model, head, records, depths=3, ranks=4)
     assert table.shape == (3, 4) and (table >= 0).all() and (table.sum(1) <= 1 + 1e-6).all()
+
+
+def test_timed_verification_costs_are_made_non_decreasing():
+    assert non_decreasing([96, 127, 201, 159, 181, 208]) == pytest.approx([96, 127, 180, 180, 181, 208])
+    assert non_decreasing([1, 2, 3]) == [1, 2, 3]
+    assert non_decreasing([3, 2, 1]) == [2, 2, 2]
+
+
+def test_measured_costs_cover_every_size_and_never_fall(tiny):
+    from mlx_eagle import load
+    from mlx_eagle.tune import VERIFY_SIZES, measure_costs
+
+    model, root = tiny
+    _, tokenizer = load(str(root / "mlx"))
+    costs = measure_costs(model, tokenizer, new_head(model, "eagle3", draft_vocab_size=64), context=32,
+                          repeats=1, progress=False)
+    timed = [costs.verify_ms[k] for k in VERIFY_SIZES]
+    assert list(costs.verify_ms) == list(VERIFY_SIZES) and timed == sorted(timed) and timed[0] > 0
+    assert costs.draft_step_ms > 0 and costs.plain_ms > 0 and costs.round_ms >= 0
