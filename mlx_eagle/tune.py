@@ -75,9 +75,13 @@ def device_key(model: nn.Module) -> str:
         name = mx.metal.device_info().get("device_name", name)
     elif device.type == mx.cpu and openblas_loaded():
         name += "-openblas"
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", f"{device.type.name}-{name}-{weight_format(model)}").lower()
+
+
+def weight_format(model: nn.Module) -> str:
+    """The target's weights as its embedding holds them: "q4", "q8", "float32", ..."""
     embed = model.model.embed_tokens
-    weights = f"q{embed.bits}" if "scales" in embed else str(embed.weight.dtype).split(".")[-1]
-    return re.sub(r"[^A-Za-z0-9._-]+", "-", f"{device.type.name}-{name}-{weights}").lower()
+    return f"q{embed.bits}" if "scales" in embed else str(embed.weight.dtype).split(".")[-1]
 
 
 def node_values(acceptance: np.ndarray, max_nodes: int, max_depth: int) -> List[Tuple[RankPath, float]]:
@@ -299,11 +303,10 @@ def auto_tree(model: nn.Module, head) -> Tuple[TreeSpec, str]:
 def cpu_blocker(model: nn.Module) -> Optional[str]:
     """Why a CPU would verify a tree at about k times the cost of one token (and the
     fix), or None where a fast float32 BLAS makes it cheap."""
-    embed = model.model.embed_tokens
-    if "scales" in embed:
-        return "quantized weights (convert with --dtype float32 to speculate)"
-    if embed.weight.dtype != mx.float32:
-        return f"{str(embed.weight.dtype).split('.')[-1]} weights (convert with --dtype float32 to speculate)"
+    weights = weight_format(model)
+    if weights != "float32":
+        kind = "quantized" if weights.startswith("q") else weights
+        return f"{kind} weights (convert with --dtype float32 to speculate)"
     if blas_in_use() == REFERENCE_BLAS:
         return ("MLX's bundled reference BLAS (install OpenBLAS: apt-get install libopenblas0-pthread; "
                 "the mlx_eagle commands preload it, Python programs need LD_PRELOAD)")
