@@ -161,3 +161,98 @@ def sharegpt_pairs(prompts: List[str], path: Optional[Path] = None) -> List[Tupl
                 pairs.setdefault(first["value"], second.get("value", ""))
                 break
     return [(p, pairs[p]) for p in prompts if p in pairs]
+
+
+_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant", "bing": "assistant",
+          "bard": "assistant", "assistant": "assistant"}
+
+
+def _runs(turns: Sequence[Tuple[Optional[str], str]]) -> Iterator[List[dict]]:
+    """The unbroken runs of (user, assistant) pairs in one conversation's turns."""
+    run: List[dict] = []
+    i = 0
+    while i < len(turns):
+        role, text = turns[i]
+        if role == "user" and i + 1 < len(turns) and turns[i + 1][0] == "assistant" \
+                and text.strip() and turns[i + 1][1].strip():
+            run += [{"role": "user", "content": text}, {"role": "assistant", "content": turns[i + 1][1]}]
+            i += 2
+            continue
+        if run:
+            yield run
+        run, i = [], i + 1
+    if run:
+        yield run
+
+
+def sharegpt_dialogues(path: Optional[Path] = None) -> Iterator[List[dict]]:
+    """ShareGPT conversations as chat messages: runs of (user, assistant) pairs. A turn out
+    of order (two users in a row, a conversation that opens with the assistant, a system
+    turn) ends a run; the next user turn starts another. Runs opening with a prompt seen
+    before, and every conversation holding an MT-bench question, are dropped."""
+    banned = {_normal(turn) for q in mtbench_questions() for turn in q["turns"]}
+    seen = set()
+    for record in read_sharegpt(path or sharegpt_path()):
+        turns = [(_ROLES.get(t.get("from")), t.get("value") or "") for t in record.get("conversations") or []]
+        if any(role == "user" and _normal(text) in banned for role, text in turns):
+            continue
+        for run in _runs(turns):
+            key = _normal(run[0]["content"])
+            if key not in seen:
+                seen.add(key)
+                yield run
+
+
+def dialogue_tokens(tokenizer, messages: Sequence[dict], max_tokens: int) -> List[Tuple[np.ndarray, np.ndarray]]:
+    """A dialogue as the target reads it: (token ids, answer) pieces of at most ``max_tokens``,
+    where ``answer`` marks the tokens the model itself generates (each reply up to and
+    including its end-of-turn token). A dialogue too long for one piece is cut between
+    turns; the next piece starts afresh from a user turn, as a new chat would. Each turn
+    is tokenized alone after the chat template's text for it, as at inference, where the
+    prompt is encoded and the reply is generated token by token."""
+    eos = set(tokenizer.eos_token_ids)
+
+    def render(part, generation_prompt):
+        return tokenizer.apply_chat_template(list(part), tokenize=False, add_generation_prompt=generation_prompt)
+
+    pieces, start = [], 0
+    while start < len(messages):
+        ids: List[int] = []
+        answer: List[bool] = []
+        rendered = ""
+        end = start
+        while end < len(messages):
+            asked = render(messages[start:end + 1], True)
+            replied = render(messages[start:end + 2], False)
+            if not (asked.startswith(rendered) and replied.startswith(asked)):
+                raise UserError("this model's chat template does not render a conversation as a prefix of its "
+                                "continuation; multi-turn training data needs one that does")
+            prompt = tokenizer.encode(asked[len(rendered):], add_special_tokens=False)
+            reply = tokenizer.encode(replied[len(asked):], add_special_tokens=False)
+            stop = next((i + 1 for i, t in enumerate(reply) if t in eos), len(reply))
+            if ids and len(ids) + len(prompt) + stop > max_tokens:
+                break
+            ids += prompt + reply
+            answer += [False] * len(prompt) + [True] * stop + [False] * (len(reply) - stop)
+            rendered, end = replied, end + 2
+        pieces.append((np.array(ids[:max_tokens], dtype=np.int32), np.array(answer[:max_tokens], dtype=bool)))
+        start = end
+    return [(t, a) for t, a in pieces if a.any()]
+
+
+def save_dialogues(path: Path, pieces: Sequence[Tuple[np.ndarray, np.ndarray]], held_out: Sequence[str]) -> None:
+    """Tokenized dialogues (and the held-out prompts kept out of them), written atomically."""
+    partial = path.with_suffix(".partial.npz")
+    np.savez_compressed(partial, tokens=np.concatenate([t for t, _ in pieces]),
+                        answer=np.concatenate([a for _, a in pieces]),
+                        lengths=np.array([len(t) for t, _ in pieces], dtype=np.int32),
+                        held_out=np.array(list(held_out), dtype=object if not held_out else str))
+    partial.replace(path)
+
+
+def load_dialogues(path: Path) -> Tuple[List[Tuple[np.ndarray, np.ndarray]], List[str]]:
+    """What save_dialogues wrote: (tokens, answer) pieces and the held-out prompts."""
+    with np.load(path) as data:
+        tokens, answer, lengths, held_out = data["tokens"], data["answer"], data["lengths"], data["held_out"]
+    starts = np.concatenate([[0], np.cumsum(lengths)])
+    return [(tokens[a:b], answer[a:b]) for a, b in zip(starts[:-1], starts[1:])], [str(p) for p in held_out]

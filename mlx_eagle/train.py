@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from functools import partial
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple
@@ -33,15 +34,16 @@ from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.models.cache import KVCache
 
 from .cli import UserError, run_cli
-from .features import Sequences, compute_features, load_features, self_distill
-from .target import lm_head, lm_head_rows
+from .features import self_distill
+from .target import lm_head, lm_head_rows, target_forward
 
 @dataclass
 class TrainConfig:
     family: str = "eagle3"
     steps: int = 2000
-    batch_size: int = 8
-    seq_len: int = 512
+    tokens_per_batch: int = 4096  # rows x padded length of one micro-batch
+    grad_accum: int = 1  # micro-batches per optimizer step
+    seq_len: int = 1024
     lr: float = 5e-4
     warmup: int = 100
     weight_decay: float = 0.0
@@ -50,13 +52,19 @@ class TrainConfig:
     step_decay: float = 0.8
     checkpoint_every: int = 200
     seed: int = 0
+    pad_multiple: int = 64  # batch lengths are rounded up to this, so compiled steps see few shapes
+    compile: bool = True
 
 
-def draft_vocabulary(sequences: Sequences, vocab_size: int, size: int) -> np.ndarray:
+# (token ids, answer) with answer[i] True where the model itself generated token i.
+Piece = Tuple[np.ndarray, np.ndarray]
+
+
+def draft_vocabulary(pieces: Sequence[Piece], vocab_size: int, size: int) -> np.ndarray:
     """The ``size`` most frequent answer tokens, sorted: draft id i is target id used[i]."""
     counts = np.zeros(vocab_size, dtype=np.int64)
-    for tokens, prompt_length in sequences:
-        np.add.at(counts, tokens[prompt_length:], 1)
+    for tokens, answer in pieces:
+        np.add.at(counts, tokens[answer], 1)
     return np.sort(np.argsort(-counts, kind="stable")[: min(size, vocab_size)])
 
 
@@ -76,29 +84,26 @@ def init_from_target(head, target, used: np.ndarray) -> None:
     head.lm_head.weight = rows.astype(head.lm_head.weight.dtype)
 
 
-def make_batch(records: Sequence[Dict[str, np.ndarray]]) -> Dict[str, mx.array]:
-    """Pad to a common length. Position t trains the prediction of token t + 2 from
-    (feature t, token t + 1); it counts when that token belongs to the answer."""
-    length = max(len(r["tokens"]) for r in records)
+def make_batch(pieces: Sequence[Piece], rows: Optional[int] = None, length: Optional[int] = None
+               ) -> Dict[str, mx.array]:
+    """Pad to ``rows`` x ``length`` (default: just enough). Position t trains the prediction
+    of token t + 2 from (feature t, token t + 1); it counts when that token is an answer's."""
+    rows = rows or len(pieces)
+    length = length or max(len(t) for t, _ in pieces)
+    tokens = np.zeros((rows, length), dtype=np.int32)
+    mask = np.zeros((rows, length), dtype=bool)
+    for row, (ids, answer) in enumerate(pieces):
+        tokens[row, :len(ids)] = ids
+        mask[row, :max(len(ids) - 2, 0)] = answer[2:]
+    return {"tokens": mx.array(tokens), "mask": mx.array(mask), "index": mx.array(np.flatnonzero(mask))}
 
-    def pad(array, width):
-        out = np.zeros((length, *array.shape[1:]), dtype=array.dtype)
-        out[: len(array)] = array
-        return out
 
-    tokens = np.stack([pad(r["tokens"], length) for r in records])
-    positions = np.arange(length)[None]
-    lengths = np.array([len(r["tokens"]) for r in records])[:, None]
-    prompt = np.array([r["prompt_length"] for r in records])[:, None]
-    mask = (positions + 2 < lengths) & (positions + 2 >= prompt)
-    return {
-        "tokens": mx.array(tokens),
-        "next_tokens": mx.array(np.concatenate([tokens[:, 1:], np.zeros_like(tokens[:, :1])], axis=1)),
-        "taps": mx.array(np.stack([pad(r["taps"], length) for r in records])),
-        "last": mx.array(np.stack([pad(r["last"], length) for r in records])),
-        "mask": mx.array(mask),
-        "index": mx.array(np.flatnonzero(mask)),
-    }
+def target_states(target, tokens: mx.array, taps: Optional[Sequence[int]]) -> Tuple[mx.array, mx.array]:
+    """What a head trains on, computed afresh for each batch: the tapped states (EAGLE-3;
+    the last state for EAGLE-1) and the post-norm last state, which gives the target's
+    probabilities. The full-vocabulary logits are never evaluated, so never computed."""
+    out = target_forward(target, tokens, [KVCache() for _ in target.model.layers], 0, "causal", taps)
+    return mx.stop_gradient(out.features), mx.stop_gradient(out.hidden)
 
 
 def ttt_mask(length: int, step: int) -> mx.array:
@@ -117,64 +122,53 @@ def shift(x: mx.array, by: int) -> mx.array:
     return mx.concatenate([zeros, x[:, :-by]], axis=1) if by > 0 else mx.concatenate([x[:, -by:], zeros], axis=1)
 
 
-def counted(x: mx.array, batch: Dict[str, mx.array]) -> mx.array:
-    """The rows of ``x`` [batch, length, ...] at the positions that count, flattened."""
-    return x.reshape(-1, x.shape[-1])[batch["index"]]
-
-
-def ttt_unroll(head, target, batch: Dict[str, mx.array], steps: int) -> Iterator[Tuple[int, mx.array]]:
+def ttt_unroll(head, target, tokens: mx.array, features: mx.array, steps: int) -> Iterator[Tuple[int, mx.array]]:
     """Training-time test: the head unrolled ``steps`` times on its own outputs. Yields
-    (step, the head's logits at the positions that count). Step k at position t predicts
+    (step, the head's logits [batch, length, draft vocab]). Step k at position t predicts
     token t + 2 as a depth-(k + 1) tree node does: true tokens up to t + 1, the target's
     features only up to t - k, the head's own outputs after that."""
-    length = batch["tokens"].shape[1]
+    length = tokens.shape[1]
+    next_tokens = shift(tokens, -1)
     cache = [KVCache()]
-    features = batch["taps"] if head.family == "eagle3" else batch["last"]
     hidden = head.project(features.astype(mx.float32))
     for step in range(steps):
         mask = "causal" if step == 0 else ttt_mask(length, step)
-        out = head.step(target, hidden, batch["next_tokens"], cache, 0, mask)
-        # Only the positions that count go through the LM head, a step's costliest part.
-        yield step, head.logits(target, counted(out, batch)).astype(mx.float32)
+        out = head.step(target, hidden, next_tokens, cache, 0, mask)
+        yield step, head.logits(target, out).astype(mx.float32)
         hidden = shift(out, 1)  # position t next reads the head's own output at t - 1
 
 
-def draft_vocabulary_logits(target, batch: Dict[str, mx.array], used: mx.array) -> mx.array:
-    """EAGLE-3's target: the target's logits at t + 1 restricted to the draft vocabulary."""
-    return lm_head_rows(target, counted(shift(batch["last"], -1), batch).astype(mx.float32), used)
-
-
-def eagle3_loss(head, target, batch, used: mx.array, ttt_steps: int, step_decay: float):
+def eagle3_loss(head, target, tokens, mask, features, last, used: mx.array, ttt_steps: int, step_decay: float):
     """Training-time test; returns (loss, per-step losses, per-step accuracies). The target
-    distribution is renormalised over the draft vocabulary, as EAGLE-3 trains."""
-    target_logits = draft_vocabulary_logits(target, batch, used)
+    distribution at t is the target's next-token distribution at t + 1, renormalised over
+    the draft vocabulary, as EAGLE-3 trains."""
+    target_logits = lm_head_rows(target, shift(last, -1).astype(mx.float32), used)
     wanted = mx.softmax(target_logits, axis=-1)
     target_choice = mx.argmax(target_logits, axis=-1)
-    position = batch["index"] % batch["tokens"].shape[1]
+    position = mx.arange(tokens.shape[1])[None]
     total, losses, accuracies = 0.0, [], []
-    for step, logits in ttt_unroll(head, target, batch, ttt_steps):
+    for step, logits in ttt_unroll(head, target, tokens, features, ttt_steps):
         logprobs = nn.log_softmax(logits, axis=-1)
-        valid = position >= step  # a step-k draft needs k tokens of context before it
+        valid = mask & (position >= step)  # a step-k draft needs k tokens of context before it
         count = mx.maximum(valid.sum(), 1)
         loss = (-(wanted * logprobs).sum(-1) * valid).sum() / count
-        accuracies.append(((mx.argmax(logprobs, axis=-1) == target_choice) & valid).sum() / count)
+        accuracies.append(((mx.argmax(logits, axis=-1) == target_choice) & valid).sum() / count)
         losses.append(loss)
         total = total + (step_decay ** step) * loss
     return total, losses, accuracies
 
 
-def eagle1_loss(head, target, batch):
+def eagle1_loss(head, target, tokens, mask, features, last):
     """EAGLE-1/2: regress the next feature (smooth L1) + 0.1 x token cross-entropy."""
-    features = batch["last"].astype(mx.float32)
-    out = head.step(target, features, batch["next_tokens"], [KVCache()], 0, "causal")
-    valid = batch["mask"]
-    count = mx.maximum(valid.sum(), 1)
-    regression = (nn.losses.smooth_l1_loss(out, shift(features, -1), reduction="none").mean(-1) * valid).sum() / count
+    features = features.astype(mx.float32)
+    out = head.step(target, features, shift(tokens, -1), [KVCache()], 0, "causal")
+    count = mx.maximum(mask.sum(), 1)
+    regression = (nn.losses.smooth_l1_loss(out, shift(features, -1), reduction="none").mean(-1) * mask).sum() / count
     target_logits = lm_head(target, shift(features, -1)).astype(mx.float32)
     logprobs = nn.log_softmax(lm_head(target, out).astype(mx.float32), axis=-1)
-    cross_entropy = (-(mx.softmax(target_logits, axis=-1) * logprobs).sum(-1) * valid).sum() / count
+    cross_entropy = (-(mx.softmax(target_logits, axis=-1) * logprobs).sum(-1) * mask).sum() / count
     correct = mx.argmax(logprobs, axis=-1) == mx.argmax(target_logits, axis=-1)
-    return regression + 0.1 * cross_entropy, [regression, cross_entropy], [(correct & valid).sum() / count]
+    return regression + 0.1 * cross_entropy, [regression, cross_entropy], [(correct & mask).sum() / count]
 
 
 def learning_rate(config: TrainConfig):
@@ -186,32 +180,40 @@ def learning_rate(config: TrainConfig):
     )
 
 
-def batch_order(lengths: Sequence[int], config: TrainConfig, step: int, world: int = 1, rank: int = 0) -> List[int]:
-    """The sequences of global step ``step``: a pure function of (seed, step), so a resumed
-    run sees exactly the batches an uninterrupted one would; each rank takes its share.
-    Each epoch is shuffled, then cut into windows of 32 batches whose sequences are
-    grouped by length, so little of a batch is padding."""
-    size = config.batch_size
-    per_epoch = max(1, len(lengths) // size)
-    epoch, within = divmod(step, per_epoch)
+def padded_length(length: int, multiple: int) -> int:
+    return -(-length // multiple) * multiple
+
+
+def epoch_batches(lengths: Sequence[int], config: TrainConfig, epoch: int) -> List[List[int]]:
+    """The micro-batches of one epoch, a pure function of (seed, epoch), so a resumed run
+    sees exactly the batches an uninterrupted one would. The epoch is shuffled, then cut
+    into windows whose pieces are sorted by length and packed by tokens: each micro-batch
+    holds as many rows of its padded length as ``tokens_per_batch`` allows, so little of
+    it is padding and a long piece does not make a batch larger."""
     rng = np.random.default_rng(config.seed + epoch)
-    order = rng.permutation(len(lengths))[: per_epoch * size]
-    window = 32 * size
+    order = rng.permutation(len(lengths))
+    batches = []
+    window = max(64, 16 * config.tokens_per_batch // max(1, int(np.mean(lengths))))
     for start in range(0, len(order), window):
-        part = order[start:start + window]
-        order[start:start + window] = part[np.argsort([lengths[i] for i in part], kind="stable")]
-    batches = order[: per_epoch * size].reshape(per_epoch, -1)[rng.permutation(per_epoch)]
-    return [int(i) for i in batches[within][rank::world]]
+        part = sorted(order[start:start + window], key=lambda i: -lengths[i])
+        while part:
+            rows = max(1, config.tokens_per_batch // padded_length(lengths[part[0]], config.pad_multiple))
+            batches.append([int(i) for i in part[:rows]])
+            part = part[rows:]
+    return [batches[i] for i in rng.permutation(len(batches))]
 
 
 class Trainer:
-    """Owns the head, optimizer and checkpoints of one training run."""
+    """Owns the head, optimizer and checkpoints of one training run. The target's states
+    are recomputed for every batch (no feature store): see README, "Training a head"."""
 
-    def __init__(self, target: nn.Module, head: nn.Module, records, config: TrainConfig, work: Path,
-                 used: Optional[np.ndarray] = None, progress: bool = True):
-        self.target, self.head, self.records, self.config, self.work = target, head, records, config, work
-        self.used = mx.array(used) if used is not None else None
-        self.lengths = [len(r["tokens"]) for r in records]
+    def __init__(self, target: nn.Module, head: nn.Module, pieces: Sequence[Piece], config: TrainConfig,
+                 work: Path, used: Optional[np.ndarray] = None, progress: bool = True):
+        self.target, self.head, self.pieces, self.config, self.work = target, head, pieces, config, work
+        self.used = mx.array(used if used is not None else [0])
+        self.lengths = [min(len(t), config.seq_len) for t, _ in pieces]
+        self.taps = head.taps(target.args.num_hidden_layers)
+        self._epochs: Dict[int, List[List[int]]] = {}
         work.mkdir(parents=True, exist_ok=True)
         self.group = mx.distributed.init()
         self.main = self.group.rank() == 0
@@ -219,26 +221,77 @@ class Trainer:
         head.freeze(keys=["d2t"], strict=False)
         target.freeze()
         self.optimizer = optim.AdamW(learning_rate=learning_rate(config), weight_decay=config.weight_decay)
+        self.optimizer.init(head.trainable_parameters())
         self.step = 0
         self._resume()
+        state = [self.head.state, self.optimizer.state]
+        # Compiled once per batch shape; lengths are padded to a multiple, so shapes repeat.
+        compiled = partial(mx.compile, inputs=state + [self.target.state], outputs=state) if config.compile \
+            else (lambda f: f)
+        self._gradients, self._update = compiled(self._micro_batch), compiled(self._apply)
 
-    def loss(self, head, batch):
+    def micro_batches(self, step: int) -> List[List[int]]:
+        """The micro-batches of optimizer step ``step`` (this rank's rows of each)."""
+        first = step * self.config.grad_accum
+        chosen, epoch = [], 0
+        while len(chosen) < self.config.grad_accum:
+            if epoch not in self._epochs:
+                self._epochs[epoch] = epoch_batches(self.lengths, self.config, epoch)
+            batches = self._epochs[epoch]
+            if first < len(batches):
+                chosen += batches[first:first + self.config.grad_accum - len(chosen)]
+                first = 0
+            else:
+                first -= len(batches)
+            epoch += 1
+        world, rank = self.group.size(), self.group.rank()
+        return [batch[rank::world] for batch in chosen]
+
+    def _loss(self, head, tokens, mask, used):
+        features, last = target_states(self.target, tokens, self.taps)
         if self.config.family == "eagle3":
-            return eagle3_loss(head, self.target, batch, self.used, self.config.ttt_steps, self.config.step_decay)
-        return eagle1_loss(head, self.target, batch)
+            total, losses, accuracies = eagle3_loss(head, self.target, tokens, mask, features, last, used,
+                                                    self.config.ttt_steps, self.config.step_decay)
+        else:
+            total, losses, accuracies = eagle1_loss(head, self.target, tokens, mask, features, last)
+        return total, (losses, accuracies)
 
-    def _train_step(self, batch):
-        def objective(head):
-            total, losses, accuracies = self.loss(head, batch)
-            return total, (losses, accuracies)
+    def _micro_batch(self, tokens, mask, accumulated, used):
+        # The draft vocabulary is an argument: mx.compile cannot capture an index array.
+        (total, (losses, accuracies)), grads = nn.value_and_grad(self.head, self._loss)(self.head, tokens, mask, used)
+        # Flat {name: gradient}: compiled outputs drop the empty subtrees a module's gradient holds.
+        return total, losses, accuracies, {k: accumulated[k] + g for k, g in tree_flatten(grads)}
 
-        (total, (losses, accuracies)), grads = nn.value_and_grad(self.head, objective)(self.head)
+    def _apply(self, accumulated):
+        grads = tree_unflatten([(k, g / self.config.grad_accum) for k, g in accumulated.items()])
         if self.group.size() > 1:
             grads = nn.average_gradients(grads, group=self.group)
         grads, norm = optim.clip_grad_norm(grads, self.config.clip)
         self.optimizer.update(self.head, grads)
-        mx.eval(self.head.parameters(), self.optimizer.state, total, losses, accuracies)
-        return float(total), [float(x) for x in losses], [float(x) for x in accuracies]
+        return norm
+
+    def train_step(self) -> Tuple[float, List[float], List[float], int]:
+        """One optimizer step: (loss, per-step losses, per-step accuracies, answer tokens seen)."""
+        grads = {k: mx.zeros_like(p) for k, p in tree_flatten(self.head.trainable_parameters())}
+        totals, step_losses, step_accuracies, tokens = [], [], [], 0
+        for chosen in self.micro_batches(self.step):
+            length = padded_length(max(self.lengths[i] for i in chosen), self.config.pad_multiple)
+            rows = max(1, self.config.tokens_per_batch // length // self.group.size())
+            batch = make_batch([self._piece(i) for i in chosen], rows, length)
+            total, losses, accuracies, grads = self._gradients(batch["tokens"], batch["mask"], grads, self.used)
+            mx.async_eval(grads)  # the next batch is built while this one runs
+            totals.append(total)
+            step_losses.append(losses)
+            step_accuracies.append(accuracies)
+            tokens += int(batch["index"].size)
+        norm = self._update(grads)
+        mx.eval(self.head.parameters(), self.optimizer.state, norm, totals, step_losses, step_accuracies)
+        mean = lambda rows: [float(np.mean([float(x) for x in column])) for column in zip(*rows)]  # noqa: E731
+        return float(np.mean([float(t) for t in totals])), mean(step_losses), mean(step_accuracies), tokens
+
+    def _piece(self, index: int) -> Piece:
+        tokens, answer = self.pieces[index]
+        return tokens[:self.config.seq_len], answer[:self.config.seq_len]
 
     def run(self, stop_after: Optional[int] = None) -> None:
         """Train to ``config.steps``, or only up to step ``stop_after``."""
@@ -250,14 +303,13 @@ class Trainer:
         log = open(self.work / "log.jsonl", "a") if self.main else None
         tic, tokens = time.perf_counter(), 0
         while self.step < min(config.steps, stop_after or config.steps):
-            chosen = batch_order(self.lengths, config, self.step, self.group.size(), self.group.rank())
-            batch = make_batch([self.records[i] for i in chosen])
-            total, losses, accuracies = self._train_step(batch)
+            total, losses, accuracies, seen = self.train_step()
             self.step += 1
-            tokens += int(batch["mask"].sum().item())
+            tokens += seen * self.group.size()
             if log is not None:
                 entry = {"step": self.step, "loss": total, "step_losses": losses, "step_accuracy": accuracies,
-                         "lr": float(self.optimizer.learning_rate), "tokens_per_s": tokens / (time.perf_counter() - tic)}
+                         "lr": float(self.optimizer.learning_rate), "tokens": tokens,
+                         "tokens_per_s": tokens / (time.perf_counter() - tic)}
                 log.write(json.dumps(entry) + "\n")
                 log.flush()
             bar.update(1)
@@ -289,7 +341,7 @@ class Trainer:
             return
         state = json.loads((directory / "state.json").read_text())
         self.head.load_weights(str(directory / "head.safetensors"))
-        self.optimizer.state = tree_unflatten(list(mx.load(str(directory / "optimizer.safetensors")).items()))
+        self.optimizer.state.update(tree_unflatten(list(mx.load(str(directory / "optimizer.safetensors")).items())))
         self.step = state["step"]
         mx.eval(self.head.parameters(), self.optimizer.state)
 
@@ -346,47 +398,48 @@ def acceptance_by_depth(target, tokenizer, head, prompts: Sequence[str], depth: 
     return {"tau": produced / max(rounds, 1), "acceptance_by_depth": rates, "rounds": rounds}
 
 
-def prepared(root: Path, args: argparse.Namespace) -> Dict[str, int]:
-    """What the answers and features under ``root`` were made from: prompts and shards (0: none)."""
-    marker = root / f"features-{args.answers}" / "done"
-    if not marker.exists():
-        return {"prompts": 0, "shards": 0}
-    done = json.loads(marker.read_text())
-    if done["max_answer_tokens"] != args.max_answer_tokens:
-        raise UserError(f"{root} holds answers of up to {done['max_answer_tokens']} tokens; pass "
+def sharegpt_pieces(tokenizer, root: Path, seq_len: int, dialogues: Optional[int], held_out: int,
+                    progress: bool) -> Tuple[List[Piece], List[str]]:
+    """ShareGPT's dialogues with their own answers, every assistant turn in its context,
+    tokenized once into ``root`` (resumed from there); the last ``held_out`` dialogues are
+    kept out, their first prompts returned for measuring acceptance."""
+    from tqdm import tqdm
+
+    from .data import dialogue_tokens, load_dialogues, save_dialogues, sharegpt_dialogues
+
+    path = root / f"dialogues-{seq_len}-{dialogues or 'all'}-{held_out}.npz"
+    if not path.exists():
+        root.mkdir(parents=True, exist_ok=True)
+        every = list(sharegpt_dialogues())
+        train, kept = every[: len(every) - held_out], every[len(every) - held_out:]
+        pieces = [piece for dialogue in tqdm(train[:dialogues], desc="tokenizing ShareGPT", unit="dialogue",
+                                             disable=not progress)
+                  for piece in dialogue_tokens(tokenizer, dialogue, seq_len)]
+        save_dialogues(path, pieces, [dialogue[0]["content"] for dialogue in kept])
+    return load_dialogues(path)
+
+
+def self_distilled_pieces(model: nn.Module, tokenizer, root: Path, prompts: int, held_out: int,
+                          max_answer_tokens: int, progress: bool) -> Tuple[List[Piece], List[str]]:
+    """ShareGPT's first prompts answered by the target itself (greedy), resumably; more
+    prompts than before extend the answers made before."""
+    from .data import load_shards, sharegpt_prompts
+
+    every = sharegpt_prompts(limit=prompts + held_out)
+    data, marker = root / "data-self", root / "data-self" / "done"
+    done = json.loads(marker.read_text()) if marker.exists() else {"prompts": 0, "shards": 0}
+    if done["prompts"] and done["max_answer_tokens"] != max_answer_tokens:
+        raise UserError(f"{data} holds answers of up to {done['max_answer_tokens']} tokens; pass "
                         f"--max-answer-tokens {done['max_answer_tokens']} or another --data")
-    return done
-
-
-def prepare_data(model: nn.Module, tokenizer, prompts: Sequence[str], root: Path, args: argparse.Namespace,
-                 progress: bool) -> None:
-    """Answers and features for ``prompts`` under ``root``. Data made before from fewer
-    prompts is extended with the rest; its draft vocabulary is kept, so heads trained on
-    it still resume (delete vocab-*.npz to count the tokens again)."""
-    from .data import load_shards, original_answers, sharegpt_pairs
-    from .heads import new_head
-
-    data, features = root / f"data-{args.answers}", root / f"features-{args.answers}"
-    before = prepared(root, args)
-    done = before["prompts"]
-    if done > len(prompts):
-        raise UserError(f"{root} holds answers to {done} prompts; pass --prompts {done} "
+    if done["prompts"] > prompts:
+        raise UserError(f"{data} holds answers to {done['prompts']} prompts; pass --prompts {done['prompts']} "
                         "(--subset N trains on fewer) or another --data")
-    if done == len(prompts):
-        return
-    taps = new_head(model, "eagle3").taps(model.args.num_hidden_layers)
-    if args.answers == "self":
-        shards = self_distill(model, tokenizer, prompts[done:], data, features, taps, first_shard=before["shards"],
-                              max_answer_tokens=args.max_answer_tokens, progress=progress)
-    elif done:
-        raise UserError(f"{data} holds ShareGPT answers to {done} prompts and cannot be extended; "
-                        f"pass --prompts {done} or another --data")
-    else:
-        original_answers(tokenizer, sharegpt_pairs(list(prompts)), data, max_answer_tokens=args.max_answer_tokens)
-        compute_features(model, load_shards(data), features, taps, args.seq_len, progress=progress)
-        shards = len(list(features.glob("features-?????.npz")))
-    (features / "done").write_text(json.dumps({"prompts": len(prompts), "shards": shards,
-                                               "max_answer_tokens": args.max_answer_tokens}) + "\n")
+    if done["prompts"] < prompts:
+        shards = self_distill(model, tokenizer, every[done["prompts"]:prompts], data, first_shard=done["shards"],
+                              max_answer_tokens=max_answer_tokens, progress=progress)
+        marker.write_text(json.dumps({"prompts": prompts, "shards": shards, "max_answer_tokens": max_answer_tokens}))
+    pieces = [(tokens, np.arange(len(tokens)) >= prompt_length) for tokens, prompt_length in load_shards(data)]
+    return pieces, every[prompts:]
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
@@ -394,29 +447,34 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parser.add_argument("--out", required=True, type=Path, help="the head directory to write")
     parser.add_argument("--model", help="target (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--work", type=Path, help="checkpoints, log and curves (default: OUT.work)")
-    parser.add_argument("--data", type=Path, help="answers, features and vocabularies, shareable between runs "
+    parser.add_argument("--data", type=Path, help="tokenized data and vocabularies, shareable between runs "
                         "(default: --work)")
     parser.add_argument("--family", choices=["eagle3", "eagle1"], default="eagle3")
-    parser.add_argument("--prompts", type=int, default=2000, help="ShareGPT prompts to train on")
+    parser.add_argument("--answers", choices=["sharegpt", "self"], default="sharegpt",
+                        help="ShareGPT's own answers, every turn of every dialogue (default), or first prompts "
+                        "answered by the target itself (self-distillation)")
+    parser.add_argument("--prompts", type=int, help="dialogues (sharegpt; default all) or prompts (self; "
+                        "default 2000) to train on")
     parser.add_argument("--held-out", type=int, default=20, help="further prompts kept for measuring acceptance")
-    parser.add_argument("--answers", choices=["self", "sharegpt"], default="self",
-                        help="answers regenerated by the target (self-distillation) or ShareGPT's own")
-    parser.add_argument("--max-answer-tokens", type=int, default=256)
+    parser.add_argument("--max-answer-tokens", type=int, default=256, help="self-distilled answers' length")
     parser.add_argument("--draft-vocab", type=int, default=8192, help="EAGLE-3 draft vocabulary size")
     defaults = TrainConfig()
-    for name in ("steps", "batch_size", "seq_len", "warmup", "ttt_steps", "checkpoint_every", "seed"):
+    for name in ("steps", "tokens_per_batch", "grad_accum", "seq_len", "warmup", "ttt_steps", "checkpoint_every",
+                 "seed", "pad_multiple"):
         parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(defaults, name))
     for name in ("lr", "weight_decay", "clip", "step_decay"):
         parser.add_argument(f"--{name.replace('_', '-')}", type=float, default=getattr(defaults, name))
-    parser.add_argument("--subset", type=int, help="train on this many of the sequences, chosen at random "
+    parser.add_argument("--subset", type=int, help="train on this many of the pieces, chosen at random "
                         "(for measuring what more data buys)")
     parser.add_argument("--save-dtype", choices=["float16", "bfloat16", "float32"], default="float16",
                         help="weights of the written head (training runs in float32)")
-    parser.add_argument("--prepare-only", action="store_true", help="stop after data, vocabulary and features")
+    parser.add_argument("--prepare-only", action="store_true", help="stop after the data and vocabulary")
+    parser.add_argument("--skip-eval", action="store_true", help="write the head without measuring acceptance")
+    parser.add_argument("--no-compile", dest="compile", action="store_false", help="run the training step "
+                        "uncompiled (mx.compile traces each new batch shape once)")
     parser.add_argument("--quiet", action="store_true")
     args = parser.parse_args(argv)
 
-    from .data import load_shards, sharegpt_prompts
     from .heads import load_head, new_head, save_head
     from .models import load
 
@@ -427,30 +485,32 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     world = mx.distributed.init()
     model, tokenizer = load(args.model)
 
-    prompts = sharegpt_prompts(limit=args.prompts + args.held_out)
-    train_prompts, held_out = prompts[: args.prompts], prompts[args.prompts:]
     root = args.data or work
-    vocab_path = root / f"vocab-{args.answers}-{args.draft_vocab}.npz"
-    if world.size() > 1 and not (vocab_path.exists() and prepared(root, args)["prompts"] == len(train_prompts)):
+    if world.size() > 1 and not list(root.glob("vocab-*.npz")):
         raise UserError(f"prepare the data once without mlx.launch first: {parser.prog} ... --prepare-only")
-    prepare_data(model, tokenizer, train_prompts, root, args, progress)
+    if args.answers == "sharegpt":
+        pieces, held_out = sharegpt_pieces(tokenizer, root, config.seq_len, args.prompts, args.held_out, progress)
+        vocab_path = root / f"vocab-sharegpt-{args.prompts or 'all'}-{args.draft_vocab}.npz"
+    else:
+        pieces, held_out = self_distilled_pieces(model, tokenizer, root, args.prompts or 2000, args.held_out,
+                                                 args.max_answer_tokens, progress)
+        vocab_path = root / f"vocab-self-{args.draft_vocab}.npz"
     if not vocab_path.exists():
-        used = draft_vocabulary(load_shards(root / f"data-{args.answers}"), model.args.vocab_size, args.draft_vocab)
+        used = draft_vocabulary(pieces, model.args.vocab_size, args.draft_vocab)
         d2t, t2d = d2t_t2d(used, model.args.vocab_size)
         np.savez(vocab_path, used=used, d2t=d2t, t2d=t2d)
     if args.prepare_only:
         return
 
     vocab = np.load(vocab_path)
-    records = load_features(root / f"features-{args.answers}", config.seq_len)
     if args.subset:
-        chosen = np.random.default_rng(config.seed).permutation(len(records))[: args.subset]
-        records = [records[i] for i in sorted(chosen)]
+        chosen = np.random.default_rng(config.seed).permutation(len(pieces))[: args.subset]
+        pieces = [pieces[i] for i in sorted(chosen)]
     head = new_head(model, config.family, draft_vocab_size=len(vocab["used"]), seed=config.seed)
     if config.family == "eagle3":
         head.d2t = mx.array(vocab["d2t"])
         init_from_target(head, model, vocab["used"])
-    trainer = Trainer(model, head, records, config, work, used=vocab["used"], progress=progress)
+    trainer = Trainer(model, head, pieces, config, work, used=vocab["used"], progress=progress)
     if config.family == "eagle3" and not np.array_equal(np.array(head.d2t), vocab["d2t"]):
         raise UserError(f"the checkpoint in {work} was trained with another draft vocabulary than {vocab_path}; "
                         "pass a new --work")
@@ -459,10 +519,12 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         return
     save_head(head, args.out, dtype=getattr(mx, args.save_dtype))
     plot_curves(work / "log.jsonl", work / "curves.png")
+    if args.skip_eval:
+        return
     # Measured on the head as written (saved dtype), as users will load it.
     result = acceptance_by_depth(model, tokenizer, load_head(args.out, model), held_out)
-    result.update(prompts=args.prompts, answers=args.answers, steps=config.steps,
-                  tokens=int(sum(len(r["tokens"]) - r["prompt_length"] for r in records)))
+    result.update(answers=args.answers, steps=config.steps,
+                  tokens=int(sum(int(answer[:config.seq_len].sum()) for _, answer in pieces)))
     (work / "eval.json").write_text(json.dumps(result, indent=2))
     print(f"wrote {args.out}; held-out tau {result['tau']:.2f}, acceptance by depth "
           + " ".join(f"{r:.2f}" for r in result["acceptance_by_depth"]))

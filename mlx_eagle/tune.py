@@ -224,28 +224,26 @@ def measure_costs(model: nn.Module, tokenizer, head, context: int = 256, repeats
     return Costs(verify_ms, draft_step_ms, remainder, plain_ms)
 
 
-def calibration_records(model: nn.Module, tokenizer, prompts: Sequence[str], max_tokens: int,
-                        taps: Sequence[int]) -> List[dict]:
-    """The target's greedy answers to ``prompts`` and its states along them."""
+def calibration_pieces(model: nn.Module, tokenizer, prompts: Sequence[str], max_tokens: int) -> List[tuple]:
+    """The target's greedy answers to ``prompts``, as (token ids, answer) pieces."""
     from .features import greedy_batch
 
     ids = [tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True)
            for p in prompts]
     ids = sorted((i for i in ids if len(i) <= 256), key=len)
-    records = []
+    pieces = []
     for start in range(0, len(ids), 16):
         batch = ids[start:start + 16]
-        for prompt, (tokens, tapped, last) in zip(batch, greedy_batch(model, batch, max_tokens,
-                                                                      tokenizer.eos_token_ids, taps)):
-            records.append({"tokens": tokens, "taps": tapped, "last": last, "prompt_length": len(prompt)})
-    return records
+        for prompt, tokens in zip(batch, greedy_batch(model, batch, max_tokens, tokenizer.eos_token_ids)):
+            pieces.append((tokens, np.arange(len(tokens)) >= len(prompt)))
+    return pieces
 
 
-def measure_acceptance(model: nn.Module, head, records: Sequence[dict], depths: int = 8,
+def measure_acceptance(model: nn.Module, head, pieces: Sequence[tuple], depths: int = 8,
                        ranks: int = 8) -> np.ndarray:
     """p[d][r]: how often the target's token is the head's rank-r draft at depth d + 1,
     given the path to it is right (the head unrolled as in training-time test)."""
-    from .train import make_batch, shift, ttt_unroll
+    from .train import make_batch, shift, target_states, ttt_unroll
 
     hits = np.zeros((depths, ranks))
     totals = np.zeros(depths)
@@ -254,13 +252,17 @@ def measure_acceptance(model: nn.Module, head, records: Sequence[dict], depths: 
         draft_size = head.d2t.shape[0]
         lookup = mx.full((model.args.vocab_size,), -1, dtype=mx.int32)
         lookup[head.target_ids(mx.arange(draft_size))] = mx.arange(draft_size, dtype=mx.int32)
-    for start in range(0, len(records), 4):
-        batch = make_batch(records[start:start + 4])
-        position = batch["index"] % batch["tokens"].shape[1]
-        truth = shift(batch["next_tokens"], -1).reshape(-1)[batch["index"]]  # token t + 2 at position t
+    taps = head.taps(model.args.num_hidden_layers)
+    for start in range(0, len(pieces), 4):
+        batch = make_batch(pieces[start:start + 4])
+        tokens, index = batch["tokens"], batch["index"]
+        position = index % tokens.shape[1]
+        truth = shift(tokens, -2).reshape(-1)[index]  # token t + 2 at position t
         if lookup is not None:
             truth = lookup[truth]
-        for step, logits in ttt_unroll(head, model, batch, depths):
+        features, _ = target_states(model, tokens, taps)
+        for step, logits in ttt_unroll(head, model, tokens, features, depths):
+            logits = logits.reshape(-1, logits.shape[-1])[index]
             valid = (position >= step) & (truth >= 0)
             chosen = mx.take_along_axis(logits, mx.maximum(truth, 0)[:, None], axis=-1)
             rank = (logits > chosen).sum(-1)
@@ -340,8 +342,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     head_dir = head.directory
     progress = not args.quiet
     prompts = sharegpt_prompts()[-args.prompts:]
-    records = calibration_records(model, tokenizer, prompts, args.max_tokens, head.taps(model.args.num_hidden_layers))
-    acceptance = measure_acceptance(model, head, records)
+    pieces = calibration_pieces(model, tokenizer, prompts, args.max_tokens)
+    acceptance = measure_acceptance(model, head, pieces)
     costs = measure_costs(model, tokenizer, head, progress=progress) if args.objective == "speed" else None
     choice = best_tree(acceptance, costs, args.max_nodes)
     key = device_key(model)
@@ -360,7 +362,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         "plain_tokens_per_s": choice.plain_tokens_per_s,
         "measured_tokens_per_s": ({"tree": measured[0], "plain": measured[1]} if measured else None),
         "acceptance_by_depth_and_rank": acceptance.round(4).tolist(),
-        "costs_ms": asdict(costs) if costs else None, "calibration_prompts": len(records),
+        "costs_ms": asdict(costs) if costs else None, "calibration_prompts": len(pieces),
     }
     out = args.out or tree_file(head_dir, key)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -1,6 +1,6 @@
 """Training EAGLE heads: the loss falls, masks match a hand-built reference, the vocab
-maps round-trip, a resumed run equals an uninterrupted one, the ShareGPT reader survives
-the truncated file."""
+maps round-trip, a resumed run equals an uninterrupted one, padded batches see what each
+sequence alone sees, the ShareGPT readers survive the truncated file and keep every turn."""
 
 import json
 
@@ -11,8 +11,8 @@ from mlx.utils import tree_flatten
 
 from mlx_eagle.data import read_sharegpt, sharegpt_path, sharegpt_prompts, mtbench_questions
 from mlx_eagle.heads import new_head
-from mlx_eagle.features import compute_features, load_features
-from mlx_eagle.train import TrainConfig, Trainer, d2t_t2d, draft_vocabulary, ttt_mask
+from mlx_eagle.train import TrainConfig, Trainer, d2t_t2d, draft_vocabulary, epoch_batches, make_batch, \
+    target_states, ttt_mask
 from synthetic import write_model
 
 
@@ -23,7 +23,7 @@ def tiny_root(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def tiny(tiny_root):
-    """A sharpened tiny llama, its features for 12 repetitive sequences, and a draft vocabulary."""
+    """A sharpened tiny llama, 12 repetitive sequences (answers after token 4), and a draft vocabulary."""
     from convert.target import convert_target
     from mlx_eagle import load
 
@@ -33,15 +33,13 @@ def tiny(tiny_root):
     # target has nothing to learn, its cross-entropy floor is its entropy.
     model.model.embed_tokens.weight = model.model.embed_tokens.weight * 12
     rng = np.random.default_rng(0)
-    # Repetitive sequences: a pattern a head can learn in a few steps.
-    sequences = []
+    # Repetitive sequences: a pattern a head can learn in a few steps; answers after token 4.
+    pieces = []
     for i in range(12):
         pattern = rng.integers(3, model.args.vocab_size, size=5)
-        sequences.append((np.tile(pattern, 8).astype(np.int32), 4))
-    taps = new_head(model, "eagle3").taps(model.args.num_hidden_layers)
-    compute_features(model, sequences, root / "features", taps, seq_len=64, shard_size=5, progress=False)
-    used = draft_vocabulary(sequences, model.args.vocab_size, 96)
-    return model, load_features(root / "features"), used
+        pieces.append((np.tile(pattern, 8).astype(np.int32), np.arange(40) >= 4))
+    used = draft_vocabulary(pieces, model.args.vocab_size, 96)
+    return model, pieces, used
 
 
 def test_ttt_mask_matches_a_hand_built_reference():
@@ -59,8 +57,8 @@ def test_ttt_mask_matches_a_hand_built_reference():
 
 
 def test_d2t_t2d_round_trip():
-    sequences = [(np.array([5, 5, 9, 9, 9, 2, 7]), 1), (np.array([1, 9, 2]), 1)]
-    used = draft_vocabulary(sequences, vocab_size=12, size=3)
+    pieces = [(np.array([5, 5, 9, 9, 9, 2, 7]), np.arange(7) >= 1), (np.array([1, 9, 2]), np.arange(3) >= 1)]
+    used = draft_vocabulary(pieces, vocab_size=12, size=3)
     assert list(used) == [2, 5, 9]
     d2t, t2d = d2t_t2d(used, 12)
     assert list(np.arange(3) + d2t) == [2, 5, 9]
@@ -69,8 +67,8 @@ def test_d2t_t2d_round_trip():
 
 @pytest.mark.parametrize("family", ["eagle3", "eagle1"])
 def test_a_few_steps_lower_the_loss(tiny, tmp_path, family):
-    model, records, used = tiny
-    config = TrainConfig(family=family, steps=30, batch_size=4, lr=3e-3, warmup=5, ttt_steps=3,
+    model, pieces, used = tiny
+    config = TrainConfig(family=family, steps=30, tokens_per_batch=256, lr=3e-3, warmup=5, ttt_steps=3,
                          checkpoint_every=1000)
     losses = []
     for attempt in range(2):  # deterministic: two runs give the same losses
@@ -79,20 +77,21 @@ def test_a_few_steps_lower_the_loss(tiny, tmp_path, family):
             head.d2t = mx.array(d2t_t2d(used, model.args.vocab_size)[0])
         work = tmp_path / f"run{attempt}"
         work.mkdir()
-        Trainer(model, head, records, config, work, used=used, progress=False).run()
+        Trainer(model, head, pieces, config, work, used=used, progress=False).run()
         losses.append([json.loads(line)["loss"] for line in (work / "log.jsonl").read_text().splitlines()])
     assert losses[0] == losses[1]
     assert np.mean(losses[0][-5:]) < 0.7 * np.mean(losses[0][:5])
 
 
 def test_resumed_run_reaches_the_same_weights(tiny, tmp_path):
-    model, records, used = tiny
+    model, pieces, used = tiny
 
     def trainer(work):
         head = new_head(model, "eagle3", draft_vocab_size=len(used), seed=2)
         head.d2t = mx.array(d2t_t2d(used, model.args.vocab_size)[0])
-        config = TrainConfig(steps=10, batch_size=4, lr=2e-3, warmup=3, ttt_steps=2, checkpoint_every=4)
-        return Trainer(model, head, records, config, work, used=used, progress=False)
+        config = TrainConfig(steps=10, tokens_per_batch=128, grad_accum=2, lr=2e-3, warmup=3, ttt_steps=2,
+                             checkpoint_every=4)
+        return Trainer(model, head, pieces, config, work, used=used, progress=False)
 
     straight = trainer(tmp_path / "straight")
     straight.run()
@@ -112,6 +111,60 @@ def test_sharegpt_reader_survives_the_truncated_file():
     assert len(prompts) == 200 and not banned & {" ".join(p.lower().split()) for p in prompts}
 
 
+def test_padded_batches_give_each_sequence_its_own_states(tiny):
+    """Rows of different lengths padded into one batch: every row's target states and
+    counted positions are those of the sequence alone (padding is never seen or counted)."""
+    model, pieces, _ = tiny
+    taps = new_head(model, "eagle3").taps(model.args.num_hidden_layers)
+    short, long = (pieces[0][0][:9], pieces[0][1][:9]), pieces[1]
+    batch = make_batch([short, long], rows=3, length=64)
+    features, last = target_states(model, batch["tokens"], taps)
+    for row, (tokens, answer) in enumerate([short, long]):
+        alone_features, alone_last = target_states(model, mx.array(tokens)[None], taps)
+        assert mx.allclose(features[row, :len(tokens)], alone_features[0], atol=1e-4)
+        assert mx.allclose(last[row, :len(tokens)], alone_last[0], atol=1e-4)
+        counted = np.array(batch["mask"][row])
+        assert counted[:len(tokens) - 2].tolist() == answer[2:].tolist() and not counted[len(tokens) - 2:].any()
+    assert not np.array(batch["mask"][2]).any()
+
+
+def test_batches_are_packed_by_tokens_and_cover_the_epoch():
+    lengths = [30, 500, 64, 65, 700, 10, 128, 900] * 8
+    config = TrainConfig(tokens_per_batch=1024, pad_multiple=64)
+    batches = epoch_batches(lengths, config, epoch=0)
+    assert sorted(i for b in batches for i in b) == list(range(len(lengths)))
+    for batch in batches:
+        padded = -(-max(lengths[i] for i in batch) // 64) * 64
+        assert len(batch) * padded <= max(1024, padded)
+    assert epoch_batches(lengths, config, epoch=0) == batches != epoch_batches(lengths, config, epoch=1)
+
+
+def test_every_turn_of_a_dialogue_is_an_answer_in_its_context():
+    """Multi-turn ShareGPT: each reply is marked as an answer up to its end-of-turn token,
+    in the chat template's own text; a dialogue too long for one piece is cut between turns."""
+    from mlx_eagle import load
+    from mlx_eagle.data import dialogue_tokens, sharegpt_dialogues
+
+    _, tokenizer = load()
+    messages = [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "Blue."},
+                {"role": "user", "content": "Another one?"}, {"role": "assistant", "content": "Green."}]
+    [(tokens, answer)] = dialogue_tokens(tokenizer, messages, 2048)
+    assert tokens.tolist() == tokenizer.apply_chat_template(messages)
+    assert tokenizer.decode(tokens[answer].tolist()) == "Blue.<|im_end|>Green.<|im_end|>"
+    pieces = dialogue_tokens(tokenizer, messages, len(tokens) - 3)  # the second reply no longer fits
+    assert len(pieces) == 2 and tokenizer.decode(pieces[1][0][pieces[1][1]].tolist()) == "Green.<|im_end|>"
+    banned = {" ".join(t.lower().split()) for q in mtbench_questions() for t in q["turns"]}
+    dialogues = []
+    for dialogue in sharegpt_dialogues():
+        dialogues.append(dialogue)
+        if len(dialogues) == 300:
+            break
+    assert any(len(d) > 2 for d in dialogues)
+    for dialogue in dialogues:
+        assert [m["role"] for m in dialogue] == ["user", "assistant"] * (len(dialogue) // 2)
+        assert not banned & {" ".join(m["content"].lower().split()) for m in dialogue if m["role"] == "user"}
+
+
 def test_sharegpt_reader_on_a_cut_file(tmp_path):
     records = [{"id": str(i), "conversations": [{"from": "human", "value": f"question number {i} here"}]}
                for i in range(5)]
@@ -123,20 +176,18 @@ def test_sharegpt_reader_on_a_cut_file(tmp_path):
 def test_data_parallel_with_two_processes(tiny, tiny_root, tmp_path):
     """mlx.launch starts two ranks on this machine; they share batches, average
     gradients, end with the same weights, and learn."""
-    import shutil
     import subprocess
     import sys
     from pathlib import Path
 
-    model, records, used = tiny
-    features = tmp_path / "features"
+    model, pieces, used = tiny
     model_dir = tiny_root / "mlx"
-    shutil.copytree(tiny_root / "features", features)
+    np.savez(tmp_path / "pieces.npz", *[t for t, _ in pieces])
     np.save(tmp_path / "vocab.npy", used)
     launcher = Path(sys.executable).parent / "mlx.launch"
     worker = Path(__file__).parent / "distributed_worker.py"
     result = subprocess.run(
-        [str(launcher), "-n", "2", "--backend", "ring", sys.executable, str(worker), str(model_dir), str(features),
+        [str(launcher), "-n", "2", "--backend", "ring", sys.executable, str(worker), str(model_dir), str(tmp_path / "pieces.npz"),
          str(tmp_path / "vocab.npy"), str(tmp_path)],
         capture_output=True, text=True, timeout=600,
     )

@@ -128,14 +128,12 @@ def test_measured_acceptance_is_a_probability_table(tiny):
     model, _ = tiny
     head = new_head(model, "eagle3", draft_vocab_size=model.args.vocab_size)
     rng = np.random.default_rng(0)
-    records = []
     from mlx_eagle.features import greedy_batch
 
     prompts = [rng.integers(3, model.args.vocab_size, size=n).tolist() for n in (5, 7)]
-    for prompt, (tokens, taps, last) in zip(prompts, greedy_batch(model, prompts, 12, [], head.taps(
-            model.args.num_hidden_layers))):
-        records.append({"tokens": tokens, "taps": taps, "last": last, "prompt_length": len(prompt)})
-    table = measure_acceptance(model, head, records, depths=3, ranks=4)
+    pieces = [(tokens, np.arange(len(tokens)) >= len(prompt))
+              for prompt, tokens in zip(prompts, greedy_batch(model, prompts, 12, []))]
+    table = measure_acceptance(model, head, pieces, depths=3, ranks=4)
     assert table.shape == (3, 4) and (table >= 0).all() and (table.sum(1) <= 1 + 1e-6).all()
 
 
