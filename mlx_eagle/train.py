@@ -1,14 +1,13 @@
 """Train an EAGLE draft head for any supported target, resumably.
 
-    python -m mlx_eagle.train --out my-head [--model M] [--family eagle3] [--prompts 2000]
+    python -m mlx_eagle.train --out my-head [--model M] [--family eagle3] [--answers sharegpt]
 
-Stages, each kept in --work and skipped when already done, so a stopped run resumes:
-  data/      ShareGPT prompts answered by the target itself (greedy), as token ids
-  features/  the target's states for every token (float16): the EAGLE-3 taps and the
-             post-norm last state (which gives the target's probabilities, and is the
-             EAGLE-1 feature)
-  vocab.npz  the draft vocabulary: the most frequent answer tokens (d2t, t2d)
+Stages, each kept in --data / --work and skipped when already done, so a stopped run resumes:
+  dialogues-*.npz  every assistant turn of ShareGPT's dialogues, as token ids with an answer
+                   mask (--answers self: data-self/, first prompts answered by the target)
+  vocab-*.npz      the draft vocabulary: the most frequent answer tokens (d2t, t2d)
   checkpoint/, log.jsonl, curves.png: training; the head is then written to --out.
+The target's states (EAGLE-3 taps, post-norm last state) are recomputed for every batch.
 EAGLE-3 trains by training-time test: the head is unrolled --ttt-steps times on its own
 outputs, each step under the attention mask it meets at inference, against the target's
 probabilities; step k's loss is weighted by --step-decay ** k. Data parallel:
