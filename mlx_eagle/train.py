@@ -74,13 +74,21 @@ def d2t_t2d(used: np.ndarray, vocab_size: int) -> Tuple[np.ndarray, np.ndarray]:
     return (used - np.arange(len(used))).astype(np.int64), t2d
 
 
-def init_from_target(head, target, used: np.ndarray) -> None:
-    """Start an EAGLE-3 head speaking the target's output language: its final norm and
-    reduced LM head begin as the target's own (the draft vocabulary's rows of it), so
-    training spends its steps on prediction rather than on relearning the vocabulary."""
-    head.norm.weight = target.model.norm.weight.astype(head.norm.weight.dtype)
-    rows = lm_head_rows(target, mx.eye(target.args.hidden_size), mx.array(used)).T
-    head.lm_head.weight = rows.astype(head.lm_head.weight.dtype)
+def head_to_train(target, family: str, used: np.ndarray, seed: int = 0):
+    """A new head for training, in float32 whatever the target's dtype (a bfloat16 or
+    quantized target on a GPU would otherwise give a bfloat16 head to AdamW). An EAGLE-3
+    head starts speaking the target's output language: its final norm and reduced LM head
+    begin as the target's own (the draft vocabulary's rows of it), so training spends its
+    steps on prediction rather than on relearning the vocabulary."""
+    from .heads import new_head
+
+    head = new_head(target, family, draft_vocab_size=len(used), seed=seed)
+    head.set_dtype(mx.float32)
+    if family == "eagle3":
+        head.d2t = mx.array(d2t_t2d(used, target.args.vocab_size)[0])
+        head.norm.weight = target.model.norm.weight.astype(mx.float32)
+        head.lm_head.weight = lm_head_rows(target, mx.eye(target.args.hidden_size), mx.array(used)).T.astype(mx.float32)
+    return head
 
 
 def make_batch(pieces: Sequence[Piece], rows: Optional[int] = None, length: Optional[int] = None
@@ -474,7 +482,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parser.add_argument("--quiet", action="store_true")
     args = parser.parse_args(argv)
 
-    from .heads import load_head, new_head, save_head
+    from .heads import load_head, save_head
     from .models import load
 
     config = TrainConfig(family=args.family, **{k: getattr(args, k) for k in asdict(defaults) if k != "family"})
@@ -505,10 +513,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     if args.subset:
         chosen = np.random.default_rng(config.seed).permutation(len(pieces))[: args.subset]
         pieces = [pieces[i] for i in sorted(chosen)]
-    head = new_head(model, config.family, draft_vocab_size=len(vocab["used"]), seed=config.seed)
-    if config.family == "eagle3":
-        head.d2t = mx.array(vocab["d2t"])
-        init_from_target(head, model, vocab["used"])
+    head = head_to_train(model, config.family, vocab["used"], config.seed)
     trainer = Trainer(model, head, pieces, config, work, used=vocab["used"], progress=progress)
     if config.family == "eagle3" and not np.array_equal(np.array(head.d2t), vocab["d2t"]):
         raise UserError(f"the checkpoint in {work} was trained with another draft vocabulary than {vocab_path}; "

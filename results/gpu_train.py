@@ -25,9 +25,9 @@ deadline = start + seconds
 out.mkdir(parents=True, exist_ok=True)
 
 from convert.target import convert_target  # noqa: E402
-from mlx_eagle.heads import new_head, save_head  # noqa: E402
+from mlx_eagle.heads import save_head  # noqa: E402
 from mlx_eagle.models import load  # noqa: E402
-from mlx_eagle.train import Trainer, TrainConfig, init_from_target, sharegpt_pieces  # noqa: E402
+from mlx_eagle.train import Trainer, TrainConfig, head_to_train, sharegpt_pieces  # noqa: E402
 
 print("device:", mx.default_device(), mx.device_info() if hasattr(mx, "device_info") else "", flush=True)
 model_dir = convert_target(gguf, Path("/tmp/smollm2-bf16"), dtype="bfloat16", progress=False) \
@@ -41,10 +41,7 @@ print(f"{len(pieces)} pieces, {sum(int(a.sum()) for _, a in pieces)} answer toke
 
 
 def fresh_trainer(config: TrainConfig, work: Path) -> Trainer:
-    head = new_head(model, "eagle3", draft_vocab_size=len(vocab["used"]), seed=config.seed)
-    head.set_dtype(mx.float32)  # the target runs in bfloat16; the head trains in float32
-    head.d2t = mx.array(vocab["d2t"])
-    init_from_target(head, model, vocab["used"])
+    head = head_to_train(model, "eagle3", vocab["used"], config.seed)
     return Trainer(model, head, pieces, config, work, used=vocab["used"], progress=False)
 
 
