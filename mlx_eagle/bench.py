@@ -24,7 +24,9 @@ import mlx.core as mx
 
 from .cli import UserError, blas_in_use, run_cli
 
-METHODS = ("baseline", "eagle", "draft-model")
+# baseline: plain mlx-lm; eagle: the head alone; lookup: drafts from the context alone;
+# eagle+lookup: both in one tree (what the commands do by default); draft-model: mlx-lm's.
+METHODS = ("baseline", "eagle", "lookup", "eagle+lookup", "draft-model")
 
 
 @dataclass
@@ -112,13 +114,13 @@ def accepted_per_round(from_draft: Sequence[bool]) -> List[int]:
     return rounds
 
 
-def eagle_method(model, tokenizer, head, tree, max_tokens: int, sampling: dict) -> Generator:
+def eagle_method(model, tokenizer, head, tree, max_tokens: int, sampling: dict, lookup: bool = False) -> Generator:
     from .generation import stream_generate
 
     def run(ids: List[int]) -> Answer:
         tic = time.perf_counter()
         responses = list(stream_generate(model, tokenizer, ids, max_tokens=max_tokens, draft=head, tree=tree,
-                                         **sampling))
+                                         lookup=lookup, **sampling))
         return Answer([r.token for r in responses], time.perf_counter() - tic,
                       accepted_per_round([r.from_draft for r in responses]))
 
@@ -239,6 +241,42 @@ def print_table(results: dict) -> None:
             print(f"{name} acceptance by depth: " + " ".join(f"{r:.2f}" for r in m["acceptance_by_depth"]))
 
 
+def categories_of(results: dict) -> List[str]:
+    return sorted({p["category"] for p in next(iter(results["prompts"].values()))})
+
+
+def by_category(results: dict, name: str, key: str) -> List[float]:
+    """Per category: ``name``'s speedup over baseline (tokens over seconds, summed), or
+    its mean tau (0 where it has none)."""
+    values = []
+    for category in categories_of(results):
+        chosen = [p for p in results["prompts"][name] if p["category"] == category]
+        if key == "speedup":
+            base = [p for p in results["prompts"]["baseline"] if p["category"] == category]
+            values.append((sum(p["new_tokens"] for p in chosen) / sum(p["seconds"] for p in chosen))
+                          / (sum(p["new_tokens"] for p in base) / sum(p["seconds"] for p in base)))
+        else:
+            taus = [p["tau"] for p in chosen if p["tau"]]
+            values.append(statistics.fmean(taus) if taus else 0.0)
+    return values
+
+
+def print_categories(results: dict) -> None:
+    """Speedup (and tau) of each method per category."""
+    names = [n for n in results["methods"] if n != "baseline"]
+    categories = categories_of(results)
+    if "baseline" not in results["methods"] or len(categories) < 2 or not names:
+        return
+    columns = {n: by_category(results, n, "speedup") for n in names}
+    taus = {n: by_category(results, n, "tau") for n in names}
+    rows = [("category",) + tuple(f"{n} speedup (tau)" for n in names)]
+    rows += [(category,) + tuple(f"{columns[n][i]:.2f}x ({taus[n][i]:.2f})" for n in names)
+             for i, category in enumerate(categories)]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for row in rows:
+        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)))
+
+
 def plot(results: dict, out: Path) -> None:
     """Speedup over baseline and tau, per category."""
     import matplotlib
@@ -247,27 +285,14 @@ def plot(results: dict, out: Path) -> None:
     import matplotlib.pyplot as plt
 
     names = [n for n in results["methods"] if n != "baseline"]
-    categories = sorted({p["category"] for p in next(iter(results["prompts"].values()))})
-
-    def by_category(name, key):
-        values = []
-        for category in categories:
-            chosen = [p for p in results["prompts"][name] if p["category"] == category]
-            if key == "speedup":
-                base = [p for p in results["prompts"]["baseline"] if p["category"] == category]
-                values.append((sum(p["new_tokens"] for p in chosen) / sum(p["seconds"] for p in chosen))
-                              / (sum(p["new_tokens"] for p in base) / sum(p["seconds"] for p in base)))
-            else:
-                taus = [p["tau"] for p in chosen if p["tau"]]
-                values.append(statistics.fmean(taus) if taus else 0.0)
-        return values
-
+    categories = categories_of(results)
     panels = (["speedup"] if "baseline" in results["methods"] else []) + ["tau"]
     figure, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4), squeeze=False)
     width = 0.8 / max(len(names), 1)
     for axis, key in zip(axes[0], panels):
         for i, name in enumerate(names):
-            axis.bar([c + i * width for c in range(len(categories))], by_category(name, key), width, label=name)
+            axis.bar([c + i * width for c in range(len(categories))], by_category(results, name, key), width,
+                     label=name)
         axis.set_xticks([c + width * (len(names) - 1) / 2 for c in range(len(categories))], categories, rotation=30)
         axis.set_title("speedup over plain mlx-lm decoding" if key == "speedup" else "tau (tokens per target forward)")
         if key == "speedup":
@@ -319,7 +344,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         prompt.turns = prompt.turns[: args.max_turns] if args.max_turns else prompt.turns
     prompts = prompts[: args.limit] if args.limit else prompts
     model, tokenizer, head = load(args.model, draft=args.draft or "auto")
-    if "eagle" in methods and head is None:
+    if {"eagle", "eagle+lookup"} & set(methods) and head is None:
         raise UserError("no EAGLE head for this model: pass --draft DIR (see python -m mlx_eagle.train)")
     tree_reason = "given"
     if tree is None:
@@ -329,8 +354,12 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     for name in methods:
         if name == "baseline":
             generators[name] = mlx_lm_method(model, tokenizer, args.max_tokens, sampling)
-        elif name == "eagle":
-            generators[name] = eagle_method(model, tokenizer, head, tree, args.max_tokens, sampling)
+        elif name in ("eagle", "eagle+lookup"):
+            generators[name] = eagle_method(model, tokenizer, head, tree, args.max_tokens, sampling,
+                                            lookup=name == "eagle+lookup")
+        elif name == "lookup":
+            generators[name] = eagle_method(model, tokenizer, None, parse_tree("none"), args.max_tokens, sampling,
+                                            lookup=True)
         else:
             draft_model, _ = load(args.draft_model)
             generators[name] = mlx_lm_method(model, tokenizer, args.max_tokens, sampling, draft_model,
@@ -344,6 +373,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         prompt_count=len(prompts),
     )
     print_table(results)
+    print_categories(results)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(results, indent=2, default=str))

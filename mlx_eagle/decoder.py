@@ -8,9 +8,11 @@ live in a ``PromptCache``, which a conversation keeps from turn to turn: a new
 prompt that begins with what the caches hold is read from where they diverge.
 
 One round: the head reads the pending pairs into its cache, its output at the root
-grows a tree; the target runs [root, tree] in one forward pass with a tree mask;
+grows a tree; the context lookup's draft (see lookup.py) is grafted onto it as one
+more branch; the target runs [root, tree] in one forward pass with a tree mask;
 the longest agreeing path is accepted plus one bonus token from the target; both
-caches keep only that path.
+caches keep only that path. Without a head the draft is a chain, which the
+target's own forward pass verifies, so any mlx-lm model can decode this way.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ import mlx.nn as nn
 import numpy as np
 from mlx_lm.models import cache as mlx_lm_cache
 
+from .cli import UserError
+from .lookup import LookupDraft, LookupDrafter
 from .target import TargetOutput, check_target, keep_cache_entries, lm_head, target_forward, tree_mask
 from .trees import DraftTree, TreeDrafter, TreeSpec
 from .verify import Sampling, accept
@@ -59,10 +63,12 @@ class Round:
 
 class SpeculativeDecoder:
     def __init__(self, target: nn.Module, head: Optional[nn.Module], tree: TreeSpec,
-                 sampling: Sampling, seed: Optional[int] = None, cache: Optional[PromptCache] = None):
-        check_target(target)
+                 sampling: Sampling, seed: Optional[int] = None, cache: Optional[PromptCache] = None,
+                 lookup: Optional[LookupDrafter] = None):
         head = head if tree.kind != "none" else None
-        self.target, self.head, self.sampling = target, head, sampling
+        if head is not None:
+            check_target(target)
+        self.target, self.head, self.sampling, self.lookup = target, head, sampling, lookup
         self.drafter = TreeDrafter(head, target, tree) if head is not None else None
         self.taps = head.taps(target.args.num_hidden_layers) if head is not None else None
         self.rng = np.random.default_rng(seed)
@@ -72,11 +78,14 @@ class SpeculativeDecoder:
         self.forwards = 0  # target forward passes, for tests and statistics
         self.root: Optional[int] = None
         self.pending: Optional[Tuple[mx.array, mx.array]] = None  # (features [n, F], next tokens [n])
+        if not mlx_lm_cache.can_trim_prompt_cache(self.cache):
+            raise UserError("this model's cache cannot be rewound, which speculative decoding needs; use mlx_lm")
+        self.head_yield = 1.0  # tokens a round's head tree yields (running mean), for lookup's length
 
     @property
     def length(self) -> int:
         """Tokens committed so far, the root included."""
-        return self.cache[0].offset + 1
+        return len(self.state.tokens)
 
     def _choose(self, logits: mx.array) -> int:
         if self.sampling.greedy:
@@ -86,6 +95,8 @@ class SpeculativeDecoder:
 
     def _forward(self, tokens: List[int], positions, mask) -> TargetOutput:
         self.forwards += 1
+        if self.head is None:  # only chains, starting where the cache ends: the model's own forward pass
+            return TargetOutput(logits=self.target(mx.array([tokens]), cache=self.cache)[0], features=None)
         out = target_forward(self.target, mx.array([tokens]), self.cache, positions, mask, self.taps)
         return TargetOutput(logits=out.logits[0], features=out.features[0], hidden=out.hidden[0])
 
@@ -108,15 +119,23 @@ class SpeculativeDecoder:
         first generated token (the first root)."""
         self.reused = self._reusable(prompt)
         self.state.tokens = []  # until this returns, the caches hold nothing certain
-        features = []
-        for start in range(self.reused, len(prompt), chunk):
-            block = prompt[start:start + chunk]
-            out = self._forward(block, start, "causal" if len(block) > 1 else None)
-            features.append(out.features)
-            mx.eval(out.features)  # the prompt's own logits are never needed: only the last
-        self.root = self._choose(lm_head(self.target, out.hidden[-1]))
-        self._set_pending(mx.concatenate(features), prompt[self.reused + 1:] + [self.root])
+        if self.head is None:  # as mlx-lm reads a prompt: only the last token's logits are computed
+            for start in range(self.reused, len(prompt) - 1, chunk):
+                self._forward(prompt[start:min(start + chunk, len(prompt) - 1)], start, None)
+                mx.eval([layer_cache.state for layer_cache in self.cache])
+            self.root = self._choose(self._forward(prompt[-1:], len(prompt) - 1, None).logits[-1])
+        else:
+            features = []
+            for start in range(self.reused, len(prompt), chunk):
+                block = prompt[start:start + chunk]
+                out = self._forward(block, start, "causal" if len(block) > 1 else None)
+                features.append(out.features)
+                mx.eval(out.features)  # the prompt's own logits are never needed: only the last
+            self.root = self._choose(lm_head(self.target, out.hidden[-1]))
+            self._set_pending(mx.concatenate(features), prompt[self.reused + 1:] + [self.root])
         self.state.tokens = list(prompt) + [self.root]
+        if self.lookup is not None:
+            self.lookup.index.reset(self.state.tokens)
         return self.root
 
     def _set_pending(self, features: mx.array, next_tokens: List[int]) -> None:
@@ -136,10 +155,19 @@ class SpeculativeDecoder:
             tree = tree.subtree([n for n in range(len(tree)) if tree.depths[n] <= room])
         return tree
 
+    def _graft_lookup(self, tree: DraftTree, room: int) -> Tuple[LookupDraft, List[int]]:
+        """The lookup draft for this round, grafted onto ``tree``; its nodes there."""
+        if self.lookup is None:
+            return LookupDraft([], 0), []
+        draft = self.lookup.propose(room, verified=1 + len(tree), expected=self.head_yield if len(tree) else 1.0)
+        return draft, tree.graft(draft.tokens)
+
     def step(self, room: int) -> Round:
         """One round. ``room``: how many tokens past the root may still be produced."""
         committed, self.state.tokens = self.state.tokens, []  # an interrupted round leaves nothing certain
         tree = self._draft(room - 1) if self.head is not None else DraftTree()
+        head_nodes = len(tree)
+        lookup, lookup_nodes = self._graft_lookup(tree, room - 1)
         start = self.cache[0].offset
         tokens = [self.root] + tree.tokens
         if tree.is_chain():  # a chain is just a longer causal block
@@ -151,8 +179,14 @@ class SpeculativeDecoder:
         kept = [0] + [n + 1 for n in path]
         keep_cache_entries(self.cache, start, kept)
         accepted = [tree.tokens[n] for n in path]
+        if lookup.tokens:
+            self.lookup.record(lookup, common_prefix(path, lookup_nodes))
+        if head_nodes:
+            self.head_yield += 0.1 * (1 + sum(1 for n in path if n < head_nodes) - self.head_yield)
         if self.head is not None:
             self._set_pending(out.features[mx.array(kept)], accepted + [bonus])
+        if self.lookup is not None:
+            self.lookup.index.commit(accepted + [bonus])
         self.root = bonus
         self.state.tokens = committed + accepted + [bonus]
         return Round(tokens=accepted + [bonus], drafted=len(tree))

@@ -65,8 +65,9 @@ def stream_generate(
     tokenizer,
     prompt: Union[str, List[int], mx.array],
     max_tokens: int = 256,
-    draft: Optional[nn.Module] = None,
+    draft: Union[nn.Module, str, None] = None,
     tree: Union[str, "TreeSpec", None] = None,
+    lookup: bool = True,
     temp: float = 0.0,
     top_p: float = 1.0,
     min_p: float = 0.0,
@@ -77,21 +78,31 @@ def stream_generate(
 ) -> Generator[GenerationResponse, None, None]:
     """Yield the continuation of ``prompt`` token by token.
 
-    ``draft``: an EAGLE head (see ``load``); None decodes plainly through the same
-    loop. ``tree``: a --tree spec; ``auto`` (default) takes the tree tuned for this
+    ``draft``: an EAGLE head (see ``load``), or None (or "lookup") for no head.
+    ``tree``: a --tree spec; ``auto`` (default) takes the tree tuned for this
     device beside the head (``python -m mlx_eagle.tune``), else ``static:default``, or
-    plain decoding where speculation cannot pay off. The text is exactly
+    no head tree where it cannot pay off. ``lookup``: also draft from the context
+    (continuations of the last few tokens' earlier occurrences in the prompt and
+    reply), as long a draft as this device's measured costs and the drafts'
+    acceptance so far say pays off; with neither head nor lookup, plain decoding
+    through the same loop. The text is exactly
     what the target alone would produce: the same tokens when greedy (temp 0),
     the same distribution when sampling. ``prompt_cache`` (``make_prompt_cache``):
     keep it across the turns of a conversation and pass the whole conversation each
     time; the part the cache already holds is not read again. Stopping the iteration
     between tokens leaves it usable.
     """
+    from .calibrate import verify_costs
     from .decoder import SpeculativeDecoder
+    from .lookup import LookupDrafter
     from .trees import parse_tree
     from .tune import auto_tree
     from .verify import Sampling
 
+    if isinstance(draft, str):
+        if draft != "lookup":
+            raise UserError(f"draft {draft!r}: pass a head (mlx_eagle.load_draft), \"lookup\" or None")
+        draft = None
     if tree in (None, "auto"):
         spec = auto_tree(model, draft)[0]
     else:
@@ -102,7 +113,8 @@ def stream_generate(
     limit = _context_length(model)
     if limit is not None and len(ids) >= limit:
         raise UserError(f"the prompt is {len(ids)} tokens; the model's context holds {limit}. Shorten it")
-    decoder = SpeculativeDecoder(model, draft, spec, Sampling(temp, top_p, min_p, top_k), seed, prompt_cache)
+    drafter = LookupDrafter(verify_costs(model)) if lookup else None
+    decoder = SpeculativeDecoder(model, draft, spec, Sampling(temp, top_p, min_p, top_k), seed, prompt_cache, drafter)
     eos = set(tokenizer.eos_token_ids)
     stops = [s for s in (stop or []) if s]
     detokenizer = tokenizer.detokenizer

@@ -133,7 +133,7 @@ def keep_cache_entries(cache: List, start: int, kept: Sequence[int]) -> None:
         if not contiguous:
             layer_cache.keys[..., start:start + count, :] = layer_cache.keys[..., source, :]
             layer_cache.values[..., start:start + count, :] = layer_cache.values[..., source, :]
-        layer_cache.offset = start + count
+        layer_cache.trim(max(0, layer_cache.offset - (start + count)))  # as each cache kind rewinds
 
 
 def default_taps(num_layers: int) -> Tuple[int, int, int]:

@@ -140,6 +140,17 @@ class DraftTree:
         self.depths.append(1 if parent < 0 else self.depths[parent] + 1)
         return len(self.tokens) - 1
 
+    def graft(self, chain: Sequence[int]) -> List[int]:
+        """Add ``chain`` as a branch from the root, following nodes that already hold its
+        tokens so that no token is verified twice; returns the chain's nodes."""
+        children = self.children()
+        nodes, node = [], -1
+        for token in chain:
+            match = next((c for c in children.get(node, []) if self.tokens[c] == token), None)
+            node = match if match is not None else self.add(token, node)
+            nodes.append(node)
+        return nodes
+
     def subtree(self, kept: List[int]) -> "DraftTree":
         """The nodes ``kept`` (parents before children), renumbered."""
         index = {old: new for new, old in enumerate(kept)}

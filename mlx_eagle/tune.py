@@ -25,8 +25,6 @@ from __future__ import annotations
 import argparse
 import heapq
 import json
-import platform
-import re
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -37,7 +35,8 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from .cli import REFERENCE_BLAS, UserError, blas_in_use, openblas_loaded, run_cli
+from .calibrate import device_key, non_decreasing, weight_format
+from .cli import REFERENCE_BLAS, UserError, blas_in_use, run_cli
 from .trees import DEFAULT_STATIC, RankPath, TreeSpec, check_paths, parse_tree
 
 VERIFY_SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64)
@@ -65,23 +64,6 @@ class TreeChoice:
     expected_tau: float  # tokens per target forward
     expected_tokens_per_s: float
     plain_tokens_per_s: float
-
-
-def device_key(model: nn.Module) -> str:
-    """What a tuned tree depends on: the device (and BLAS on CPU) and the target's format."""
-    device = mx.default_device()
-    name = platform.machine()
-    if device.type == mx.gpu and mx.metal.is_available():
-        name = mx.metal.device_info().get("device_name", name)
-    elif device.type == mx.cpu and openblas_loaded():
-        name += "-openblas"
-    return re.sub(r"[^A-Za-z0-9._-]+", "-", f"{device.type.name}-{name}-{weight_format(model)}").lower()
-
-
-def weight_format(model: nn.Module) -> str:
-    """The target's weights as its embedding holds them: "q4", "q8", "float32", ..."""
-    embed = model.model.embed_tokens
-    return f"q{embed.bits}" if "scales" in embed else str(embed.weight.dtype).split(".")[-1]
 
 
 def node_values(acceptance: np.ndarray, max_nodes: int, max_depth: int) -> List[Tuple[RankPath, float]]:
@@ -154,19 +136,6 @@ def _median_ms(run: Callable[[], None], repeats: int) -> float:
         run()
         times.append(1000 * (time.perf_counter() - tic))
     return statistics.median(times)
-
-
-def non_decreasing(values: Sequence[float]) -> List[float]:
-    """The closest non-decreasing sequence (least squares; pool adjacent violators).
-    More tokens never cost less to verify; on a noisy machine a dip (10 tokens timed
-    below 8) would otherwise make the tree builder favour a size for no reason."""
-    blocks: List[List[float]] = []  # [mean, count]
-    for value in values:
-        blocks.append([value, 1])
-        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
-            (mean_a, count_a), (mean_b, count_b) = blocks.pop(-2), blocks.pop()
-            blocks.append([(mean_a * count_a + mean_b * count_b) / (count_a + count_b), count_a + count_b])
-    return [mean for mean, count in blocks for _ in range(count)]
 
 
 def measure_costs(model: nn.Module, tokenizer, head, context: int = 256, repeats: int = 5,

@@ -13,7 +13,8 @@ from mlx_lm.generate import generate_step
 import mlx_eagle
 from mlx_eagle import load, stream_generate
 from mlx_eagle.heads import new_head
-from mlx_eagle.tune import auto_tree, device_key, tree_file
+from mlx_eagle.calibrate import device_key
+from mlx_eagle.tune import auto_tree, tree_file
 from oracle import OracleHead
 
 PROMPTS = [

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from mlx_eagle.heads import new_head
-from mlx_eagle.tune import Costs, auto_tree, best_tree, device_key, measure_acceptance, non_decreasing, tree_file
+from mlx_eagle.calibrate import device_key, non_decreasing
+from mlx_eagle.tune import Costs, auto_tree, best_tree, measure_acceptance, tree_file
 from synthetic import write_model
 
 TABLE = np.array([[0.8, 0.1, 0.05], [0.7, 0.1, 0.0], [0.6, 0.0, 0.0]])
