@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 from typing import List, Optional, Sequence
 
-from mlx_eagle.cli import UserError, run_cli
+from mlx_eagle.cli import DRAFT_HELP, UserError, run_cli
 
 COMMANDS = """commands:
   /help           this list
@@ -157,8 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m apps.chat", description=__doc__.splitlines()[0])
     parser.add_argument("--model", help="MLX or Hugging Face directory, .gguf file or repo id "
                                         "(default: SmolLM2-135M-Instruct)")
-    parser.add_argument("--draft", default="auto", help="EAGLE head directory; 'none' decodes plainly "
-                                                        "(default: the model's shipped head, if any)")
+    parser.add_argument("--draft", default="auto", help=DRAFT_HELP)
     parser.add_argument("--system", help="a system prompt")
     parser.add_argument("--tree", default="auto", help="draft tree (as in mlx_eagle.generate)")
     parser.add_argument("--temp", type=float, default=0.0, help="sampling temperature (0: greedy)")
@@ -182,8 +181,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                           top_p=args.top_p, max_tokens=args.max_tokens, seed=args.seed,
                           on_notice=lambda text: terminal.say(terminal.dim(f"({text})")))
     engine = session.engine
-    drafting = f"{engine.head.family} head" if engine.head is not None else "no draft head (plain decoding)"
-    terminal.say(terminal.dim(f"{engine.name}, {drafting}. /help for commands, Ctrl-D to leave."))
+    terminal.say(terminal.dim(f"{engine.name}, {engine.drafting}. /help for commands, Ctrl-D to leave."))
     state = {"stats": not args.no_stats}
     try:
         while True:

@@ -18,7 +18,7 @@ import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
@@ -41,6 +41,7 @@ class BenchPrompt:
 class Answer:
     tokens: List[int]
     seconds: float  # prompt processing included
+    first_seconds: float  # until the first token: the prompt read and its token chosen
     rounds: List[int]  # accepted draft tokens per target forward (speculative methods)
 
 
@@ -114,14 +115,23 @@ def accepted_per_round(from_draft: Sequence[bool]) -> List[int]:
     return rounds
 
 
+def timed(responses: Iterable) -> Tuple[list, float, float]:
+    """Drain a token stream: (responses, seconds in all, seconds until the first)."""
+    tic = time.perf_counter()
+    collected, first = [], 0.0
+    for response in responses:
+        collected.append(response)
+        first = first or time.perf_counter() - tic
+    return collected, time.perf_counter() - tic, first
+
+
 def eagle_method(model, tokenizer, head, tree, max_tokens: int, sampling: dict, lookup: bool = False) -> Generator:
     from .generation import stream_generate
 
     def run(ids: List[int]) -> Answer:
-        tic = time.perf_counter()
-        responses = list(stream_generate(model, tokenizer, ids, max_tokens=max_tokens, draft=head, tree=tree,
-                                         lookup=lookup, **sampling))
-        return Answer([r.token for r in responses], time.perf_counter() - tic,
+        responses, seconds, first = timed(stream_generate(model, tokenizer, ids, max_tokens=max_tokens, draft=head,
+                                                          tree=tree, lookup=lookup, **sampling))
+        return Answer([r.token for r in responses], seconds, first,
                       accepted_per_round([r.from_draft for r in responses]))
 
     return run
@@ -139,12 +149,11 @@ def mlx_lm_method(model, tokenizer, max_tokens: int, sampling: dict, draft_model
         if sampling.get("seed") is not None:
             mx.random.seed(sampling["seed"])
         extra = {"draft_model": draft_model, "num_draft_tokens": num_draft_tokens} if draft_model is not None else {}
-        tic = time.perf_counter()
         # Every token, the end-of-sequence one too, as ours yields it.
-        responses = list(stream_generate(model, tokenizer, mx.array(ids), max_tokens=max_tokens, sampler=sampler,
-                                         **extra))
+        responses, seconds, first = timed(stream_generate(model, tokenizer, mx.array(ids), max_tokens=max_tokens,
+                                                          sampler=sampler, **extra))
         rounds = accepted_per_round([r.from_draft for r in responses]) if draft_model is not None else []
-        return Answer([r.token for r in responses], time.perf_counter() - tic, rounds)
+        return Answer([r.token for r in responses], seconds, first, rounds)
 
     return run
 
@@ -181,6 +190,9 @@ def summarize(per_prompt: List[dict], rounds: List[int], peak_memory: float) -> 
         "tokens_per_s_median": statistics.median(speeds),
         "tokens_per_s_mean": statistics.fmean(speeds),
         "tokens_per_s_overall": tokens / sum(p["seconds"] for p in per_prompt),
+        # after the first token: the prompt's reading left out, which every method does alike
+        "decode_tokens_per_s": (sum(p["new_tokens"] - p["turns"] for p in per_prompt)
+                                / sum(p["seconds"] - p["first_seconds"] for p in per_prompt)),
         "total_tokens": tokens,
         "tau": (sum(rounds) + len(rounds)) / len(rounds) if rounds else None,
         "acceptance_by_depth": acceptance_by_depth(rounds) if rounds else None,
@@ -213,6 +225,7 @@ def run_bench(prompts: List[BenchPrompt], tokenizer, generators: Dict[str, Gener
             texts[name].append([t for a in answers for t in a.tokens])
             per_prompt[name].append({
                 "id": prompt.id, "category": prompt.category, "new_tokens": new_tokens, "seconds": seconds,
+                "first_seconds": sum(a.first_seconds for a in answers), "turns": len(answers),
                 "tokens_per_s": new_tokens / seconds,
                 "tau": (sum(prompt_rounds) + len(prompt_rounds)) / len(prompt_rounds) if prompt_rounds else None,
             })
@@ -222,16 +235,19 @@ def run_bench(prompts: List[BenchPrompt], tokenizer, generators: Dict[str, Gener
     if "baseline" in methods:
         for name, summary in methods.items():
             summary["speedup"] = summary["tokens_per_s_overall"] / methods["baseline"]["tokens_per_s_overall"]
+            summary["decode_speedup"] = summary["decode_tokens_per_s"] / methods["baseline"]["decode_tokens_per_s"]
             if greedy:
                 summary["identical"] = texts[name] == texts["baseline"]
     return {"methods": methods, "prompts": per_prompt}
 
 
 def print_table(results: dict) -> None:
-    rows = [("method", "tok/s median", "tok/s mean", "tokens", "tau", "speedup", "identical", "peak GB")]
+    rows = [("method", "tok/s median", "tok/s mean", "tokens", "tau", "speedup", "decode speedup", "identical",
+             "peak GB")]
     for name, m in results["methods"].items():
         rows.append((name, f"{m['tokens_per_s_median']:.1f}", f"{m['tokens_per_s_mean']:.1f}", str(m["total_tokens"]),
                      f"{m['tau']:.2f}" if m["tau"] else "-", f"{m['speedup']:.2f}x" if "speedup" in m else "-",
+                     f"{m['decode_speedup']:.2f}x" if "decode_speedup" in m else "-",
                      str(m.get("identical", "-")), f"{m['peak_memory_gb']:.2f}"))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for row in rows:

@@ -9,6 +9,10 @@ from pathlib import Path
 from typing import Callable, NoReturn, Optional, Sequence
 
 
+DRAFT_HELP = ("EAGLE head directory, or 'lookup' (drafts from the context alone, for any mlx-lm model), or "
+              "'none' (plain decoding); default: the model's shipped head, if any, and drafts from the context")
+
+
 class UserError(ValueError):
     """A problem the user can fix. Commands print it as one line and exit 1."""
 

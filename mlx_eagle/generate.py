@@ -11,7 +11,7 @@ from typing import List, Optional, Sequence
 
 import mlx.core as mx
 
-from .cli import blas_in_use, run_cli
+from .cli import DRAFT_HELP, blas_in_use, run_cli
 from .generation import chat_tokens, print_stats, stream_generate
 
 
@@ -19,8 +19,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m mlx_eagle.generate", description=__doc__.splitlines()[0])
     parser.add_argument("--model", help="MLX or Hugging Face directory, .gguf file or Hugging Face repo id "
                                         "(default: SmolLM2-135M-Instruct)")
-    parser.add_argument("--draft", help="EAGLE head directory; 'none' decodes plainly "
-                                        "(default: the model's shipped head, if any)")
+    parser.add_argument("--draft", help=DRAFT_HELP)
+    parser.add_argument("--no-lookup", action="store_true", help="no drafts from the context, the head's alone")
     parser.add_argument("--prompt", "-p", default="Hello!", help="the user message; '-' reads standard input")
     parser.add_argument("--system", help="a system prompt")
     parser.add_argument("--max-tokens", "-m", type=int, default=256)
@@ -56,20 +56,22 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     if args.verbose:
         print(f"device: {mx.default_device()}, BLAS: {blas_in_use()}", file=sys.stderr)
     model, tokenizer, head = load(args.model, draft=args.draft or "auto")
+    lookup = args.draft != "none" and not args.no_lookup
     if spec is None:
         spec, why = auto_tree(model, head)
         if head is not None and spec.kind == "none":
-            print(f"decoding plainly: {why}", file=sys.stderr)
+            print(f"{'drafting from the context alone' if lookup else 'decoding plainly'}: {why}", file=sys.stderr)
         elif args.verbose:
             print(f"tree auto: {why}", file=sys.stderr)
     if args.verbose:
-        print(f"draft: {head.family + ' head' if head is not None else 'none (plain decoding)'}, "
-              f"tree: {spec.text}", file=sys.stderr)
+        drafts = [f"{head.family} head, tree {spec.text}"] if head is not None and spec.kind != "none" else []
+        drafts += ["context lookup"] if lookup else []
+        print(f"drafts: {' + '.join(drafts) or 'none (plain decoding)'}", file=sys.stderr)
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     ids = prompt_tokens(tokenizer, prompt, args.system, not args.no_chat_template)
     response = None
     for response in stream_generate(model, tokenizer, ids, max_tokens=args.max_tokens, draft=head, tree=spec,
-                                    temp=args.temp, top_p=args.top_p, min_p=args.min_p, top_k=args.top_k,
+                                    lookup=lookup, temp=args.temp, top_p=args.top_p, min_p=args.min_p, top_k=args.top_k,
                                     seed=args.seed, stop=args.stop):
         print(response.text, end="", flush=True)
     print()

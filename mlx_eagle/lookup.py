@@ -70,7 +70,7 @@ class ContextIndex:
 @dataclass
 class LookupDraft:
     tokens: List[int]
-    ngram: int  # length of the matched suffix (the history it is judged by)
+    kind: int  # which acceptance history judges it: the match's length, and whether a copy goes on
 
 
 class LookupDrafter:
@@ -78,8 +78,10 @@ class LookupDrafter:
 
     ``cost(k)``: a target forward over k tokens, in plain decoding steps. The
     probability that draft token j is accepted once tokens 1..j-1 were is estimated
-    per match length from what this drafter saw accepted, shrunk towards the estimate
-    for token j - 1 (deep positions start from what shallower ones show).
+    from what this drafter saw accepted, shrunk towards the estimate for token j - 1
+    (deep positions start from what shallower ones show), separately for each kind of
+    draft: by the matched suffix's length, and by whether the last round's draft was
+    accepted whole (a copy under way goes on far more often than a new one starts).
     """
 
     PRIOR_RATE = 0.5  # first draft token of a match length never tried yet
@@ -87,45 +89,58 @@ class LookupDrafter:
 
     def __init__(self, cost: Callable[[int], float], max_tokens: int = 16, min_ngram: int = 1,
                  max_ngram: int = 4):
-        self.cost, self.max_tokens = cost, max_tokens
+        self.max_tokens = max_tokens
+        self.cost = cost
         self.index = ContextIndex(min_ngram, max_ngram)
-        self.tried = np.zeros((max_ngram + 1, max_tokens))
-        self.accepted = np.zeros((max_ngram + 1, max_tokens))
+        self.tried = np.zeros((2 * (max_ngram + 1), max_tokens))  # by kind and position
+        self.accepted = np.zeros((2 * (max_ngram + 1), max_tokens))
+        self.copying = False  # the last round's draft was accepted whole
 
-    def acceptance(self, ngram: int) -> np.ndarray:
+    def kind(self, ngram: int) -> int:
+        return ngram + (self.index.max_ngram + 1) * self.copying
+
+    def acceptance(self, kind: int) -> np.ndarray:
         """P(draft token j accepted | tokens before it were), j = 1..max_tokens."""
         rates = np.empty(self.max_tokens)
         prior = self.PRIOR_RATE
         for j in range(self.max_tokens):
-            prior = rates[j] = ((self.accepted[ngram, j] + self.PRIOR_WEIGHT * prior)
-                                / (self.tried[ngram, j] + self.PRIOR_WEIGHT))
+            prior = rates[j] = ((self.accepted[kind, j] + self.PRIOR_WEIGHT * prior)
+                                / (self.tried[kind, j] + self.PRIOR_WEIGHT))
         return rates
 
-    def best_length(self, ngram: int, limit: int, verified: int, expected: float) -> int:
+    @property
+    def cost(self) -> Callable[[int], float]:
+        return self._cost
+
+    @cost.setter
+    def cost(self, cost: Callable[[int], float]) -> None:
+        self._cost = cost
+        self._costs: Dict[int, np.ndarray] = {}  # verified -> cost of verifying it plus 0..max_tokens more
+
+    def best_length(self, kind: int, limit: int, verified: int, expected: float) -> int:
         """The draft length with the most expected tokens per unit of verification cost,
         beside ``verified`` tokens already in the round that yield ``expected`` tokens."""
-        best_length, best_value = 0, expected / self.cost(verified)
-        reach = 1.0
-        for length, rate in enumerate(self.acceptance(ngram)[:limit], 1):
-            reach *= rate
-            expected += reach
-            value = expected / self.cost(verified + length)
-            if value > best_value:
-                best_length, best_value = length, value
-        return best_length
+        if verified not in self._costs:
+            self._costs[verified] = np.array([self._cost(verified + n) for n in range(self.max_tokens + 1)])
+        reach = np.cumprod(self.acceptance(kind)[:limit])
+        values = (expected + np.concatenate([[0.0], np.cumsum(reach)])) / self._costs[verified][:limit + 1]
+        return int(np.argmax(values))  # the shortest of equals: 0 (no draft) on a tie
 
     def propose(self, limit: int, verified: int = 1, expected: float = 1.0) -> LookupDraft:
         """At most ``limit`` tokens to follow the committed ones; empty where no match is
         expected to pay off. ``verified``: tokens the round verifies anyway (the root and
         a head's tree), ``expected``: the tokens those are expected to yield."""
         ngram, position = self.index.match()
+        kind = self.kind(ngram)
+        self.copying = False  # until a draft is accepted whole
         if ngram == 0 or limit < 1:
-            return LookupDraft([], 0)
-        length = self.best_length(ngram, min(limit, self.max_tokens), verified, expected)
-        return LookupDraft(self.index.continuation(position, length), ngram)
+            return LookupDraft([], kind)
+        length = self.best_length(kind, min(limit, self.max_tokens), verified, expected)
+        return LookupDraft(self.index.continuation(position, length), kind)
 
     def record(self, draft: LookupDraft, accepted: int) -> None:
         """How many leading tokens of ``draft`` the target accepted."""
         proposed = len(draft.tokens)
-        self.tried[draft.ngram, :min(accepted + 1, proposed)] += 1
-        self.accepted[draft.ngram, :accepted] += 1
+        self.tried[draft.kind, :min(accepted + 1, proposed)] += 1
+        self.accepted[draft.kind, :accepted] += 1
+        self.copying = accepted == proposed

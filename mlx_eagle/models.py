@@ -129,10 +129,10 @@ def default_head_dir(model_path: Path) -> Optional[Path]:
 
 def load_draft(draft: Optional[str], model: nn.Module, model_path: Optional[Path] = None):
     """An EAGLE head for ``model``: a head directory, "auto" (the shipped head for the
-    default model, if any) or None / "none" (plain decoding)."""
+    default model, if any) or None / "none" / "lookup" (no head)."""
     from .heads import load_head
 
-    if draft in (None, "none"):
+    if draft in (None, "none", "lookup"):
         return None
     if draft == "auto":
         found = default_head_dir(model_path) if model_path is not None else None

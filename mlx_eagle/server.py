@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Dict, Iterator, List, Optional, Sequence
 
-from .cli import UserError, run_cli
+from .cli import DRAFT_HELP, UserError, run_cli
 from .generation import GenerationResponse, chat_tokens
 from .session import Engine
 
@@ -324,8 +324,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m mlx_eagle.server", description=__doc__.splitlines()[0])
     parser.add_argument("--model", help="MLX or Hugging Face directory, .gguf file or repo id "
                                         "(default: SmolLM2-135M-Instruct)")
-    parser.add_argument("--draft", default="auto", help="EAGLE head directory; 'none' decodes plainly "
-                                                        "(default: the model's shipped head, if any)")
+    parser.add_argument("--draft", default="auto", help=DRAFT_HELP)
     parser.add_argument("--tree", default="auto", help="draft tree (as in mlx_eagle.generate)")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: this machine only)")
     parser.add_argument("--port", type=int, default=8080, help="port (0: any free one)")
@@ -349,8 +348,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     if exposed:
         print(f"warning: listening on {host}, reachable from other machines; the API has no authentication",
               file=sys.stderr)
-    drafting = f"{engine.head.family} head" if engine.head is not None else "plain decoding"
-    print(f"serving {engine.name} ({drafting}) at http://{host}:{port}/v1", file=sys.stderr, flush=True)
+    print(f"serving {engine.name} ({engine.drafting}) at http://{host}:{port}/v1", file=sys.stderr, flush=True)
     signal.signal(signal.SIGTERM, _stop)
     try:
         server.serve_forever()

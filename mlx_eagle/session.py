@@ -69,8 +69,11 @@ class Engine:
 
     def __init__(self, model: Optional[str] = None, draft: Optional[str] = "auto", loaded: Optional[tuple] = None,
                  name: Optional[str] = None):
-        """``loaded``: (model, tokenizer, head) already in memory, instead of loading
-        ``model`` and ``draft``; ``name``: what to call the model (default: its directory's)."""
+        """``draft``: a head directory, "auto" (the shipped head, if any), "lookup" (drafts
+        from the context alone) or "none" (plain decoding); every choice but "none" also
+        drafts from the context. ``loaded``: (model, tokenizer, head) already in memory,
+        instead of loading ``model`` and ``draft``; ``name``: what to call the model
+        (default: its directory's)."""
         self._jobs: "queue.Queue" = queue.Queue()
         self._current: Optional[threading.Event] = None
         worker = threading.Thread(target=_work, args=(self._jobs,), name="mlx-eagle-engine", daemon=True)
@@ -82,6 +85,7 @@ class Engine:
         else:  # a lazy array can only be evaluated on the thread whose stream made it
             mx.eval([m.parameters() for m in loaded if hasattr(m, "parameters")])
         self.model, self.tokenizer, self.head, *path = loaded
+        self.lookup = draft != "none"
         self.name = name or (path[0].name if path else DEFAULT_MODEL)
         self.cache = self._call(lambda: make_prompt_cache(self.model))
 
@@ -107,6 +111,13 @@ class Engine:
         return value
 
     @property
+    def drafting(self) -> str:
+        """What drafts each round, in words."""
+        drafts = [f"{self.head.family} head"] if self.head is not None else []
+        drafts += ["context lookup"] if self.lookup else []
+        return " + ".join(drafts) or "plain decoding"
+
+    @property
     def context_length(self) -> Optional[int]:
         return getattr(self.model.args, "max_position_embeddings", None)
 
@@ -121,7 +132,7 @@ class Engine:
             try:
                 if cancel.is_set():
                     return
-                for response in stream_generate(self.model, self.tokenizer, ids, draft=self.head,
+                for response in stream_generate(self.model, self.tokenizer, ids, draft=self.head, lookup=self.lookup,
                                                 prompt_cache=self.cache, **options):
                     out.put(response)
                     if cancel.is_set():

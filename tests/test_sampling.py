@@ -11,6 +11,7 @@ from mlx_lm.models import llama
 from mlx_lm.sample_utils import make_sampler
 
 from mlx_eagle.decoder import SpeculativeDecoder
+from mlx_eagle.lookup import LookupDrafter
 from mlx_eagle.trees import TreeSpec
 from mlx_eagle.verify import Sampling
 from oracle import FixedDraft
@@ -33,17 +34,17 @@ def tiny():
     return model
 
 
-def exact_joint(model, sampling: Sampling) -> np.ndarray:
+def exact_joint(model, sampling: Sampling, prompt=PROMPT) -> np.ndarray:
     """p(t1, t2, t3 | prompt) from plain forward passes."""
     def next_probs(context):
         return np.array(sampling.probabilities(model(mx.array([context]))[0, -1])).astype(np.float64)
 
     joint = np.zeros((VOCAB,) * 3)
-    p1 = next_probs(PROMPT)
+    p1 = next_probs(prompt)
     for t1 in range(VOCAB):
-        p2 = next_probs(PROMPT + [t1])
+        p2 = next_probs(prompt + [t1])
         for t2 in range(VOCAB):
-            joint[t1, t2] = p1[t1] * p2[t2] * next_probs(PROMPT + [t1, t2])
+            joint[t1, t2] = p1[t1] * p2[t2] * next_probs(prompt + [t1, t2])
     return joint
 
 
@@ -60,12 +61,15 @@ def chi_square_ok(counts: np.ndarray, expected_probs: np.ndarray) -> bool:
     return stat < critical
 
 
-def sample_first_three(model, draft, sampling: Sampling):
+def sample_first_three(model, draft, sampling: Sampling, lookup: bool = False, prompt=PROMPT):
+    """Counts of the first three tokens over SAMPLES seeds. ``lookup``: graft context
+    drafts onto every tree (a flat cost curve: always as long as they reach)."""
     counts = np.zeros((VOCAB,) * 3)
     drafted_tokens = accepted_tokens = 0
     for seed in range(SAMPLES):
-        decoder = SpeculativeDecoder(model, draft, TREE, sampling, seed=seed)
-        tokens = [decoder.prefill(PROMPT)]
+        drafter = LookupDrafter(lambda tokens: 1.0, max_tokens=3) if lookup else None
+        decoder = SpeculativeDecoder(model, draft, TREE, sampling, seed=seed, lookup=drafter)
+        tokens = [decoder.prefill(prompt)]
         while len(tokens) < 3:
             result = decoder.step(3 - len(tokens))
             tokens += result.tokens
@@ -90,6 +94,20 @@ def test_first_tokens_follow_the_target_distribution(tiny, setting, quality):
     assert chi_square_ok(counts, joint)
     if quality == "good":
         assert accepted > SAMPLES / 3  # drafts were really accepted, the test bites
+
+
+@pytest.mark.parametrize("head", [True, False])
+def test_lookup_drafts_keep_the_target_distribution(tiny, head):
+    """Context drafts grafted onto a head's tree (a wrong head, so the lookup branch
+    carries what is accepted), and lookup alone."""
+    sampling = SETTINGS["temp 0.7, top-p 0.9, top-k 4, min-p 0.05"]
+    prompt = [1, 5, 0, 5, 5, 0, 4, 5]  # the tokens this model favours, so the context holds its continuations
+    joint = exact_joint(tiny, sampling, prompt)
+    likely = list(np.argsort(-joint.sum(axis=(0, 2))))
+    draft = FixedDraft(likely[::-1], VOCAB) if head else None
+    counts, accepted = sample_first_three(tiny, draft, sampling, lookup=True, prompt=prompt)
+    assert chi_square_ok(counts, joint)
+    assert accepted > SAMPLES / 10  # lookup drafts were really accepted
 
 
 def test_a_biased_sampler_fails_the_check(tiny):

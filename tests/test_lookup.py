@@ -1,0 +1,151 @@
+"""Drafting from the context: the n-gram index, the adaptive draft length, grafting
+onto head trees, and lossless decoding with lookup drafts on the real SmolLM2 (alone
+and merged with each head family and tree kind) and on an architecture the tree path
+does not support."""
+
+import mlx.core as mx
+import pytest
+from mlx_lm.generate import generate_step
+from mlx_lm.models import starcoder2
+
+from mlx_eagle import load, stream_generate
+from mlx_eagle.calibrate import VerifyCosts
+from mlx_eagle.decoder import SpeculativeDecoder
+from mlx_eagle.heads import new_head
+from mlx_eagle.lookup import ContextIndex, LookupDraft, LookupDrafter
+from mlx_eagle.trees import DraftTree, parse_tree
+from mlx_eagle.verify import Sampling
+from oracle import OracleHead
+
+
+def test_the_longest_most_recent_match_is_continued():
+    index = ContextIndex(min_ngram=1, max_ngram=3)
+    index.commit([5, 6, 7, 8, 1, 6, 7, 9, 2, 6, 7])
+    assert index.match() == (2, 7)  # "6 7" last seen before 9 (not before 8), and no earlier "2 6 7"
+    assert index.continuation(7, 3) == [9, 2, 6]
+    index.commit([9])
+    assert index.match() == (3, 8)  # "6 7 9" now has an earlier occurrence
+    index.reset([4, 4, 4])
+    assert index.tokens == [4, 4, 4] and index.match() == (2, 2)
+    # the copy runs past the end: it repeats with the match's period
+    assert index.continuation(2, 4) == [4, 4, 4, 4]
+    index.reset([1, 2, 3])
+    assert index.match() == (0, -1)
+
+
+def test_committing_costs_a_few_updates_whatever_the_context():
+    index = ContextIndex(min_ngram=2, max_ngram=4)
+    index.commit(list(range(1000)))
+    size = len(index.after)
+    index.commit([3])
+    assert len(index.after) - size <= 3 and len(index.tokens) == 1001
+    index.reset(list(range(1000)) + [3, 8])  # a continuation: extended, not rebuilt
+    assert index.tokens[-2:] == [3, 8]
+
+
+def test_draft_length_follows_device_costs_and_acceptance():
+    steep = VerifyCosts({1: 50.0, 2: 60.0, 4: 80.0, 8: 100.0, 16: 130.0})  # like this CPU
+    flat = VerifyCosts({1: 10.0, 16: 10.5})  # like a GPU
+    assert steep(1) == 1.0 and steep(3) == pytest.approx(1.4) and steep(32) == pytest.approx(3.8)
+    rarely, often = LookupDrafter(steep), LookupDrafter(steep)
+    for _ in range(50):
+        rarely.record(LookupDraft([1, 2], kind=1), accepted=0)
+        often.record(LookupDraft(list(range(16)), kind=1), accepted=16)
+    assert rarely.best_length(1, 16, verified=1, expected=1.0) == 0  # plain decoding wins
+    assert often.best_length(1, 16, verified=1, expected=1.0) == 16
+    # a flat curve drafts even what is rarely accepted
+    rarely.cost = flat
+    assert rarely.best_length(1, 16, verified=1, expected=1.0) > 0
+    # histories are kept per kind of draft: a 4-token match starts from the prior
+    assert 0 < often.best_length(4, 16, verified=1, expected=1.0) < 16
+
+
+def test_grafting_shares_prefixes():
+    tree = DraftTree()
+    a = tree.add(10, -1)
+    b = tree.add(11, a)
+    tree.add(12, -1)
+    nodes = tree.graft([10, 11, 13, 14])
+    assert nodes[:2] == [a, b] and len(tree) == 5
+    assert tree.parents[nodes[2]] == b and tree.parents[nodes[3]] == nodes[2]
+    assert tree.depths[nodes[3]] == 4
+
+
+@pytest.fixture(scope="module")
+def smollm():
+    return load()
+
+
+def _reference(model, ids, max_tokens, eos):
+    tokens = []
+    for token, _ in generate_step(mx.array(ids), model, max_tokens=max_tokens):
+        tokens.append(int(token))
+        if token in eos:
+            break
+    return tokens
+
+
+COPYING = [
+    "Repeat this sentence exactly, twice: The quick brown fox jumps over the lazy dog near the river bank.",
+    "Fix the typo in this code and return all of it:\n\ndef greet(name):\n    message = 'Hello, ' + nme\n"
+    "    print(message)\n    return message\n",
+    "What is the capital of France?",
+]
+
+
+def _decode(model, ids, head, tree, eos, max_tokens=64):
+    """Greedy decoding through the decoder with a lookup drafter; (tokens, lookup tokens accepted)."""
+    drafter = LookupDrafter(VerifyCosts({1: 1.0, 16: 1.2}))  # cheap verification: lookup drafts freely
+    decoder = SpeculativeDecoder(model, head, parse_tree(tree), Sampling(), lookup=drafter)
+    tokens = [decoder.prefill(ids)]
+    while len(tokens) < max_tokens and tokens[-1] not in eos:
+        tokens += decoder.step(max_tokens - len(tokens)).tokens
+    return tokens, int(drafter.accepted.sum())
+
+
+@pytest.mark.parametrize("text", COPYING)
+def test_lookup_alone_keeps_greedy_output(smollm, text):
+    model, tokenizer = smollm
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+    expected = _reference(model, ids, 64, tokenizer.eos_token_ids)
+    responses = list(stream_generate(model, tokenizer, ids, max_tokens=64, draft="lookup"))
+    assert [r.token for r in responses] == expected
+    if text is COPYING[0]:
+        assert responses[-1].mean_accepted > 1.5, responses[-1].mean_accepted  # copies were drafted
+
+
+@pytest.mark.parametrize("family,tree", [("eagle1", "chain:3"), ("eagle3", "static:default"),
+                                         ("eagle3", "dynamic:topk=3,depth=3,tokens=8"), ("oracle", "static:default")])
+def test_lookup_merged_with_a_head_keeps_greedy_output(smollm, family, tree):
+    model, tokenizer = smollm
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": COPYING[1]}], add_generation_prompt=True)
+    expected = _reference(model, ids, 64, tokenizer.eos_token_ids)
+    if family == "oracle":
+        head = OracleHead(ids + expected, model.args.vocab_size)
+    else:
+        head = new_head(model, family, draft_vocab_size=8192 if family == "eagle3" else None, seed=1)
+    tokens, from_lookup = _decode(model, ids, head, tree, tokenizer.eos_token_ids)
+    assert tokens[:len(expected)] == expected
+    assert from_lookup > 5  # the lookup branch was verified and accepted in the merged tree
+
+
+def test_lookup_works_on_any_mlx_lm_architecture():
+    """StarCoder2 is none of the four architectures the tree path drives directly; lookup
+    drafts go through its own forward pass. A random model's greedy text loops, so its
+    own reply is drafted from and accepted."""
+    mx.random.seed(3)
+    args = starcoder2.ModelArgs(model_type="starcoder2", hidden_size=64, num_hidden_layers=2,
+                                intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, vocab_size=97)
+    model = starcoder2.Model(args)
+    mx.eval(model.parameters())
+    prompt = [5, 17, 33, 5, 17, 60, 2, 9]
+    expected = _reference(model, prompt, 48, ())
+    drafter = LookupDrafter(VerifyCosts({1: 1.0, 16: 1.2}))
+    decoder = SpeculativeDecoder(model, None, parse_tree("none"), Sampling(), lookup=drafter)
+    tokens = [decoder.prefill(prompt)]
+    while len(tokens) < 48:
+        tokens += decoder.step(48 - len(tokens)).tokens
+    assert tokens == expected
+    assert drafter.accepted.sum() > 10 and decoder.forwards < 40
+    with pytest.raises(ValueError, match="supports llama"):  # a head needs the tree path
+        SpeculativeDecoder(model, OracleHead(prompt, 97), parse_tree("chain:2"), Sampling())
