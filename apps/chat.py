@@ -13,7 +13,7 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import List, Optional, Sequence
+from typing import Optional, Sequence
 
 from mlx_eagle.cli import DRAFT_HELP, UserError, run_cli
 

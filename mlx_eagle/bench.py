@@ -352,7 +352,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     from . import load
     from .models import resolve_model
     from .trees import parse_tree
-    from .tune import auto_tree
+    from .calibrate import auto_tree
 
     tree = parse_tree(args.tree) if args.tree != "auto" else None
     prompts = read_prompts(args.prompts) if args.prompts else mtbench_suite()

@@ -50,7 +50,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     args = build_parser().parse_args(argv)
     from . import load
     from .trees import parse_tree
-    from .tune import auto_tree
+    from .calibrate import auto_tree
 
     spec = parse_tree(args.tree) if args.tree != "auto" else None  # a malformed tree fails before loading
     if args.verbose:

@@ -80,8 +80,9 @@ def stream_generate(
 
     ``draft``: an EAGLE head (see ``load``), or None (or "lookup") for no head.
     ``tree``: a --tree spec; ``auto`` (default) takes the tree tuned for this
-    device beside the head (``python -m mlx_eagle.tune``), else ``static:default``, or
-    no head tree where it cannot pay off. ``lookup``: also draft from the context
+    device beside the head (``python -m mlx_eagle.tune``), else one built once from the
+    head's recorded acceptance and a few timed forward passes here, or no head tree
+    where none is expected to pay off. ``lookup``: also draft from the context
     (continuations of the last few tokens' earlier occurrences in the prompt and
     reply), as long a draft as this device's measured costs and the drafts'
     acceptance so far say pays off; with neither head nor lookup, plain decoding
@@ -96,7 +97,7 @@ def stream_generate(
     from .decoder import SpeculativeDecoder
     from .lookup import LookupDrafter
     from .trees import parse_tree
-    from .tune import auto_tree
+    from .calibrate import auto_tree
     from .verify import Sampling
 
     if isinstance(draft, str):

@@ -530,6 +530,12 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     result.update(answers=args.answers, steps=config.steps,
                   tokens=int(sum(int(answer[:config.seq_len].sum()) for _, answer in pieces)))
     (work / "eval.json").write_text(json.dumps(result, indent=2))
+    # Acceptance by (depth, rank), beside the head: --tree auto builds its tree from it on any device.
+    from .calibrate import save_acceptance
+    from .tune import calibration_pieces, measure_acceptance
+
+    table = measure_acceptance(model, head, calibration_pieces(model, tokenizer, held_out, 128))
+    save_acceptance(args.out, table, f"python -m mlx_eagle.train, {len(held_out)} held-out ShareGPT prompts")
     print(f"wrote {args.out}; held-out tau {result['tau']:.2f}, acceptance by depth "
           + " ".join(f"{r:.2f}" for r in result["acceptance_by_depth"]))
 

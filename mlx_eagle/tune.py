@@ -23,83 +23,23 @@ default of the commands) uses it on this device.
 from __future__ import annotations
 
 import argparse
-import heapq
 import json
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from .calibrate import device_key, non_decreasing, weight_format
-from .cli import REFERENCE_BLAS, UserError, blas_in_use, run_cli
-from .trees import DEFAULT_STATIC, RankPath, TreeSpec, check_paths, parse_tree
+from .calibrate import (Costs, TreeChoice, best_tree, device_key, non_decreasing, save_acceptance, time_draft_step,
+                        tree_file)
+from .cli import UserError, run_cli
+from .trees import RankPath, TreeSpec, parse_tree
 
 VERIFY_SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64)
-
-
-@dataclass
-class Costs:
-    verify_ms: Dict[int, float]  # one target forward over k tokens (the root + k - 1 nodes)
-    draft_step_ms: float  # one head step over a tree depth
-    round_ms: float  # the rest of a round: acceptance, cache compaction, host work
-    plain_ms: float  # one token of plain mlx-lm decoding
-
-    def verify(self, tokens: int) -> float:
-        sizes = sorted(self.verify_ms)
-        return float(np.interp(tokens, sizes, [self.verify_ms[k] for k in sizes]))
-
-    def round(self, nodes: int, depth: int) -> float:
-        # One head step per depth, and one to read the previous round's accepted tokens.
-        return self.verify(nodes + 1) + (depth + 1) * self.draft_step_ms + self.round_ms
-
-
-@dataclass
-class TreeChoice:
-    paths: List[RankPath]  # empty: plain decoding is faster
-    expected_tau: float  # tokens per target forward
-    expected_tokens_per_s: float
-    plain_tokens_per_s: float
-
-
-def node_values(acceptance: np.ndarray, max_nodes: int, max_depth: int) -> List[Tuple[RankPath, float]]:
-    """The best ``max_nodes`` nodes of depth <= ``max_depth``, best first, each with its
-    acceptance probability. Best-first over a max-heap: a child is only considered once
-    its parent is in, so every prefix of the result is a tree."""
-    depths, ranks = acceptance.shape
-    heap = [(-acceptance[0][r], (r,)) for r in range(ranks)]
-    heapq.heapify(heap)
-    chosen: List[Tuple[RankPath, float]] = []
-    while heap and len(chosen) < max_nodes:
-        negative, path = heapq.heappop(heap)
-        if -negative <= 0:
-            break
-        chosen.append((path, -negative))
-        if len(path) < min(max_depth, depths):
-            for r in range(ranks):
-                heapq.heappush(heap, (negative * acceptance[len(path)][r], path + (r,)))
-    return chosen
-
-
-def best_tree(acceptance: np.ndarray, costs: Optional[Costs], max_nodes: int) -> TreeChoice:
-    """The static tree with the most expected tokens per second under ``costs``; with no
-    costs, the one with the highest expected tau within ``max_nodes``."""
-    best = TreeChoice([], 1.0, 1000 / costs.plain_ms if costs else 0.0, 1000 / costs.plain_ms if costs else 0.0)
-    for max_depth in range(1, acceptance.shape[0] + 1):
-        nodes = node_values(acceptance, max_nodes, max_depth)
-        tau = 1.0
-        for count in range(1, len(nodes) + 1):
-            tau += nodes[count - 1][1]
-            paths = [p for p, _ in nodes[:count]]
-            depth = max(len(p) for p in paths)
-            speed = 1000 * tau / costs.round(count, depth) if costs else tau
-            if speed > best.expected_tokens_per_s + 1e-12:
-                best = TreeChoice(check_paths(paths, "tuned"), tau, speed, best.plain_tokens_per_s)
-    return best
 
 
 # A tuned tree is kept only if it decodes this much faster than plain mlx-lm when run: the
@@ -142,12 +82,11 @@ def measure_costs(model: nn.Module, tokenizer, head, context: int = 256, repeats
                   progress: bool = True) -> Costs:
     """Time verification, a draft step, a round's remainder and plain decoding here."""
     from mlx_lm import stream_generate
-    from mlx_lm.models.cache import KVCache, make_prompt_cache
+    from mlx_lm.models.cache import make_prompt_cache
     from tqdm import tqdm
 
     from .decoder import SpeculativeDecoder
     from .target import keep_cache_entries, target_forward
-    from .trees import TreeDrafter
     from .verify import Sampling
 
     rng = np.random.default_rng(0)
@@ -165,19 +104,7 @@ def measure_costs(model: nn.Module, tokenizer, head, context: int = 256, repeats
              for k in tqdm(VERIFY_SIZES, desc="timing verification", disable=not progress)]
     verify_ms = dict(zip(VERIFY_SIZES, non_decreasing(timed)))
 
-    # One tree depth: the head over a few nodes, then their top-k.
-    draft_cache = [KVCache()]
-    hidden = head.project(mx.zeros((1, context, len(taps) * model.args.hidden_size) if head.family == "eagle3"
-                                   else (1, context, model.args.hidden_size)))
-    out = head.step(model, hidden, mx.array([prompt]), draft_cache, 0, "causal")
-    mx.eval(out)
-    drafter = TreeDrafter(head, model, parse_tree("static:default"))
-
-    def draft_step() -> None:
-        drafter.draft(out[:, -1], draft_cache, context - 1)
-
-    depth = max(len(p) for p in DEFAULT_STATIC)
-    draft_step_ms = _median_ms(draft_step, repeats) / depth
+    draft_step_ms = time_draft_step(model, head, context, repeats)
 
     # A whole round of a one-node chain, less its verification and draft steps.
     decoder = SpeculativeDecoder(model, head, parse_tree("chain:1"), Sampling())
@@ -242,48 +169,6 @@ def measure_acceptance(model: nn.Module, head, pieces: Sequence[tuple], depths: 
     return hits / np.maximum(totals, 1)[:, None]
 
 
-def tree_file(head_dir: Path, key: str) -> Path:
-    return Path(head_dir) / "trees" / f"{key}.json"
-
-
-def auto_tree(model: nn.Module, head) -> Tuple[TreeSpec, str]:
-    """``--tree auto``: the tree tuned for this device beside the head, or, untuned, the
-    default static tree; plain decoding where that is expected to be faster. Returns the
-    tree and why it was chosen."""
-    key = device_key(model)
-    if head is None:
-        return parse_tree("none"), "no draft head"
-    head_dir = getattr(head, "directory", None)
-    path = tree_file(head_dir, key) if head_dir is not None else None
-    if path is not None and path.exists():
-        tuned = json.loads(path.read_text())
-        if not tuned["paths"]:
-            measured = tuned.get("measured_tokens_per_s")
-            detail = (f"the best tree ran at {measured['tree']:.1f} tokens/s, plain at {measured['plain']:.1f}"
-                      if measured else f"no tree is expected to beat {tuned['plain_tokens_per_s']:.1f} tokens/s")
-            return parse_tree("none"), f"tuned for {key}: plain decoding is faster here ({detail})"
-        spec = TreeSpec("static", check_paths(tuned["paths"], str(path)), text=f"auto ({path})")
-        return spec, f"tuned for {key}: {len(spec.paths)} nodes, expected tau {tuned['expected_tau']:.2f}"
-    blocker = cpu_blocker(model) if mx.default_device().type == mx.cpu else None
-    if blocker is not None:
-        return parse_tree("none"), (f"{blocker}: verifying k tokens costs about k times one on a CPU, so "
-                                    "speculation cannot pay off")
-    return parse_tree("static:default"), f"not tuned for {key} (python -m mlx_eagle.tune): the default static tree"
-
-
-def cpu_blocker(model: nn.Module) -> Optional[str]:
-    """Why a CPU would verify a tree at about k times the cost of one token (and the
-    fix), or None where a fast float32 BLAS makes it cheap."""
-    weights = weight_format(model)
-    if weights != "float32":
-        kind = "quantized" if weights.startswith("q") else weights
-        return f"{kind} weights (convert with --dtype float32 to speculate)"
-    if blas_in_use() == REFERENCE_BLAS:
-        return ("MLX's bundled reference BLAS (install OpenBLAS: apt-get install libopenblas0-pthread; "
-                "the mlx_eagle commands preload it, Python programs need LD_PRELOAD)")
-    return None
-
-
 def main(argv: Optional[Sequence[str]] = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m mlx_eagle.tune", description=__doc__.splitlines()[0])
     parser.add_argument("--model", help="target (default: SmolLM2-135M-Instruct)")
@@ -313,6 +198,10 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     prompts = sharegpt_prompts()[-args.prompts:]
     pieces = calibration_pieces(model, tokenizer, prompts, args.max_tokens)
     acceptance = measure_acceptance(model, head, pieces)
+    try:  # what --tree auto builds trees from on devices nobody tuned
+        save_acceptance(head_dir, acceptance, f"python -m mlx_eagle.tune, {len(pieces)} ShareGPT calibration prompts")
+    except OSError as exc:
+        print(f"could not record the acceptance beside the head ({exc.strerror})")
     costs = measure_costs(model, tokenizer, head, progress=progress) if args.objective == "speed" else None
     choice = best_tree(acceptance, costs, args.max_nodes)
     key = device_key(model)

@@ -149,3 +149,19 @@ def test_lookup_works_on_any_mlx_lm_architecture():
     assert drafter.accepted.sum() > 10 and decoder.forwards < 40
     with pytest.raises(ValueError, match="supports llama"):  # a head needs the tree path
         SpeculativeDecoder(model, OracleHead(prompt, 97), parse_tree("chain:2"), Sampling())
+
+
+def test_the_command_drafts_from_the_context_and_says_so():
+    import subprocess
+    import sys
+
+    def run(*args):
+        return subprocess.run([sys.executable, "-m", "mlx_eagle.generate", "--prompt", COPYING[0], "--max-tokens",
+                               "40", "--verbose", *args], capture_output=True, text=True, timeout=300)
+
+    lookup, plain = run("--draft", "lookup"), run("--draft", "none")
+    assert lookup.returncode == 0 and plain.returncode == 0, lookup.stderr + plain.stderr
+    assert "drafts: context lookup" in lookup.stderr and "drafts: none (plain decoding)" in plain.stderr
+    assert lookup.stdout == plain.stdout and "quick brown fox" in lookup.stdout
+    tau = float(lookup.stderr.split("tau: ")[1].split()[0])
+    assert tau > 1.5, lookup.stderr
