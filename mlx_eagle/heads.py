@@ -18,6 +18,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 from mlx_lm.models import llama
+from mlx_lm.utils import dequantize_model
 
 from .cli import UserError, read_config
 from .target import Mask, Positions, attention, default_taps, lm_head
@@ -256,6 +257,10 @@ def load_head(path: Path, target: nn.Module) -> Head:
         head.load_weights(list(weights.items()), strict=True)
     except ValueError as exc:
         raise UserError(f"{path}: weights do not match its config.json ({exc})") from exc
+    if mx.default_device() == mx.cpu:
+        # As the target's weights are widened on a CPU: MLX's quantized matmuls there run
+        # ~3x slower than float32 (a draft step of the 8-bit SmolLM2 head: 11.5 vs 3.4 ms).
+        dequantize_model(head)
     head.set_dtype(target.model.norm.weight.dtype, predicate=lambda d: mx.issubdtype(d, mx.floating))
     if config.family == "eagle3":
         check_draft_vocabulary(head.d2t, target.args.vocab_size, path)

@@ -211,8 +211,10 @@ def test_quantized_conversion_stays_close(targets, tmp_path):
     config = dict(HEAD, vocab_size=embed.shape[0], draft_vocab_size=DRAFT_VOCAB, rope_theta=10000.0)
     write_checkpoint(tmp_path / "published", tensors, config, "safetensors")
     out = convert_head(str(tmp_path / "published"), tmp_path / "q8", target=str(path), q_bits=8, q_group_size=32)
+    assert "midlayer.mlp.gate_proj.scales" in mx.load(str(out / "model.safetensors"))
     head = load_head(out, model)
-    assert "scales" in head.midlayer.mlp.gate_proj
+    # on a CPU the runtime widens it to float32, where quantized matmuls are ~3x slower
+    assert ("scales" in head.midlayer.mlp.gate_proj) == (mx.default_device() != mx.cpu)
     features = rng.standard_normal((5, 192)).astype(np.float32)
     tokens = rng.integers(0, embed.shape[0], size=5)
     expected = reference_logits("eagle3", tensors, embed, features, tokens, 10000.0)
