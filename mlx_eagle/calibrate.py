@@ -32,7 +32,7 @@ from mlx.utils import tree_flatten
 from .cli import REFERENCE_BLAS, blas_in_use, openblas_loaded
 from .trees import DEFAULT_STATIC, RankPath, TreeSpec, check_paths, parse_tree
 
-CALIBRATION_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
+CALIBRATION_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 32)
 
 
 @dataclass
@@ -91,7 +91,7 @@ def non_decreasing(values: Sequence[float]) -> List[float]:
     return [mean for mean, count in blocks for _ in range(count)]
 
 
-def measure_verify_costs(model: nn.Module, context: int = 256, repeats: int = 3) -> VerifyCosts:
+def measure_verify_costs(model: nn.Module, context: int = 256, repeats: int = 2) -> VerifyCosts:
     """Time the model's own forward pass over k = 1..32 new tokens, ``context`` cached."""
     from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
