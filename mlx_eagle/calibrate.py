@@ -271,7 +271,7 @@ def calibrated_tree(model: nn.Module, head) -> Tuple[TreeSpec, str]:
         try:
             saved = json.loads(path.read_text())
             paths = check_paths(saved["paths"], str(path)) if saved["paths"] else []
-            return (TreeSpec("static", paths, text=f"auto ({path})") if paths else parse_tree("none")), saved["why"]
+            return _calibrated_spec(paths), saved["why"]
         except (OSError, ValueError, KeyError, TypeError):
             pass  # rebuilt below
     acceptance, source = head_acceptance(head)
@@ -293,8 +293,11 @@ def calibrated_tree(model: nn.Module, head) -> Tuple[TreeSpec, str]:
         partial.write_text(json.dumps({"device": key, "paths": [list(p) for p in paths], "why": why,
                                        "costs_ms": {"verify": costs.verify_ms, "draft_step": costs.draft_step_ms}}))
         partial.replace(path)
-    spec = TreeSpec("static", paths, text=f"auto (calibrated: {len(paths)} nodes)") if paths else parse_tree("none")
-    return spec, why
+    return _calibrated_spec(paths), why
+
+
+def _calibrated_spec(paths: List[RankPath]) -> TreeSpec:
+    return TreeSpec("static", paths, text=f"auto (calibrated: {len(paths)} nodes)") if paths else parse_tree("none")
 
 
 def tree_file(head_dir: Path, key: str) -> Path:
