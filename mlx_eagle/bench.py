@@ -104,7 +104,9 @@ Generator = Callable[[List[int]], Answer]
 
 def accepted_per_round(from_draft: Sequence[bool]) -> List[int]:
     """Draft tokens accepted in each round: a round's accepted tokens are followed by the
-    target's own (bonus) token, which closes it. The first token comes from prefill."""
+    target's own (bonus) token, which closes it; a stream that stops inside a round (at
+    end of sequence or the token limit) ends with that round's accepted tokens. The first
+    token comes from prefill."""
     rounds, run_length = [], 0
     for drafted in from_draft[1:]:
         if drafted:
@@ -112,7 +114,7 @@ def accepted_per_round(from_draft: Sequence[bool]) -> List[int]:
         else:
             rounds.append(run_length)
             run_length = 0
-    return rounds
+    return rounds + ([run_length] if run_length else [])
 
 
 def timed(responses: Iterable) -> Tuple[list, float, float]:
@@ -352,7 +354,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     from . import load
     from .models import resolve_model
     from .trees import parse_tree
-    from .calibrate import auto_tree
+    from .calibrate import auto_tree, weight_format
 
     tree = parse_tree(args.tree) if args.tree != "auto" else None
     prompts = read_prompts(args.prompts) if args.prompts else mtbench_suite()
@@ -382,7 +384,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                                              args.num_draft_tokens)
     results = run_bench(prompts, tokenizer, generators, greedy=args.temp == 0, progress=not args.quiet)
     results.update(
-        machine=machine(), model=str(resolve_model(args.model)), dtype=str(model.model.embed_tokens.weight.dtype),
+        machine=machine(), model=str(resolve_model(args.model)), weights=weight_format(model),
         head=str(head.directory) if head is not None else None,
         tree=tree.text, tree_reason=tree_reason, tree_nodes=tree.max_nodes,
         settings={k: v for k, v in vars(args).items() if k not in ("out", "plot", "quiet")},

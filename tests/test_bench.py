@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from mlx_eagle.bench import acceptance_by_depth, main, read_prompts
+from mlx_eagle.bench import accepted_per_round, acceptance_by_depth, main, read_prompts
 from mlx_eagle.cli import UserError
 
 
@@ -42,6 +42,14 @@ def test_malformed_lines_name_the_line(tmp_path, line, message):
         read_prompts(path)
 
 
+def test_rounds_are_read_from_the_stream():
+    # prefill's token, then rounds of accepted drafts closed by the target's own token;
+    # the last round stopped at end of sequence after two accepted drafts
+    flags = [False, True, False, False, True, True, True, False, True, True]
+    assert accepted_per_round(flags) == [1, 0, 3, 2]
+    assert accepted_per_round([False, True, False]) == [1]
+
+
 def test_acceptance_by_depth():
     # Rounds that accepted 0, 1, 3 and 2 draft tokens.
     assert acceptance_by_depth([0, 1, 3, 2]) == [3 / 4, 2 / 3, 1 / 2]
@@ -62,7 +70,7 @@ def test_a_short_run_writes_the_documented_json(tmp_path):
           "--methods", "baseline,eagle", "--out", str(tmp_path / "r.json"), "--plot", str(tmp_path / "r.png"),
           "--quiet"])
     results = json.loads((tmp_path / "r.json").read_text())
-    assert set(results) >= {"methods", "prompts", "machine", "model", "head", "tree", "dtype", "settings"}
+    assert set(results) >= {"methods", "prompts", "machine", "model", "head", "tree", "weights", "settings"}
     assert set(results["machine"]) >= {"platform", "device", "blas"}
     for name in ("baseline", "eagle"):
         summary = results["methods"][name]
