@@ -108,7 +108,8 @@ def test_auto_decodes_plainly_where_a_cpu_verifies_slowly(tiny, monkeypatch, set
     if mx.default_device().type != mx.cpu:
         pytest.skip("the rule is for CPUs")
     head = new_head(model, "eagle3", draft_vocab_size=64)
-    assert "calibrated for" in auto_tree(model, head)[1]  # float32 on OpenBLAS, as the tests run
+    if mlx_eagle.calibrate.blas_in_use() != mlx_eagle.calibrate.REFERENCE_BLAS:  # float32 on a fast BLAS
+        assert "calibrated for" in auto_tree(model, head)[1]
     embed, weight = model.model.embed_tokens, model.model.embed_tokens.weight
     if setting == "quantized":
         model.model.embed_tokens = nn.QuantizedEmbedding.from_embedding(embed, group_size=32, bits=4)
