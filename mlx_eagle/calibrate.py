@@ -124,11 +124,20 @@ def verify_costs(model: nn.Module) -> VerifyCosts:
         pass
     print(f"timing this device's forward passes once ({device_key(model)})", file=sys.stderr)
     costs = measure_verify_costs(model)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_suffix(f".{id(costs)}.tmp")
-    partial.write_text(json.dumps({"device": device_key(model), "verify_ms": costs.ms}, indent=1))
-    partial.replace(path)  # whole or absent, also with another process calibrating alongside
+    _save(path, {"device": device_key(model), "verify_ms": costs.ms})
     return costs
+
+
+def _save(path: Path, record: dict) -> None:
+    """Write ``record`` whole or not at all (another process may calibrate alongside); an
+    unwritable cache directory only means measuring again next time."""
+    partial = path.with_suffix(f".{id(record)}.tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial.write_text(json.dumps(record, indent=1))
+        partial.replace(path)
+    except OSError:
+        partial.unlink(missing_ok=True)
 
 
 @dataclass
@@ -288,11 +297,8 @@ def calibrated_tree(model: nn.Module, head) -> Tuple[TreeSpec, str]:
                                     f"{choice.expected_tau:.2f}, {gain:.2f}x plain")
     print(f"tree auto: {why}", file=sys.stderr)
     if path is not None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        partial = path.with_suffix(f".{id(choice)}.tmp")
-        partial.write_text(json.dumps({"device": key, "paths": [list(p) for p in paths], "why": why,
-                                       "costs_ms": {"verify": costs.verify_ms, "draft_step": costs.draft_step_ms}}))
-        partial.replace(path)
+        _save(path, {"device": key, "paths": [list(p) for p in paths], "why": why,
+                     "costs_ms": {"verify": costs.verify_ms, "draft_step": costs.draft_step_ms}})
     return _calibrated_spec(paths), why
 
 

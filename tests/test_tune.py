@@ -203,3 +203,14 @@ def test_calibration_is_cached_per_head_and_weight_format(tiny, tmp_path, monkey
     finally:  # the model is shared with the other tests
         embed.weight = weight
     assert len(timings) == 3
+
+
+def test_an_unwritable_cache_only_means_timing_again(tiny, tmp_path, monkeypatch):
+    from mlx_eagle.calibrate import verify_costs
+
+    model, _ = tiny
+    blocked = tmp_path / "a-file"
+    blocked.write_text("not a directory")
+    monkeypatch.setenv("MLX_EAGLE_CACHE", str(blocked))
+    costs = verify_costs(model)
+    assert costs(1) == 1.0 and costs(16) >= 1.0 and blocked.read_text() == "not a directory"
