@@ -12,6 +12,7 @@ also times whole rounds and checks its tree by decoding).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import heapq
 import json
@@ -137,7 +138,8 @@ def _save(path: Path, record: dict) -> None:
         partial.write_text(json.dumps(record, indent=1))
         partial.replace(path)
     except OSError:
-        partial.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            partial.unlink()
 
 
 @dataclass
