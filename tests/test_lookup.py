@@ -8,6 +8,7 @@ import pytest
 from mlx_lm.generate import generate_step
 from mlx_lm.models import starcoder2
 
+import mlx_eagle.calibrate
 from mlx_eagle import load, stream_generate
 from mlx_eagle.calibrate import VerifyCosts
 from mlx_eagle.decoder import SpeculativeDecoder
@@ -85,6 +86,9 @@ def _reference(model, ids, max_tokens, eos):
     return tokens
 
 
+# The target's forward over k tokens as timed on this repository's 2-core CPU (SmolLM2, ms).
+CPU_COSTS = VerifyCosts({1: 53.5, 2: 58.6, 3: 64.9, 4: 70.2, 6: 75.9, 8: 81.8, 12: 109.5, 16: 121.5, 32: 176.6})
+
 COPYING = [
     "Repeat this sentence exactly, twice: The quick brown fox jumps over the lazy dog near the river bank.",
     "Fix the typo in this code and return all of it:\n\ndef greet(name):\n    message = 'Hello, ' + nme\n"
@@ -104,8 +108,10 @@ def _decode(model, ids, head, tree, eos, max_tokens=64):
 
 
 @pytest.mark.parametrize("text", COPYING)
-def test_lookup_alone_keeps_greedy_output(smollm, text):
+def test_lookup_alone_keeps_greedy_output(smollm, text, monkeypatch):
     model, tokenizer = smollm
+    # this CPU's timed curve, so that what is drafted does not depend on the machine's load
+    monkeypatch.setattr(mlx_eagle.calibrate, "verify_costs", lambda model: CPU_COSTS)
     ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
     expected = _reference(model, ids, 64, tokenizer.eos_token_ids)
     responses = list(stream_generate(model, tokenizer, ids, max_tokens=64, draft="lookup"))
@@ -151,13 +157,23 @@ def test_lookup_works_on_any_mlx_lm_architecture():
         SpeculativeDecoder(model, OracleHead(prompt, 97), parse_tree("chain:2"), Sampling())
 
 
-def test_the_command_drafts_from_the_context_and_says_so():
+def test_the_command_drafts_from_the_context_and_says_so(smollm, tmp_path):
+    import json
+    import os
     import subprocess
     import sys
 
+    from mlx_eagle.calibrate import device_key, model_digest
+
+    # a cache holding this CPU's timed curve for the model, as the command's first run writes it
+    calibration = tmp_path / "calibration" / f"{device_key(smollm[0])}-{model_digest(smollm[0])}.json"
+    calibration.parent.mkdir()
+    calibration.write_text(json.dumps({"verify_ms": CPU_COSTS.ms}))
+    env = dict(os.environ, MLX_EAGLE_CACHE=str(tmp_path))
+
     def run(*args):
         return subprocess.run([sys.executable, "-m", "mlx_eagle.generate", "--prompt", COPYING[0], "--max-tokens",
-                               "40", "--verbose", *args], capture_output=True, text=True, timeout=300)
+                               "40", "--verbose", *args], capture_output=True, text=True, timeout=300, env=env)
 
     lookup, plain = run("--draft", "lookup"), run("--draft", "none")
     assert lookup.returncode == 0 and plain.returncode == 0, lookup.stderr + plain.stderr
