@@ -49,6 +49,7 @@ def prompt_tokens(tokenizer, prompt: str, system: Optional[str], use_chat_templa
 def main(argv: Optional[Sequence[str]] = None) -> None:
     args = build_parser().parse_args(argv)
     from . import load
+    from .models import drafts_from_context
     from .trees import parse_tree
     from .calibrate import auto_tree
 
@@ -56,7 +57,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     if args.verbose:
         print(f"device: {mx.default_device()}, BLAS: {blas_in_use()}", file=sys.stderr)
     model, tokenizer, head = load(args.model, draft=args.draft or "auto")
-    lookup = args.draft != "none" and not args.no_lookup
+    lookup = drafts_from_context(args.draft) and not args.no_lookup
     if spec is None:
         spec, why = auto_tree(model, head)
         if head is not None and spec.kind == "none":

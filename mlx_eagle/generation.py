@@ -93,11 +93,10 @@ def stream_generate(
     time; the part the cache already holds is not read again. Stopping the iteration
     between tokens leaves it usable.
     """
-    from .calibrate import verify_costs
+    from .calibrate import auto_tree, verify_costs
     from .decoder import SpeculativeDecoder
     from .lookup import LookupDrafter
     from .trees import parse_tree
-    from .calibrate import auto_tree
     from .verify import Sampling
 
     if isinstance(draft, str):

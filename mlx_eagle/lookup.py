@@ -89,8 +89,8 @@ class LookupDrafter:
 
     def __init__(self, cost: Callable[[int], float], max_tokens: int = 16, min_ngram: int = 1,
                  max_ngram: int = 4):
-        self.max_tokens = max_tokens
-        self.cost = cost
+        self.cost, self.max_tokens = cost, max_tokens
+        self._costs: Dict[int, np.ndarray] = {}  # verified -> cost of verifying it and 0..max_tokens more
         self.index = ContextIndex(min_ngram, max_ngram)
         self.tried = np.zeros((2 * (max_ngram + 1), max_tokens))  # by kind and position
         self.accepted = np.zeros((2 * (max_ngram + 1), max_tokens))
@@ -108,20 +108,11 @@ class LookupDrafter:
                                 / (self.tried[kind, j] + self.PRIOR_WEIGHT))
         return rates
 
-    @property
-    def cost(self) -> Callable[[int], float]:
-        return self._cost
-
-    @cost.setter
-    def cost(self, cost: Callable[[int], float]) -> None:
-        self._cost = cost
-        self._costs: Dict[int, np.ndarray] = {}  # verified -> cost of verifying it plus 0..max_tokens more
-
     def best_length(self, kind: int, limit: int, verified: int, expected: float) -> int:
         """The draft length with the most expected tokens per unit of verification cost,
         beside ``verified`` tokens already in the round that yield ``expected`` tokens."""
         if verified not in self._costs:
-            self._costs[verified] = np.array([self._cost(verified + n) for n in range(self.max_tokens + 1)])
+            self._costs[verified] = np.array([self.cost(verified + n) for n in range(self.max_tokens + 1)])
         reach = np.cumprod(self.acceptance(kind)[:limit])
         values = (expected + np.concatenate([[0.0], np.cumsum(reach)])) / self._costs[verified][:limit + 1]
         return int(np.argmax(values))  # the shortest of equals: 0 (no draft) on a tie

@@ -140,6 +140,11 @@ def load_draft(draft: Optional[str], model: nn.Module, model_path: Optional[Path
     return load_head(Path(draft).expanduser(), model)
 
 
+def drafts_from_context(draft: Optional[str]) -> bool:
+    """Every --draft value but "none" (plain decoding) also drafts from the context."""
+    return draft != "none"
+
+
 def load(path_or_hf_repo: Optional[str] = None, draft: Optional[str] = None,
          tokenizer_config: Optional[Dict[str, Any]] = None):
     """Like mlx_lm.load: ``(model, tokenizer)``; with ``draft`` (a head directory or

@@ -25,7 +25,7 @@ import mlx.core as mx
 from .cli import UserError
 from .decoder import make_prompt_cache
 from .generation import GenerationResponse, chat_tokens, stream_generate
-from .models import DEFAULT_MODEL, load_draft, load_target
+from .models import DEFAULT_MODEL, drafts_from_context, load_draft, load_target
 
 Message = Dict[str, str]
 ROLES = ("system", "user", "assistant")
@@ -85,7 +85,7 @@ class Engine:
         else:  # a lazy array can only be evaluated on the thread whose stream made it
             mx.eval([m.parameters() for m in loaded if hasattr(m, "parameters")])
         self.model, self.tokenizer, self.head, *path = loaded
-        self.lookup = draft != "none"
+        self.lookup = drafts_from_context(draft)
         self.name = name or (path[0].name if path else DEFAULT_MODEL)
         self.cache = self._call(lambda: make_prompt_cache(self.model))
 

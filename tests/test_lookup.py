@@ -48,15 +48,15 @@ def test_draft_length_follows_device_costs_and_acceptance():
     steep = VerifyCosts({1: 50.0, 2: 60.0, 4: 80.0, 8: 100.0, 16: 130.0})  # like this CPU
     flat = VerifyCosts({1: 10.0, 16: 10.5})  # like a GPU
     assert steep(1) == 1.0 and steep(3) == pytest.approx(1.4) and steep(32) == pytest.approx(3.8)
-    rarely, often = LookupDrafter(steep), LookupDrafter(steep)
+    rarely, often, rarely_flat = LookupDrafter(steep), LookupDrafter(steep), LookupDrafter(flat)
     for _ in range(50):
         rarely.record(LookupDraft([1, 2], kind=1), accepted=0)
+        rarely_flat.record(LookupDraft([1, 2], kind=1), accepted=0)
         often.record(LookupDraft(list(range(16)), kind=1), accepted=16)
     assert rarely.best_length(1, 16, verified=1, expected=1.0) == 0  # plain decoding wins
     assert often.best_length(1, 16, verified=1, expected=1.0) == 16
     # a flat curve drafts even what is rarely accepted
-    rarely.cost = flat
-    assert rarely.best_length(1, 16, verified=1, expected=1.0) > 0
+    assert rarely_flat.best_length(1, 16, verified=1, expected=1.0) > 0
     # histories are kept per kind of draft: a 4-token match starts from the prior
     assert 0 < often.best_length(4, 16, verified=1, expected=1.0) < 16
 
