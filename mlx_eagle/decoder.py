@@ -1,18 +1,21 @@
 """The decoding loop, draft -> verify -> accept, readable in one sitting.
 
 State between rounds: the target's KV cache holds every committed token but the
-last one, the *root*, which the target chose and which starts the next round. The
-draft head still has to read (feature, next token) pairs for the positions the
-target committed since its last round; they are kept as ``pending``. Both caches
-live in a ``PromptCache``, which a conversation keeps from turn to turn: a new
-prompt that begins with what the caches hold is read from where they diverge.
+last one, the *root*, which the target chose and which starts the next round. As
+soon as the target commits tokens, the head reads their (feature, next token)
+pairs into its cache and its output at the root grows the next round's tree: that
+work is queued on the device before the round's tokens are handed out, so the
+device drafts while the host streams them. Both caches live in a ``PromptCache``,
+which a conversation keeps from turn to turn: a new prompt that begins with what
+the caches hold is read from where they diverge.
 
-One round: the head reads the pending pairs into its cache, its output at the root
-grows a tree; the context lookup's draft (see lookup.py) is grafted onto it as one
-more branch; the target runs [root, tree] in one forward pass with a tree mask;
-the longest agreeing path is accepted plus one bonus token from the target; both
-caches keep only that path. Without a head the draft is a chain, which the
-target's own forward pass verifies, so any mlx-lm model can decode this way.
+One round: the context lookup's draft (see lookup.py) is grafted onto the head's
+tree as one more branch; the target runs [root, tree] in one forward pass with a
+tree mask; the longest agreeing path is accepted plus one bonus token from the
+target; both caches keep only that path. The host waits for the device once per
+round, for what the walk along the tree needs. Without a head the draft is a
+chain, which the target's own forward pass verifies, so any mlx-lm model can
+decode this way.
 """
 
 from __future__ import annotations
@@ -22,14 +25,15 @@ from typing import List, Optional, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
-import numpy as np
 from mlx_lm.models import cache as mlx_lm_cache
 
 from .cli import UserError
 from .lookup import LookupDraft, LookupDrafter
 from .target import TargetOutput, check_target, keep_cache_entries, lm_head, target_forward, tree_mask
 from .trees import DraftTree, TreeDrafter, TreeSpec
-from .verify import Sampling, accept
+from .verify import Sampling, accept, sample
+
+NO_TOKENS = mx.array([], dtype=mx.int32)
 
 
 @dataclass
@@ -71,13 +75,13 @@ class SpeculativeDecoder:
         self.target, self.head, self.sampling, self.lookup = target, head, sampling, lookup
         self.drafter = TreeDrafter(head, target, tree) if head is not None else None
         self.taps = head.taps(target.args.num_hidden_layers) if head is not None else None
-        self.rng = np.random.default_rng(seed)
+        self.key = mx.random.key(seed) if seed is not None else None  # None: MLX's global generator
         self.state = cache if cache is not None else make_prompt_cache(target)
         self.cache, self.draft_cache = self.state.target, self.state.draft
         self.reused = 0  # prompt tokens the last prefill found already in the caches
         self.forwards = 0  # target forward passes, for tests and statistics
         self.root: Optional[int] = None
-        self.pending: Optional[Tuple[mx.array, mx.array]] = None  # (features [n, F], next tokens [n])
+        self.drafted: Tuple[DraftTree, mx.array] = (DraftTree(), NO_TOKENS)  # the next round's head tree
         if not mlx_lm_cache.can_trim_prompt_cache(self.cache):
             raise UserError("this model's cache cannot be rewound, which speculative decoding needs; use mlx_lm")
         self.head_yield = 1.0  # tokens a round's head tree yields (running mean), for lookup's length
@@ -87,17 +91,22 @@ class SpeculativeDecoder:
         """Tokens committed so far, the root included."""
         return len(self.state.tokens)
 
+    def _next_key(self) -> Optional[mx.array]:
+        if self.key is None:
+            return None
+        self.key, key = mx.random.split(self.key)
+        return key
+
     def _choose(self, logits: mx.array) -> int:
         if self.sampling.greedy:
             return int(mx.argmax(logits).item())
-        probs = np.array(self.sampling.probabilities(logits)).astype(np.float64)
-        return int(self.rng.choice(probs.shape[0], p=probs / probs.sum()))
+        return int(sample(self.sampling.probabilities(logits), self._next_key()).item())
 
-    def _forward(self, tokens: List[int], positions, mask) -> TargetOutput:
+    def _forward(self, tokens: mx.array, positions, mask) -> TargetOutput:
         self.forwards += 1
         if self.head is None:  # only chains, starting where the cache ends: the model's own forward pass
-            return TargetOutput(logits=self.target(mx.array([tokens]), cache=self.cache)[0], features=None)
-        out = target_forward(self.target, mx.array([tokens]), self.cache, positions, mask, self.taps)
+            return TargetOutput(logits=self.target(tokens[None], cache=self.cache)[0], features=None)
+        out = target_forward(self.target, tokens[None], self.cache, positions, mask, self.taps)
         return TargetOutput(logits=out.logits[0], features=out.features[0], hidden=out.hidden[0])
 
     def _reusable(self, prompt: List[int]) -> int:
@@ -121,70 +130,83 @@ class SpeculativeDecoder:
         self.state.tokens = []  # until this returns, the caches hold nothing certain
         if self.head is None:  # as mlx-lm reads a prompt: only the last token's logits are computed
             for start in range(self.reused, len(prompt) - 1, chunk):
-                self._forward(prompt[start:min(start + chunk, len(prompt) - 1)], start, None)
+                self._forward(mx.array(prompt[start:min(start + chunk, len(prompt) - 1)]), start, None)
                 mx.eval([layer_cache.state for layer_cache in self.cache])
-            self.root = self._choose(self._forward(prompt[-1:], len(prompt) - 1, None).logits[-1])
+            self.root = self._choose(self._forward(mx.array(prompt[-1:]), len(prompt) - 1, None).logits[-1])
         else:
             features = []
             for start in range(self.reused, len(prompt), chunk):
                 block = prompt[start:start + chunk]
-                out = self._forward(block, start, "causal" if len(block) > 1 else None)
+                out = self._forward(mx.array(block), start, "causal" if len(block) > 1 else None)
                 features.append(out.features)
                 mx.eval(out.features)  # the prompt's own logits are never needed: only the last
             self.root = self._choose(lm_head(self.target, out.hidden[-1]))
-            self._set_pending(mx.concatenate(features), prompt[self.reused + 1:] + [self.root])
+            self.drafted = self._draft(mx.concatenate(features), prompt[self.reused + 1:] + [self.root])
         self.state.tokens = list(prompt) + [self.root]
         if self.lookup is not None:
             self.lookup.index.reset(self.state.tokens)
         return self.root
 
-    def _set_pending(self, features: mx.array, next_tokens: List[int]) -> None:
-        if self.head is not None:
-            self.pending = (self.head.project(features), mx.array(next_tokens))
+    def _draft(self, features: mx.array, next_tokens: List[int]) -> Tuple[DraftTree, mx.array]:
+        """The head reads the committed (feature, next token) pairs and grows the next
+        round's tree, queued on the device; its tokens stay there."""
+        tokens = mx.array(next_tokens)
+        out = self.head.step(self.target, self.head.project(features)[None], tokens[None], self.draft_cache,
+                             self.draft_cache[0].offset, "causal" if len(next_tokens) > 1 else None)
+        tree, tokens = self.drafter.draft(out[:, -1], self.draft_cache, self.draft_cache[0].offset - 1)
+        mx.async_eval(tokens)
+        return tree, tokens
 
-    def _draft(self, room: int) -> DraftTree:
-        """Bring the draft cache up to date and grow this round's tree."""
-        hidden, tokens = self.pending
-        start = self.draft_cache[0].offset
-        out = self.head.step(self.target, hidden[None], tokens[None], self.draft_cache,
-                             start, "causal" if tokens.shape[0] > 1 else None)
-        if room < 1:
-            return DraftTree()
-        tree = self.drafter.draft(out[:, -1], self.draft_cache, self.draft_cache[0].offset - 1)
-        if max(tree.depths, default=0) > room:  # near the context's end: keep what fits
-            tree = tree.subtree([n for n in range(len(tree)) if tree.depths[n] <= room])
-        return tree
+    def _head_tree(self, room: int) -> Tuple[DraftTree, mx.array]:
+        """This round's head tree, no deeper than ``room``."""
+        tree, tokens = self.drafted
+        self.drafted = (DraftTree(), NO_TOKENS)
+        if max(tree.depths, default=0) > room:  # near the end of the reply or the context: keep what fits
+            tree = tree.shallower(room)
+            tokens = tokens[:len(tree)]
+        return tree, tokens
 
-    def _graft_lookup(self, tree: DraftTree, room: int) -> Tuple[LookupDraft, List[int]]:
-        """The lookup draft for this round, grafted onto ``tree``; its nodes there."""
+    def _graft_lookup(self, tree: DraftTree, tokens: mx.array, room: int) -> Tuple[LookupDraft, List[int], mx.array]:
+        """The lookup draft for this round, grafted onto ``tree``: the draft, its nodes
+        and the tree's tokens with it. Reads the head's tokens only when there is a
+        draft to graft."""
         if self.lookup is None:
-            return LookupDraft([], 0), []
+            return LookupDraft([], 0), [], tokens
         draft = self.lookup.propose(room, verified=1 + len(tree), expected=self.head_yield if len(tree) else 1.0)
-        return draft, tree.graft(draft.tokens)
+        if not draft.tokens:
+            return draft, [], tokens
+        tree.tokens = tokens.tolist()
+        nodes = tree.graft(draft.tokens)
+        return draft, nodes, mx.array(tree.tokens, dtype=mx.int32)
+
+    def _verify(self, tree: DraftTree, tokens: mx.array) -> TargetOutput:
+        """The target's forward pass over [root, tree], appended to its cache."""
+        start = self.cache[0].offset
+        tokens = mx.concatenate([mx.array([self.root], dtype=mx.int32), tokens])
+        if tree.is_chain():  # a chain is just a longer causal block
+            return self._forward(tokens, start, "causal" if len(tree) else None)
+        positions = start + mx.array([0] + tree.depths)
+        return self._forward(tokens, positions, tree_mask(start, tree.ancestor_matrix()))
 
     def step(self, room: int) -> Round:
-        """One round. ``room``: how many tokens past the root may still be produced."""
+        """One round. ``room``: how many tokens past the root may still be produced.
+        The host waits for the device once, in ``accept``."""
         committed, self.state.tokens = self.state.tokens, []  # an interrupted round leaves nothing certain
-        tree = self._draft(room - 1) if self.head is not None else DraftTree()
+        tree, tokens = self._head_tree(room - 1)
         head_nodes = len(tree)
-        lookup, lookup_nodes = self._graft_lookup(tree, room - 1)
+        lookup, lookup_nodes, tokens = self._graft_lookup(tree, tokens, room - 1)
         start = self.cache[0].offset
-        tokens = [self.root] + tree.tokens
-        if tree.is_chain():  # a chain is just a longer causal block
-            out = self._forward(tokens, start, "causal" if len(tokens) > 1 else None)
-        else:
-            positions = mx.array([start] + [start + d for d in tree.depths])
-            out = self._forward(tokens, positions, tree_mask(start, mx.array(tree.ancestor_matrix())))
-        path, bonus = accept(tree, out.logits, self.sampling, self.rng)
+        out = self._verify(tree, tokens)
+        verdict = accept(tree, tokens, out.logits, self.sampling, self._next_key())
+        path, accepted, bonus = verdict.path, verdict.tokens, verdict.bonus
         kept = [0] + [n + 1 for n in path]
         keep_cache_entries(self.cache, start, kept)
-        accepted = [tree.tokens[n] for n in path]
         if lookup.tokens:
             self.lookup.record(lookup, common_prefix(path, lookup_nodes))
         if head_nodes:
             self.head_yield += 0.1 * (1 + sum(1 for n in path if n < head_nodes) - self.head_yield)
         if self.head is not None:
-            self._set_pending(out.features[mx.array(kept)], accepted + [bonus])
+            self.drafted = self._draft(out.features[mx.array(kept)], accepted + [bonus])
         if self.lookup is not None:
             self.lookup.index.commit(accepted + [bonus])
         self.root = bonus

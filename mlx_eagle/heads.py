@@ -21,7 +21,7 @@ from mlx_lm.models import llama
 from mlx_lm.utils import dequantize_model
 
 from .cli import UserError, read_config
-from .target import Mask, Positions, attention, default_taps, lm_head
+from .target import Mask, Positions, default_taps, layer_block, lm_head
 
 FAMILIES = ("eagle1", "eagle3")
 
@@ -119,9 +119,7 @@ class Eagle1Head(nn.Module):
              positions: Positions, mask: Mask) -> mx.array:
         embedding = embed(self, target, tokens)
         x = self.fc(mx.concatenate([embedding, hidden.astype(embedding.dtype)], axis=-1))
-        layer = self.layers[0]
-        h = x + attention(layer.self_attn, x, cache[0], positions, mask)
-        return h + layer.mlp(layer.post_attention_layernorm(h))
+        return layer_block(self.layers[0], x, x, cache[0], positions, mask)
 
     def logits(self, target: nn.Module, hidden: mx.array) -> mx.array:
         return lm_head(target, hidden)
@@ -155,8 +153,7 @@ class Eagle3Head(nn.Module):
         layer = self.midlayer
         embedding = embed(self, target, tokens).astype(hidden.dtype)
         x = mx.concatenate([layer.input_layernorm(embedding), layer.hidden_norm(hidden)], axis=-1)
-        h = hidden + attention(layer.self_attn, x, cache[0], positions, mask)
-        return h + layer.mlp(layer.post_attention_layernorm(h))
+        return layer_block(layer, hidden, x, cache[0], positions, mask)
 
     def logits(self, target: nn.Module, hidden: mx.array) -> mx.array:
         return self.lm_head(self.norm(hidden))

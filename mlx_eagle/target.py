@@ -9,7 +9,8 @@ position offset and builds its own causal mask.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple, Union
+from functools import partial
+from typing import Callable, List, Optional, Sequence, Tuple, Union
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -25,16 +26,16 @@ Positions = Union[int, mx.array]
 Mask = Union[None, str, mx.array]
 
 
-def rotate(rope: nn.Module, x: mx.array, positions: Positions) -> mx.array:
-    """RoPE at ``positions``. Per-token positions ride on the batch axis, where
-    mx.fast.rope accepts one offset per sequence."""
-    if isinstance(positions, int):
+def rotate(rope: nn.Module, x: mx.array, positions: mx.array) -> mx.array:
+    """RoPE at ``positions``: a scalar (positions run on from there) or one per token,
+    which rides on the batch axis, where mx.fast.rope accepts one offset per sequence."""
+    if positions.ndim == 0:
         return rope(x, offset=positions)
     return rope(x.transpose(2, 1, 0, 3), offset=positions).transpose(2, 1, 0, 3)
 
 
-def attention(attn: nn.Module, x: mx.array, cache, positions: Positions, mask: Mask) -> mx.array:
-    """An mlx-lm attention module's computation, with our positions and mask."""
+def _project(attn: nn.Module, x: mx.array, positions: mx.array) -> Tuple[mx.array, mx.array, mx.array]:
+    """An mlx-lm attention module's queries, keys and values for ``x``, rotated."""
     batch, length, _ = x.shape
     queries = attn.q_proj(x).reshape(batch, length, attn.n_heads, -1)
     keys = attn.k_proj(x).reshape(batch, length, attn.n_kv_heads, -1)
@@ -43,14 +44,51 @@ def attention(attn: nn.Module, x: mx.array, cache, positions: Positions, mask: M
         queries, keys = attn.q_norm(queries), attn.k_norm(keys)
     queries = rotate(attn.rope, queries.transpose(0, 2, 1, 3), positions)
     keys = rotate(attn.rope, keys.transpose(0, 2, 1, 3), positions)
-    keys, values = cache.update_and_fetch(keys, values.transpose(0, 2, 1, 3))
-    out = scaled_dot_product_attention(queries, keys, values, cache=cache, scale=attn.scale, mask=mask)
-    return attn.o_proj(out.transpose(0, 2, 1, 3).reshape(batch, length, -1))
+    return queries, keys, values.transpose(0, 2, 1, 3)
+
+
+def _finish(layer: nn.Module, residual: mx.array, attended: mx.array) -> mx.array:
+    """The rest of a decoder layer after attention: output projection, residual, MLP."""
+    batch, _, length, _ = attended.shape
+    h = residual + layer.self_attn.o_proj(attended.transpose(0, 2, 1, 3).reshape(batch, length, -1))
+    return h + layer.mlp(layer.post_attention_layernorm(h))
+
+
+# Blocks up to this many tokens (decoding rounds, not prompts or training batches) run
+# through compiled pieces: their shapes repeat, and on small models the time of a round
+# is mostly per-operation overhead, which compilation fuses away.
+COMPILED_TOKENS = 64
+
+
+def _piece(module: nn.Module, fn: Callable, tokens: int) -> Callable:
+    """``fn`` bound to ``module``, compiled once per module for short blocks. The
+    module's weights are inputs of the compiled function, read at every call."""
+    if tokens > COMPILED_TOKENS:
+        return partial(fn, module)
+    pieces = module.__dict__.get("_compiled_pieces")
+    if pieces is None:
+        pieces = {}
+        object.__setattr__(module, "_compiled_pieces", pieces)  # an attribute, not a parameter
+    if fn not in pieces:
+        pieces[fn] = mx.compile(partial(fn, module), inputs=module)
+    return pieces[fn]
+
+
+def layer_block(layer: nn.Module, residual: mx.array, x: mx.array, cache, positions: Positions,
+                mask: Mask) -> mx.array:
+    """``residual`` + attention over ``x`` (with our positions and mask), then the layer's
+    MLP with its residual: an mlx-lm decoder layer's computation."""
+    tokens = x.shape[1]
+    positions = mx.array(positions) if isinstance(positions, int) else positions
+    queries, keys, values = _piece(layer.self_attn, _project, tokens)(x, positions)
+    keys, values = cache.update_and_fetch(keys, values)
+    attended = scaled_dot_product_attention(queries, keys, values, cache=cache, scale=layer.self_attn.scale,
+                                            mask=mask)
+    return _piece(layer, _finish, tokens)(residual, attended)
 
 
 def decoder_layer(layer: nn.Module, x: mx.array, cache, positions: Positions, mask: Mask) -> mx.array:
-    h = x + attention(layer.self_attn, layer.input_layernorm(x), cache, positions, mask)
-    return h + layer.mlp(layer.post_attention_layernorm(h))
+    return layer_block(layer, x, layer.input_layernorm(x), cache, positions, mask)
 
 
 @dataclass

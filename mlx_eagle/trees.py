@@ -9,8 +9,9 @@ from __future__ import annotations
 import ast
 import json
 from dataclasses import dataclass, field
+from functools import lru_cache
 from pathlib import Path
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 import numpy as np
@@ -106,12 +107,15 @@ def parse_tree(spec: str) -> TreeSpec:
 
 @dataclass
 class DraftTree:
+    """A drafted tree. ``tokens`` are target ids; a tree drafted on the device comes
+    with them still there (``TreeDrafter.draft``) and ``tokens`` empty until read."""
+
     tokens: List[int] = field(default_factory=list)  # target ids
     parents: List[int] = field(default_factory=list)  # index into nodes, -1 = root
     depths: List[int] = field(default_factory=list)  # 1 for the root's children
 
     def __len__(self) -> int:
-        return len(self.tokens)
+        return len(self.parents)
 
     def children(self) -> Dict[int, List[int]]:
         """Node index (-1: root) -> its children's indices, in draft rank order."""
@@ -120,16 +124,9 @@ class DraftTree:
             result.setdefault(parent, []).append(index)
         return result
 
-    def ancestor_matrix(self) -> np.ndarray:
+    def ancestor_matrix(self) -> mx.array:
         """[1 + n, 1 + n] bool, root first: True where row may attend to column."""
-        size = len(self) + 1
-        matrix = np.eye(size, dtype=bool)
-        matrix[:, 0] = True
-        for index, parent in enumerate(self.parents):
-            row = index + 1
-            if parent >= 0:
-                matrix[row] |= matrix[parent + 1]
-        return matrix
+        return ancestor_matrix(tuple(self.parents))
 
     def is_chain(self) -> bool:
         return self.parents == list(range(-1, len(self) - 1))
@@ -160,6 +157,63 @@ class DraftTree:
             result.add(self.tokens[old], -1 if parent < 0 else index[parent])
         return result
 
+    def shallower(self, depth: int) -> "DraftTree":
+        """The nodes no deeper than ``depth``: a prefix, as nodes come shallowest first."""
+        count = sum(1 for d in self.depths if d <= depth)
+        return DraftTree(self.tokens[:count], self.parents[:count], self.depths[:count])
+
+
+@lru_cache(maxsize=256)
+def ancestor_matrix(parents: Tuple[int, ...]) -> mx.array:
+    """A tree's [1 + n, 1 + n] attention pattern (see DraftTree.ancestor_matrix), kept
+    per shape: a static tree's is the same every round."""
+    matrix = np.eye(len(parents) + 1, dtype=bool)
+    matrix[:, 0] = True
+    for index, parent in enumerate(parents):
+        if parent >= 0:
+            matrix[index + 1] |= matrix[parent + 1]
+    return mx.array(matrix)
+
+
+@dataclass
+class _Level:
+    """One depth of a static tree as index arithmetic, the same every round."""
+
+    picks: mx.array  # this depth's tokens: flat indices into the top ids of the level above
+    expand: Optional[mx.array] = None  # which of them the head runs on (those with children)
+    parent_rows: Optional[mx.array] = None  # their parents' rows among the level above's head outputs
+    ancestors: Optional[mx.array] = None  # [expanded, tree slots so far]: what each may attend to
+
+
+def _static_levels(paths: List[RankPath], ranks: int) -> Tuple[DraftTree, List[_Level]]:
+    """A static tree's shape and, per depth, where its tokens come from."""
+    index = {path: node for node, path in enumerate(paths)}
+    shape = DraftTree()
+    for path in paths:
+        shape.parents.append(index[path[:-1]] if len(path) > 1 else -1)
+        shape.depths.append(len(path))
+    parents_of_children = {path[:-1] for path in paths}
+    expanded = [node for node, path in enumerate(paths) if path in parents_of_children]
+    slot = {node: position for position, node in enumerate(expanded)}
+    levels, above = [], [-1]  # the nodes whose head outputs the next depth reads; -1 the root
+    for depth in range(1, max(shape.depths) + 1):
+        nodes = [n for n in range(len(paths)) if shape.depths[n] == depth]
+        row_above = {node: row for row, node in enumerate(above)}
+        level = _Level(picks=mx.array([row_above[shape.parents[n]] * ranks + paths[n][-1] for n in nodes]))
+        grow = [n for n in nodes if n in slot]
+        if grow:
+            ancestors = np.zeros((len(grow), slot[grow[-1]] + 1), dtype=bool)
+            for row, node in enumerate(grow):
+                while node >= 0:
+                    ancestors[row, slot[node]] = True
+                    node = shape.parents[node]
+            level.expand = mx.array([nodes.index(n) for n in grow])
+            level.parent_rows = mx.array([row_above[shape.parents[n]] for n in grow])
+            level.ancestors = mx.array(ancestors)
+        levels.append(level)
+        above = grow
+    return shape, levels
+
 
 class TreeDrafter:
     """Grows a draft tree with the head, one batched draft step per depth.
@@ -167,55 +221,70 @@ class TreeDrafter:
     A node is fed to the head as (its parent's draft output, its own token) at
     position root + depth; it attends to the committed draft cache and its own
     ancestors. The tree's draft KV entries are dropped once the tree is grown.
+    A static tree's shape is known before the round, so it is drafted without
+    leaving the device: each depth's tokens are gathered from the top ids of the
+    depth above at indices fixed per shape. A dynamic tree (EAGLE-2) chooses what to
+    expand by score, reading each depth's top ids once.
     """
 
     def __init__(self, head, target, spec: TreeSpec):
         self.head, self.target, self.spec = head, target, spec
-        self._children_ranks: Dict[RankPath, List[int]] = {}
-        for path in spec.paths:
-            self._children_ranks.setdefault(path[:-1], []).append(path[-1])
+        if spec.kind == "static":
+            paths = sorted(spec.paths, key=lambda p: (len(p), p))
+            self.ranks = max(max(p) for p in paths) + 1
+            self.shape, self.levels = _static_levels(paths, self.ranks)
 
-    def draft(self, root_hidden: mx.array, cache: List, root_position: int) -> DraftTree:
+    def draft(self, root_hidden: mx.array, cache: List, root_position: int) -> Tuple[DraftTree, mx.array]:
         """``root_hidden`` [1, H]: the head's output at the root; ``cache``: the
-        committed draft cache (left as it was); ``root_position``: the root's position."""
+        committed draft cache (left as it was); ``root_position``: the root's position.
+        Returns the tree and its tokens [n] (not yet read to the host)."""
         committed = cache[0].offset
-        grow = self._dynamic if self.spec.kind == "dynamic" else self._static
         try:
-            return grow(_Growth(self, root_hidden, cache, root_position))
+            if self.spec.kind == "dynamic":
+                tree = self._dynamic(_Growth(self, root_hidden, cache, root_position))
+                return tree, mx.array(tree.tokens, dtype=mx.int32)
+            return self._static(root_hidden, cache, root_position)
         finally:
             keep_cache_entries(cache, committed, [])
 
+    def top_ids(self, hidden: mx.array, k: int) -> mx.array:
+        """The draft's k best target ids for each row of ``hidden``, best first."""
+        logits = self.head.logits(self.target, hidden)
+        if k == 1:
+            return self.head.target_ids(mx.argmax(logits, axis=-1, keepdims=True))
+        draft_ids = mx.argpartition(-logits, kth=k - 1, axis=-1)[..., :k]
+        order = mx.argsort(-mx.take_along_axis(logits, draft_ids, axis=-1), axis=-1)
+        return self.head.target_ids(mx.take_along_axis(draft_ids, order, axis=-1))
+
     def top(self, hidden: mx.array, k: int) -> Tuple[np.ndarray, np.ndarray]:
-        """Top-k (target ids, log-probabilities) of the draft for each row of ``hidden``."""
+        """Top-k (target ids, log-probabilities) of the draft for each row of ``hidden``,
+        read to the host together."""
         logits = self.head.logits(self.target, hidden).astype(mx.float32)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         k = min(k, logprobs.shape[-1])
         draft_ids = mx.argpartition(-logprobs, kth=k - 1, axis=-1)[..., :k]
         top_logprobs = mx.take_along_axis(logprobs, draft_ids, axis=-1)
         order = mx.argsort(-top_logprobs, axis=-1)
-        draft_ids = mx.take_along_axis(draft_ids, order, axis=-1)
-        ids = self.head.target_ids(draft_ids)
-        return np.array(ids), np.array(mx.take_along_axis(top_logprobs, order, axis=-1))
+        ids = self.head.target_ids(mx.take_along_axis(draft_ids, order, axis=-1))
+        top_logprobs = mx.take_along_axis(top_logprobs, order, axis=-1)
+        mx.eval(ids, top_logprobs)
+        return np.array(ids), np.array(top_logprobs)
 
-    def _static(self, growth: "_Growth") -> DraftTree:
-        tree = growth.tree
-        max_rank = max(max(p) for p in self.spec.paths) + 1
-        path_of: Dict[int, RankPath] = {-1: ()}
-        ids, _ = self.top(growth.root_hidden, max_rank)
-        frontier = {-1: ids[0]}  # node -> the draft's top ids after it
-        while frontier:
-            added = []
-            for node, top_ids in frontier.items():
-                for rank in self._children_ranks.get(path_of[node], []):
-                    child = tree.add(int(top_ids[rank]), node)
-                    path_of[child] = path_of[node] + (rank,)
-                    added.append(child)
-            expand = [n for n in added if path_of[n] in self._children_ranks]
-            if not expand:
+    def _static(self, root_hidden: mx.array, cache: List, root_position: int) -> Tuple[DraftTree, mx.array]:
+        committed = cache[0].offset
+        outputs, tokens = root_hidden, []
+        top = self.top_ids(outputs, self.ranks)
+        for depth, level in enumerate(self.levels, start=1):
+            tokens.append(top.reshape(-1)[level.picks])
+            if level.expand is None:
                 break
-            ids, _ = self.top(growth.expand(expand), max_rank)
-            frontier = dict(zip(expand, ids))
-        return tree
+            hidden = outputs[level.parent_rows][None]
+            mask = tree_mask(committed, level.ancestors)
+            outputs = self.head.step(self.target, hidden, tokens[-1][level.expand][None], cache,
+                                     root_position + depth, mask)[0]
+            top = self.top_ids(outputs, self.ranks)
+        shape = self.shape
+        return DraftTree([], list(shape.parents), list(shape.depths)), mx.concatenate(tokens).astype(mx.int32)
 
     def _dynamic(self, growth: "_Growth") -> DraftTree:
         """EAGLE-2: expand the k best nodes of each depth by cumulative draft

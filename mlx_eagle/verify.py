@@ -12,6 +12,7 @@ is drawn from what remains. Each emitted token is then distributed exactly as p.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import List, Optional, Tuple
 
 import mlx.core as mx
@@ -45,34 +46,70 @@ class Sampling:
         return mx.softmax(logprobs * (1.0 / self.temp), axis=-1)
 
 
-def accept(tree: DraftTree, logits: mx.array, sampling: Sampling,
-           rng: Optional[np.random.Generator]) -> Tuple[List[int], int]:
-    """Walk the tree from the root. ``logits`` [1 + n, vocab]: the target's at the root,
-    then at each node. Returns (accepted node indices, bonus token)."""
+@dataclass
+class Verdict:
+    path: List[int]  # accepted node indices, root's child first
+    tokens: List[int]  # their tokens
+    bonus: int  # the target's own next token after them
+
+
+def sample(probs: mx.array, key: Optional[mx.array]) -> mx.array:
+    """One draw from each row of ``probs`` (zeros allowed), on the device."""
+    return mx.random.categorical(mx.log(probs), key=key)
+
+
+def accept(tree: DraftTree, tokens: mx.array, logits: mx.array, sampling: Sampling,
+           key: Optional[mx.array] = None) -> Verdict:
+    """Walk the tree from the root. ``tokens`` [n]: the nodes' tokens; ``logits``
+    [1 + n, vocab]: the target's at the root, then at each node; ``key``: for sampling.
+
+    Everything vocabulary-sized stays on the device; one read brings back what the walk
+    needs. Greedy: the target's choice at each position. Sampling: for every node, the
+    uniform test it would face if its turn came (its parent's mass left after its
+    earlier siblings' rejection is known in advance, since they precede it), and for
+    every position a draw from its distribution with all its children removed: the
+    bonus if the walk ends there. Each is used at most once, so the walk is exact."""
     children = tree.children()
     if sampling.greedy:
-        choice = np.array(mx.argmax(logits, axis=-1))
+        choice, node_tokens = mx.argmax(logits, axis=-1), tokens
+        mx.eval(choice, node_tokens)
+        choice, node_tokens = choice.tolist(), node_tokens.tolist()
         path, node = [], -1
         while True:
-            wanted = int(choice[node + 1])
-            match = next((c for c in children.get(node, []) if tree.tokens[c] == wanted), None)
+            match = next((c for c in children.get(node, []) if node_tokens[c] == choice[node + 1]), None)
             if match is None:
-                return path, wanted
+                return Verdict(path, [node_tokens[n] for n in path], choice[node + 1])
             path.append(match)
             node = match
-    probs = np.array(sampling.probabilities(logits)).astype(np.float64)
+    probs = sampling.probabilities(logits)
+    uniform_key, bonus_key = mx.random.split(key) if key is not None else (None, None)
+    if len(tree):
+        rows = mx.array([parent + 1 for parent in tree.parents])
+        drafted = probs[rows, tokens]  # each node's probability under its parent's distribution
+        before = mx.array(_earlier_siblings(tuple(tree.parents)))
+        left = probs.sum(axis=-1)[rows] - before @ drafted
+        passes = mx.random.uniform(shape=(len(tree),), key=uniform_key) * left < drafted
+        probs[rows, tokens] = 0.0
+    else:
+        passes = mx.array([], dtype=mx.bool_)
+    bonus = sample(probs, bonus_key)
+    mx.eval(passes, bonus, tokens)
+    passes, bonus, node_tokens = passes.tolist(), bonus.tolist(), tokens.tolist()
     path, node = [], -1
     while True:
-        p = probs[node + 1]
-        accepted = None
-        for child in children.get(node, []):
-            token = tree.tokens[child]
-            mass = p.sum()
-            if rng.random() * mass < p[token]:
-                accepted = child
-                break
-            p[token] = 0.0
-        if accepted is None:
-            return path, int(rng.choice(p.shape[0], p=p / p.sum()))
-        path.append(accepted)
-        node = accepted
+        match = next((c for c in children.get(node, []) if passes[c]), None)
+        if match is None:
+            return Verdict(path, [node_tokens[n] for n in path], bonus[node + 1])
+        path.append(match)
+        node = match
+
+
+@lru_cache(maxsize=256)
+def _earlier_siblings(parents: Tuple[int, ...]) -> np.ndarray:
+    """[n, n] float: 1 where column is an earlier child of the row's parent."""
+    matrix = np.zeros((len(parents), len(parents)), dtype=np.float32)
+    for node, parent in enumerate(parents):
+        for other in range(node):
+            if parents[other] == parent:
+                matrix[node, other] = 1.0
+    return matrix
