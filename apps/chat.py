@@ -15,7 +15,8 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
-from mlx_eagle.cli import DRAFT_HELP, UserError, run_cli
+from mlx_eagle.cli import DRAFT_HELP, run_cli
+from mlx_eagle.errors import UserError
 
 COMMANDS = """commands:
   /help           this list

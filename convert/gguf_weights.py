@@ -9,7 +9,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import mlx.core as mx
 import numpy as np
 
-from mlx_eagle.cli import UserError
+from mlx_eagle.errors import UserError
 
 from .tensors import QuantizedWeight, SourceTensor
 

@@ -19,7 +19,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from mlx_eagle.cli import UserError, read_config, run_cli
+from mlx_eagle.cli import run_cli
+from mlx_eagle.errors import UserError, read_config
 from mlx_eagle.heads import Eagle1Head, Eagle3Head, HeadConfig, check_draft_vocabulary, check_fits, save_head
 
 from .target import DTYPES

@@ -9,7 +9,7 @@ from typing import Any, Dict, List, Optional
 import mlx.core as mx
 from mlx_lm.utils import _get_classes
 
-from mlx_eagle.cli import UserError, read_config as read_config_json
+from mlx_eagle.errors import UserError, read_config as read_config_json
 
 from .tensors import SourceTensor
 

@@ -11,7 +11,8 @@ from typing import Optional, Sequence
 
 import mlx.core as mx
 
-from mlx_eagle.cli import UserError, run_cli
+from mlx_eagle.cli import run_cli
+from mlx_eagle.errors import UserError
 
 from .writer import OutputFormat, write_model_dir
 

@@ -22,7 +22,9 @@ from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
-from .cli import UserError, blas_in_use, run_cli
+from .cli import blas_in_use, run_cli
+from .errors import UserError
+from .generation import check_messages
 
 # baseline: plain mlx-lm; eagle: the head alone; lookup: drafts from the context alone;
 # eagle+lookup: both in one tree (what the commands do by default); draft-model: mlx-lm's.
@@ -62,10 +64,7 @@ def _prompt_from_record(record: object, where: str) -> BenchPrompt:
         if not value or not all(isinstance(t, str) and t for t in value):
             raise UserError(f"{where}: 'turns' must be a list of non-empty strings")
         return BenchPrompt(ident, category, turns=list(value))
-    if (not value or not all(isinstance(m, dict) and isinstance(m.get("role"), str)
-                             and isinstance(m.get("content"), str) for m in value)):
-        raise UserError(f"{where}: 'messages' must be a list of {{\"role\": ..., \"content\": ...}} objects")
-    return BenchPrompt(ident, category, messages=list(value))
+    return BenchPrompt(ident, category, messages=check_messages(value, f"{where}: messages"))
 
 
 def read_prompts(path: Path) -> List[BenchPrompt]:

@@ -2,30 +2,15 @@
 
 from __future__ import annotations
 
-import json
 import os
 import sys
-from pathlib import Path
 from typing import Callable, NoReturn, Optional, Sequence
+
+from .errors import UserError
 
 
 DRAFT_HELP = ("EAGLE head directory, or 'lookup' (drafts from the context alone, for any mlx-lm model), or "
               "'none' (plain decoding); default: the model's shipped head, if any, and drafts from the context")
-
-
-class UserError(ValueError):
-    """A problem the user can fix. Commands print it as one line and exit 1."""
-
-
-def read_config(directory: Path, what: str) -> dict:
-    """``directory``/config.json, or one line: no such file (it is not ``what``) or not JSON."""
-    file = Path(directory) / "config.json"
-    try:
-        return json.loads(file.read_text())
-    except FileNotFoundError:
-        raise UserError(f"{directory} has no config.json; is it {what}?") from None
-    except (OSError, ValueError) as exc:
-        raise UserError(f"{file} is not valid JSON ({exc})") from None
 
 
 # Debian/Ubuntu, Fedora and Arch put OpenBLAS in one of these.

@@ -14,7 +14,7 @@ from typing import Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from .cli import UserError
+from .errors import UserError
 
 _SHAREGPT_FILE = "data/ShareGPT_V3_unfiltered_cleaned_split.json"
 _MTBENCH_FILE = "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"

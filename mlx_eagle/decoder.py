@@ -27,7 +27,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import cache as mlx_lm_cache
 
-from .cli import UserError
+from .errors import UserError
 from .lookup import LookupDraft, LookupDrafter
 from .target import TargetOutput, check_target, keep_cache_entries, lm_head, target_forward, tree_mask
 from .trees import DraftTree, TreeDrafter, TreeSpec

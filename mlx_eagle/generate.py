@@ -12,7 +12,7 @@ from typing import List, Optional, Sequence
 import mlx.core as mx
 
 from .cli import DRAFT_HELP, blas_in_use, run_cli
-from .generation import chat_tokens, print_stats, stream_generate
+from .generation import chat_tokens, check_options, print_stats, stream_generate
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -52,8 +52,12 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     from .models import drafts_from_context
     from .trees import parse_tree
     from .calibrate import auto_tree
+    from .verify import Sampling
 
-    spec = parse_tree(args.tree) if args.tree != "auto" else None  # a malformed tree fails before loading
+    # What is wrong with the arguments is said before the model loads.
+    spec = parse_tree(args.tree) if args.tree != "auto" else None
+    check_options(args.max_tokens, args.seed)
+    Sampling(args.temp, args.top_p, args.min_p, args.top_k)
     if args.verbose:
         print(f"device: {mx.default_device()}, BLAS: {blas_in_use()}", file=sys.stderr)
     model, tokenizer, head = load(args.model, draft=args.draft or "auto")

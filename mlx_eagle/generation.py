@@ -5,12 +5,12 @@ from __future__ import annotations
 import sys
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Dict, Generator, List, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Dict, Generator, List, Optional, Sequence, Union
 
 import mlx.core as mx
 import mlx.nn as nn
 
-from .cli import UserError
+from .errors import UserError, check_text
 
 if TYPE_CHECKING:
     from .decoder import PromptCache
@@ -47,6 +47,33 @@ def _prompt_ids(tokenizer, prompt: Union[str, List[int], mx.array]) -> List[int]
     return list(prompt)
 
 
+ROLES = ("system", "user", "assistant")
+
+
+def check_messages(messages: Any, where: str = "messages", allow_empty: bool = False) -> List[Dict[str, str]]:
+    """A conversation as plain data, checked once for every entry point (the API, the
+    server, bench): a list of {"role": system|user|assistant, "content": text}, where
+    "developer" (OpenAI's newer name) means system and content may also be a list of
+    text parts, OpenAI-style. One line names the first problem."""
+    if not isinstance(messages, list) or not (messages or allow_empty):
+        raise UserError(f"{where} must be a {'' if allow_empty else 'non-empty '}list of "
+                        "{'role': ..., 'content': ...} objects")
+    checked = []
+    for index, message in enumerate(messages):
+        role = message.get("role") if isinstance(message, dict) else None
+        role = "system" if role == "developer" else role
+        if role not in ROLES:
+            raise UserError(f"{where}[{index}] must be an object whose role is {', '.join(ROLES)}")
+        content = message.get("content")
+        if isinstance(content, list) and all(isinstance(part, dict) and part.get("type") == "text"
+                                             and isinstance(part.get("text"), str) for part in content):
+            content = "".join(part["text"] for part in content)
+        if not isinstance(content, str):
+            raise UserError(f"{where}[{index}].content must be a string or a list of text parts")
+        checked.append({"role": role, "content": check_text(content, f"{where}[{index}].content")})
+    return checked
+
+
 def chat_tokens(tokenizer, messages: Sequence[Dict[str, str]]) -> List[int]:
     """The prompt for ``messages`` through the model's chat template, ready for the
     assistant's turn (a plain "role: text" rendering for models without a template)."""
@@ -54,6 +81,18 @@ def chat_tokens(tokenizer, messages: Sequence[Dict[str, str]]) -> List[int]:
         return list(tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True))
     text = "\n\n".join(f"{m['role']}: {m['content']}" for m in messages) + "\n\nassistant:"
     return tokenizer.encode(text)
+
+
+MAX_SEED = (1 << 63) - 1
+
+
+def check_options(max_tokens: int, seed: Optional[int]) -> None:
+    """One line for a reply length or seed that cannot be meant (sampling settings are
+    checked by ``Sampling`` itself)."""
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+        raise UserError(f"max_tokens must be a whole number, 1 or more, not {max_tokens!r}")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED):
+        raise UserError(f"seed must be a whole number from 0 to {MAX_SEED}, not {seed!r}")
 
 
 def _context_length(model: nn.Module) -> Optional[int]:
@@ -99,6 +138,8 @@ def stream_generate(
     from .trees import parse_tree
     from .verify import Sampling
 
+    check_options(max_tokens, seed)
+    sampling = Sampling(temp, top_p, min_p, top_k)
     if isinstance(draft, str):
         if draft != "lookup":
             raise UserError(f"draft {draft!r}: pass a head (mlx_eagle.load_draft), \"lookup\" or None")
@@ -114,7 +155,7 @@ def stream_generate(
     if limit is not None and len(ids) >= limit:
         raise UserError(f"the prompt is {len(ids)} tokens; the model's context holds {limit}. Shorten it")
     drafter = LookupDrafter(verify_costs(model)) if lookup else None
-    decoder = SpeculativeDecoder(model, draft, spec, Sampling(temp, top_p, min_p, top_k), seed, prompt_cache, drafter)
+    decoder = SpeculativeDecoder(model, draft, spec, sampling, seed, prompt_cache, drafter)
     eos = set(tokenizer.eos_token_ids)
     stops = [s for s in (stop or []) if s]
     detokenizer = tokenizer.detokenizer

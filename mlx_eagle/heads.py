@@ -20,8 +20,8 @@ from mlx.utils import tree_flatten
 from mlx_lm.models import llama
 from mlx_lm.utils import dequantize_model
 
-from .cli import UserError, read_config
-from .target import Mask, Positions, default_taps, layer_block, lm_head
+from .errors import UserError, read_config
+from .target import Mask, Positions, compiled_piece, default_taps, layer_block, lm_head
 
 FAMILIES = ("eagle1", "eagle3")
 
@@ -128,6 +128,11 @@ class Eagle1Head(nn.Module):
         return draft_ids
 
 
+def _eagle3_inputs(layer: nn.Module, embedding: mx.array, hidden: mx.array) -> mx.array:
+    """What EAGLE-3's attention reads: [normed embedding, normed hidden]."""
+    return mx.concatenate([layer.input_layernorm(embedding.astype(hidden.dtype)), layer.hidden_norm(hidden)], axis=-1)
+
+
 class Eagle3Head(nn.Module):
     family = "eagle3"
 
@@ -151,8 +156,7 @@ class Eagle3Head(nn.Module):
     def step(self, target: nn.Module, hidden: mx.array, tokens: mx.array, cache: List,
              positions: Positions, mask: Mask) -> mx.array:
         layer = self.midlayer
-        embedding = embed(self, target, tokens).astype(hidden.dtype)
-        x = mx.concatenate([layer.input_layernorm(embedding), layer.hidden_norm(hidden)], axis=-1)
+        x = compiled_piece(layer, _eagle3_inputs, tokens.shape[1])(embed(self, target, tokens), hidden)
         return layer_block(layer, hidden, x, cache[0], positions, mask)
 
     def logits(self, target: nn.Module, hidden: mx.array) -> mx.array:

@@ -2,10 +2,18 @@
 
     python -m mlx_eagle.server [--model M] [--draft D] [--port 8080]
 
-Serves /v1/chat/completions and /v1/completions (streamed or not), /v1/models and
-/health on 127.0.0.1 by default. One model and head are loaded once; requests are
-served in turn. A client that disconnects cancels its generation. Speculation
-statistics come in each response's ``usage.speculation``.
+Serves /v1/chat/completions and /v1/completions (streamed or not), /v1/models
+(and /v1/models/{id}) and /health on 127.0.0.1 by default. One model and head are
+loaded once; requests are served in turn. A client that disconnects cancels its
+generation. Speculation statistics come in each response's ``usage.speculation``.
+
+What it promises a local machine: requests whose Host header is not this machine's
+name (or one given with --allow-host) get 403, so a web page cannot drive it through
+DNS rebinding; POST bodies must be application/json (415 otherwise; a page cannot send
+that cross-origin without the browser asking first) of at most 1 MiB (413); a client
+silent for 60 s is dropped; SIGTERM or Ctrl-C stops taking requests and cuts replies
+in flight, which end in a 503 error (or, streamed, an error event and no [DONE]), never
+in a reply that looks finished.
 """
 
 from __future__ import annotations
@@ -20,15 +28,22 @@ import sys
 import threading
 import time
 import uuid
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Dict, Iterator, List, Optional, Sequence
 
-from .cli import DRAFT_HELP, UserError, run_cli
-from .generation import GenerationResponse, chat_tokens
+from .cli import DRAFT_HELP, run_cli
+from .errors import UserError
+from .errors import check_text
+from .generation import MAX_SEED, GenerationResponse, chat_tokens, check_messages
 from .session import Engine
 
 MAX_BODY_BYTES = 1 << 20
+IDLE_SECONDS = 60  # a client silent this long (reading or writing) is dropped
+LOCAL_HOSTS = ("localhost", "127.0.0.1", "::1")
+POST_ROUTES = {"/v1/chat/completions": True, "/chat/completions": True, "/v1/completions": False, "/completions": False}
+GET_ROUTES = ("/health", "/v1/models", "/models")
 
 
 class RequestError(Exception):
@@ -57,30 +72,11 @@ def _number(body: dict, name: str, default: float, low: float, high: float) -> f
     return float(value)
 
 
-def _content(message: dict, index: int) -> str:
-    """Message content: a string, or OpenAI's list of text parts."""
-    content = message.get("content")
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
-                                         and isinstance(p.get("text"), str) for p in content):
-        return "".join(p["text"] for p in content)
-    raise RequestError(400, f"messages[{index}].content must be a string or a list of text parts", "messages")
-
-
 def _messages(body: dict) -> List[Dict[str, str]]:
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise RequestError(400, "messages must be a non-empty list of {role, content} objects", "messages")
-    out = []
-    for index, message in enumerate(messages):
-        role = message.get("role") if isinstance(message, dict) else None
-        if role == "developer":
-            role = "system"
-        if role not in ("system", "user", "assistant"):
-            raise RequestError(400, f"messages[{index}].role must be system, user or assistant", "messages")
-        out.append({"role": role, "content": _content(message, index)})
-    return out
+    try:
+        return check_messages(body.get("messages"))
+    except UserError as error:
+        raise RequestError(400, str(error), "messages") from None
 
 
 def _prompt(body: dict, tokenizer) -> List[int]:
@@ -88,7 +84,10 @@ def _prompt(body: dict, tokenizer) -> List[int]:
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]
     if isinstance(prompt, str) and prompt:
-        return tokenizer.encode(prompt)
+        try:
+            return tokenizer.encode(check_text(prompt, "prompt"))
+        except UserError as error:
+            raise RequestError(400, str(error), "prompt") from None
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         return list(prompt)
     raise RequestError(400, "prompt must be a non-empty string (or one list of token ids)", "prompt")
@@ -121,8 +120,8 @@ def parse_request(body: Any, chat: bool, engine: Engine, default_max_tokens: int
     if stop is not None and (not isinstance(stop, list) or len(stop) > 4 or not all(isinstance(s, str) for s in stop)):
         raise RequestError(400, "stop must be a string or a list of up to 4 strings", "stop")
     seed = body.get("seed")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-        raise RequestError(400, "seed must be an integer", "seed")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED):
+        raise RequestError(400, f"seed must be an integer from 0 to {MAX_SEED}", "seed")
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise RequestError(400, "stream must be true or false", "stream")
@@ -154,6 +153,7 @@ def usage(last: Optional[GenerationResponse], prompt_tokens: int) -> Dict[str, A
 
 class Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
+    timeout = IDLE_SECONDS
     server: "Server"
     client_left = False
 
@@ -161,41 +161,92 @@ class Handler(BaseHTTPRequestHandler):
         if not self.server.quiet:
             sys.stderr.write(f"{self.address_string()} {format % args}\n")
 
-    def _send_json(self, status: int, payload: Dict[str, Any]) -> None:
+    def handle_one_request(self) -> None:
+        try:
+            super().handle_one_request()
+        except (ConnectionError, TimeoutError):  # the client left or went silent: nothing to tell it
+            self.close_connection = True
+
+    def _send_json(self, status: int, payload: Dict[str, Any], headers: Sequence[tuple] = ()) -> None:
         data = json.dumps(payload).encode()
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
+        for name, value in headers:
+            self.send_header(name, value)
         self.end_headers()
-        self.wfile.write(data)
+        if self.command != "HEAD":
+            self.wfile.write(data)
 
-    def _send_error(self, error: RequestError) -> None:
-        self._send_json(error.status, {"error": {"message": error.message, "type": "invalid_request_error",
-                                                 "param": error.param, "code": error.code}})
+    def _send_error(self, error: RequestError, headers: Sequence[tuple] = ()) -> None:
+        kind = "server_error" if error.status >= 500 else "invalid_request_error"
+        self._send_json(error.status, {"error": {"message": error.message, "type": kind,
+                                                 "param": error.param, "code": error.code}}, headers)
+
+    @property
+    def route(self) -> str:
+        return self.path.split("?", 1)[0]
+
+    def _check_host(self) -> None:
+        """403 unless the Host header names this machine (or an allowed name)."""
+        host = (self.headers.get("Host") or "").strip().lower()
+        name = host[1:host.index("]")] if host.startswith("[") and "]" in host else host.rsplit(":", 1)[0]
+        if name not in self.server.allowed_hosts:
+            raise RequestError(403, f"host {name or '(none)'!r} is not allowed; start the server with "
+                                    f"--allow-host {name or 'NAME'} to serve it")
+
+    def _not_allowed(self) -> None:
+        """405 for a method a known route does not take, 404 for an unknown route."""
+        allowed = "POST" if self.route in POST_ROUTES else "GET" if self._is_get_route() else None
+        if allowed is None:
+            self._send_error(RequestError(404, f"no such endpoint: {self.command} {self.route}"))
+        else:
+            self._send_error(RequestError(405, f"{self.route} takes {allowed}, not {self.command}"),
+                             [("Allow", allowed)])
+
+    def _is_get_route(self) -> bool:
+        return self.route in GET_ROUTES or self.route.startswith(("/v1/models/", "/models/"))
+
+    do_PUT = do_DELETE = do_PATCH = do_HEAD = do_OPTIONS = _not_allowed  # noqa: N815 (http.server's naming)
 
     def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
-        if self.path == "/health":
-            self._send_json(200, dict(status="ok", **self.server.counts))
-        elif self.path in ("/v1/models", "/models"):
-            engine = self.server.engine
-            self._send_json(200, {"object": "list", "data": [
-                {"id": engine.name, "object": "model", "created": self.server.started, "owned_by": "mlx-eagle"}]})
-        else:
-            self._send_error(RequestError(404, f"no such endpoint: GET {self.path}"))
+        try:
+            self._check_host()
+            if not self._is_get_route():
+                self._not_allowed()
+                return
+            engine, route = self.server.engine, self.route
+            model = {"id": engine.name, "object": "model", "created": self.server.started, "owned_by": "mlx-eagle"}
+            if route == "/health":
+                self._send_json(200, dict(status="ok", **self.server.counts))
+            elif route in ("/v1/models", "/models"):
+                self._send_json(200, {"object": "list", "data": [model]})
+            elif route.split("/models/", 1)[1] == engine.name:
+                self._send_json(200, model)
+            else:
+                raise RequestError(404, f"no model {route.split('/models/', 1)[1]!r}; this server has {engine.name!r}",
+                                   "model", "model_not_found")
+        except RequestError as error:
+            self._send_error(error)
 
     def do_POST(self) -> None:  # noqa: N802
-        routes = {"/v1/chat/completions": True, "/chat/completions": True,
-                  "/v1/completions": False, "/completions": False}
         try:
-            if self.path not in routes:
-                raise RequestError(404, f"no such endpoint: POST {self.path}")
-            request = parse_request(self._read_json(), routes[self.path], self.server.engine,
+            body = self._read_body()  # first, so that the client hears whatever the answer is
+            self._check_host()
+            if self.route not in POST_ROUTES:
+                self._not_allowed()
+                return
+            content_type = (self.headers.get("Content-Type") or "").split(";")[0].strip().lower()
+            if content_type != "application/json":
+                raise RequestError(415, f"send the body as application/json, not {content_type or 'untyped'}")
+            request = parse_request(self._parse_json(body), POST_ROUTES[self.route], self.server.engine,
                                     self.server.default_max_tokens)
             self.server.count("requests")
-            if request.stream:
-                self._stream(request)
-            else:
-                self._complete(request)
+            with self.server.in_flight():
+                if request.stream:
+                    self._stream(request)
+                else:
+                    self._complete(request)
         except RequestError as error:
             self.close_connection = self.close_connection or error.status in (411, 413)
             self._send_error(error)
@@ -208,7 +259,7 @@ class Handler(BaseHTTPRequestHandler):
             self._send_json(500, {"error": {"message": f"internal error: {error}", "type": "server_error",
                                             "param": None, "code": None}})
 
-    def _read_json(self) -> Any:
+    def _read_body(self) -> bytes:
         length = self.headers.get("Content-Length")
         if length is None or not length.isdigit():
             raise RequestError(411, "a Content-Length header is required")
@@ -217,11 +268,14 @@ class Handler(BaseHTTPRequestHandler):
                 for start in range(0, int(length), 1 << 16):
                     self.rfile.read(min(1 << 16, int(length) - start))
             raise RequestError(413, f"the request body is {length} bytes; at most {self.server.max_body} are accepted")
-        raw = self.rfile.read(int(length))
+        return self.rfile.read(int(length))
+
+    @staticmethod
+    def _parse_json(raw: bytes) -> Any:
         try:
             return json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise RequestError(400, f"the request body is not valid JSON ({exc})") from None
+        except (ValueError, RecursionError) as exc:
+            raise RequestError(400, f"the request body is not valid JSON ({type(exc).__name__})") from None
 
     def _client_gone(self) -> bool:
         """True once the client has closed its end (a readable socket with nothing to read)."""
@@ -246,13 +300,24 @@ class Handler(BaseHTTPRequestHandler):
         return {"id": f"{prefix}-{uuid.uuid4().hex[:24]}", "object": kind, "created": int(time.time()),
                 "model": self.server.engine.name}
 
+    def _cut_off(self, last: Optional[GenerationResponse]) -> Optional[RequestError]:
+        """The error for a generation that ended without a finish reason: the server
+        stopping under it."""
+        if last is not None and last.finish_reason is not None:
+            return None
+        return RequestError(503, "the server is shutting down: the reply was cut off; send the request again")
+
     def _complete(self, request: Request) -> None:
         text, last = "", None
         for last in self._generate(request):
             text += last.text
         if self.client_left:
             return
-        finish = (last.finish_reason if last is not None else None) or "stop"
+        error = self._cut_off(last)
+        if error is not None:
+            self._send_error(error)
+            return
+        finish = last.finish_reason
         if request.chat:
             payload = self._envelope(request, "chat.completion")
             payload["choices"] = [{"index": 0, "message": {"role": "assistant", "content": text},
@@ -287,6 +352,11 @@ class Handler(BaseHTTPRequestHandler):
                     event({"delta": {"content": last.text} if last.text else {}, "finish_reason": finish})
                 else:
                     event({"text": last.text, "finish_reason": finish})
+            cut = self._cut_off(last)
+            if cut is not None:  # no [DONE]: the stream did not finish
+                self.wfile.write(f"data: {json.dumps({'error': {'message': cut.message, 'type': 'server_error'}})}\n\n"
+                                 .encode())
+                return
             if request.include_usage:
                 event(None, usage=usage(last, len(request.ids)))
             self.wfile.write(b"data: [DONE]\n\n")
@@ -303,17 +373,46 @@ class Handler(BaseHTTPRequestHandler):
 class Server(ThreadingHTTPServer):
     daemon_threads = True
 
-    def __init__(self, address, engine: Engine, tree: str = "auto", default_max_tokens: int = 512,
-                 max_body: int = MAX_BODY_BYTES, quiet: bool = False):
+    def __init__(self, address, engine: Optional[Engine] = None, tree: str = "auto", default_max_tokens: int = 512,
+                 max_body: int = MAX_BODY_BYTES, quiet: bool = False, allow_hosts: Sequence[str] = ()):
+        """Binds ``address`` at once; ``engine`` may come later (load the model after
+        the port is known to be free)."""
         super().__init__(address, Handler)
         self.engine, self.tree, self.default_max_tokens = engine, tree, default_max_tokens
         self.max_body, self.quiet, self.started = max_body, quiet, int(time.time())
         self.counts = {"requests": 0, "cancelled": 0}  # generations started; ended by a departed client
-        self._counting = threading.Lock()
+        self._counting = threading.Condition()
+        self._serving = 0  # generations in flight
+        bound = str(self.server_address[0]).lower()
+        self.allowed_hosts = set(LOCAL_HOSTS) | {h.lower() for h in allow_hosts} | \
+            ({bound} if bound not in ("0.0.0.0", "::") else set())
 
     def count(self, what: str) -> None:
         with self._counting:
             self.counts[what] += 1
+
+    @contextmanager
+    def in_flight(self) -> Iterator[None]:
+        with self._counting:
+            self._serving += 1
+        try:
+            yield
+        finally:
+            with self._counting:
+                self._serving -= 1
+                self._counting.notify_all()
+
+    def cut_in_flight(self, wait: float = 10.0) -> None:
+        """Cancel the generation in progress (its reply ends in an error, not as if
+        finished) and give its handler ``wait`` seconds to say so."""
+        if self.engine is not None:
+            self.engine.cancel()
+        deadline = time.monotonic() + wait
+        with self._counting:
+            while self._serving and time.monotonic() < deadline:
+                self._counting.wait(timeout=0.1)
+                if self.engine is not None:
+                    self.engine.cancel()  # a queued request that started meanwhile
 
 
 def _stop(signum, frame) -> None:
@@ -328,18 +427,32 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parser.add_argument("--tree", default="auto", help="draft tree (as in mlx_eagle.generate)")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: this machine only)")
     parser.add_argument("--port", type=int, default=8080, help="port (0: any free one)")
+    parser.add_argument("--allow-host", action="append", default=[], metavar="NAME",
+                        help="also serve requests addressed to this host name (repeatable); "
+                             "by default only localhost and the listening address")
     parser.add_argument("--max-tokens", type=int, default=512, help="reply length when a request gives none")
     parser.add_argument("--quiet", action="store_true", help="no line per request")
     args = parser.parse_args(argv)
+    from .generation import check_options
     from .trees import parse_tree
 
+    # Everything that can be wrong with the arguments is said before the model loads.
     if args.tree != "auto":
         parse_tree(args.tree)
-    engine = Engine(args.model, args.draft)
+    if not 0 <= args.port <= 65535:
+        raise UserError(f"--port {args.port} is not a port; give 1 to 65535, or 0 for any free one")
+    check_options(args.max_tokens, None)
     try:
-        server = Server((args.host, args.port), engine, args.tree, args.max_tokens, quiet=args.quiet)
-    except OSError as exc:
-        raise UserError(f"cannot listen on {args.host}:{args.port} ({exc.strerror}); pick another --port") from None
+        server = Server((args.host, args.port), None, args.tree, args.max_tokens, quiet=args.quiet,
+                        allow_hosts=args.allow_host)
+    except (OSError, OverflowError) as exc:
+        reason = getattr(exc, "strerror", None) or str(exc)
+        raise UserError(f"cannot listen on {args.host}:{args.port} ({reason}); pick another --port or --host") from None
+    try:
+        server.engine = engine = Engine(args.model, args.draft)
+    except BaseException:
+        server.server_close()
+        raise
     host, port = server.server_address[:2]
     try:
         exposed = not ipaddress.ip_address(host).is_loopback
@@ -353,10 +466,12 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     try:
         server.serve_forever()
     except KeyboardInterrupt:
-        print("stopped", file=sys.stderr)
+        print("stopping: replies in flight are cut off", file=sys.stderr)
     finally:
-        server.server_close()
+        server.server_close()  # no new connections
+        server.cut_in_flight()
         engine.close()
+        print("stopped", file=sys.stderr)
 
 
 def cli() -> None:

@@ -22,26 +22,12 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
 
 import mlx.core as mx
 
-from .cli import UserError
 from .decoder import make_prompt_cache
-from .generation import GenerationResponse, chat_tokens, stream_generate
+from .errors import UserError
+from .generation import GenerationResponse, chat_tokens, check_messages, stream_generate
 from .models import DEFAULT_MODEL, drafts_from_context, load_draft, load_target
 
 Message = Dict[str, str]
-ROLES = ("system", "user", "assistant")
-
-
-def check_messages(messages: Any) -> List[Message]:
-    """Plain-data history: a list of {"role": system|user|assistant, "content": str}."""
-    if not isinstance(messages, list):
-        raise UserError("messages must be a list of {'role': ..., 'content': ...} objects")
-    checked = []
-    for index, message in enumerate(messages):
-        if not isinstance(message, dict) or message.get("role") not in ROLES \
-                or not isinstance(message.get("content"), str):
-            raise UserError(f"message {index} must be {{'role': one of {', '.join(ROLES)}, 'content': a string}}")
-        checked.append({"role": message["role"], "content": message["content"]})
-    return checked
 
 
 _DONE = object()
@@ -121,11 +107,13 @@ class Engine:
     def context_length(self) -> Optional[int]:
         return getattr(self.model.args, "max_position_embeddings", None)
 
-    def generate(self, ids: List[int], **options) -> Iterator[GenerationResponse]:
+    def generate(self, ids: List[int], cancel: Optional[threading.Event] = None,
+                 **options) -> Iterator[GenerationResponse]:
         """Stream the continuation of ``ids``; ``options`` as for stream_generate.
-        Leaving the loop early, or ``cancel()``, stops the generation within a round."""
+        Leaving the loop early, setting ``cancel`` (also before it starts: it then never
+        runs) or ``Engine.cancel()`` stops the generation within a round."""
         out: "queue.Queue" = queue.Queue()
-        cancel = threading.Event()
+        cancel = cancel if cancel is not None else threading.Event()
 
         def job():
             self._current = cancel
@@ -156,7 +144,7 @@ class Engine:
             cancel.set()
 
     def cancel(self) -> None:
-        """Stop the generation in progress (safe from any thread)."""
+        """Stop the generation in progress, whoever asked for it (safe from any thread)."""
         current = self._current
         if current is not None:
             current.set()
@@ -205,6 +193,9 @@ class ChatSession:
         self.stats: Optional[TurnStats] = None
         self._history: List[Message] = []
         self._busy = threading.Lock()
+        # One per reply asked for and not yet finished: set, it stops or never starts. Weak:
+        # a reply that is never iterated leaves nothing behind.
+        self._cancels: "weakref.WeakSet[threading.Event]" = weakref.WeakSet()
 
     @property
     def history(self) -> List[Message]:
@@ -213,7 +204,7 @@ class ChatSession:
 
     @history.setter
     def history(self, messages: List[Message]) -> None:
-        messages = check_messages(messages)
+        messages = check_messages(messages, "history", allow_empty=True)
         if messages and messages[0]["role"] == "system":
             self.system, messages = messages[0]["content"], messages[1:]
         if any(m["role"] == "system" for m in messages):
@@ -235,7 +226,9 @@ class ChatSession:
             self._history = []
 
     def cancel(self) -> None:
-        self.engine.cancel()
+        """Stop this session's reply (another session's on the same engine runs on)."""
+        for cancel in list(self._cancels):
+            cancel.set()
 
     def _fit(self, message: Message) -> List[int]:
         """The prompt for the history plus ``message``, dropping the oldest turns while
@@ -260,16 +253,22 @@ class ChatSession:
 
     def send(self, text: str) -> Iterator[GenerationResponse]:
         """Stream the reply to ``text``. What was shown stays in the history, a cancelled
-        reply included; a reply cancelled before its first token leaves no turn."""
+        reply included; a reply cancelled before its first token leaves no turn. A
+        ``cancel()`` from the moment this is called stops it."""
+        cancel = threading.Event()
+        self._cancels.add(cancel)
+        return self._reply(text, cancel)
+
+    def _reply(self, text: str, cancel: threading.Event) -> Iterator[GenerationResponse]:
         if not self._busy.acquire(blocking=False):
             raise RuntimeError("a reply is already in progress; cancel it or wait for it")
         try:
-            message = {"role": "user", "content": text}
+            message = check_messages([{"role": "user", "content": text}], "message")[0]
             ids = self._fit(message)
             reply, last = "", None
             try:
-                for last in self.engine.generate(ids, max_tokens=self.max_tokens, tree=self.tree, temp=self.temp,
-                                                 top_p=self.top_p, seed=self.seed):
+                for last in self.engine.generate(ids, cancel, max_tokens=self.max_tokens, tree=self.tree,
+                                                 temp=self.temp, top_p=self.top_p, seed=self.seed):
                     reply += last.text
                     yield last
             finally:
@@ -289,9 +288,11 @@ class ChatSession:
         each piece and ``on_done`` at the end (with the error, if any). The callbacks run
         on that thread; hand their results to your toolkit's main loop."""
 
+        replies = self.send(text)  # so that a cancel() right after this returns is not lost
+
         def run():
             try:
-                for chunk in self.send(text):
+                for chunk in replies:
                     on_chunk(chunk)
             except BaseException as exc:
                 on_done(exc)

@@ -16,7 +16,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.base import scaled_dot_product_attention
 
-from .cli import UserError
+from .errors import UserError
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -60,7 +60,7 @@ def _finish(layer: nn.Module, residual: mx.array, attended: mx.array) -> mx.arra
 COMPILED_TOKENS = 64
 
 
-def _piece(module: nn.Module, fn: Callable, tokens: int) -> Callable:
+def compiled_piece(module: nn.Module, fn: Callable, tokens: int) -> Callable:
     """``fn`` bound to ``module``, compiled once per module for short blocks. The
     module's weights are inputs of the compiled function, read at every call."""
     if tokens > COMPILED_TOKENS:
@@ -79,12 +79,12 @@ def layer_block(layer: nn.Module, residual: mx.array, x: mx.array, cache, positi
     """``residual`` + attention over ``x`` (with our positions and mask), then the layer's
     MLP with its residual: an mlx-lm decoder layer's computation."""
     tokens = x.shape[1]
-    positions = mx.array(positions) if isinstance(positions, int) else positions
-    queries, keys, values = _piece(layer.self_attn, _project, tokens)(x, positions)
+    positions = mx.array(positions) if isinstance(positions, int) else positions  # traced, not a constant
+    queries, keys, values = compiled_piece(layer.self_attn, _project, tokens)(x, positions)
     keys, values = cache.update_and_fetch(keys, values)
     attended = scaled_dot_product_attention(queries, keys, values, cache=cache, scale=layer.self_attn.scale,
                                             mask=mask)
-    return _piece(layer, _finish, tokens)(residual, attended)
+    return compiled_piece(layer, _finish, tokens)(residual, attended)
 
 
 def decoder_layer(layer: nn.Module, x: mx.array, cache, positions: Positions, mask: Mask) -> mx.array:

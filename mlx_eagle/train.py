@@ -32,7 +32,8 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.models.cache import KVCache
 
-from .cli import UserError, run_cli
+from .cli import run_cli
+from .errors import UserError
 from .features import self_distill
 from .target import lm_head, lm_head_rows, target_forward
 

@@ -16,7 +16,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import mlx.core as mx
 import numpy as np
 
-from .cli import UserError
+from .errors import UserError
 from .target import keep_cache_entries, tree_mask
 
 RankPath = Tuple[int, ...]
@@ -52,10 +52,23 @@ def chain(length: int) -> List[RankPath]:
     return [(0,) * depth for depth in range(1, length + 1)]
 
 
-def check_paths(paths: Sequence[Sequence[int]], source: str) -> List[RankPath]:
-    result = [tuple(int(r) for r in p) for p in paths]
-    if not result or any(not p or min(p) < 0 for p in result):
-        raise UserError(f"tree {source}: give non-empty rank paths of non-negative integers, e.g. [[0], [1], [0, 0]]")
+# A tree is verified in one forward pass each round: more nodes than this cost far more
+# than they could save, and a file asking for them is a mistake (or an attack).
+MAX_TREE_NODES = 256
+MAX_TREE_FILE_BYTES = 1 << 20
+
+
+def check_paths(paths: object, source: str) -> List[RankPath]:
+    """Rank paths from a tree file or a tuned tree: non-empty lists of non-negative
+    integers, each path's parent present, at most MAX_TREE_NODES of them."""
+    example = "give a list of rank paths, lists of non-negative integers, e.g. [[0], [1], [0, 0]]"
+    if not isinstance(paths, (list, tuple)) or not paths or \
+            any(not isinstance(p, (list, tuple)) or not p for p in paths) or \
+            any(type(r) is not int or r < 0 for p in paths for r in p):
+        raise UserError(f"tree {source}: {example}")
+    if len(paths) > MAX_TREE_NODES:
+        raise UserError(f"tree {source}: {len(paths)} nodes; a tree holds at most {MAX_TREE_NODES}")
+    result = [tuple(p) for p in paths]
     known = set(result)
     if len(known) != len(result):
         raise UserError(f"tree {source}: a rank path appears twice")
@@ -63,6 +76,35 @@ def check_paths(paths: Sequence[Sequence[int]], source: str) -> List[RankPath]:
     if missing:
         raise UserError(f"tree {source}: path {list(missing[0])} has no parent {list(missing[0][:-1])}")
     return sorted(result, key=lambda p: (len(p), p))
+
+
+def read_tree_file(name: str) -> List[RankPath]:
+    """A static tree from a file: JSON (or a Python literal) holding rank paths, or an
+    object with "paths" (as tune writes them)."""
+    path = Path(name).expanduser()
+    if not path.exists():
+        raise UserError(f"tree file {name} does not exist")
+    if not path.is_file():
+        raise UserError(f"tree file {name} is not a regular file; pass a JSON file of rank paths")
+    try:
+        with path.open("rb") as file:
+            data = file.read(MAX_TREE_FILE_BYTES + 1)
+    except OSError as exc:
+        raise UserError(f"tree file {name} cannot be read ({exc.strerror})") from None
+    if len(data) > MAX_TREE_FILE_BYTES:
+        raise UserError(f"tree file {name} is over {MAX_TREE_FILE_BYTES >> 20} MiB; a tree file is a short JSON list")
+    try:
+        text = data.decode("utf-8")
+        try:
+            paths = json.loads(text)
+        except ValueError:
+            paths = ast.literal_eval(text)
+    except (ValueError, SyntaxError, RecursionError, MemoryError, TypeError) as exc:
+        raise UserError(f"tree file {name} is not JSON rank paths ({type(exc).__name__}); "
+                        "give e.g. [[0], [1], [0, 0]]") from None
+    if isinstance(paths, dict):
+        paths = paths.get("paths", [])
+    return check_paths(paths, name)
 
 
 def parse_tree(spec: str) -> TreeSpec:
@@ -80,17 +122,7 @@ def parse_tree(spec: str) -> TreeSpec:
         if kind == "static":
             if arg in ("", "default"):
                 return TreeSpec("static", list(DEFAULT_STATIC), text=spec)
-            path = Path(arg).expanduser()
-            if not path.exists():
-                raise UserError(f"tree file {arg} does not exist")
-            text = path.read_text()
-            try:
-                paths = json.loads(text)
-            except ValueError:
-                paths = ast.literal_eval(text)
-            if isinstance(paths, dict):
-                paths = paths.get("paths", [])
-            return TreeSpec("static", check_paths(paths, arg), text=spec)
+            return TreeSpec("static", read_tree_file(arg), text=spec)
         if kind == "dynamic":
             values = dict(item.split("=", 1) for item in arg.split(",") if item) if arg else {}
             unknown = set(values) - {"topk", "depth", "tokens"}
@@ -100,6 +132,8 @@ def parse_tree(spec: str) -> TreeSpec:
             if not (1 <= tree.topk <= 64 and 1 <= tree.depth <= 32 and 1 <= tree.tokens <= 256):
                 raise UserError(f"tree {spec!r}: need 1<=topk<=64, 1<=depth<=32, 1<=tokens<=256")
             return tree
+    except UserError:
+        raise
     except (ValueError, SyntaxError) as exc:
         raise UserError(f"malformed tree {spec!r} ({exc}); {usage}") from None
     raise UserError(f"malformed tree {spec!r}; {usage}")

@@ -36,7 +36,8 @@ import numpy as np
 
 from .calibrate import (Costs, TreeChoice, best_tree, device_key, non_decreasing, save_acceptance, time_draft_step,
                         tree_file)
-from .cli import UserError, run_cli
+from .cli import run_cli
+from .errors import UserError
 from .trees import RankPath, TreeSpec, parse_tree
 
 VERIFY_SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64)

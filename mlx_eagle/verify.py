@@ -11,6 +11,7 @@ is drawn from what remains. Each emitted token is then distributed exactly as p.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import List, Optional, Tuple
@@ -19,6 +20,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
+from .errors import UserError
 from .trees import DraftTree
 
 
@@ -28,6 +30,21 @@ class Sampling:
     top_p: float = 1.0
     min_p: float = 0.0
     top_k: int = 0
+
+    def __post_init__(self) -> None:
+        """One line naming a setting that would sample nonsense (or nothing)."""
+        numbers = {"temp": self.temp, "top_p": self.top_p, "min_p": self.min_p}
+        for name, value in numbers.items():
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise UserError(f"{name} must be a finite number, not {value!r}")
+        if self.temp < 0:
+            raise UserError(f"temp must be 0 (greedy) or more, not {self.temp}")
+        if not 0 < self.top_p <= 1:
+            raise UserError(f"top_p must be above 0 and at most 1 (1: no top-p), not {self.top_p}")
+        if not 0 <= self.min_p <= 1:
+            raise UserError(f"min_p must be from 0 (no min-p) to 1, not {self.min_p}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise UserError(f"top_k must be a whole number, 0 (no top-k) or more, not {self.top_k!r}")
 
     @property
     def greedy(self) -> bool:

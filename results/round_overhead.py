@@ -1,11 +1,13 @@
-"""What a round costs beyond its forward passes: a tiny llama target (8 layers, width 64,
-SmolLM2's vocabulary and tokenizer) whose forward costs almost nothing, with a random
-EAGLE-3 head (tau ~1), decoded through the public stream_generate, time per token
-against plain mlx_lm.stream_generate.
+"""What a round costs beyond its forward passes.
 
-    python results/round_overhead.py [--tokens 256] [--repeats 5] [--out results/round-overhead.json]
+1. A tiny llama target (8 layers, width 64, SmolLM2's vocabulary and tokenizer) whose
+   forward costs almost nothing, with a random EAGLE-3 head (tau ~1), decoded through
+   the public stream_generate: time per token against plain mlx_lm.stream_generate.
+   Methods alternate within each repeat; the medians are reported.
+2. SmolLM2-135M-Instruct with the shipped head: where a round's time goes (draft,
+   verify, accept, host), each phase timed to the end of its device work.
 
-Methods alternate within each repeat; the medians are reported.
+    python results/round_overhead.py [--tokens 256] [--repeats 7] [--out results/round-overhead.json]
 """
 
 import argparse
@@ -19,7 +21,11 @@ from mlx_lm import stream_generate as mlx_lm_stream_generate
 from mlx_lm.models import llama
 
 from mlx_eagle import load, stream_generate
+from mlx_eagle.decoder import SpeculativeDecoder
 from mlx_eagle.heads import new_head
+from mlx_eagle.target import keep_cache_entries
+from mlx_eagle.trees import parse_tree
+from mlx_eagle.verify import Sampling, accept
 
 SETTINGS = {  # name: (tree, lookup)
     "none": ("none", False),
@@ -28,16 +34,10 @@ SETTINGS = {  # name: (tree, lookup)
     "static:default": ("static:default", False),
     "dynamic": ("dynamic:topk=4,depth=5,tokens=16", False),
 }
+PHASES = ("draft", "verify", "accept", "host")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tokens", type=int, default=256)
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--out", type=Path, default=Path(__file__).with_name("round-overhead.json"))
-    args = parser.parse_args()
-
-    _, tokenizer = load()
+def tiny_target(tokenizer, tokens: int, repeats: int) -> dict:
     mx.random.seed(0)
     model = llama.Model(llama.ModelArgs(
         model_type="llama", hidden_size=64, num_hidden_layers=8, intermediate_size=128, num_attention_heads=4,
@@ -49,13 +49,13 @@ def main() -> None:
                                            add_generation_prompt=True)
 
     def ours(tree, lookup):
-        return lambda: stream_generate(model, tokenizer, prompt, max_tokens=args.tokens, draft=head, tree=tree,
+        return lambda: stream_generate(model, tokenizer, prompt, max_tokens=tokens, draft=head, tree=tree,
                                        lookup=lookup)
 
-    methods = {"mlx_lm": lambda: mlx_lm_stream_generate(model, tokenizer, mx.array(prompt), max_tokens=args.tokens)}
+    methods = {"mlx_lm": lambda: mlx_lm_stream_generate(model, tokenizer, mx.array(prompt), max_tokens=tokens)}
     methods.update({name: ours(*setting) for name, setting in SETTINGS.items()})
     per_token = {name: [] for name in methods}
-    for _ in range(args.repeats + 1):  # the first round of each is a warm-up
+    for _ in range(repeats + 1):  # the first round of each is a warm-up
         for name, run in methods.items():
             times = []
             tic = time.perf_counter()
@@ -67,7 +67,69 @@ def main() -> None:
     result = {name: {"ms_per_token": 1000 * ms, "vs_mlx_lm": ms / medians["mlx_lm"]} for name, ms in medians.items()}
     for name, row in result.items():
         print(f"{name:16s} {row['ms_per_token']:7.3f} ms/token  {row['vs_mlx_lm']:.2f}x mlx_lm")
-    args.out.write_text(json.dumps({"tokens": args.tokens, "repeats": args.repeats, "methods": result}, indent=1))
+    return result
+
+
+def phases_of_a_round(model, head, tree: str, prompt, rounds: int) -> dict:
+    """Milliseconds per round in each phase, the decoder's own steps run one by one
+    with the device drained after each (so the phases do not overlap as they do in
+    decoding: the sum is a little more than a real round)."""
+    decoder = SpeculativeDecoder(model, head, parse_tree(tree), Sampling())
+    decoder.prefill(prompt)
+    spent = {phase: [] for phase in PHASES}
+    produced = 0
+    for _ in range(rounds):
+        tic = time.perf_counter()
+        draft, tokens = decoder._head_tree(64)
+        mx.eval(tokens)
+        drafted = time.perf_counter()
+        start = decoder.cache[0].offset
+        out = decoder._verify(draft, tokens)
+        mx.eval(out.logits, out.features)
+        verified = time.perf_counter()
+        verdict = accept(draft, tokens, out.logits, decoder.sampling)
+        accepted = time.perf_counter()
+        kept = [0] + [n + 1 for n in verdict.path]
+        keep_cache_entries(decoder.cache, start, kept)
+        decoder.root = verdict.bonus
+        decoder.drafted = decoder._draft(out.features[mx.array(kept)], verdict.tokens + [verdict.bonus])
+        mx.eval(decoder.drafted[1])
+        done = time.perf_counter()
+        produced += len(verdict.path) + 1
+        # the next round's draft is built here, in the round before it is used
+        spent["draft"].append(done - accepted)
+        spent["verify"].append(verified - drafted)
+        spent["accept"].append(accepted - verified)
+        spent["host"].append(drafted - tic)
+    row = {phase: 1000 * statistics.mean(times[2:]) for phase, times in spent.items()}
+    row["round"] = sum(row.values())
+    row["tokens_per_round"] = produced / rounds
+    return row
+
+
+def smollm2(rounds: int) -> dict:
+    model, tokenizer, head = load(draft="auto")
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Explain how a hash map works."}],
+                                           add_generation_prompt=True)
+    result = {}
+    for tree in ("chain:1", "chain:4", "static:default"):
+        result[tree] = row = phases_of_a_round(model, head, tree, prompt, rounds)
+        print(f"SmolLM2 {tree:15s} " + "  ".join(f"{k} {v:6.2f}" for k, v in row.items()))
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, default=256)
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--rounds", type=int, default=40, help="SmolLM2 rounds timed per tree")
+    parser.add_argument("--out", type=Path, default=Path(__file__).with_name("round-overhead.json"))
+    args = parser.parse_args()
+    _, tokenizer = load()
+    tiny = tiny_target(tokenizer, args.tokens, args.repeats)
+    phases = smollm2(args.rounds)
+    args.out.write_text(json.dumps({"tokens": args.tokens, "repeats": args.repeats, "methods": tiny,
+                                    "smollm2_round_ms": phases}, indent=1))
     print(f"wrote {args.out}")
 
 

@@ -6,7 +6,7 @@ import json
 import pytest
 
 from mlx_eagle.bench import accepted_per_round, acceptance_by_depth, main, read_prompts
-from mlx_eagle.cli import UserError
+from mlx_eagle.errors import UserError
 
 
 def write_lines(path, lines):

@@ -14,7 +14,7 @@ from mlx_lm.models.cache import KVCache
 
 from convert.export import export_head
 from convert.head import convert_head, main
-from mlx_eagle.cli import UserError
+from mlx_eagle.errors import UserError
 from mlx_eagle.heads import load_head
 from synthetic import write_model
 

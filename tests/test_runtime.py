@@ -9,7 +9,7 @@ import mlx.core as mx
 import pytest
 from mlx.utils import tree_flatten
 
-from mlx_eagle.cli import UserError
+from mlx_eagle.errors import UserError
 from mlx_eagle.decoder import SpeculativeDecoder
 from mlx_eagle.heads import load_head, new_head, save_head
 from mlx_eagle.trees import DEFAULT_STATIC, parse_tree

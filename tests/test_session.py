@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from mlx_eagle import load, stream_generate
-from mlx_eagle.cli import UserError
+from mlx_eagle.errors import UserError
 from mlx_eagle.generation import chat_tokens
 from mlx_eagle.heads import new_head
 from mlx_eagle.session import ChatSession, Engine, TurnStats
@@ -74,6 +74,39 @@ def test_cancel_from_another_thread_stops_within_one_round(engine):
     assert chat.history[-1]["content"] == "".join(c.text for c in seen)
     chat.max_tokens = 8
     assert "".join(c.text for c in chat.send("Thanks!"))  # the session carries on
+
+
+def test_a_session_cancels_only_its_own_reply(engine):
+    """Two sessions on one engine: the second's cancel, while it waits behind the first,
+    stops the second (it never runs) and leaves the first to finish."""
+    first = ChatSession(engine=engine, tree="static:default", max_tokens=24)
+    second = ChatSession(engine=engine, tree="static:default", max_tokens=24)
+    started, results = threading.Event(), {}
+
+    def on_first_chunk(chunk):
+        started.set()
+
+    def finished(name):
+        return lambda error: results.setdefault(name, error)
+
+    one = first.send_in_background("Count from one to twenty in words.", on_first_chunk, finished("first"))
+    assert started.wait(timeout=120)
+    two = second.send_in_background("Name a color.", lambda chunk: None, finished("second"))
+    second.cancel()
+    one.join(timeout=300)
+    two.join(timeout=300)
+    assert results == {"first": None, "second": None}
+    assert first.stats.finish_reason in ("length", "stop")  # not cancelled
+    assert second.stats is None and second.history == []  # cancelled before its first token: no turn
+
+
+def test_a_cancel_right_after_sending_in_the_background_is_kept(engine):
+    chat = ChatSession(engine=engine, tree="static:default", max_tokens=200)
+    seen = []
+    thread = chat.send_in_background("Tell me a long story about a lighthouse keeper.", seen.append)
+    chat.cancel()
+    thread.join(timeout=300)
+    assert seen == [] and chat.history == []
 
 
 def test_history_round_trips_as_plain_data(engine):
