@@ -88,6 +88,7 @@ def save_conversation(session, path: Path) -> None:
 def command(session, terminal: Terminal, text: str, state: dict) -> bool:
     """Run a /command; False when it asks to leave."""
     from mlx_eagle.trees import parse_tree
+    from mlx_eagle.verify import Sampling
 
     name, _, argument = text.partition(" ")
     argument = argument.strip()
@@ -104,9 +105,8 @@ def command(session, terminal: Terminal, text: str, state: dict) -> bool:
     elif name == "/temp":
         try:
             value = float(argument)
-            if value < 0:
-                raise ValueError
-        except ValueError:
+            Sampling(temp=value)
+        except ValueError:  # a UserError is one too
             terminal.say("usage: /temp X, with X >= 0 (0: greedy)")
         else:
             session.temp = value
@@ -171,11 +171,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
     args = build_parser().parse_args(argv)
+    from mlx_eagle.generation import check_options
     from mlx_eagle.session import ChatSession
     from mlx_eagle.trees import parse_tree
+    from mlx_eagle.verify import Sampling
 
+    # What is wrong with the arguments is said before the model loads.
     if args.tree != "auto":
-        parse_tree(args.tree)  # a malformed tree fails before loading
+        parse_tree(args.tree)
+    check_options(args.max_tokens, args.seed)
+    Sampling(args.temp, args.top_p)
     terminal = Terminal()
     terminal.say(terminal.dim("loading..."))
     session = ChatSession(args.model, args.draft, system=args.system, tree=args.tree, temp=args.temp,
@@ -190,6 +195,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                 text = terminal.read_message()
             except KeyboardInterrupt:
                 terminal.say()
+                continue
+            except UnicodeDecodeError:
+                terminal.say("error: that line is not UTF-8 text; type it again")
                 continue
             except EOFError:
                 terminal.say()

@@ -89,7 +89,18 @@ def _sentencepiece_bpe(reader, tokens: List[str], types: List[int]) -> Tokenizer
 
 
 def build_tokenizer(reader, path: Path, context_length: int):
-    """A transformers fast tokenizer equal to the one llama.cpp builds from this file."""
+    """A transformers fast tokenizer equal to the one llama.cpp builds from this file, or
+    one line when its metadata is damaged."""
+    try:
+        return _build_tokenizer(reader, path, context_length)
+    except UserError:
+        raise
+    except Exception as exc:  # the tokenizers library can fail many ways on bad metadata
+        raise UserError(f"{path}: its tokenizer metadata is damaged ({type(exc).__name__}); "
+                        "download the file again") from None
+
+
+def _build_tokenizer(reader, path: Path, context_length: int):
     from transformers import PreTrainedTokenizerFast
 
     tokens = field(reader, "tokenizer.ggml.tokens")

@@ -9,7 +9,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import mlx.core as mx
 import numpy as np
 
-from mlx_eagle.errors import UserError
+from mlx_eagle.errors import UserError, check_model_config
 
 from .tensors import QuantizedWeight, SourceTensor
 
@@ -81,14 +81,31 @@ def open_gguf(path: Path) -> "gguf.GGUFReader":
 
 
 def field(reader, key: str, default: Any = None) -> Any:
+    """A metadata value, ``default`` when absent, one line when it cannot be decoded."""
     entry = reader.fields.get(key)
-    return default if entry is None else entry.contents()
+    if entry is None:
+        return default
+    try:
+        return entry.contents()
+    except Exception as exc:  # bytes that are not what their type says: a damaged file
+        raise UserError(f"the GGUF metadata {key} is damaged ({type(exc).__name__}); download the file again") from None
+
+
+def number(reader, key: str, kind: type = int, default: Any = None) -> Any:
+    """A numeric metadata value as ``kind``; one line when it is missing or not a number."""
+    value = field(reader, key, default)
+    if value is None:
+        raise UserError(f"the GGUF file has no {key}; it is damaged or not a model")
+    try:
+        return kind(value)
+    except (TypeError, ValueError, OverflowError):
+        raise UserError(f"the GGUF metadata {key} is {str(value)[:40]!r}, not a number") from None
 
 
 def read_config(reader, path: Path) -> Dict[str, Any]:
     """The Hugging Face config.json equivalent of a GGUF file's metadata."""
     arch = field(reader, "general.architecture")
-    if arch not in ARCHITECTURES:
+    if not isinstance(arch, str) or arch not in ARCHITECTURES:
         raise UserError(
             f"{path}: architecture {arch!r} is not supported; supported are "
             f"{', '.join(sorted(ARCHITECTURES))} (Mistral GGUFs use 'llama')"
@@ -99,23 +116,23 @@ def read_config(reader, path: Path) -> Dict[str, Any]:
             "convert the Hugging Face model directory instead"
         )
     tokens = field(reader, "tokenizer.ggml.tokens") or []
-    heads = int(field(reader, f"{arch}.attention.head_count"))
-    hidden = int(field(reader, f"{arch}.embedding_length"))
+    heads = number(reader, f"{arch}.attention.head_count")
+    hidden = number(reader, f"{arch}.embedding_length")
     config = {
         "model_type": ARCHITECTURES[arch],
         "architectures": [
             {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[arch]
         ],
         "hidden_size": hidden,
-        "intermediate_size": int(field(reader, f"{arch}.feed_forward_length")),
-        "num_hidden_layers": int(field(reader, f"{arch}.block_count")),
+        "intermediate_size": number(reader, f"{arch}.feed_forward_length"),
+        "num_hidden_layers": number(reader, f"{arch}.block_count"),
         "num_attention_heads": heads,
-        "num_key_value_heads": int(field(reader, f"{arch}.attention.head_count_kv", heads)),
-        "head_dim": int(field(reader, f"{arch}.attention.key_length", hidden // heads)),
-        "rms_norm_eps": float(field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
-        "rope_theta": float(field(reader, f"{arch}.rope.freq_base", 10000.0)),
-        "max_position_embeddings": int(field(reader, f"{arch}.context_length", 4096)),
-        "vocab_size": int(field(reader, f"{arch}.vocab_size", len(tokens))),
+        "num_key_value_heads": number(reader, f"{arch}.attention.head_count_kv", int, heads),
+        "head_dim": number(reader, f"{arch}.attention.key_length", int, hidden // max(heads, 1)),
+        "rms_norm_eps": number(reader, f"{arch}.attention.layer_norm_rms_epsilon", float, 1e-6),
+        "rope_theta": number(reader, f"{arch}.rope.freq_base", float, 10000.0),
+        "max_position_embeddings": number(reader, f"{arch}.context_length", int, 4096),
+        "vocab_size": number(reader, f"{arch}.vocab_size", int, len(tokens)),
         "tie_word_embeddings": "output.weight" not in {t.name for t in reader.tensors},
         "bos_token_id": field(reader, "tokenizer.ggml.bos_token_id"),
         "eos_token_id": field(reader, "tokenizer.ggml.eos_token_id"),
@@ -123,7 +140,9 @@ def read_config(reader, path: Path) -> Dict[str, Any]:
     if arch == "llama":
         config["attention_bias"] = "blk.0.attn_q.bias" in {t.name for t in reader.tensors}
         config["mlp_bias"] = False
-    return {k: v for k, v in config.items() if v is not None}
+    config = {k: v for k, v in config.items() if v is not None}
+    check_model_config(config, path, path.stat().st_size)
+    return config
 
 
 def _unpermute_rows(n_heads: int, rows: int) -> np.ndarray:

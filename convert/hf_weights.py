@@ -9,11 +9,11 @@ from typing import Any, Dict, List, Optional
 import mlx.core as mx
 from mlx_lm.utils import _get_classes
 
-from mlx_eagle.errors import UserError, read_config as read_config_json
+from mlx_eagle.errors import UserError, check_model_config, read_config as read_config_json
+from mlx_eagle.target import SUPPORTED_MODEL_TYPES as MODEL_TYPES
 
 from .tensors import SourceTensor
 
-MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
@@ -33,6 +33,7 @@ def read_config(path: Path) -> Dict[str, Any]:
         )
     if not any((path / name).exists() for name in ("tokenizer.json", "tokenizer.model")):
         raise UserError(f"{path} has no tokenizer (tokenizer.json or tokenizer.model); copy it from the model's repository")
+    check_model_config(config, path / "config.json", sum(f.stat().st_size for f in path.glob("*.safetensors")))
     return config
 
 

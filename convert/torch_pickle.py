@@ -43,6 +43,9 @@ def _rebuild_tensor_v2(storage, offset, size, stride, requires_grad=False, backw
     last = offset + sum((n - 1) * s for n, s in zip(size, stride))
     if last >= storage.size:
         raise ValueError("a tensor reaches past the end of its storage")
+    if int(np.prod(size, dtype=np.float64)) > storage.size:  # a view repeating its storage (stride 0)
+        raise ValueError(f"a tensor of shape {size} repeats a storage of {storage.size} values; "
+                         "a saved state dict does not")
     view = np.lib.stride_tricks.as_strided(storage[offset:], shape=size,
                                            strides=[s * storage.itemsize for s in stride], writeable=False)
     return np.array(view)
@@ -81,7 +84,10 @@ class _RestrictedUnpickler(pickle.Unpickler):
             raise UserError(f"{self.source}: unexpected storage reference {pid!r:.80}")
         _, storage_type, key, _, _ = pid
         if key not in self.storages:
-            raw = self.archive.read(f"{self.prefix}/data/{key}")
+            name = f"{self.prefix}/data/{key}"
+            if self.archive.getinfo(name).file_size > self.source.stat().st_size:  # a compressed bomb
+                raise UserError(f"{self.source}: storage {key} unpacks to more than the whole file; refused")
+            raw = self.archive.read(name)
             values = np.frombuffer(raw, dtype=_STORAGES[storage_type.name])
             if storage_type.name == "BFloat16Storage":  # bfloat16 is float32's upper half
                 values = (values.astype(np.uint32) << 16).view(np.float32)
@@ -93,7 +99,7 @@ def load_torch_bin(path: Path) -> Dict[str, np.ndarray]:
     """The state dict in ``path`` as numpy arrays (bfloat16 widened to float32)."""
     try:
         archive = zipfile.ZipFile(path)
-    except (zipfile.BadZipFile, OSError) as exc:
+    except Exception as exc:  # BadZipFile, OSError, a name that is not UTF-8...: not a zip we can read
         raise UserError(f"{path} is not a PyTorch zip checkpoint ({exc}); pre-1.6 pickles are not read, "
                         "re-save it with a current PyTorch or get safetensors") from None
     with archive:
@@ -102,15 +108,15 @@ def load_torch_bin(path: Path) -> Dict[str, np.ndarray]:
         if len(pickles) != 1:
             raise UserError(f"{path} holds no PyTorch state dict (no data.pkl)")
         prefix = pickles[0][: -len("/data.pkl")]
-        if f"{prefix}/byteorder" in names and archive.read(f"{prefix}/byteorder").strip() != b"little":
-            raise UserError(f"{path} was written on a big-endian machine; re-save it on a little-endian one")
         try:
+            if f"{prefix}/byteorder" in names and archive.read(f"{prefix}/byteorder").strip() != b"little":
+                raise UserError(f"{path} was written on a big-endian machine; re-save it on a little-endian one")
             with archive.open(pickles[0]) as handle:
                 state = _RestrictedUnpickler(handle, archive, prefix, path).load()
         except UserError:
             raise
-        except Exception as exc:
-            raise UserError(f"{path} is damaged or not a state dict ({type(exc).__name__}: {exc})") from None
+        except Exception as exc:  # any way a damaged zip or pickle can fail, before anything ran
+            raise UserError(f"{path} is damaged or not a state dict ({type(exc).__name__}: {str(exc)[:200]})") from None
     if not isinstance(state, dict) or not all(isinstance(v, np.ndarray) for v in state.values()):
         raise UserError(f"{path} is not a plain state dict of tensors")
     return dict(state)

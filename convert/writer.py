@@ -62,15 +62,40 @@ def _module_path(name: str) -> str:
     return name.rsplit(".", 1)[0]
 
 
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's, and alive
+        return True
+    return True
+
+
+def remove_leftovers(out: Path) -> None:
+    """Remove staging directories for ``out`` left by runs that were killed (SIGKILL or a
+    power cut leave no chance to clean up): those whose process is gone."""
+    for leftover in out.parent.glob(f".{out.name}.*.partial"):
+        pid = leftover.name[len(out.name) + 2:].split(".", 1)[0]
+        if pid.isdigit() and not _process_alive(int(pid)):
+            shutil.rmtree(leftover, ignore_errors=True)
+
+
 def write_atomically(out: Path, fill: Callable[[Path], None], overwrite: bool = False) -> Path:
     """Have ``fill`` write a temporary sibling of ``out`` (and check it), then rename it into
-    place: ``out`` is all of it or nothing, also when ``fill`` fails or is interrupted."""
+    place: ``out`` is all of it or nothing, also when ``fill`` fails or is interrupted
+    (SIGTERM too: commands turn it into an exit that runs this cleanup)."""
     out = Path(out).absolute()
     if out.exists() and not overwrite:
         raise UserError(f"{out} already exists; choose another output directory or pass --overwrite")
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
+        remove_leftovers(out)
+        # The process id in the name tells a later run whether this one is still at work.
+        staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.{os.getpid()}.", suffix=".partial", dir=out.parent))
+        umask = os.umask(0)
+        os.umask(umask)
+        staging.chmod(0o777 & ~umask)  # as mkdir would make it, not mkdtemp's private 0700
     except OSError as exc:
         raise UserError(f"cannot write to {out.parent} ({exc.strerror}); choose a writable output directory") from exc
     try:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from typing import Callable, NoReturn, Optional, Sequence
 
@@ -81,9 +82,16 @@ def use_fast_blas() -> None:
     os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
 
 
+def _terminated(signum, frame) -> None:
+    raise SystemExit(128 + signum)
+
+
 def run_cli(main: Callable[[Optional[Sequence[str]]], None], argv=None) -> NoReturn:
-    """Run a command's main: fast BLAS first, then one line per user error."""
+    """Run a command's main: fast BLAS first, then one line per user error. SIGTERM
+    becomes an exit that unwinds, so what a command half wrote is cleaned up as on
+    Ctrl-C."""
     use_fast_blas()
+    signal.signal(signal.SIGTERM, _terminated)
     try:
         main(argv)
     except UserError as error:

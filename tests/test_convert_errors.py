@@ -91,3 +91,33 @@ def test_failure_midway_leaves_nothing(tmp_path):
     with pytest.raises(KeyboardInterrupt):
         writer.write_model_dir(tmp_path / "out", config, [], broken_tokenizer, writer.OutputFormat(), None)
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(p.name for p in paths.values())
+
+
+def test_sigterm_midway_leaves_nothing_and_a_killed_runs_leftovers_are_removed(smollm_gguf, tmp_path):
+    """SIGTERM unwinds like Ctrl-C (the staging directory is removed); SIGKILL cannot, so
+    the next run removes what a dead process left; the output is not private (0700)."""
+    import os
+    import signal
+    import time
+
+    out = tmp_path / "out"
+    process = subprocess.Popen([sys.executable, "-m", "convert.target", str(smollm_gguf), str(out), "--quiet",
+                                "--dtype", "float32"], stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not list(tmp_path.glob(".out.*.partial")):
+        assert time.monotonic() < deadline and process.poll() is None, "no staging directory appeared"
+        time.sleep(0.05)
+    process.send_signal(signal.SIGTERM)
+    process.wait(timeout=60)
+    assert process.returncode != 0 and not out.exists()
+    assert list(tmp_path.iterdir()) == []
+
+    leftover = tmp_path / ".out.999999999.x1y2.partial"  # a process id no system hands out
+    (leftover / "half").mkdir(parents=True)
+    synthetic_model = synthetic.write_model(tmp_path / "src", "llama")
+    result = run_convert(synthetic_model["gguf"], out)
+    assert result.returncode == 0, result.stderr
+    assert not leftover.exists()
+    umask = os.umask(0)
+    os.umask(umask)
+    assert out.stat().st_mode & 0o777 == 0o777 & ~umask

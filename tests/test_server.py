@@ -7,6 +7,7 @@ import http.client
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -140,15 +141,77 @@ MALFORMED = [
     ("POST", "/v1/chat/completions", b"{" + b" " * (2 << 20) + b"}", 413),
     ("POST", "/v1/embeddings", b"{}", 404),
     ("GET", "/v1/nothing", b"", 404),
+    ("POST", "/v1/chat/completions", json.dumps({"messages": QUESTION, "seed": -1}).encode(), 400),
+    ("POST", "/v1/chat/completions", json.dumps({"messages": QUESTION, "seed": -1, "stream": True}).encode(), 400),
+    ("POST", "/v1/chat/completions", json.dumps({"messages": [{"role": "user", "content": "\ud800 hi"}]}).encode(),
+     400),
+    ("POST", "/v1/chat/completions", json.dumps({"messages": [{"role": "user", "content": "\ud800 hi"}],
+                                                 "stream": True}).encode(), 400),
+    ("POST", "/v1/completions", json.dumps({"prompt": "\udfff"}).encode(), 400),
+    ("POST", "/v1/chat/completions", b"[" * 100_000 + b"]" * 100_000, 400),
+    ("POST", "/v1/chat/completions", json.dumps({"messages": QUESTION}).encode(), 415, {"Content-Type": "text/plain"}),
+    ("POST", "/v1/chat/completions", json.dumps({"messages": QUESTION}).encode(), 403,
+     {"Content-Type": "application/json", "Host": "attacker.example:8080"}),
+    ("GET", "/health", b"", 403, {"Host": "rebound.example"}),
+    ("GET", "/v1/chat/completions", b"", 405),
+    ("POST", "/health", b"{}", 405),
+    ("PUT", "/v1/chat/completions", b"{}", 405),
+    ("DELETE", "/v1/models", b"", 405),
+    ("OPTIONS", "/v1/chat/completions", b"", 405),
+    ("GET", "/v1/models/some-other-model", b"", 404),
 ]
 
 
 def test_malformed_requests_get_4xx_and_the_server_keeps_serving(server):
-    for method, path, body, status in MALFORMED:
-        got, payload = raw(server, method, path, body)
-        assert got == status, (path, body[:80], payload)
+    for method, path, body, status, *headers in MALFORMED:
+        got, payload = raw(server, method, path, body, *headers)
+        assert got == status, (method, path, body[:80], payload)
         assert payload["error"]["message"], payload
+    connection = http.client.HTTPConnection(*server, timeout=60)
+    connection.request("HEAD", "/health")
+    response = connection.getresponse()
+    assert response.status == 405 and response.read() == b""  # no body for HEAD
+    connection.close()
+    assert raw(server, "GET", "/health?probe=1")[0] == 200  # a query string does not change the route
+    assert client(server).models.retrieve(resolve_model().name).id == resolve_model().name
     with pytest.raises(openai.BadRequestError, match="max_tokens"):
         client(server).chat.completions.create(model="m", messages=QUESTION, max_tokens=10 ** 9)
     reply = client(server).chat.completions.create(model="m", messages=QUESTION, max_tokens=4)
     assert reply.choices[0].message.content
+
+
+def start_server(*args):
+    process = subprocess.Popen(
+        [sys.executable, "-m", "mlx_eagle.server", "--port", "0", "--quiet", *args],
+        cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)), stderr=subprocess.PIPE, text=True)
+    lines = []
+    for line in process.stderr:
+        lines.append(line)
+        match = re.search(r"at http://127\.0\.0\.1:(\d+)/v1", line)
+        if match:
+            return process, ("127.0.0.1", int(match.group(1)))
+    raise AssertionError("the server did not start: " + "".join(lines))
+
+
+def test_a_shutdown_cuts_replies_in_flight_with_an_error_not_a_finish():
+    """SIGTERM while one reply streams and another waits: neither looks finished."""
+    process, address = start_server("--draft", "none")
+    story = {"messages": [{"role": "user", "content": "Write a very long story about a dragon."}], "max_tokens": 2000}
+    streaming = http.client.HTTPConnection(*address, timeout=300)
+    streaming.request("POST", "/v1/chat/completions", body=json.dumps(dict(story, stream=True)),
+                      headers={"Content-Type": "application/json"})
+    stream = streaming.getresponse()
+    assert stream.status == 200
+    while not stream.fp.readline().startswith(b"data:"):
+        pass
+    waiting = http.client.HTTPConnection(*address, timeout=300)
+    waiting.request("POST", "/v1/chat/completions", body=json.dumps(story), headers={"Content-Type": "application/json"})
+    time.sleep(1)
+    process.send_signal(signal.SIGTERM)
+    rest = stream.read().decode()
+    assert "[DONE]" not in rest and '"finish_reason": "stop"' not in rest
+    assert "shutting down" in rest.strip().splitlines()[-1]
+    response = waiting.getresponse()
+    assert response.status == 503 and "shutting down" in json.loads(response.read())["error"]["message"]
+    _, stderr = process.communicate(timeout=60)
+    assert process.returncode == 0, stderr

@@ -103,6 +103,38 @@ def test_resumed_run_reaches_the_same_weights(tiny, tmp_path):
         assert mx.allclose(a, b, atol=1e-6), name
 
 
+def test_a_kill_in_the_middle_of_saving_a_checkpoint_loses_nothing(tiny, tmp_path):
+    """Killed between the save's two renames (only checkpoint.old left) with a half-written
+    checkpoint.partial beside it: the run resumes from the old one, reaches the same
+    weights, and its log holds every step once."""
+    model, pieces, used = tiny
+
+    def trainer(work):
+        head = new_head(model, "eagle3", draft_vocab_size=len(used), seed=2)
+        head.d2t = mx.array(d2t_t2d(used, model.args.vocab_size)[0])
+        config = TrainConfig(steps=10, tokens_per_batch=128, grad_accum=2, lr=2e-3, warmup=3, ttt_steps=2,
+                             checkpoint_every=4)
+        return Trainer(model, head, pieces, config, work, used=used, progress=False)
+
+    straight = trainer(tmp_path / "straight")
+    straight.run()
+    work = tmp_path / "killed"
+    trainer(work).run(stop_after=9)  # its last checkpoint is step 8; steps 1..9 are logged
+    (work / "checkpoint").replace(work / "checkpoint.old")
+    (work / "checkpoint.partial").mkdir()
+    (work / "checkpoint.partial" / "head.safetensors").write_bytes(b"half")
+    with open(work / "log.jsonl", "a") as log:
+        log.write('{"step": 10, "lo')  # a line cut by the kill
+    resumed = trainer(work)
+    assert resumed.step == 8
+    resumed.run()
+    for (name, a), (_, b) in zip(tree_flatten(straight.head.parameters()), tree_flatten(resumed.head.parameters())):
+        assert mx.allclose(a, b, atol=1e-6), name
+    steps = [json.loads(line)["step"] for line in (work / "log.jsonl").read_text().splitlines()]
+    assert steps == list(range(1, 11))
+    assert sorted(p.name for p in work.iterdir() if p.name.startswith("checkpoint")) == ["checkpoint"]
+
+
 def test_sharegpt_reader_survives_the_truncated_file():
     count = sum(1 for _ in read_sharegpt(sharegpt_path()))
     assert count >= 17000

@@ -1,0 +1,189 @@
+"""The bad-input corpus: for each entry point (generate, the chat app, the server, the
+target and head converters, training), inputs a user or an attacker could hand it,
+each answered with one line naming the problem (or a 4xx JSON body), a non-zero exit,
+nothing left behind, and no unbounded allocation. The server's HTTP cases are in
+test_server.py, the converters' file-format cases in test_convert_errors.py; the
+fuzzers are in test_fuzz.py."""
+
+import importlib
+import io
+import json
+import shutil
+import signal
+import socket
+import sys
+from pathlib import Path
+
+import pytest
+
+from mlx_eagle.cli import run_cli
+
+
+def run_command(main, argv, capsys, monkeypatch, stdin: bytes = b""):
+    """A command run as its console script runs it; returns (exit code, stderr lines)."""
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(stdin)))
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        with pytest.raises(SystemExit) as exited:
+            run_cli(main, argv)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    lines = [line for line in capsys.readouterr().err.splitlines()
+             if line.strip() and not line.startswith("hint:") and "%|" not in line]  # progress bars aside
+    return exited.value.code, lines
+
+
+def assert_one_line(code, lines, *words):
+    assert code == 1, lines
+    assert len(lines) == 1 and lines[0].startswith("error: "), lines
+    for word in words:
+        assert word in lines[0], lines[0]
+
+
+@pytest.fixture(scope="module")
+def bad_files(tmp_path_factory, smollm_float32):
+    """Tree files and model directories that must each be refused in one line."""
+    root = tmp_path_factory.mktemp("bad")
+    files = {"dir": root / "a-directory", "list": root / "list.json", "nulls": root / "nulls.json",
+             "deep": root / "deep.json", "huge": root / "huge.json", "text": root / "text.json",
+             "zero": Path("/dev/zero")}
+    files["dir"].mkdir()
+    files["list"].write_text("[1, 2]")
+    files["nulls"].write_text("[[null]]")
+    files["deep"].write_text("[" * 100_000 + "]" * 100_000)
+    files["huge"].write_text(json.dumps([[i] for i in range(5000)]))
+    files["text"].write_text("not a tree")
+    # A model directory whose weights were cut short, and one whose config asks for a million layers.
+    for name in ("truncated", "million-layers"):
+        directory = root / name
+        shutil.copytree(smollm_float32, directory)
+        files[name] = directory
+    weights = files["truncated"] / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100_000])
+    config = json.loads((files["million-layers"] / "config.json").read_text())
+    (files["million-layers"] / "config.json").write_text(json.dumps(dict(config, num_hidden_layers=1_000_000)))
+    return files
+
+
+TREES = [("dir", "not a regular file"), ("list", "rank paths"), ("nulls", "rank paths"), ("deep", "RecursionError"),
+         ("huge", "at most 256"), ("text", "not JSON"), ("zero", "not a regular file")]
+OPTIONS = [(["--seed", "-1"], "seed"), (["--temp", "nan"], "temp"), (["--temp", "-1"], "temp"),
+           (["--top-p", "2"], "top_p"), (["--top-p", "0"], "top_p"), (["--max-tokens", "0"], "max_tokens"),
+           (["--max-tokens", "-5"], "max_tokens"), (["--tree", "chain:100"], "chain"),
+           (["--tree", "dynamic:depth=0"], "depth"), (["--tree", "dynamic:size=3"], "size")]
+GENERATE_ONLY = [(["--min-p", "2"], "min_p"), (["--top-k", "-3"], "top_k")]
+
+
+def forbid_loading(monkeypatch, module, name):
+    def loaded(*args, **kwargs):
+        raise AssertionError("the model was loaded before the arguments were checked")
+
+    monkeypatch.setattr(module, name, loaded)
+
+
+@pytest.mark.parametrize("argv, words", OPTIONS + GENERATE_ONLY + [(["--tree", f"static:{{{k}}}"], w) for k, w in TREES])
+def test_generate_refuses_bad_arguments_before_loading(argv, words, bad_files, capsys, monkeypatch):
+    import mlx_eagle
+
+    generate = importlib.import_module("mlx_eagle.generate")  # the package's `generate` is the function
+    forbid_loading(monkeypatch, mlx_eagle, "load")
+    argv = [a.format(**{k: str(v) for k, v in bad_files.items()}) for a in argv]
+    assert_one_line(*run_command(generate.main, argv, capsys, monkeypatch), words)
+
+
+@pytest.mark.parametrize("argv, stdin, words", [
+    (["--prompt", "-"], b"\xff\xfe\x00 binary junk", "not UTF-8"),
+    (["--prompt", "caf\udce9"], b"", "lone surrogate"),
+    (["--model", "{truncated}"], b"", "damaged"),
+    (["--model", "{million-layers}"], b"", "num_hidden_layers"),
+    (["--model", "/dev/null"], b"", "neither a GGUF file nor a model directory"),
+])
+def test_generate_refuses_bad_input(argv, stdin, words, bad_files, capsys, monkeypatch):
+    generate = importlib.import_module("mlx_eagle.generate")
+    argv = [a.format(**{k: str(v) for k, v in bad_files.items()}) for a in argv]
+    assert_one_line(*run_command(generate.main, argv + ["--max-tokens", "4"], capsys, monkeypatch, stdin), words)
+
+
+@pytest.mark.parametrize("argv, words", OPTIONS + [(["--tree", f"static:{{{k}}}"], w) for k, w in TREES[:3]])
+def test_chat_app_refuses_bad_arguments_before_loading(argv, words, bad_files, capsys, monkeypatch):
+    import mlx_eagle.session
+    from apps import chat
+
+    forbid_loading(monkeypatch, mlx_eagle.session, "ChatSession")
+    argv = [a.format(**{k: str(v) for k, v in bad_files.items()}) for a in argv]
+    assert_one_line(*run_command(chat.main, argv, capsys, monkeypatch), words)
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--port", "99999"], "not a port"), (["--port", "-2"], "not a port"), (["--max-tokens", "0"], "max_tokens"),
+    (["--tree", "static:{dir}"], "not a regular file"), (["--host", "no.such.host.invalid"], "cannot listen"),
+    (["--port", "{busy}"], "cannot listen"),
+])
+def test_server_refuses_bad_arguments_before_loading(argv, words, bad_files, capsys, monkeypatch):
+    from mlx_eagle import server
+
+    forbid_loading(monkeypatch, server, "Engine")
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        names = {k: str(v) for k, v in bad_files.items()} | {"busy": str(busy.getsockname()[1])}
+        argv = [a.format(**names) for a in argv]
+        assert_one_line(*run_command(server.main, argv, capsys, monkeypatch), words)
+
+
+@pytest.mark.parametrize("change, words", [
+    (lambda c: [c], "JSON list"),
+    (lambda c: dict(c, hidden_size=None), "hidden_size"),
+    (lambda c: {k: v for k, v in c.items() if k != "hidden_size"}, "hidden_size"),
+    (lambda c: {k: v for k, v in c.items() if k != "num_hidden_layers"}, "num_hidden_layers"),
+    (lambda c: {k: v for k, v in c.items() if k != "vocab_size"}, "vocab_size"),
+    (lambda c: dict(c, hidden_size="64"), "hidden_size"),
+    (lambda c: dict(c, hidden_size=64.0), "hidden_size"),
+    (lambda c: dict(c, hidden_size=[64]), "hidden_size"),
+    (lambda c: dict(c, num_attention_heads=0), "num_attention_heads"),
+    (lambda c: dict({k: v for k, v in c.items() if k != "head_dim"}, num_attention_heads=6), "multiple"),
+    (lambda c: dict(c, num_key_value_heads=3), "evenly"),
+    (lambda c: dict(c, hidden_size=10 ** 12), "hidden_size"),
+    (lambda c: dict(c, num_hidden_layers=-1), "num_hidden_layers"),
+    (lambda c: dict(c, num_hidden_layers=1000), "weights"),  # more than the files could carry
+    (lambda c: dict(c, num_hidden_layers=1_000_000), "num_hidden_layers"),
+    (lambda c: dict(c, rope_theta=float("nan")), "rope_theta"),
+    (lambda c: dict(c, rope_scaling={"type": "warp-drive", "factor": 2.0}), "rope_scaling"),
+])
+def test_convert_target_refuses_impossible_configs(change, words, tmp_path, capsys, monkeypatch):
+    from convert import target
+    from synthetic import write_model
+
+    source = write_model(tmp_path, "llama")["hf"]
+    config = json.loads((source / "config.json").read_text())
+    (source / "config.json").write_text(json.dumps(change(config)))
+    out = tmp_path / "out"
+    assert_one_line(*run_command(target.main, [str(source), str(out), "--quiet"], capsys, monkeypatch), words)
+    assert not out.exists() and not list(tmp_path.glob(".out.*"))
+
+
+def test_convert_target_refuses_dev_null(tmp_path, capsys, monkeypatch):
+    from convert import target
+
+    code, lines = run_command(target.main, ["/dev/null", str(tmp_path / "out")], capsys, monkeypatch)
+    assert_one_line(code, lines, "/dev/null")
+    assert "config.json" not in lines[0] and not (tmp_path / "out").exists()
+
+
+def test_a_head_pickle_that_repeats_its_storage_is_refused_before_allocating(tmp_path, capsys, monkeypatch):
+    """torch.zeros(1).expand(50000, 50000): 1.6 KB on disk, 9.3 GiB if materialized."""
+    import resource
+
+    import torch
+
+    from convert import head
+
+    directory = tmp_path / "bomb"
+    directory.mkdir()
+    (directory / "config.json").write_text(json.dumps({"hidden_size": 64}))
+    torch.save({"fc.weight": torch.zeros(1).expand(50000, 50000)}, directory / "pytorch_model.bin")
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    argv = [str(directory), str(tmp_path / "out")]
+    assert_one_line(*run_command(head.main, argv, capsys, monkeypatch), "repeats")
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 1 << 20  # KiB: under 1 GiB grown
+    assert not (tmp_path / "out").exists()

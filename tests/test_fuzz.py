@@ -1,0 +1,163 @@
+"""Coverage by mutation: the readers of files a user downloads (GGUF, safetensors, config
+files, PyTorch pickles, tree files) fed bytes derived from valid files, with bits
+flipped, runs overwritten, cuts and splices, and random JSON for the config checks.
+Each input must give either a result or one UserError: no other exception, and no
+allocation past a bound. The budget (examples per reader) is fixed, so CI time is too;
+set FUZZ_EXAMPLES to run longer."""
+
+import json
+import os
+import resource
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from mlx_eagle.errors import UserError
+
+EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", "400"))
+FUZZ = settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
+                suppress_health_check=list(HealthCheck))
+
+
+@st.composite
+def mutated(draw, original: bytes) -> bytes:
+    """``original`` with a few edits: flipped bits, overwritten runs, a cut, a duplicated slice."""
+    data = bytearray(original)
+    for _ in range(draw(st.integers(1, 4))):
+        kind = draw(st.sampled_from(["flip", "overwrite", "cut", "splice"]))
+        at = draw(st.integers(0, max(len(data) - 1, 0)))
+        if kind == "flip" and data:
+            data[at] ^= 1 << draw(st.integers(0, 7))
+        elif kind == "overwrite":
+            run = draw(st.binary(min_size=1, max_size=8))
+            data[at:at + len(run)] = run
+        elif kind == "cut":
+            del data[draw(st.integers(0, len(data))):]
+        else:
+            length = draw(st.integers(1, 64))
+            data[at:at] = data[at:at + length]
+    return bytes(data)
+
+
+LIMIT_KB = 512 * 1024  # what one input may grow this process's peak memory by
+
+
+def only_user_errors(read, data: bytes, path: Path):
+    """``read`` the file holding ``data``: a result or a UserError, nothing else, and no
+    input that makes it allocate without bound."""
+    path.write_bytes(data)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    try:
+        read(path)
+    except UserError:
+        pass
+    grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
+    assert grown < LIMIT_KB, f"this input grew peak memory by {grown // 1024} MB"
+
+
+@pytest.fixture(scope="module")
+def samples(tmp_path_factory):
+    """Small valid files of each kind, written by the tests."""
+    import numpy as np
+    import torch
+
+    from synthetic import write_model
+
+    root = tmp_path_factory.mktemp("fuzz")
+    model = write_model(root, "llama")
+    head = root / "head"
+    head.mkdir()
+    (head / "config.json").write_text(json.dumps({"hidden_size": 64}))
+    torch.save({"fc.weight": torch.from_numpy(np.arange(12, dtype=np.float32).reshape(3, 4)),
+                "d2t": torch.arange(5)}, head / "pytorch_model.bin")
+    import mlx.core as mx
+
+    mx.save_safetensors(str(root / "weights.safetensors"), {"a": mx.arange(16).reshape(4, 4), "b": mx.ones(3)})
+    return {"gguf": model["gguf"].read_bytes(), "bin": (head / "pytorch_model.bin").read_bytes(),
+            "safetensors": (root / "weights.safetensors").read_bytes(),
+            "config": (model["hf"] / "config.json").read_bytes(), "hf": model["hf"]}
+
+
+def read_gguf(path: Path) -> None:
+    """What convert.target reads of a GGUF before writing anything."""
+    from convert import gguf_weights
+    from convert.gguf_tokenizer import build_tokenizer
+
+    reader = gguf_weights.open_gguf(path)
+    config = gguf_weights.read_config(reader, path)
+    build_tokenizer(reader, path, config["max_position_embeddings"])
+    for tensor in gguf_weights.read_tensors(reader, config, path)[:3]:
+        tensor.load()
+
+
+def test_the_gguf_reader(samples, tmp_path):
+    @FUZZ
+    @given(mutated(samples["gguf"]))
+    def run(data):
+        only_user_errors(read_gguf, data, tmp_path / "model.gguf")
+
+    run()
+
+
+def test_the_restricted_unpickler(samples, tmp_path):
+    from convert.torch_pickle import load_torch_bin
+
+    @FUZZ
+    @given(mutated(samples["bin"]))
+    def run(data):
+        only_user_errors(load_torch_bin, data, tmp_path / "pytorch_model.bin")
+
+    run()
+
+
+def test_the_safetensors_reader(samples, tmp_path):
+    from mlx_eagle.heads import read_head_weights
+
+    head = tmp_path / "head"
+    head.mkdir()
+    (head / "config.json").write_text(json.dumps({"hidden_size": 64, "draft_vocab_size": 8}))
+
+    @FUZZ
+    @given(mutated(samples["safetensors"]))
+    def run(data):
+        only_user_errors(lambda path: read_head_weights(path.parent), data, head / "model.safetensors")
+
+    run()
+
+
+JSON = st.recursive(st.none() | st.booleans() | st.integers(-2 ** 70, 2 ** 70) | st.floats() | st.text(max_size=8),
+                    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+                    max_leaves=12)
+CONFIG_KEYS = ["hidden_size", "num_hidden_layers", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+               "vocab_size", "head_dim", "rms_norm_eps", "rope_theta", "rope_scaling"]
+
+
+def test_the_config_checks(samples, tmp_path):
+    from mlx_eagle.errors import check_model_config, read_config
+
+    valid = json.loads(samples["config"])
+
+    @FUZZ
+    @given(st.dictionaries(st.sampled_from(CONFIG_KEYS), JSON, max_size=4), st.binary(max_size=40))
+    def run(changes, raw):
+        config = dict(valid, **changes)
+        (tmp_path / "config.json").write_text(json.dumps(config))
+        try:
+            check_model_config(read_config(tmp_path, "a model directory"), "config.json", 10 ** 6)
+        except UserError:
+            pass
+        only_user_errors(lambda path: read_config(path.parent, "a model directory"), raw, tmp_path / "config.json")
+
+    run()
+
+
+def test_the_tree_file_reader(tmp_path):
+    from mlx_eagle.trees import read_tree_file
+
+    @FUZZ
+    @given(JSON)
+    def run(paths):
+        only_user_errors(lambda path: read_tree_file(str(path)), json.dumps(paths).encode(), tmp_path / "tree.json")
+
+    run()
