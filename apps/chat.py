@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
-from mlx_eagle.cli import DRAFT_HELP, run_cli
+from mlx_eagle.cli import add_model_arguments, run_cli
 from mlx_eagle.errors import UserError
 
 COMMANDS = """commands:
@@ -156,11 +156,8 @@ def reply(session, terminal: Terminal, text: str, show_stats: bool) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m apps.chat", description=__doc__.splitlines()[0])
-    parser.add_argument("--model", help="MLX or Hugging Face directory, .gguf file or repo id "
-                                        "(default: SmolLM2-135M-Instruct)")
-    parser.add_argument("--draft", default="auto", help=DRAFT_HELP)
+    add_model_arguments(parser)
     parser.add_argument("--system", help="a system prompt")
-    parser.add_argument("--tree", default="auto", help="draft tree (as in mlx_eagle.generate)")
     parser.add_argument("--temp", type=float, default=0.0, help="sampling temperature (0: greedy)")
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--max-tokens", "-m", type=int, default=512, help="longest reply")

@@ -7,10 +7,9 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 import mlx.core as mx
-from mlx_lm.utils import _get_classes
 
 from mlx_eagle.errors import UserError, check_model_config, read_config as read_config_json
-from mlx_eagle.target import SUPPORTED_MODEL_TYPES as MODEL_TYPES
+from mlx_eagle.target import SUPPORTED_MODEL_TYPES as MODEL_TYPES, model_classes
 
 from .tensors import SourceTensor
 
@@ -47,7 +46,7 @@ def read_tensors(path: Path, config: Dict[str, Any]) -> List[SourceTensor]:
             weights.update(mx.load(str(file)))
         except Exception as exc:
             raise UserError(f"{file} is damaged or truncated ({exc}); download it again") from exc
-    model_class, args_class = _get_classes(config)
+    model_class, args_class = model_classes(config["model_type"])
     weights = model_class(args_class.from_dict(config)).sanitize(weights)
     return [
         SourceTensor(name=name, shape=tuple(value.shape), load=lambda value=value: value)

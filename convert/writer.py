@@ -107,8 +107,11 @@ def write_atomically(out: Path, fill: Callable[[Path], None], overwrite: bool = 
             shutil.rmtree(retired, ignore_errors=True)
         else:
             os.replace(staging, out)
-    except BaseException:
+    except BaseException as exc:
         shutil.rmtree(staging, ignore_errors=True)
+        if isinstance(exc, OSError):  # a full disk, a vanished directory...
+            raise UserError(f"writing {out} failed ({exc.strerror or exc}); nothing was left behind. "
+                            "Free some space or choose another output directory") from None
         raise
     return out
 

@@ -1,9 +1,14 @@
 """mlx-eagle: EAGLE speculative decoding on MLX, lossless by construction."""
 
+import importlib
 import os
 
 # transformers warns on import that PyTorch is absent; mlx-eagle never needs it.
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+# The command module mlx_eagle.generate first, the function of the same name after it:
+# importing the command later would otherwise replace the function here.
+importlib.import_module(f"{__name__}.generate")
 
 from .decoder import PromptCache, make_prompt_cache  # noqa: E402
 from .generation import GenerationResponse, generate, stream_generate  # noqa: E402

@@ -16,15 +16,16 @@ import os
 import platform
 import statistics
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
-from .cli import blas_in_use, run_cli
+from .cli import TREE_HELP, add_model_arguments, blas_in_use, run_cli
 from .errors import UserError
-from .generation import check_messages
+from .generation import chat_tokens, check_messages
+from .verify import Sampling
 
 # baseline: plain mlx-lm; eagle: the head alone; lookup: drafts from the context alone;
 # eagle+lookup: both in one tree (what the commands do by default); draft-model: mlx-lm's.
@@ -126,29 +127,29 @@ def timed(responses: Iterable) -> Tuple[list, float, float]:
     return collected, time.perf_counter() - tic, first
 
 
-def eagle_method(model, tokenizer, head, tree, max_tokens: int, sampling: dict, lookup: bool = False) -> Generator:
+def eagle_method(model, tokenizer, head, tree, max_tokens: int, sampling: Sampling, seed: Optional[int] = None,
+                 lookup: bool = False) -> Generator:
     from .generation import stream_generate
 
     def run(ids: List[int]) -> Answer:
         responses, seconds, first = timed(stream_generate(model, tokenizer, ids, max_tokens=max_tokens, draft=head,
-                                                          tree=tree, lookup=lookup, **sampling))
+                                                          tree=tree, lookup=lookup, seed=seed, **asdict(sampling)))
         return Answer([r.token for r in responses], seconds, first,
                       accepted_per_round([r.from_draft for r in responses]))
 
     return run
 
 
-def mlx_lm_method(model, tokenizer, max_tokens: int, sampling: dict, draft_model=None,
-                  num_draft_tokens: int = 3) -> Generator:
+def mlx_lm_method(model, tokenizer, max_tokens: int, sampling: Sampling, seed: Optional[int] = None,
+                  draft_model=None, num_draft_tokens: int = 3) -> Generator:
     """Plain mlx-lm decoding, or its draft-model speculative decoding."""
     from mlx_lm import stream_generate
     from mlx_lm.sample_utils import make_sampler
 
     def run(ids: List[int]) -> Answer:
-        sampler = make_sampler(sampling["temp"], top_p=sampling["top_p"], min_p=sampling["min_p"],
-                               top_k=sampling["top_k"])
-        if sampling.get("seed") is not None:
-            mx.random.seed(sampling["seed"])
+        sampler = make_sampler(sampling.temp, top_p=sampling.top_p, min_p=sampling.min_p, top_k=sampling.top_k)
+        if seed is not None:
+            mx.random.seed(seed)
         extra = {"draft_model": draft_model, "num_draft_tokens": num_draft_tokens} if draft_model is not None else {}
         # Every token, the end-of-sequence one too, as ours yields it.
         responses, seconds, first = timed(stream_generate(model, tokenizer, mx.array(ids), max_tokens=max_tokens,
@@ -162,13 +163,12 @@ def mlx_lm_method(model, tokenizer, max_tokens: int, sampling: dict, draft_model
 def conversation(prompt: BenchPrompt, tokenizer, generate: Generator) -> List[Answer]:
     """Ask every turn in order, keeping each answer in the conversation."""
     if prompt.messages:
-        ids = tokenizer.apply_chat_template(prompt.messages, add_generation_prompt=True)
-        return [generate(list(ids))]
+        return [generate(chat_tokens(tokenizer, prompt.messages))]
     messages, answers = [], []
     eos = set(tokenizer.eos_token_ids)
     for turn in prompt.turns:
         messages.append({"role": "user", "content": turn})
-        answer = generate(list(tokenizer.apply_chat_template(messages, add_generation_prompt=True)))
+        answer = generate(chat_tokens(tokenizer, messages))
         answers.append(answer)
         messages.append({"role": "assistant", "content": tokenizer.decode([t for t in answer.tokens if t not in eos])})
     return answers
@@ -322,8 +322,7 @@ def plot(results: dict, out: Path) -> None:
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m mlx_eagle.bench", description=__doc__.splitlines()[0])
-    parser.add_argument("--model", help="target (default: SmolLM2-135M-Instruct)")
-    parser.add_argument("--draft", help="EAGLE head directory (default: the model's shipped head)")
+    add_model_arguments(parser, tree=False)
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompts", type=Path, help="JSONL prompt file")
     source.add_argument("--suite", choices=["mt-bench"])
@@ -336,7 +335,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parser.add_argument("--top-k", type=int, default=0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--methods", default="baseline,eagle", help=f"comma-separated: {', '.join(METHODS)}")
-    parser.add_argument("--tree", default="auto", help="EAGLE draft tree (see generate --help)")
+    parser.add_argument("--tree", default="auto", help=TREE_HELP)
     parser.add_argument("--draft-model", help="small model for mlx-lm's draft-model speculative decoding")
     parser.add_argument("--num-draft-tokens", type=int, default=3)
     parser.add_argument("--out", type=Path, help="write results as JSON here")
@@ -360,26 +359,26 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     for prompt in prompts:
         prompt.turns = prompt.turns[: args.max_turns] if args.max_turns else prompt.turns
     prompts = prompts[: args.limit] if args.limit else prompts
-    model, tokenizer, head = load(args.model, draft=args.draft or "auto")
+    model, tokenizer, head = load(args.model, draft=args.draft)
     if {"eagle", "eagle+lookup"} & set(methods) and head is None:
         raise UserError("no EAGLE head for this model: pass --draft DIR (see python -m mlx_eagle.train)")
     tree_reason = "given"
     if tree is None:
         tree, tree_reason = auto_tree(model, head)
-    sampling = {"temp": args.temp, "top_p": args.top_p, "min_p": args.min_p, "top_k": args.top_k, "seed": args.seed}
+    sampling = Sampling(args.temp, args.top_p, args.min_p, args.top_k)
     generators: Dict[str, Generator] = {}
     for name in methods:
         if name == "baseline":
-            generators[name] = mlx_lm_method(model, tokenizer, args.max_tokens, sampling)
+            generators[name] = mlx_lm_method(model, tokenizer, args.max_tokens, sampling, args.seed)
         elif name in ("eagle", "eagle+lookup"):
-            generators[name] = eagle_method(model, tokenizer, head, tree, args.max_tokens, sampling,
+            generators[name] = eagle_method(model, tokenizer, head, tree, args.max_tokens, sampling, args.seed,
                                             lookup=name == "eagle+lookup")
         elif name == "lookup":
             generators[name] = eagle_method(model, tokenizer, None, parse_tree("none"), args.max_tokens, sampling,
-                                            lookup=True)
+                                            args.seed, lookup=True)
         else:
             draft_model, _ = load(args.draft_model)
-            generators[name] = mlx_lm_method(model, tokenizer, args.max_tokens, sampling, draft_model,
+            generators[name] = mlx_lm_method(model, tokenizer, args.max_tokens, sampling, args.seed, draft_model,
                                              args.num_draft_tokens)
     results = run_bench(prompts, tokenizer, generators, greedy=args.temp == 0, progress=not args.quiet)
     results.update(

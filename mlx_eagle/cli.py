@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 import signal
 import sys
@@ -11,7 +12,19 @@ from .errors import UserError
 
 
 DRAFT_HELP = ("EAGLE head directory, or 'lookup' (drafts from the context alone, for any mlx-lm model), or "
-              "'none' (plain decoding); default: the model's shipped head, if any, and drafts from the context")
+              "'none' (plain decoding); default (auto): the model's shipped head, if any, and drafts from the context")
+TREE_HELP = ("draft tree: auto (tuned for this device, see mlx_eagle.tune), chain:K, static:default, static:FILE, "
+             "dynamic:topk=8,depth=5,tokens=32, none")
+
+
+def add_model_arguments(parser: argparse.ArgumentParser, draft: bool = True, tree: bool = True) -> None:
+    """--model, --draft and --tree, the same in every command."""
+    parser.add_argument("--model", help="MLX or Hugging Face directory, .gguf file or Hugging Face repo id "
+                                        "(default: SmolLM2-135M-Instruct)")
+    if draft:
+        parser.add_argument("--draft", default="auto", help=DRAFT_HELP)
+    if tree:
+        parser.add_argument("--tree", default="auto", help=TREE_HELP)
 
 
 # Debian/Ubuntu, Fedora and Arch put OpenBLAS in one of these.

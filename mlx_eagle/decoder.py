@@ -28,6 +28,7 @@ import mlx.nn as nn
 from mlx_lm.models import cache as mlx_lm_cache
 
 from .errors import UserError
+from .heads import Head
 from .lookup import LookupDraft, LookupDrafter
 from .target import TargetOutput, check_target, keep_cache_entries, lm_head, target_forward, tree_mask
 from .trees import DraftTree, TreeDrafter, TreeSpec
@@ -66,7 +67,7 @@ class Round:
 
 
 class SpeculativeDecoder:
-    def __init__(self, target: nn.Module, head: Optional[nn.Module], tree: TreeSpec,
+    def __init__(self, target: nn.Module, head: Optional[Head], tree: TreeSpec,
                  sampling: Sampling, seed: Optional[int] = None, cache: Optional[PromptCache] = None,
                  lookup: Optional[LookupDrafter] = None):
         head = head if tree.kind != "none" else None
@@ -77,12 +78,12 @@ class SpeculativeDecoder:
         self.taps = head.taps(target.args.num_hidden_layers) if head is not None else None
         self.key = mx.random.key(seed) if seed is not None else None  # None: MLX's global generator
         self.state = cache if cache is not None else make_prompt_cache(target)
-        self.cache, self.draft_cache = self.state.target, self.state.draft
+        self.target_cache, self.draft_cache = self.state.target, self.state.draft
         self.reused = 0  # prompt tokens the last prefill found already in the caches
         self.forwards = 0  # target forward passes, for tests and statistics
         self.root: Optional[int] = None
         self.drafted: Tuple[DraftTree, mx.array] = (DraftTree(), NO_TOKENS)  # the next round's head tree
-        if not mlx_lm_cache.can_trim_prompt_cache(self.cache):
+        if not mlx_lm_cache.can_trim_prompt_cache(self.target_cache):
             raise UserError("this model's cache cannot be rewound, which speculative decoding needs; use mlx_lm")
         self.head_yield = 1.0  # tokens a round's head tree yields (running mean), for lookup's length
 
@@ -105,8 +106,8 @@ class SpeculativeDecoder:
     def _forward(self, tokens: mx.array, positions, mask) -> TargetOutput:
         self.forwards += 1
         if self.head is None:  # only chains, starting where the cache ends: the model's own forward pass
-            return TargetOutput(logits=self.target(tokens[None], cache=self.cache)[0], features=None)
-        out = target_forward(self.target, tokens[None], self.cache, positions, mask, self.taps)
+            return TargetOutput(logits=self.target(tokens[None], cache=self.target_cache)[0], features=None)
+        out = target_forward(self.target, tokens[None], self.target_cache, positions, mask, self.taps)
         return TargetOutput(logits=out.logits[0], features=out.features[0], hidden=out.hidden[0])
 
     def _reusable(self, prompt: List[int]) -> int:
@@ -117,10 +118,10 @@ class SpeculativeDecoder:
         draft_valid = min(self.draft_cache[0].offset, max(common - 1, 0))
         keep_cache_entries(self.draft_cache, draft_valid, [])
         # Never below draft_valid: the draft cache is never ahead of the target's.
-        reuse = min(common, self.cache[0].offset, len(prompt) - 1)
+        reuse = min(common, self.target_cache[0].offset, len(prompt) - 1)
         if self.head is not None:  # the head must read on from where its cache ends
             reuse = draft_valid
-        keep_cache_entries(self.cache, reuse, [])
+        keep_cache_entries(self.target_cache, reuse, [])
         return reuse
 
     def prefill(self, prompt: List[int], chunk: int = 512) -> int:
@@ -131,7 +132,7 @@ class SpeculativeDecoder:
         if self.head is None:  # as mlx-lm reads a prompt: only the last token's logits are computed
             for start in range(self.reused, len(prompt) - 1, chunk):
                 self._forward(mx.array(prompt[start:min(start + chunk, len(prompt) - 1)]), start, None)
-                mx.eval([layer_cache.state for layer_cache in self.cache])
+                mx.eval([layer_cache.state for layer_cache in self.target_cache])
             self.root = self._choose(self._forward(mx.array(prompt[-1:]), len(prompt) - 1, None).logits[-1])
         else:
             features = []
@@ -181,26 +182,26 @@ class SpeculativeDecoder:
 
     def _verify(self, tree: DraftTree, tokens: mx.array) -> TargetOutput:
         """The target's forward pass over [root, tree], appended to its cache."""
-        start = self.cache[0].offset
+        start = self.target_cache[0].offset
         tokens = mx.concatenate([mx.array([self.root], dtype=mx.int32), tokens])
         if tree.is_chain():  # a chain is just a longer causal block
             return self._forward(tokens, start, "causal" if len(tree) else None)
         positions = start + mx.array([0] + tree.depths)
         return self._forward(tokens, positions, tree_mask(start, tree.ancestor_matrix()))
 
-    def step(self, room: int) -> Round:
+    def round(self, room: int) -> Round:
         """One round. ``room``: how many tokens past the root may still be produced.
         The host waits for the device once, in ``accept``."""
         committed, self.state.tokens = self.state.tokens, []  # an interrupted round leaves nothing certain
         tree, tokens = self._head_tree(room - 1)
         head_nodes = len(tree)
         lookup, lookup_nodes, tokens = self._graft_lookup(tree, tokens, room - 1)
-        start = self.cache[0].offset
+        start = self.target_cache[0].offset
         out = self._verify(tree, tokens)
         verdict = accept(tree, tokens, out.logits, self.sampling, self._next_key())
         path, accepted, bonus = verdict.path, verdict.tokens, verdict.bonus
         kept = [0] + [n + 1 for n in path]
-        keep_cache_entries(self.cache, start, kept)
+        keep_cache_entries(self.target_cache, start, kept)
         if lookup.tokens:
             self.lookup.record(lookup, common_prefix(path, lookup_nodes))
         if head_nodes:

@@ -17,6 +17,7 @@ import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
 from .data import save_shard, shard_path
+from .generation import chat_tokens
 from .target import lm_head, target_forward
 
 
@@ -58,8 +59,7 @@ def self_distill(model: nn.Module, tokenizer, prompts: Sequence[str], data: Path
     from tqdm import tqdm
 
     data.mkdir(parents=True, exist_ok=True)
-    encoded = [tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True)
-               for p in prompts]
+    encoded = [chat_tokens(tokenizer, [{"role": "user", "content": p}]) for p in prompts]
     encoded = sorted((ids for ids in encoded if len(ids) <= max_prompt_tokens), key=len)
     count = (len(encoded) + shard_size - 1) // shard_size
     todo = [i for i in range(count) if not shard_path(data, first_shard + i).exists()]

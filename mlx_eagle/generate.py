@@ -11,16 +11,14 @@ from typing import List, Optional, Sequence
 
 import mlx.core as mx
 
-from .cli import DRAFT_HELP, blas_in_use, run_cli
+from .cli import add_model_arguments, blas_in_use, run_cli
 from .errors import UserError, check_text
 from .generation import chat_tokens, check_options, print_stats, stream_generate
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m mlx_eagle.generate", description=__doc__.splitlines()[0])
-    parser.add_argument("--model", help="MLX or Hugging Face directory, .gguf file or Hugging Face repo id "
-                                        "(default: SmolLM2-135M-Instruct)")
-    parser.add_argument("--draft", help=DRAFT_HELP)
+    add_model_arguments(parser)
     parser.add_argument("--no-lookup", action="store_true", help="no drafts from the context, the head's alone")
     parser.add_argument("--prompt", "-p", default="Hello!", help="the user message; '-' reads standard input")
     parser.add_argument("--system", help="a system prompt")
@@ -30,9 +28,6 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--top-k", type=int, default=0)
     parser.add_argument("--min-p", type=float, default=0.0)
     parser.add_argument("--seed", type=int, help="random seed for sampling")
-    parser.add_argument("--tree", default="auto",
-                        help="draft tree: auto (tuned for this device, see mlx_eagle.tune), chain:K, static:default, "
-                             "static:FILE, dynamic:topk=8,depth=5,tokens=32, none")
     parser.add_argument("--stop", action="append", help="stop when this text appears (repeatable)")
     parser.add_argument("--no-chat-template", action="store_true", help="send the prompt as raw text")
     parser.add_argument("--verbose", action="store_true", help="report tau, speed, memory and the BLAS in use")
@@ -48,7 +43,7 @@ def read_stdin() -> str:
 
 
 def prompt_tokens(tokenizer, prompt: str, system: Optional[str], use_chat_template: bool) -> List[int]:
-    if use_chat_template and tokenizer.chat_template is not None:
+    if use_chat_template:  # a model without a chat template gets chat_tokens' plain rendering
         messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
         return chat_tokens(tokenizer, messages)
     text = f"{system}\n\n{prompt}" if system else prompt
@@ -69,7 +64,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     Sampling(args.temp, args.top_p, args.min_p, args.top_k)
     if args.verbose:
         print(f"device: {mx.default_device()}, BLAS: {blas_in_use()}", file=sys.stderr)
-    model, tokenizer, head = load(args.model, draft=args.draft or "auto")
+    model, tokenizer, head = load(args.model, draft=args.draft)
     lookup = drafts_from_context(args.draft) and not args.no_lookup
     if spec is None:
         spec, why = auto_tree(model, head)

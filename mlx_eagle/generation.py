@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Dict, Generator, List, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Dict, Generator, List, Optional, Sequence, Tuple, Union
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -95,6 +95,27 @@ def check_options(max_tokens: int, seed: Optional[int]) -> None:
         raise UserError(f"seed must be a whole number from 0 to {MAX_SEED}, not {seed!r}")
 
 
+class StopMatcher:
+    """Hands out a growing text piece by piece, cut before the first stop string; while
+    the text may still grow, a tail that could begin a stop string is held back."""
+
+    def __init__(self, stops: Sequence[str]):
+        self.stops = [s for s in stops if s]
+        self.shown = 0  # characters already handed out
+
+    def feed(self, text: str, final: bool) -> Tuple[str, bool]:
+        """The new piece of ``text`` (all of it so far) to show, and whether a stop string
+        ended it. ``final``: the text will not grow again."""
+        found = (text.find(s, max(0, self.shown - len(s))) for s in self.stops)
+        cut = min((i for i in found if i >= 0), default=-1)
+        if cut >= 0:
+            text = text[:cut]
+        elif not final and self.stops:
+            text = text[:max(self.shown, len(text) - max(len(s) for s in self.stops) + 1)]
+        piece, self.shown = text[self.shown:], max(self.shown, len(text))
+        return piece, cut >= 0
+
+
 def _context_length(model: nn.Module) -> Optional[int]:
     return getattr(model.args, "max_position_embeddings", None)
 
@@ -157,10 +178,9 @@ def stream_generate(
     drafter = LookupDrafter(verify_costs(model)) if lookup else None
     decoder = SpeculativeDecoder(model, draft, spec, sampling, seed, prompt_cache, drafter)
     eos = set(tokenizer.eos_token_ids)
-    stops = [s for s in (stop or []) if s]
+    stops = StopMatcher(stop or [])
     detokenizer = tokenizer.detokenizer
     detokenizer.reset()
-    shown = 0  # characters of detokenizer.text already yielded
 
     tic = time.perf_counter()
     round_tokens = [decoder.prefill(ids)]
@@ -182,13 +202,9 @@ def stream_generate(
                 finish = "length"
             if finish is not None:
                 detokenizer.finalize()
-            text = detokenizer.text
-            cut = min((i for i in (text.find(s, max(0, shown - len(s))) for s in stops) if i >= 0), default=-1)
-            if cut >= 0:
-                text, finish = text[:cut], "stop"
-            elif finish is None and stops:  # hold back what may begin a stop string
-                text = text[: max(shown, len(text) - max(len(s) for s in stops) + 1)]
-            segment, shown = text[shown:], max(shown, len(text))
+            segment, stopped = stops.feed(detokenizer.text, final=finish is not None)
+            if stopped:
+                finish = "stop"
             elapsed = time.perf_counter() - tic
             yield GenerationResponse(
                 text=segment, token=token, from_draft=drafted, prompt_tokens=len(ids),
@@ -203,7 +219,7 @@ def stream_generate(
         room = max_tokens - generated
         if limit is not None:
             room = min(room, limit - decoder.length)
-        result = decoder.step(room)
+        result = decoder.round(room)
         round_tokens = result.tokens
         rounds += 1
         produced += len(result.tokens)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Protocol, Tuple, Union
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -166,10 +166,33 @@ class Eagle3Head(nn.Module):
         return draft_ids + self.d2t[draft_ids]
 
 
-Head = nn.Module  # Eagle1Head | Eagle3Head
+class Head(Protocol):
+    """What the decoder, drafter and trainer ask of a draft head (Eagle1Head, Eagle3Head,
+    and the tests' oracle heads)."""
+
+    family: str
+
+    def taps(self, num_target_layers: int) -> Optional[Tuple[int, ...]]:
+        """The target layers whose entering states are its features (None: the last state)."""
+
+    def project(self, features: mx.array) -> mx.array:
+        """Target features [..., F] -> the head's input width."""
+
+    def step(self, target: nn.Module, hidden: mx.array, tokens: mx.array, cache: List,
+             positions: Positions, mask: Mask) -> mx.array:
+        """One forward of the head's layer over (hidden, next token) pairs, appending to ``cache``."""
+
+    def logits(self, target: nn.Module, hidden: mx.array) -> mx.array:
+        """Draft logits over the head's vocabulary."""
+
+    def target_ids(self, draft_ids: mx.array) -> mx.array:
+        """Draft-vocabulary ids -> the target's."""
 
 
-def new_head(target: nn.Module, family: str, draft_vocab_size: Optional[int] = None, seed: int = 0) -> Head:
+EagleHead = Union[Eagle1Head, Eagle3Head]  # the heads with weights: saved, loaded, trained
+
+
+def new_head(target: nn.Module, family: str, draft_vocab_size: Optional[int] = None, seed: int = 0) -> EagleHead:
     """A randomly initialised head shaped for ``target`` (for training, and for tests:
     a bad head must still give exactly the target's text)."""
     if family not in FAMILIES:
@@ -198,7 +221,7 @@ def new_head(target: nn.Module, family: str, draft_vocab_size: Optional[int] = N
     return head
 
 
-def save_head(head: Head, path: Path, dtype: Optional[mx.Dtype] = None) -> None:
+def save_head(head: EagleHead, path: Path, dtype: Optional[mx.Dtype] = None) -> None:
     """Write config.json + model.safetensors in the official key layout; ``dtype`` casts the
     floating-point weights (float16 halves a shipped head; loading widens it again on CPU)."""
     path = Path(path)
@@ -236,7 +259,7 @@ def read_head_weights(path: Path) -> Tuple[dict, Dict[str, mx.array]]:
     return raw, weights
 
 
-def load_head(path: Path, target: nn.Module) -> Head:
+def load_head(path: Path, target: nn.Module) -> EagleHead:
     """Load a head directory (config.json + safetensors) and check it fits ``target``."""
     path = Path(path)
     raw, weights = read_head_weights(path)
@@ -281,7 +304,7 @@ def check_draft_vocabulary(d2t: mx.array, vocab_size: int, source, t2d: Optional
         raise UserError(f"{source}: t2d and d2t disagree on the draft vocabulary; the checkpoint is inconsistent")
 
 
-def check_fits(head: Head, target: nn.Module, path) -> None:
+def check_fits(head: EagleHead, target: nn.Module, path) -> None:
     """Name exactly what does not match between a head and its target."""
     config, args = head.config, target.args
     problems = []

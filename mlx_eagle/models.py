@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import json
 import os
 import sys
 from pathlib import Path
@@ -128,21 +129,40 @@ def load_target(model: Optional[str] = None, tokenizer_config: Optional[Dict[str
     return loaded, tokenizer, path
 
 
-def default_head_dir(model_path: Path) -> Optional[Path]:
-    """The head shipped for a model, if any (in the package's weights/ folder, by model name)."""
-    shipped = Path(__file__).parent / "weights" / model_path.name.rsplit("-", 1)[0]
-    return shipped if (shipped / "config.json").exists() else None
+# What identifies a target for a shipped head: its architecture, not the name of the
+# directory it was loaded from (a converted GGUF, a Hugging Face folder and a Hub snapshot
+# of the same model are all named differently).
+IDENTITY_KEYS = ("model_type", "hidden_size", "num_hidden_layers", "intermediate_size", "num_attention_heads",
+                 "num_key_value_heads", "vocab_size", "rope_theta", "tie_word_embeddings")
+TARGET_FILE = "target.json"  # beside a shipped head: the identity of the model it drafts for
 
 
-def load_draft(draft: Optional[str], model: nn.Module, model_path: Optional[Path] = None):
-    """An EAGLE head for ``model``: a head directory, "auto" (the shipped head for the
-    default model, if any) or None / "none" / "lookup" (no head)."""
+def target_identity(model: nn.Module) -> Dict[str, Any]:
+    args = vars(model.args)
+    return {key: args.get(key) for key in IDENTITY_KEYS}
+
+
+def shipped_head_dir(model: nn.Module) -> Optional[Path]:
+    """The head shipped for ``model`` (in the package's weights/ folder), if any."""
+    identity = target_identity(model)
+    for directory in sorted((Path(__file__).parent / "weights").glob("*")):
+        try:
+            if json.loads((directory / TARGET_FILE).read_text()) == identity:
+                return directory
+        except (OSError, ValueError):
+            continue
+    return None
+
+
+def load_draft(draft: Optional[str], model: nn.Module):
+    """An EAGLE head for ``model``: a head directory, "auto" (the head shipped for this
+    model, if any) or None / "none" / "lookup" (no head)."""
     from .heads import load_head
 
     if draft in (None, "none", "lookup"):
         return None
     if draft == "auto":
-        found = default_head_dir(model_path) if model_path is not None else None
+        found = shipped_head_dir(model)
         return load_head(found, model) if found is not None else None
     return load_head(Path(draft).expanduser(), model)
 
@@ -159,4 +179,4 @@ def load(path_or_hf_repo: Optional[str] = None, draft: Optional[str] = None,
     model, tokenizer, path = load_target(path_or_hf_repo, tokenizer_config)
     if draft is None:
         return model, tokenizer
-    return model, tokenizer, load_draft(draft, model, path)
+    return model, tokenizer, load_draft(draft, model)

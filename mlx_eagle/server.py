@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Dict, Iterator, List, Optional, Sequence
 
-from .cli import DRAFT_HELP, run_cli
+from .cli import add_model_arguments, run_cli
 from .errors import UserError
 from .errors import check_text
 from .generation import MAX_SEED, GenerationResponse, chat_tokens, check_messages
@@ -421,10 +421,7 @@ def _stop(signum, frame) -> None:
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m mlx_eagle.server", description=__doc__.splitlines()[0])
-    parser.add_argument("--model", help="MLX or Hugging Face directory, .gguf file or repo id "
-                                        "(default: SmolLM2-135M-Instruct)")
-    parser.add_argument("--draft", default="auto", help=DRAFT_HELP)
-    parser.add_argument("--tree", default="auto", help="draft tree (as in mlx_eagle.generate)")
+    add_model_arguments(parser)
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: this machine only)")
     parser.add_argument("--port", type=int, default=8080, help="port (0: any free one)")
     parser.add_argument("--allow-host", action="append", default=[], metavar="NAME",

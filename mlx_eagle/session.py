@@ -78,7 +78,7 @@ class Engine:
     @staticmethod
     def _load(model: Optional[str], draft: Optional[str]):
         target, tokenizer, path = load_target(model)
-        return target, tokenizer, load_draft(draft, target, path), path
+        return target, tokenizer, load_draft(draft, target), path
 
     def _call(self, function: Callable[[], Any]) -> Any:
         """Run ``function`` on the worker and return its result (or raise its error)."""

@@ -8,6 +8,7 @@ position offset and builds its own causal mask.
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
 from functools import partial
 from typing import Callable, List, Optional, Sequence, Tuple, Union
@@ -19,6 +20,15 @@ from mlx_lm.models.base import scaled_dot_product_attention
 from .errors import UserError
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+_MLX_LM_MODULES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}  # mlx-lm runs mistral as llama
+
+
+def model_classes(model_type: str) -> Tuple[type, type]:
+    """mlx-lm's (Model, ModelArgs) for a supported model type, from its public modules."""
+    if model_type not in _MLX_LM_MODULES:
+        raise UserError(f"model type {model_type!r} is not supported; supported are {', '.join(SUPPORTED_MODEL_TYPES)}")
+    module = importlib.import_module(f"mlx_lm.models.{_MLX_LM_MODULES[model_type]}")
+    return module.Model, module.ModelArgs
 
 # An int: positions run on from there (prefill, chains). An array: one per token (trees).
 Positions = Union[int, mx.array]

@@ -33,9 +33,11 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.models.cache import KVCache
 
-from .cli import run_cli
+from .cli import add_model_arguments, run_cli
 from .errors import UserError
 from .features import self_distill
+from .generation import chat_tokens
+from .models import TARGET_FILE, target_identity
 from .target import lm_head, lm_head_rows, target_forward
 
 @dataclass
@@ -415,12 +417,12 @@ def acceptance_by_depth(target, tokenizer, head, prompts: Sequence[str], depth: 
 
     reached, accepted, produced, rounds = np.zeros(depth), np.zeros(depth), 0, 0
     for prompt in prompts:
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
+        ids = chat_tokens(tokenizer, [{"role": "user", "content": prompt}])
         decoder = SpeculativeDecoder(target, head, parse_tree(f"chain:{depth}"), Sampling())
         decoder.prefill(ids)
         generated = 1
         while generated < max_tokens:
-            result = decoder.step(max_tokens - generated)
+            result = decoder.round(max_tokens - generated)
             taken = len(result.tokens) - 1
             reached[: min(taken + 1, result.drafted)] += 1
             accepted[:taken] += 1
@@ -478,7 +480,7 @@ def self_distilled_pieces(model: nn.Module, tokenizer, root: Path, prompts: int,
 def main(argv: Optional[Sequence[str]] = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m mlx_eagle.train", description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, type=Path, help="the head directory to write")
-    parser.add_argument("--model", help="target (default: SmolLM2-135M-Instruct)")
+    add_model_arguments(parser, draft=False, tree=False)
     parser.add_argument("--work", type=Path, help="checkpoints, log and curves (default: OUT.work)")
     parser.add_argument("--data", type=Path, help="tokenized data and vocabularies, shareable between runs "
                         "(default: --work)")
@@ -548,6 +550,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     if world.rank() != 0:
         return
     save_head(head, args.out, dtype=getattr(mx, args.save_dtype))
+    # Whom it drafts for, so that shipped in mlx_eagle/weights/ it is found by --draft auto.
+    (args.out / TARGET_FILE).write_text(json.dumps(target_identity(model), indent=1) + "\n")
     plot_curves(work / "log.jsonl", work / "curves.png")
     if args.skip_eval:
         return

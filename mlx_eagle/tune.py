@@ -36,9 +36,11 @@ import numpy as np
 
 from .calibrate import (Costs, TreeChoice, best_tree, device_key, non_decreasing, save_acceptance, time_draft_step,
                         tree_file)
-from .cli import run_cli
+from .cli import add_model_arguments, run_cli
 from .errors import UserError
+from .generation import chat_tokens
 from .trees import RankPath, TreeSpec, parse_tree
+from .verify import Sampling
 
 VERIFY_SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64)
 
@@ -55,13 +57,13 @@ def confirm_speedup(model: nn.Module, tokenizer, head, paths: List[RankPath], pr
     returns (tree tokens/s, plain tokens/s), measured."""
     from .bench import eagle_method, mlx_lm_method
 
-    sampling = {"temp": 0.0, "top_p": 1.0, "min_p": 0.0, "top_k": 0}
+    sampling = Sampling()  # greedy
     spec = TreeSpec("static", paths, text="tuned")
     methods = [eagle_method(model, tokenizer, head, spec, max_tokens, sampling),
                mlx_lm_method(model, tokenizer, max_tokens, sampling)]
     tokens, seconds = [0, 0], [0.0, 0.0]
     for index, prompt in enumerate(prompts):
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
+        ids = chat_tokens(tokenizer, [{"role": "user", "content": prompt}])
         for m in (index % 2, 1 - index % 2):
             answer = methods[m](list(ids))
             tokens[m] += len(answer.tokens)
@@ -88,7 +90,6 @@ def measure_costs(model: nn.Module, tokenizer, head, context: int = 256, repeats
 
     from .decoder import SpeculativeDecoder
     from .target import keep_cache_entries, target_forward
-    from .verify import Sampling
 
     rng = np.random.default_rng(0)
     prompt = rng.integers(100, model.args.vocab_size - 100, size=context).tolist()
@@ -110,7 +111,7 @@ def measure_costs(model: nn.Module, tokenizer, head, context: int = 256, repeats
     # A whole round of a one-node chain, less its verification and draft steps.
     decoder = SpeculativeDecoder(model, head, parse_tree("chain:1"), Sampling())
     decoder.prefill(prompt)
-    round_ms = _median_ms(lambda: decoder.step(4), repeats * 2)
+    round_ms = _median_ms(lambda: decoder.round(4), repeats * 2)
     remainder = max(0.0, round_ms - verify_ms[2] - 2 * draft_step_ms)
 
     times = []
@@ -125,8 +126,7 @@ def calibration_pieces(model: nn.Module, tokenizer, prompts: Sequence[str], max_
     """The target's greedy answers to ``prompts``, as (token ids, answer) pieces."""
     from .features import greedy_batch
 
-    ids = [tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True)
-           for p in prompts]
+    ids = [chat_tokens(tokenizer, [{"role": "user", "content": p}]) for p in prompts]
     ids = sorted((i for i in ids if len(i) <= 256), key=len)
     pieces = []
     for start in range(0, len(ids), 16):
@@ -172,8 +172,7 @@ def measure_acceptance(model: nn.Module, head, pieces: Sequence[tuple], depths: 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m mlx_eagle.tune", description=__doc__.splitlines()[0])
-    parser.add_argument("--model", help="target (default: SmolLM2-135M-Instruct)")
-    parser.add_argument("--draft", help="EAGLE head directory (default: the model's shipped head)")
+    add_model_arguments(parser, tree=False)
     parser.add_argument("--prompts", type=int, default=24, help="calibration prompts")
     parser.add_argument("--max-tokens", type=int, default=128, help="answer tokens per calibration prompt")
     parser.add_argument("--max-nodes", type=int, default=64)
@@ -191,12 +190,15 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     from . import load
     from .data import sharegpt_prompts
 
-    model, tokenizer, head = load(args.model, draft=args.draft or "auto")
+    model, tokenizer, head = load(args.model, draft=args.draft)
     if head is None:
         raise UserError("no EAGLE head for this model: pass --draft DIR")
     head_dir = head.directory
     progress = not args.quiet
-    prompts = sharegpt_prompts()[-args.prompts:]
+    # Calibration prompts from the end of ShareGPT (training reads it from the start), and
+    # six before them to confirm the speed-up on: in neither training nor calibration.
+    available = sharegpt_prompts()
+    prompts, confirmation = available[-args.prompts:], available[-args.prompts - 6:-args.prompts]
     pieces = calibration_pieces(model, tokenizer, prompts, args.max_tokens)
     acceptance = measure_acceptance(model, head, pieces)
     try:  # what --tree auto builds trees from on devices nobody tuned
@@ -208,9 +210,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     key = device_key(model)
     measured = None
     if costs is not None and choice.paths:
-        # Six prompts just before the calibration ones: not in training, not in calibration.
-        measured = confirm_speedup(model, tokenizer, head, choice.paths,
-                                   sharegpt_prompts()[-args.prompts - 6:-args.prompts])
+        measured = confirm_speedup(model, tokenizer, head, choice.paths, confirmation)
         if measured[0] < CONFIRM_MARGIN * measured[1]:
             print(f"the best tree ran at {measured[0]:.1f} tokens/s against {measured[1]:.1f} plain: "
                   "not fast enough, so auto will decode plainly")

@@ -83,14 +83,14 @@ def phases_of_a_round(model, head, tree: str, prompt, rounds: int) -> dict:
         draft, tokens = decoder._head_tree(64)
         mx.eval(tokens)
         drafted = time.perf_counter()
-        start = decoder.cache[0].offset
+        start = decoder.target_cache[0].offset
         out = decoder._verify(draft, tokens)
         mx.eval(out.logits, out.features)
         verified = time.perf_counter()
         verdict = accept(draft, tokens, out.logits, decoder.sampling)
         accepted = time.perf_counter()
         kept = [0] + [n + 1 for n in verdict.path]
-        keep_cache_entries(decoder.cache, start, kept)
+        keep_cache_entries(decoder.target_cache, start, kept)
         decoder.root = verdict.bonus
         decoder.drafted = decoder._draft(out.features[mx.array(kept)], verdict.tokens + [verdict.bonus])
         mx.eval(decoder.drafted[1])

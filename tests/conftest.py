@@ -20,6 +20,25 @@ def pytest_configure(config):
         capture.resume_global_capture()
 
 
+# Tests that use these run the real model: `pytest -m "not slow"` leaves them out.
+REAL_MODEL_FIXTURES = {"smollm", "smollm_gguf", "smollm_reader", "smollm_float32", "smollm_native"}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if REAL_MODEL_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
+
+
+@pytest.fixture(scope="session")
+def smollm():
+    """The default model (SmolLM2-135M-Instruct, float32 on a CPU) and its tokenizer,
+    loaded once for the whole run. Tests must not change it."""
+    from mlx_eagle import load
+
+    return load()
+
+
 @pytest.fixture(scope="session")
 def smollm_gguf() -> Path:
     from mlx_eagle.models import default_gguf

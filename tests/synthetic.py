@@ -13,8 +13,9 @@ import mlx.core as mx
 import numpy as np
 from gguf import GGMLQuantizationType as QT
 from mlx.utils import tree_flatten
-from mlx_lm.utils import _get_classes
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from mlx_eagle.target import model_classes
 
 CHATML = (
     "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"
@@ -86,7 +87,7 @@ def _config(model_type: str, vocab_size: int) -> Dict:
 
 
 def _weights(config: Dict, seed: int) -> Dict[str, np.ndarray]:
-    model_class, args_class = _get_classes(config)
+    model_class, args_class = model_classes(config["model_type"])
     model = model_class(args_class.from_dict(config))
     rng = np.random.default_rng(seed)
     weights = {}

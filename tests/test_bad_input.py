@@ -41,9 +41,9 @@ def assert_one_line(code, lines, *words):
 
 
 @pytest.fixture(scope="module")
-def bad_files(tmp_path_factory, smollm_float32):
-    """Tree files and model directories that must each be refused in one line."""
-    root = tmp_path_factory.mktemp("bad")
+def bad_trees(tmp_path_factory):
+    """Tree files that must each be refused in one line."""
+    root = tmp_path_factory.mktemp("bad-trees")
     files = {"dir": root / "a-directory", "list": root / "list.json", "nulls": root / "nulls.json",
              "deep": root / "deep.json", "huge": root / "huge.json", "text": root / "text.json",
              "zero": Path("/dev/zero")}
@@ -53,16 +53,20 @@ def bad_files(tmp_path_factory, smollm_float32):
     files["deep"].write_text("[" * 100_000 + "]" * 100_000)
     files["huge"].write_text(json.dumps([[i] for i in range(5000)]))
     files["text"].write_text("not a tree")
-    # A model directory whose weights were cut short, and one whose config asks for a million layers.
+    return {name: str(path) for name, path in files.items()}
+
+
+@pytest.fixture(scope="module")
+def bad_models(tmp_path_factory, smollm_float32):
+    """Model directories whose weights were cut short, or whose config asks for a million layers."""
+    root = tmp_path_factory.mktemp("bad-models")
     for name in ("truncated", "million-layers"):
-        directory = root / name
-        shutil.copytree(smollm_float32, directory)
-        files[name] = directory
-    weights = files["truncated"] / "model.safetensors"
+        shutil.copytree(smollm_float32, root / name)
+    weights = root / "truncated" / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:100_000])
-    config = json.loads((files["million-layers"] / "config.json").read_text())
-    (files["million-layers"] / "config.json").write_text(json.dumps(dict(config, num_hidden_layers=1_000_000)))
-    return files
+    config = json.loads((root / "million-layers" / "config.json").read_text())
+    (root / "million-layers" / "config.json").write_text(json.dumps(dict(config, num_hidden_layers=1_000_000)))
+    return {name: str(root / name) for name in ("truncated", "million-layers")}
 
 
 TREES = [("dir", "not a regular file"), ("list", "rank paths"), ("nulls", "rank paths"), ("deep", "RecursionError"),
@@ -81,13 +85,16 @@ def forbid_loading(monkeypatch, module, name):
     monkeypatch.setattr(module, name, loaded)
 
 
-@pytest.mark.parametrize("argv, words", OPTIONS + GENERATE_ONLY + [(["--tree", f"static:{{{k}}}"], w) for k, w in TREES])
-def test_generate_refuses_bad_arguments_before_loading(argv, words, bad_files, capsys, monkeypatch):
+TREE_FILES = [(["--tree", f"static:{{{name}}}"], words) for name, words in TREES]
+
+
+@pytest.mark.parametrize("argv, words", OPTIONS + GENERATE_ONLY + TREE_FILES)
+def test_generate_refuses_bad_arguments_before_loading(argv, words, bad_trees, capsys, monkeypatch):
     import mlx_eagle
 
     generate = importlib.import_module("mlx_eagle.generate")  # the package's `generate` is the function
     forbid_loading(monkeypatch, mlx_eagle, "load")
-    argv = [a.format(**{k: str(v) for k, v in bad_files.items()}) for a in argv]
+    argv = [a.format(**bad_trees) for a in argv]
     assert_one_line(*run_command(generate.main, argv, capsys, monkeypatch), words)
 
 
@@ -98,19 +105,20 @@ def test_generate_refuses_bad_arguments_before_loading(argv, words, bad_files, c
     (["--model", "{million-layers}"], b"", "num_hidden_layers"),
     (["--model", "/dev/null"], b"", "neither a GGUF file nor a model directory"),
 ])
-def test_generate_refuses_bad_input(argv, stdin, words, bad_files, capsys, monkeypatch):
+@pytest.mark.slow  # loads the real model, or converts it for the damaged copies
+def test_generate_refuses_bad_input(argv, stdin, words, bad_models, capsys, monkeypatch):
     generate = importlib.import_module("mlx_eagle.generate")
-    argv = [a.format(**{k: str(v) for k, v in bad_files.items()}) for a in argv]
+    argv = [a.format(**bad_models) for a in argv]
     assert_one_line(*run_command(generate.main, argv + ["--max-tokens", "4"], capsys, monkeypatch, stdin), words)
 
 
-@pytest.mark.parametrize("argv, words", OPTIONS + [(["--tree", f"static:{{{k}}}"], w) for k, w in TREES[:3]])
-def test_chat_app_refuses_bad_arguments_before_loading(argv, words, bad_files, capsys, monkeypatch):
+@pytest.mark.parametrize("argv, words", OPTIONS + TREE_FILES[:3])
+def test_chat_app_refuses_bad_arguments_before_loading(argv, words, bad_trees, capsys, monkeypatch):
     import mlx_eagle.session
     from apps import chat
 
     forbid_loading(monkeypatch, mlx_eagle.session, "ChatSession")
-    argv = [a.format(**{k: str(v) for k, v in bad_files.items()}) for a in argv]
+    argv = [a.format(**bad_trees) for a in argv]
     assert_one_line(*run_command(chat.main, argv, capsys, monkeypatch), words)
 
 
@@ -119,14 +127,14 @@ def test_chat_app_refuses_bad_arguments_before_loading(argv, words, bad_files, c
     (["--tree", "static:{dir}"], "not a regular file"), (["--host", "no.such.host.invalid"], "cannot listen"),
     (["--port", "{busy}"], "cannot listen"),
 ])
-def test_server_refuses_bad_arguments_before_loading(argv, words, bad_files, capsys, monkeypatch):
+def test_server_refuses_bad_arguments_before_loading(argv, words, bad_trees, capsys, monkeypatch):
     from mlx_eagle import server
 
     forbid_loading(monkeypatch, server, "Engine")
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
-        names = {k: str(v) for k, v in bad_files.items()} | {"busy": str(busy.getsockname()[1])}
+        names = dict(bad_trees, busy=str(busy.getsockname()[1]))
         argv = [a.format(**names) for a in argv]
         assert_one_line(*run_command(server.main, argv, capsys, monkeypatch), words)
 

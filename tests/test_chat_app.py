@@ -13,16 +13,17 @@ from pathlib import Path
 
 import pytest
 
-from mlx_eagle import load
 from mlx_eagle.heads import new_head, save_head
+
+pytestmark = pytest.mark.slow  # the app in a terminal with the real SmolLM2
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")
-def random_head(tmp_path_factory):
+def random_head(tmp_path_factory, smollm):
     """A random EAGLE-3 head, so the app's replies go through speculation."""
-    model, _ = load()
+    model, _ = smollm
     path = tmp_path_factory.mktemp("head") / "random-eagle3"
     save_head(new_head(model, "eagle3", seed=5), path)
     return path

@@ -121,3 +121,19 @@ def test_sigterm_midway_leaves_nothing_and_a_killed_runs_leftovers_are_removed(s
     umask = os.umask(0)
     os.umask(umask)
     assert out.stat().st_mode & 0o777 == 0o777 & ~umask
+
+
+def test_a_full_disk_gets_one_line_and_leaves_nothing(tmp_path, monkeypatch):
+    import errno
+
+    from convert import target, writer
+    from mlx_eagle.errors import UserError
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(writer, "_save_shard", full)
+    paths = synthetic.write_model(tmp_path, "llama")
+    with pytest.raises(UserError, match="No space left on device"):
+        target.convert_target(paths["gguf"], tmp_path / "out", progress=False)
+    assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out.*"))

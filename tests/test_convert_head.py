@@ -264,14 +264,14 @@ def test_a_head_for_another_target_fails_with_one_line(targets, tmp_path, capsys
     assert "\n" not in str(caught.value) and not (tmp_path / "out").exists()
 
 
-def test_a_converted_head_keeps_greedy_decoding_lossless(tmp_path):
+def test_a_converted_head_keeps_greedy_decoding_lossless(tmp_path, smollm):
     """A published-layout EAGLE-3 head for the real SmolLM2 (random weights), converted
     with 8-bit quantization, drafting through the runtime: exactly mlx-lm's greedy text."""
     from mlx_lm.generate import generate_step
 
-    from mlx_eagle import load, stream_generate
+    from mlx_eagle import stream_generate
 
-    model, tokenizer = load()
+    model, tokenizer = smollm
     rng = np.random.default_rng(3)
     hidden, vocab, draft_vocab = 576, model.args.vocab_size, 512
 

@@ -9,7 +9,7 @@ from mlx_lm.generate import generate_step
 from mlx_lm.models import starcoder2
 
 import mlx_eagle.calibrate
-from mlx_eagle import load, stream_generate
+from mlx_eagle import stream_generate
 from mlx_eagle.calibrate import VerifyCosts
 from mlx_eagle.decoder import SpeculativeDecoder
 from mlx_eagle.heads import new_head
@@ -72,11 +72,6 @@ def test_grafting_shares_prefixes():
     assert tree.depths[nodes[3]] == 4
 
 
-@pytest.fixture(scope="module")
-def smollm():
-    return load()
-
-
 def _reference(model, ids, max_tokens, eos):
     tokens = []
     for token, _ in generate_step(mx.array(ids), model, max_tokens=max_tokens):
@@ -103,7 +98,7 @@ def _decode(model, ids, head, tree, eos, max_tokens=64):
     decoder = SpeculativeDecoder(model, head, parse_tree(tree), Sampling(), lookup=drafter)
     tokens = [decoder.prefill(ids)]
     while len(tokens) < max_tokens and tokens[-1] not in eos:
-        tokens += decoder.step(max_tokens - len(tokens)).tokens
+        tokens += decoder.round(max_tokens - len(tokens)).tokens
     return tokens, int(drafter.accepted.sum())
 
 
@@ -150,7 +145,7 @@ def test_lookup_works_on_any_mlx_lm_architecture():
     decoder = SpeculativeDecoder(model, None, parse_tree("none"), Sampling(), lookup=drafter)
     tokens = [decoder.prefill(prompt)]
     while len(tokens) < 48:
-        tokens += decoder.step(48 - len(tokens)).tokens
+        tokens += decoder.round(48 - len(tokens)).tokens
     assert tokens == expected
     assert drafter.accepted.sum() > 10 and decoder.forwards < 40
     with pytest.raises(ValueError, match="supports llama"):  # a head needs the tree path

@@ -11,7 +11,8 @@ import pytest
 from mlx_lm.generate import generate_step
 
 import mlx_eagle
-from mlx_eagle import load, stream_generate
+from mlx_eagle import stream_generate
+from mlx_eagle.models import load_draft
 from mlx_eagle.calibrate import auto_tree, device_key, tree_file
 from mlx_eagle.heads import new_head
 from oracle import OracleHead
@@ -30,12 +31,6 @@ PROMPTS = [
 ]
 TREES = ["chain:4", "static:default", "dynamic:topk=4,depth=4,tokens=12"]
 MAX_TOKENS = 64
-
-
-@pytest.fixture(scope="module")
-def smollm():
-    model, tokenizer = load()  # the default model: float32 on this CPU
-    return model, tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -99,8 +94,8 @@ def test_plain_decoding_through_the_same_loop(smollm, references, index):
 
 
 @pytest.fixture(scope="module")
-def shipped():
-    head = load(draft="auto")[2]
+def shipped(smollm):
+    head = load_draft("auto", smollm[0])
     assert head is not None, "no head shipped for the default model"
     return head
 

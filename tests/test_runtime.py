@@ -19,7 +19,7 @@ from synthetic import write_model
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
+def tiny_llama(tmp_path_factory):
     from convert.target import convert_target
     from mlx_eagle import load
 
@@ -30,8 +30,8 @@ def tiny(tmp_path_factory):
 
 
 @pytest.mark.parametrize("tree", ["chain:6", "static:default", "dynamic:topk=5,depth=4,tokens=20"])
-def test_a_tree_costs_one_target_forward_per_round(tiny, tree):
-    model, _, _ = tiny
+def test_a_tree_costs_one_target_forward_per_round(tiny_llama, tree):
+    model, _, _ = tiny_llama
     calls = []
     norm = model.model.norm
 
@@ -49,7 +49,7 @@ def test_a_tree_costs_one_target_forward_per_round(tiny, tree):
         decoder.prefill(sequence[:5])
         assert len(calls) == 1
         for round_number in range(1, 6):
-            result = decoder.step(40)
+            result = decoder.round(40)
             assert len(calls) == 1 + round_number
             assert calls[-1] == 1 + result.drafted  # the whole tree in that one pass
             assert result.drafted == parse_tree(tree).max_nodes
@@ -58,8 +58,8 @@ def test_a_tree_costs_one_target_forward_per_round(tiny, tree):
 
 
 @pytest.mark.parametrize("family", ["eagle1", "eagle3"])
-def test_head_round_trips_in_the_official_layout(tiny, tmp_path, family):
-    model, _, _ = tiny
+def test_head_round_trips_in_the_official_layout(tiny_llama, tmp_path, family):
+    model, _, _ = tiny_llama
     head = new_head(model, family, draft_vocab_size=64 if family == "eagle3" else None, seed=3)
     save_head(head, tmp_path / "head")
     keys = set(mx.load(str(tmp_path / "head" / "model.safetensors")))
@@ -108,11 +108,11 @@ def assert_one_line_error(result, *words):
 
 
 @pytest.fixture(scope="module")
-def other_heads(tiny, tmp_path_factory):
+def other_heads(tiny_llama, tmp_path_factory):
     """Heads made for other targets: wider, and with another vocabulary."""
     from mlx_lm.models import qwen3
 
-    model, _, _ = tiny
+    model, _, _ = tiny_llama
     root = tmp_path_factory.mktemp("heads")
     wide = dict(vars(model.args), hidden_size=96, num_attention_heads=6, head_dim=16)
     save_head(new_head(qwen3.Model(qwen3.ModelArgs.from_dict(wide)), "eagle3"), root / "wide")
@@ -121,37 +121,38 @@ def other_heads(tiny, tmp_path_factory):
     return root
 
 
-def test_head_of_another_width(tiny, other_heads):
-    result = run_generate("--model", str(tiny[2]), "--draft", str(other_heads / "wide"), "--max-tokens", "4")
+def test_head_of_another_width(tiny_llama, other_heads):
+    result = run_generate("--model", str(tiny_llama[2]), "--draft", str(other_heads / "wide"), "--max-tokens", "4")
     assert_one_line_error(result, "does not fit", "hidden size 96")
 
 
-def test_head_of_another_vocabulary(tiny, other_heads):
-    result = run_generate("--model", str(tiny[2]), "--draft", str(other_heads / "vocab"), "--max-tokens", "4")
+def test_head_of_another_vocabulary(tiny_llama, other_heads):
+    result = run_generate("--model", str(tiny_llama[2]), "--draft", str(other_heads / "vocab"), "--max-tokens", "4")
     assert_one_line_error(result, "does not fit", "vocabulary")
 
 
-def test_missing_head_files(tiny, tmp_path):
-    assert_one_line_error(run_generate("--model", str(tiny[2]), "--draft", str(tmp_path / "absent")), "does not exist")
+def test_missing_head_files(tiny_llama, tmp_path):
+    model_dir = str(tiny_llama[2])
+    assert_one_line_error(run_generate("--model", model_dir, "--draft", str(tmp_path / "absent")), "does not exist")
     (tmp_path / "empty").mkdir()
-    assert_one_line_error(run_generate("--model", str(tiny[2]), "--draft", str(tmp_path / "empty")), "config.json")
-    save_head(new_head(tiny[0], "eagle1"), tmp_path / "no-weights")
+    assert_one_line_error(run_generate("--model", model_dir, "--draft", str(tmp_path / "empty")), "config.json")
+    save_head(new_head(tiny_llama[0], "eagle1"), tmp_path / "no-weights")
     (tmp_path / "no-weights" / "model.safetensors").unlink()
-    assert_one_line_error(run_generate("--model", str(tiny[2]), "--draft", str(tmp_path / "no-weights")),
+    assert_one_line_error(run_generate("--model", str(tiny_llama[2]), "--draft", str(tmp_path / "no-weights")),
                           "safetensors")
 
 
-def test_malformed_tree(tiny):
-    assert_one_line_error(run_generate("--model", str(tiny[2]), "--tree", "dynamic:topk=8,deep=2"), "deep")
+def test_malformed_tree(tiny_llama):
+    assert_one_line_error(run_generate("--model", str(tiny_llama[2]), "--tree", "dynamic:topk=8,deep=2"), "deep")
 
 
-def test_prompt_longer_than_the_context(tiny):
-    long_prompt = "hello world " * 400  # the tiny model's context holds 256 tokens
-    assert_one_line_error(run_generate("--model", str(tiny[2]), "--prompt", long_prompt), "context")
+def test_prompt_longer_than_the_context(tiny_llama):
+    long_prompt = "hello world " * 400  # the tiny_llama model's context holds 256 tokens
+    assert_one_line_error(run_generate("--model", str(tiny_llama[2]), "--prompt", long_prompt), "context")
 
 
-def test_generation_stops_at_the_context_end(tiny):
-    model, tokenizer, _ = tiny
+def test_generation_stops_at_the_context_end(tiny_llama):
+    model, tokenizer, _ = tiny_llama
     from mlx_eagle import stream_generate
 
     ids = list(range(3, 250))
@@ -161,8 +162,8 @@ def test_generation_stops_at_the_context_end(tiny):
     assert len(ids) + len(responses) <= model.args.max_position_embeddings
 
 
-def test_stop_strings(tiny):
-    model, tokenizer, _ = tiny
+def test_stop_strings(tiny_llama):
+    model, tokenizer, _ = tiny_llama
     from mlx_eagle import generate
 
     full = generate(model, tokenizer, "The quick brown fox", max_tokens=30)
@@ -170,3 +171,42 @@ def test_stop_strings(tiny):
     stop = full[3:6]
     text = generate(model, tokenizer, "The quick brown fox", max_tokens=30, stop=[stop])
     assert text == full[: full.find(stop)]
+
+
+def test_a_stop_string_split_across_tokens_is_never_shown():
+    from mlx_eagle.generation import StopMatcher
+
+    matcher = StopMatcher(["END", ""])
+    pieces = [matcher.feed(text, final=False) for text in ("abc", "abcE", "abcEN", "abcENDxyz")]
+    assert pieces == [("a", False), ("b", False), ("c", False), ("", True)]
+    unfinished = StopMatcher(["END"])
+    assert unfinished.feed("abcEN", final=False) == ("abc", False)
+    assert unfinished.feed("abcEN", final=True) == ("EN", False)  # the text ended: nothing to hold back
+
+
+def test_draft_auto_finds_the_shipped_head_by_the_models_identity_not_its_path(smollm_float32, tmp_path):
+    """A Hub snapshot path and a plain directory name hold the same SmolLM2: both get its
+    head; another model gets none."""
+    import shutil
+
+    from convert.target import convert_target
+    from mlx_eagle import load
+    from mlx_eagle.models import shipped_head_dir
+    from synthetic import write_model
+
+    snapshot = tmp_path / "models--HuggingFaceTB--SmolLM2-135M-Instruct" / "snapshots" / "0123abcd"
+    shutil.copytree(smollm_float32, snapshot)
+    for directory in (snapshot, smollm_float32):
+        model, _, head = load(str(directory), draft="auto")
+        assert head is not None and head.directory == shipped_head_dir(model), directory
+    other = convert_target(write_model(tmp_path, "llama")["hf"], tmp_path / "other", progress=False)
+    assert load(str(other), draft="auto")[2] is None
+
+
+def test_importing_the_generate_command_keeps_the_generate_function():
+    import importlib
+
+    import mlx_eagle
+
+    importlib.import_module("mlx_eagle.generate")  # the command, as python -m and the corpus tests load it
+    assert callable(mlx_eagle.generate) and mlx_eagle.generate.__module__ == "mlx_eagle.generation"

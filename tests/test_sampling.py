@@ -1,4 +1,4 @@
-"""Sampling is exact: on a tiny model with a 6-token vocabulary, the first three generated
+"""Sampling is exact: on a six_token_model model with a 6-token vocabulary, the first three generated
 tokens over many seeds follow the target's exact joint distribution (chi-square, fixed
 seeds), with a good draft and with a deliberately wrong one."""
 
@@ -16,6 +16,8 @@ from mlx_eagle.trees import TreeSpec
 from mlx_eagle.verify import Sampling
 from oracle import FixedDraft
 
+pytestmark = pytest.mark.slow  # thousands of seeded decodes
+
 VOCAB = 6
 PROMPT = [1, 4, 2]
 TREE = TreeSpec("static", [(0,), (1,), (0, 0), (0, 1), (1, 0)], text="test")
@@ -23,7 +25,7 @@ SAMPLES = 3000
 
 
 @pytest.fixture(scope="module")
-def tiny():
+def six_token_model():
     mx.random.seed(7)
     args = llama.ModelArgs(model_type="llama", hidden_size=32, num_hidden_layers=2, intermediate_size=64,
                            num_attention_heads=4, rms_norm_eps=1e-5, vocab_size=VOCAB, num_key_value_heads=2,
@@ -71,7 +73,7 @@ def sample_first_three(model, draft, sampling: Sampling, lookup: bool = False, p
         decoder = SpeculativeDecoder(model, draft, TREE, sampling, seed=seed, lookup=drafter)
         tokens = [decoder.prefill(prompt)]
         while len(tokens) < 3:
-            result = decoder.step(3 - len(tokens))
+            result = decoder.round(3 - len(tokens))
             tokens += result.tokens
             drafted_tokens += result.drafted
             accepted_tokens += len(result.tokens) - 1
@@ -85,38 +87,38 @@ SETTINGS = {"temp 1": Sampling(temp=1.0), "temp 0.7, top-p 0.9, top-k 4, min-p 0
 
 @pytest.mark.parametrize("setting", SETTINGS)
 @pytest.mark.parametrize("quality", ["good", "wrong"])
-def test_first_tokens_follow_the_target_distribution(tiny, setting, quality):
+def test_first_tokens_follow_the_target_distribution(six_token_model, setting, quality):
     sampling = SETTINGS[setting]
-    joint = exact_joint(tiny, sampling)
+    joint = exact_joint(six_token_model, sampling)
     likely = list(np.argsort(-joint.sum(axis=(0, 2))))  # by how often t2 is each token
     draft = FixedDraft(likely if quality == "good" else likely[::-1], VOCAB)
-    counts, accepted = sample_first_three(tiny, draft, sampling)
+    counts, accepted = sample_first_three(six_token_model, draft, sampling)
     assert chi_square_ok(counts, joint)
     if quality == "good":
         assert accepted > SAMPLES / 3  # drafts were really accepted, the test bites
 
 
 @pytest.mark.parametrize("head", [True, False])
-def test_lookup_drafts_keep_the_target_distribution(tiny, head):
+def test_lookup_drafts_keep_the_target_distribution(six_token_model, head):
     """Context drafts grafted onto a head's tree (a wrong head, so the lookup branch
     carries what is accepted), and lookup alone."""
     sampling = SETTINGS["temp 0.7, top-p 0.9, top-k 4, min-p 0.05"]
     prompt = [1, 5, 0, 5, 5, 0, 4, 5]  # the tokens this model favours, so the context holds its continuations
-    joint = exact_joint(tiny, sampling, prompt)
+    joint = exact_joint(six_token_model, sampling, prompt)
     likely = list(np.argsort(-joint.sum(axis=(0, 2))))
     draft = FixedDraft(likely[::-1], VOCAB) if head else None
-    counts, accepted = sample_first_three(tiny, draft, sampling, lookup=True, prompt=prompt)
+    counts, accepted = sample_first_three(six_token_model, draft, sampling, lookup=True, prompt=prompt)
     assert chi_square_ok(counts, joint)
     assert accepted > SAMPLES / 10  # lookup drafts were really accepted
 
 
-def test_a_biased_sampler_fails_the_check(tiny):
+def test_a_biased_sampler_fails_the_check(six_token_model):
     """The statistic can fail: the same counts against a slightly different distribution."""
     sampling = SETTINGS["temp 1"]
-    joint = exact_joint(tiny, sampling)
-    counts, _ = sample_first_three(tiny, None, sampling)
+    joint = exact_joint(six_token_model, sampling)
+    counts, _ = sample_first_three(six_token_model, None, sampling)
     assert chi_square_ok(counts, joint)
-    assert not chi_square_ok(counts, exact_joint(tiny, Sampling(temp=1.3)))
+    assert not chi_square_ok(counts, exact_joint(six_token_model, Sampling(temp=1.3)))
 
 
 @pytest.mark.parametrize("setting", list(SETTINGS.values()) + [Sampling(temp=0.9, top_k=3)])

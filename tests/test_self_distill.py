@@ -7,18 +7,12 @@ import numpy as np
 import pytest
 from mlx_lm.generate import generate_step
 
-from mlx_eagle import load
 from mlx_eagle.data import load_shards
 from mlx_eagle.features import greedy_batch
 
 PROMPTS = ["Name a colour.", "Write one sentence about the moon and the tides.",
            "What is the largest planet in our solar system? Answer briefly, please."]
 MAX_ANSWER = 24
-
-
-@pytest.fixture(scope="module")
-def smollm():
-    return load()
 
 
 def test_batch_answers_equal_plain_greedy_decoding(smollm):

@@ -16,18 +16,15 @@ from pathlib import Path
 import openai
 import pytest
 
-from mlx_eagle import load, resolve_model, stream_generate
+from mlx_eagle import resolve_model, stream_generate
 from mlx_eagle.generation import chat_tokens
 from mlx_eagle.heads import new_head, save_head
+
+pytestmark = pytest.mark.slow  # a server process with the real SmolLM2
 
 ROOT = Path(__file__).resolve().parent.parent
 QUESTION = [{"role": "system", "content": "Answer briefly."},
             {"role": "user", "content": "What is the capital of France?"}]
-
-
-@pytest.fixture(scope="module")
-def smollm():
-    return load()
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from mlx_eagle import load, stream_generate
+from mlx_eagle import stream_generate
 from mlx_eagle.errors import UserError
 from mlx_eagle.generation import chat_tokens
 from mlx_eagle.heads import new_head
@@ -23,8 +23,8 @@ TURNS = ["Name three primary colors.", "Which of them is the color of the sky?",
 
 
 @pytest.fixture(scope="module")
-def engine():
-    model, tokenizer = load()
+def engine(smollm):
+    model, tokenizer = smollm
     head = new_head(model, "eagle3", seed=4)  # random, so some drafts fail and some caches are cut back
     engine = Engine(loaded=(model, tokenizer, head))
     yield engine

@@ -22,8 +22,8 @@ def tiny_root(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def tiny(tiny_root):
-    """A sharpened tiny llama, 12 repetitive sequences (answers after token 4), and a draft vocabulary."""
+def training_setup(tiny_root):
+    """A sharpened training_setup llama, 12 repetitive sequences (answers after token 4), and a draft vocabulary."""
     from convert.target import convert_target
     from mlx_eagle import load
 
@@ -66,8 +66,8 @@ def test_d2t_t2d_round_trip():
 
 
 @pytest.mark.parametrize("family", ["eagle3", "eagle1"])
-def test_a_few_steps_lower_the_loss(tiny, tmp_path, family):
-    model, pieces, used = tiny
+def test_a_few_steps_lower_the_loss(training_setup, tmp_path, family):
+    model, pieces, used = training_setup
     config = TrainConfig(family=family, steps=30, tokens_per_batch=256, lr=3e-3, warmup=5, ttt_steps=3,
                          checkpoint_every=1000)
     losses = []
@@ -83,8 +83,8 @@ def test_a_few_steps_lower_the_loss(tiny, tmp_path, family):
     assert np.mean(losses[0][-5:]) < 0.7 * np.mean(losses[0][:5])
 
 
-def test_resumed_run_reaches_the_same_weights(tiny, tmp_path):
-    model, pieces, used = tiny
+def test_resumed_run_reaches_the_same_weights(training_setup, tmp_path):
+    model, pieces, used = training_setup
 
     def trainer(work):
         head = new_head(model, "eagle3", draft_vocab_size=len(used), seed=2)
@@ -103,11 +103,11 @@ def test_resumed_run_reaches_the_same_weights(tiny, tmp_path):
         assert mx.allclose(a, b, atol=1e-6), name
 
 
-def test_a_kill_in_the_middle_of_saving_a_checkpoint_loses_nothing(tiny, tmp_path):
+def test_a_kill_in_the_middle_of_saving_a_checkpoint_loses_nothing(training_setup, tmp_path):
     """Killed between the save's two renames (only checkpoint.old left) with a half-written
     checkpoint.partial beside it: the run resumes from the old one, reaches the same
     weights, and its log holds every step once."""
-    model, pieces, used = tiny
+    model, pieces, used = training_setup
 
     def trainer(work):
         head = new_head(model, "eagle3", draft_vocab_size=len(used), seed=2)
@@ -143,10 +143,10 @@ def test_sharegpt_reader_survives_the_truncated_file():
     assert len(prompts) == 200 and not banned & {" ".join(p.lower().split()) for p in prompts}
 
 
-def test_padded_batches_give_each_sequence_its_own_states(tiny):
+def test_padded_batches_give_each_sequence_its_own_states(training_setup):
     """Rows of different lengths padded into one batch: every row's target states and
     counted positions are those of the sequence alone (padding is never seen or counted)."""
-    model, pieces, _ = tiny
+    model, pieces, _ = training_setup
     taps = new_head(model, "eagle3").taps(model.args.num_hidden_layers)
     short, long = (pieces[0][0][:9], pieces[0][1][:9]), pieces[1]
     batch = make_batch([short, long], rows=3, length=64)
@@ -171,13 +171,12 @@ def test_batches_are_packed_by_tokens_and_cover_the_epoch():
     assert epoch_batches(lengths, config, epoch=0) == batches != epoch_batches(lengths, config, epoch=1)
 
 
-def test_every_turn_of_a_dialogue_is_an_answer_in_its_context():
+def test_every_turn_of_a_dialogue_is_an_answer_in_its_context(smollm):
     """Multi-turn ShareGPT: each reply is marked as an answer up to its end-of-turn token,
     in the chat template's own text; a dialogue too long for one piece is cut between turns."""
-    from mlx_eagle import load
     from mlx_eagle.data import dialogue_tokens, sharegpt_dialogues
 
-    _, tokenizer = load()
+    _, tokenizer = smollm
     messages = [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "Blue."},
                 {"role": "user", "content": "Another one?"}, {"role": "assistant", "content": "Green."}]
     [(tokens, answer)] = dialogue_tokens(tokenizer, messages, 2048)
@@ -205,14 +204,14 @@ def test_sharegpt_reader_on_a_cut_file(tmp_path):
     assert [r["id"] for r in read_sharegpt(tmp_path / "cut.json")] == ["0", "1", "2", "3"]
 
 
-def test_data_parallel_with_two_processes(tiny, tiny_root, tmp_path):
+def test_data_parallel_with_two_processes(training_setup, tiny_root, tmp_path):
     """mlx.launch starts two ranks on this machine; they share batches, average
     gradients, end with the same weights, and learn."""
     import subprocess
     import sys
     from pathlib import Path
 
-    model, pieces, used = tiny
+    model, pieces, used = training_setup
     model_dir = tiny_root / "mlx"
     np.savez(tmp_path / "pieces.npz", *[t for t, _ in pieces])
     np.save(tmp_path / "vocab.npy", used)

@@ -73,7 +73,7 @@ def test_expensive_verification_means_plain_decoding():
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
+def tiny_target(tmp_path_factory):
     from convert.target import convert_target
     from mlx_eagle import load
 
@@ -82,8 +82,8 @@ def tiny(tmp_path_factory):
     return model, root
 
 
-def test_auto_follows_the_tuned_file(tiny, tmp_path):
-    model, _ = tiny
+def test_auto_follows_the_tuned_file(tiny_target, tmp_path):
+    model, _ = tiny_target
     head = new_head(model, "eagle3", draft_vocab_size=64)
     assert auto_tree(model, head)[1].startswith(f"calibrated for {device_key(model)}")  # untuned
     assert auto_tree(model, None)[0].kind == "none"
@@ -99,12 +99,12 @@ def test_auto_follows_the_tuned_file(tiny, tmp_path):
 
 
 @pytest.mark.parametrize("setting", ["quantized", "float16", "reference BLAS"])
-def test_auto_decodes_plainly_where_a_cpu_verifies_slowly(tiny, monkeypatch, setting):
+def test_auto_decodes_plainly_where_a_cpu_verifies_slowly(tiny_target, monkeypatch, setting):
     """Untuned, a CPU drafts only with float32 weights on a fast BLAS: otherwise a tree
     of k tokens costs about k plain steps, and auto says why and what to change."""
     import mlx.nn as nn
 
-    model, _ = tiny
+    model, _ = tiny_target
     if mx.default_device().type != mx.cpu:
         pytest.skip("the rule is for CPUs")
     head = new_head(model, "eagle3", draft_vocab_size=64)
@@ -127,8 +127,8 @@ def test_auto_decodes_plainly_where_a_cpu_verifies_slowly(tiny, monkeypatch, set
     assert spec.kind == "none" and expected in why and "cannot pay off" in why
 
 
-def test_measured_acceptance_is_a_probability_table(tiny):
-    model, _ = tiny
+def test_measured_acceptance_is_a_probability_table(tiny_target):
+    model, _ = tiny_target
     head = new_head(model, "eagle3", draft_vocab_size=model.args.vocab_size)
     rng = np.random.default_rng(0)
     from mlx_eagle.features import greedy_batch
@@ -146,11 +146,11 @@ def test_timed_verification_costs_are_made_non_decreasing():
     assert non_decreasing([3, 2, 1]) == [2, 2, 2]
 
 
-def test_measured_costs_cover_every_size_and_never_fall(tiny):
+def test_measured_costs_cover_every_size_and_never_fall(tiny_target):
     from mlx_eagle import load
     from mlx_eagle.tune import VERIFY_SIZES, measure_costs
 
-    model, root = tiny
+    model, root = tiny_target
     _, tokenizer = load(str(root / "mlx"))
     costs = measure_costs(model, tokenizer, new_head(model, "eagle3", draft_vocab_size=64), context=32,
                           repeats=1, progress=False)
@@ -178,10 +178,10 @@ def test_the_cost_model_drafts_only_for_a_head_worth_it(curve):
     assert (prior.expected_tokens_per_s >= CALIBRATED_MARGIN * prior.plain_tokens_per_s) == (curve is GPU_CURVE)
 
 
-def test_calibration_is_cached_per_head_and_weight_format(tiny, tmp_path, monkeypatch):
+def test_calibration_is_cached_per_head_and_weight_format(tiny_target, tmp_path, monkeypatch):
     """Untuned: built once from the head's recorded acceptance and timed costs, then read
     from the cache; built again when the head changes or the weights do."""
-    model, _ = tiny
+    model, _ = tiny_target
     monkeypatch.setenv("MLX_EAGLE_CACHE", str(tmp_path / "cache"))
     timings = []
     original = mlx_eagle.calibrate.time_draft_step
@@ -205,10 +205,10 @@ def test_calibration_is_cached_per_head_and_weight_format(tiny, tmp_path, monkey
     assert len(timings) == 3
 
 
-def test_an_unwritable_cache_only_means_timing_again(tiny, tmp_path, monkeypatch):
+def test_an_unwritable_cache_only_means_timing_again(tiny_target, tmp_path, monkeypatch):
     from mlx_eagle.calibrate import verify_costs
 
-    model, _ = tiny
+    model, _ = tiny_target
     blocked = tmp_path / "a-file"
     blocked.write_text("not a directory")
     monkeypatch.setenv("MLX_EAGLE_CACHE", str(blocked))
