@@ -1,14 +1,24 @@
 """mlx-eagle: EAGLE speculative decoding on MLX, lossless by construction."""
 
-import importlib
 import os
+import sys
+import types
 
 # transformers warns on import that PyTorch is absent; mlx-eagle never needs it.
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
-# The command module mlx_eagle.generate first, the function of the same name after it:
-# importing the command later would otherwise replace the function here.
-importlib.import_module(f"{__name__}.generate")
+
+class _Package(types.ModuleType):
+    """Importing the command module mlx_eagle.generate (python -m does) makes Python set
+    this package's ``generate`` to that module, hiding the function of the same name."""
+
+    def __setattr__(self, name: str, value) -> None:
+        if name == "generate" and isinstance(value, types.ModuleType):
+            return
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package
 
 from .decoder import PromptCache, make_prompt_cache  # noqa: E402
 from .generation import GenerationResponse, generate, stream_generate  # noqa: E402

@@ -30,6 +30,7 @@ def test_batch_answers_equal_plain_greedy_decoding(smollm):
         assert list(tokens[len(prompt):]) == reference
 
 
+@pytest.mark.slow  # real processes with the real model
 def test_more_prompts_extend_the_data_made_before(tmp_path):
     """--prompts 2 then 3: the third prompt's answer is added in a shard of its own, the
     first two's are kept (their draft vocabulary too); asking for fewer is one clear error."""

@@ -139,6 +139,7 @@ def test_oldest_turns_are_dropped_when_the_context_fills(engine):
         list(chat.send("word " * limit))
 
 
+@pytest.mark.slow  # real processes with the real model
 @pytest.mark.parametrize("ending", ["chat.engine.close()", "pass"])
 def test_a_process_that_used_a_session_exits_cleanly(ending):
     """MLX aborts at exit when a finished thread's streams are left to its C++ teardown;
