@@ -167,7 +167,7 @@ def build_head(raw: dict, tensors: Dict[str, mx.array], target: nn.Module, sourc
 def convert_head(src: str, out: Path, target: Optional[str] = None, q_bits: Optional[int] = None,
                  q_group_size: int = 64, dtype: Optional[str] = None, overwrite: bool = False) -> Path:
     from mlx_eagle.heads import load_head
-    from mlx_eagle.models import load_target
+    from mlx_eagle.models import TARGET_FILE, load_target, target_identity
 
     path = _locate(src)  # a wrong SRC fails before the target is loaded
     raw, tensors = read_checkpoint(path)
@@ -180,6 +180,8 @@ def convert_head(src: str, out: Path, target: Optional[str] = None, q_bits: Opti
 
     def fill(staging: Path) -> None:
         save_head(head, staging, dtype=DTYPES[dtype] if dtype else None)
+        # Whom it drafts for, so that shipped in mlx_eagle/weights/ it is found by --draft auto.
+        (staging / TARGET_FILE).write_text(json.dumps(target_identity(model), indent=1) + "\n")
         load_head(staging, model)  # what was written loads and fits
 
     return write_atomically(out, fill, overwrite)

@@ -73,9 +73,9 @@ def device_key(model: nn.Module) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "-", f"{device.type.name}-{name}-{weight_format(model)}").lower()
 
 
-# Bumped when the way a forward pass runs changes (2: compiled pieces for short
-# blocks), so that timings taken by older code are taken again.
-TIMING_VERSION = 2
+# Bumped when the way a verification runs changes (2: through compiled pieces), so that
+# timings taken by older code are taken again.
+TIMING_VERSION = 3
 
 
 def model_digest(model: nn.Module) -> str:
@@ -99,20 +99,30 @@ def non_decreasing(values: Sequence[float]) -> List[float]:
 
 
 def measure_verify_costs(model: nn.Module, context: int = 256, repeats: int = 2) -> VerifyCosts:
-    """Time the model's own forward pass over k = 1..32 new tokens, ``context`` cached."""
+    """Time a verification over k = 1..32 new tokens, ``context`` cached, the way the
+    decoder runs it: through target.py's compiled pieces where it knows the architecture,
+    else the model's own forward pass."""
     from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
+
+    from .target import SUPPORTED_MODEL_TYPES, target_forward
 
     vocab = model.args.vocab_size
     tokens = np.random.default_rng(0).integers(min(100, vocab - 1), max(vocab - 100, 101), size=context + 32)
     cache = make_prompt_cache(model)
     mx.eval(model(mx.array(tokens[None, :context]), cache=cache))
     block = mx.array(tokens[None, context:])
+
+    def verify(size: int) -> mx.array:
+        if model.args.model_type in SUPPORTED_MODEL_TYPES:
+            return target_forward(model, block[:, :size], cache, context, "causal" if size > 1 else None).logits
+        return model(block[:, :size], cache=cache)
+
     timed = []
     for size in CALIBRATION_SIZES:
         times = []
         for _ in range(repeats + 1):  # the first is a warm-up
             tic = time.perf_counter()
-            mx.eval(model(block[:, :size], cache=cache))
+            mx.eval(verify(size))
             times.append(time.perf_counter() - tic)
             trim_prompt_cache(cache, size)
         timed.append(1000 * statistics.median(times[1:]))

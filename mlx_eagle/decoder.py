@@ -14,8 +14,8 @@ tree as one more branch; the target runs [root, tree] in one forward pass with a
 tree mask; the longest agreeing path is accepted plus one bonus token from the
 target; both caches keep only that path. The host waits for the device once per
 round, for what the walk along the tree needs. Without a head the draft is a
-chain, which the target's own forward pass verifies, so any mlx-lm model can
-decode this way.
+chain, which needs no tree mask: the model's own forward pass verifies it where
+target.py does not know the architecture, so any mlx-lm model can decode this way.
 """
 
 from __future__ import annotations
@@ -30,7 +30,8 @@ from mlx_lm.models import cache as mlx_lm_cache
 from .errors import UserError
 from .heads import Head
 from .lookup import LookupDraft, LookupDrafter
-from .target import TargetOutput, check_target, keep_cache_entries, lm_head, target_forward, tree_mask
+from .target import (SUPPORTED_MODEL_TYPES, TargetOutput, check_target, keep_cache_entries, lm_head, target_forward,
+                     tree_mask)
 from .trees import DraftTree, TreeDrafter, TreeSpec
 from .verify import Sampling, accept, sample
 
@@ -73,6 +74,9 @@ class SpeculativeDecoder:
         head = head if tree.kind != "none" else None
         if head is not None:
             check_target(target)
+        # Verifying through target.py's compiled pieces where it knows the architecture;
+        # any other mlx-lm model verifies chains through its own forward pass.
+        self.drives_target = getattr(target.args, "model_type", None) in SUPPORTED_MODEL_TYPES
         self.target, self.head, self.sampling, self.lookup = target, head, sampling, lookup
         self.drafter = TreeDrafter(head, target, tree) if head is not None else None
         self.taps = head.taps(target.args.num_hidden_layers) if head is not None else None
@@ -105,7 +109,7 @@ class SpeculativeDecoder:
 
     def _forward(self, tokens: mx.array, positions, mask) -> TargetOutput:
         self.forwards += 1
-        if self.head is None:  # only chains, starting where the cache ends: the model's own forward pass
+        if not self.drives_target:  # only chains, starting where the cache ends: the model's own forward pass
             return TargetOutput(logits=self.target(tokens[None], cache=self.target_cache)[0], features=None)
         out = target_forward(self.target, tokens[None], self.target_cache, positions, mask, self.taps)
         return TargetOutput(logits=out.logits[0], features=out.features[0], hidden=out.hidden[0])
@@ -131,7 +135,8 @@ class SpeculativeDecoder:
         self.state.tokens = []  # until this returns, the caches hold nothing certain
         if self.head is None:  # as mlx-lm reads a prompt: only the last token's logits are computed
             for start in range(self.reused, len(prompt) - 1, chunk):
-                self._forward(mx.array(prompt[start:min(start + chunk, len(prompt) - 1)]), start, None)
+                self.forwards += 1
+                self.target(mx.array([prompt[start:min(start + chunk, len(prompt) - 1)]]), cache=self.target_cache)
                 mx.eval([layer_cache.state for layer_cache in self.target_cache])
             self.root = self._choose(self._forward(mx.array(prompt[-1:]), len(prompt) - 1, None).logits[-1])
         else:

@@ -138,6 +138,10 @@ def test_measured_acceptance_is_a_probability_table(tiny_target):
               for prompt, tokens in zip(prompts, greedy_batch(model, prompts, 12, []))]
     table = measure_acceptance(model, head, pieces, depths=3, ranks=4)
     assert table.shape == (3, 4) and (table >= 0).all() and (table.sum(1) <= 1 + 1e-6).all()
+    # A head with its final norm zeroed scores every token alike: the target's token is
+    # always its top draft, at every depth.
+    head.norm.weight = mx.zeros_like(head.norm.weight)
+    assert measure_acceptance(model, head, pieces, depths=3, ranks=4).tolist() == [[1.0, 0, 0, 0]] * 3
 
 
 def test_timed_verification_costs_are_made_non_decreasing():
