@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import shutil
 import time
 from functools import partial
@@ -57,6 +58,21 @@ class TrainConfig:
     seed: int = 0
     pad_multiple: int = 64  # batch lengths are rounded up to this, so compiled steps see few shapes
     compile: bool = True
+
+    def __post_init__(self) -> None:
+        """One line naming a setting no run could train with."""
+        at_least = {"steps": 1, "tokens_per_batch": 1, "grad_accum": 1, "seq_len": 2, "warmup": 0, "ttt_steps": 1,
+                    "checkpoint_every": 1, "seed": 0, "pad_multiple": 1}
+        for name, low in at_least.items():
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise UserError(f"{name.replace('_', '-')} must be a whole number, {low} or more, not {value!r}")
+        for name in ("lr", "weight_decay", "clip", "step_decay"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0 or \
+                    (name == "lr" and value == 0):
+                raise UserError(f"{name.replace('_', '-')} must be a finite number, 0 or more"
+                                f"{' (above 0)' if name == 'lr' else ''}, not {value!r}")
 
 
 # (token ids, answer) with answer[i] True where the model itself generated token i.
@@ -513,9 +529,18 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     from .heads import load_head, save_head
     from .models import load
 
+    # What is wrong with the arguments is said before the model loads.
     config = TrainConfig(family=args.family, **{k: getattr(args, k) for k in asdict(defaults) if k != "family"})
+    for name, value, low in (("draft-vocab", args.draft_vocab, 1), ("held-out", args.held_out, 0),
+                             ("prompts", args.prompts, 1), ("subset", args.subset, 1),
+                             ("max-answer-tokens", args.max_answer_tokens, 1)):
+        if value is not None and value < low:
+            raise UserError(f"--{name} must be {low} or more, not {value}")
     work = args.work or args.out.with_name(args.out.name + ".work")
-    work.mkdir(parents=True, exist_ok=True)
+    try:
+        work.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UserError(f"cannot use {work} for checkpoints and logs ({exc.strerror}); pass another --work") from None
     progress = not args.quiet
     world = mx.distributed.init()
     model, tokenizer = load(args.model)

@@ -195,3 +195,56 @@ def test_a_head_pickle_that_repeats_its_storage_is_refused_before_allocating(tmp
     assert_one_line(*run_command(head.main, argv, capsys, monkeypatch), "repeats")
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 1 << 20  # KiB: under 1 GiB grown
     assert not (tmp_path / "out").exists()
+
+
+def write_head_dir(root: Path, name: str, config=None, weights: bytes = None) -> str:
+    directory = root / name
+    directory.mkdir()
+    if config is not None:
+        (directory / "config.json").write_text(config if isinstance(config, str) else json.dumps(config))
+    if weights is not None:
+        (directory / "model.safetensors").write_bytes(weights)
+    return str(directory)
+
+
+HEADS = [  # (what the source is, words in the line)
+    ("missing", "does not exist"), ("file", "is a file"), ("no-config", "config.json"),
+    ("bad-json", "not valid JSON"), ("list-config", "JSON list"), ("no-weights", "no weights"),
+    ("truncated", "damaged or truncated"),
+]
+
+
+@pytest.mark.parametrize("source, words", HEADS)
+def test_convert_head_refuses_bad_sources_before_loading_a_target(source, words, tmp_path, capsys, monkeypatch):
+    import mlx_eagle.models
+    from convert import head
+
+    forbid_loading(monkeypatch, mlx_eagle.models, "load_target")
+    (tmp_path / "file").write_text("x")
+    paths = {"missing": str(tmp_path / "absent"), "file": str(tmp_path / "file"),
+             "no-config": write_head_dir(tmp_path, "no-config"),
+             "bad-json": write_head_dir(tmp_path, "bad-json", "{"),
+             "list-config": write_head_dir(tmp_path, "list-config", [1]),
+             "no-weights": write_head_dir(tmp_path, "no-weights", {"hidden_size": 64}),
+             "truncated": write_head_dir(tmp_path, "truncated", {"hidden_size": 64}, b"\x10\x00\x00\x00\x00")}
+    out = tmp_path / "out"
+    assert_one_line(*run_command(head.main, [paths[source], str(out)], capsys, monkeypatch), words)
+    assert not out.exists() and not list(tmp_path.glob(".out.*"))
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--steps", "0"], "steps"), (["--lr", "nan"], "lr"), (["--lr", "0"], "lr"), (["--seq-len", "1"], "seq-len"),
+    (["--tokens-per-batch", "-4"], "tokens-per-batch"), (["--clip", "-1"], "clip"),
+    (["--draft-vocab", "0"], "draft-vocab"),
+    (["--held-out", "-1"], "held-out"), (["--work", "{file}"], "cannot use"),
+])
+def test_train_refuses_bad_arguments_before_loading(argv, words, tmp_path, capsys, monkeypatch):
+    import mlx_eagle.models
+    from mlx_eagle import train
+
+    forbid_loading(monkeypatch, mlx_eagle.models, "load")
+    (tmp_path / "a-file").write_text("x")
+    argv = [a.format(file=tmp_path / "a-file") for a in argv]
+    code, lines = run_command(train.main, ["--out", str(tmp_path / "head")] + argv, capsys, monkeypatch)
+    assert_one_line(code, lines, words)
+    assert not (tmp_path / "head").exists()
