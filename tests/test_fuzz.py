@@ -91,37 +91,35 @@ def read_gguf(path: Path) -> None:
         tensor.load()
 
 
-def test_the_gguf_reader(samples, tmp_path):
-    @FUZZ
-    @given(mutated(samples["gguf"]))
-    def run(data):
-        only_user_errors(read_gguf, data, tmp_path / "model.gguf")
-
-    run()
-
-
-def test_the_restricted_unpickler(samples, tmp_path):
+def read_torch_bin(path: Path) -> None:
     from convert.torch_pickle import load_torch_bin
 
-    @FUZZ
-    @given(mutated(samples["bin"]))
-    def run(data):
-        only_user_errors(load_torch_bin, data, tmp_path / "pytorch_model.bin")
-
-    run()
+    load_torch_bin(path)
 
 
-def test_the_safetensors_reader(samples, tmp_path):
+def read_head_safetensors(path: Path) -> None:
+    """A head directory whose weights are the file at ``path``."""
     from mlx_eagle.heads import read_head_weights
 
-    head = tmp_path / "head"
-    head.mkdir()
-    (head / "config.json").write_text(json.dumps({"hidden_size": 64, "draft_vocab_size": 8}))
+    (path.parent / "config.json").write_text(json.dumps({"hidden_size": 64, "draft_vocab_size": 8}))
+    read_head_weights(path.parent)
+
+
+READERS = {  # sample: (the reader convert or load runs, the file name it reads)
+    "gguf": (read_gguf, "model.gguf"),
+    "bin": (read_torch_bin, "pytorch_model.bin"),
+    "safetensors": (read_head_safetensors, "model.safetensors"),
+}
+
+
+@pytest.mark.parametrize("kind", READERS)
+def test_a_reader_on_mutated_files(kind, samples, tmp_path):
+    read, name = READERS[kind]
 
     @FUZZ
-    @given(mutated(samples["safetensors"]))
+    @given(mutated(samples[kind]))
     def run(data):
-        only_user_errors(lambda path: read_head_weights(path.parent), data, head / "model.safetensors")
+        only_user_errors(read, data, tmp_path / name)
 
     run()
 

@@ -27,27 +27,29 @@ QUESTION = [{"role": "system", "content": "Answer briefly."},
             {"role": "user", "content": "What is the capital of France?"}]
 
 
-@pytest.fixture(scope="module")
-def server(smollm, tmp_path_factory):
-    """``python -m mlx_eagle.server --port 0`` with a random EAGLE-3 head; yields its address."""
-    head = tmp_path_factory.mktemp("head") / "random-eagle3"
-    save_head(new_head(smollm[0], "eagle3", seed=6), head)
+def start_server(*args):
     process = subprocess.Popen(
-        [sys.executable, "-m", "mlx_eagle.server", "--port", "0", "--draft", str(head), "--quiet"],
+        [sys.executable, "-m", "mlx_eagle.server", "--port", "0", "--quiet", *args],
         cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)), stderr=subprocess.PIPE, text=True)
     lines = []
     for line in process.stderr:
         lines.append(line)
         match = re.search(r"at http://127\.0\.0\.1:(\d+)/v1", line)
         if match:
-            break
-    else:
-        raise AssertionError("the server did not start: " + "".join(lines))
-    yield "127.0.0.1", int(match.group(1))
+            return process, ("127.0.0.1", int(match.group(1)))
+    raise AssertionError("the server did not start: " + "".join(lines))
+
+
+@pytest.fixture(scope="module")
+def server(smollm, tmp_path_factory):
+    """``python -m mlx_eagle.server --port 0`` with a random EAGLE-3 head; yields its address."""
+    head = tmp_path_factory.mktemp("head") / "random-eagle3"
+    save_head(new_head(smollm[0], "eagle3", seed=6), head)
+    process, address = start_server("--draft", str(head))
+    yield address
     process.terminate()
     _, rest = process.communicate(timeout=30)
-    assert process.returncode == 0, "".join(lines) + rest
-
+    assert process.returncode == 0, rest
 
 def client(server) -> openai.OpenAI:
     host, port = server
@@ -175,19 +177,6 @@ def test_malformed_requests_get_4xx_and_the_server_keeps_serving(server):
         client(server).chat.completions.create(model="m", messages=QUESTION, max_tokens=10 ** 9)
     reply = client(server).chat.completions.create(model="m", messages=QUESTION, max_tokens=4)
     assert reply.choices[0].message.content
-
-
-def start_server(*args):
-    process = subprocess.Popen(
-        [sys.executable, "-m", "mlx_eagle.server", "--port", "0", "--quiet", *args],
-        cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)), stderr=subprocess.PIPE, text=True)
-    lines = []
-    for line in process.stderr:
-        lines.append(line)
-        match = re.search(r"at http://127\.0\.0\.1:(\d+)/v1", line)
-        if match:
-            return process, ("127.0.0.1", int(match.group(1)))
-    raise AssertionError("the server did not start: " + "".join(lines))
 
 
 def test_a_shutdown_cuts_replies_in_flight_with_an_error_not_a_finish():

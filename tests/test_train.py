@@ -83,15 +83,19 @@ def test_a_few_steps_lower_the_loss(training_setup, tmp_path, family):
     assert np.mean(losses[0][-5:]) < 0.7 * np.mean(losses[0][:5])
 
 
-def test_resumed_run_reaches_the_same_weights(training_setup, tmp_path):
+def ten_step_trainer(training_setup, work):
+    """The same 10-step run (checkpoints every 4 steps) wherever ``work`` is."""
     model, pieces, used = training_setup
+    head = new_head(model, "eagle3", draft_vocab_size=len(used), seed=2)
+    head.d2t = mx.array(d2t_t2d(used, model.args.vocab_size)[0])
+    config = TrainConfig(steps=10, tokens_per_batch=128, grad_accum=2, lr=2e-3, warmup=3, ttt_steps=2,
+                         checkpoint_every=4)
+    return Trainer(model, head, pieces, config, work, used=used, progress=False)
 
+
+def test_resumed_run_reaches_the_same_weights(training_setup, tmp_path):
     def trainer(work):
-        head = new_head(model, "eagle3", draft_vocab_size=len(used), seed=2)
-        head.d2t = mx.array(d2t_t2d(used, model.args.vocab_size)[0])
-        config = TrainConfig(steps=10, tokens_per_batch=128, grad_accum=2, lr=2e-3, warmup=3, ttt_steps=2,
-                             checkpoint_every=4)
-        return Trainer(model, head, pieces, config, work, used=used, progress=False)
+        return ten_step_trainer(training_setup, work)
 
     straight = trainer(tmp_path / "straight")
     straight.run()
@@ -107,14 +111,8 @@ def test_a_kill_in_the_middle_of_saving_a_checkpoint_loses_nothing(training_setu
     """Killed between the save's two renames (only checkpoint.old left) with a half-written
     checkpoint.partial beside it: the run resumes from the old one, reaches the same
     weights, and its log holds every step once."""
-    model, pieces, used = training_setup
-
     def trainer(work):
-        head = new_head(model, "eagle3", draft_vocab_size=len(used), seed=2)
-        head.d2t = mx.array(d2t_t2d(used, model.args.vocab_size)[0])
-        config = TrainConfig(steps=10, tokens_per_batch=128, grad_accum=2, lr=2e-3, warmup=3, ttt_steps=2,
-                             checkpoint_every=4)
-        return Trainer(model, head, pieces, config, work, used=used, progress=False)
+        return ten_step_trainer(training_setup, work)
 
     straight = trainer(tmp_path / "straight")
     straight.run()
