@@ -211,12 +211,24 @@ def ancestor_matrix(parents: Tuple[int, ...]) -> mx.array:
 
 @dataclass
 class _Level:
-    """One depth of a static tree as index arithmetic, the same every round."""
+    """One depth of a static tree as index arithmetic, the same every round. An index that
+    takes everything in order is None (see _gather)."""
 
-    picks: mx.array  # this depth's tokens: flat indices into the top ids of the level above
-    expand: Optional[mx.array] = None  # which of them the head runs on (those with children)
+    picks: Optional[mx.array]  # this depth's tokens: flat indices into the top ids of the level above
+    grows: bool = False  # whether the head runs on any of them (those with children)
+    expand: Optional[mx.array] = None  # which of them it runs on
     parent_rows: Optional[mx.array] = None  # their parents' rows among the level above's head outputs
-    ancestors: Optional[mx.array] = None  # [expanded, tree slots so far]: what each may attend to
+    ancestors: Optional[mx.array] = None  # [expanded, tree slots so far]: what each may attend to; None: all
+
+
+def _gather(indices: List[int], length: int) -> Optional[mx.array]:
+    """``indices`` as an array, or None where they take all ``length`` items in order (a
+    chain's levels): one operation fewer per depth."""
+    return None if indices == list(range(length)) else mx.array(indices)
+
+
+def _take(values: mx.array, indices: Optional[mx.array]) -> mx.array:
+    return values if indices is None else values[indices]
 
 
 def _static_levels(paths: List[RankPath], ranks: int) -> Tuple[DraftTree, List[_Level]]:
@@ -233,7 +245,8 @@ def _static_levels(paths: List[RankPath], ranks: int) -> Tuple[DraftTree, List[_
     for depth in range(1, max(shape.depths) + 1):
         nodes = [n for n in range(len(paths)) if shape.depths[n] == depth]
         row_above = {node: row for row, node in enumerate(above)}
-        level = _Level(picks=mx.array([row_above[shape.parents[n]] * ranks + paths[n][-1] for n in nodes]))
+        level = _Level(picks=_gather([row_above[shape.parents[n]] * ranks + paths[n][-1] for n in nodes],
+                                     len(above) * ranks))
         grow = [n for n in nodes if n in slot]
         if grow:
             ancestors = np.zeros((len(grow), slot[grow[-1]] + 1), dtype=bool)
@@ -241,9 +254,11 @@ def _static_levels(paths: List[RankPath], ranks: int) -> Tuple[DraftTree, List[_
                 while node >= 0:
                     ancestors[row, slot[node]] = True
                     node = shape.parents[node]
-            level.expand = mx.array([nodes.index(n) for n in grow])
-            level.parent_rows = mx.array([row_above[shape.parents[n]] for n in grow])
-            level.ancestors = mx.array(ancestors)
+            level.grows = True
+            level.expand = _gather([nodes.index(n) for n in grow], len(nodes))
+            level.parent_rows = _gather([row_above[shape.parents[n]] for n in grow], len(above))
+            # A chain's node sees every slot so far: no mask at all, as for one token.
+            level.ancestors = None if ancestors.all() else mx.array(ancestors)
         levels.append(level)
         above = grow
     return shape, levels
@@ -309,12 +324,12 @@ class TreeDrafter:
         outputs, tokens = root_hidden, []
         top = self.top_ids(outputs, self.ranks)
         for depth, level in enumerate(self.levels, start=1):
-            tokens.append(top.reshape(-1)[level.picks])
-            if level.expand is None:
+            tokens.append(_take(top.reshape(-1), level.picks))
+            if not level.grows:
                 break
-            hidden = outputs[level.parent_rows][None]
-            mask = tree_mask(committed, level.ancestors)
-            outputs = self.head.step(self.target, hidden, tokens[-1][level.expand][None], cache,
+            hidden = _take(outputs, level.parent_rows)[None]
+            mask = None if level.ancestors is None else tree_mask(committed, level.ancestors)
+            outputs = self.head.step(self.target, hidden, _take(tokens[-1], level.expand)[None], cache,
                                      root_position + depth, mask)[0]
             top = self.top_ids(outputs, self.ranks)
         shape = self.shape
