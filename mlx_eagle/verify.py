@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import List, Optional, Tuple
+from typing import Callable, List, Optional, Tuple
 
 import mlx.core as mx
 import numpy as np
@@ -86,18 +86,11 @@ def accept(tree: DraftTree, tokens: mx.array, logits: mx.array, sampling: Sampli
     earlier siblings' rejection is known in advance, since they precede it), and for
     every position a draw from its distribution with all its children removed: the
     bonus if the walk ends there. Each is used at most once, so the walk is exact."""
-    children = tree.children()
     if sampling.greedy:
-        choice, node_tokens = mx.argmax(logits, axis=-1), tokens
-        mx.eval(choice, node_tokens)
-        choice, node_tokens = choice.tolist(), node_tokens.tolist()
-        path, node = [], -1
-        while True:
-            match = next((c for c in children.get(node, []) if node_tokens[c] == choice[node + 1]), None)
-            if match is None:
-                return Verdict(path, [node_tokens[n] for n in path], choice[node + 1])
-            path.append(match)
-            node = match
+        choice = mx.argmax(logits, axis=-1)
+        mx.eval(choice, tokens)
+        choice, node_tokens = choice.tolist(), tokens.tolist()
+        return _walk(tree, lambda node: node_tokens[node] == choice[tree.parents[node] + 1], node_tokens, choice)
     probs = sampling.probabilities(logits)
     uniform_key, bonus_key = mx.random.split(key) if key is not None else (None, None)
     if len(tree):
@@ -111,10 +104,17 @@ def accept(tree: DraftTree, tokens: mx.array, logits: mx.array, sampling: Sampli
         passes = mx.array([], dtype=mx.bool_)
     bonus = sample(probs, bonus_key)
     mx.eval(passes, bonus, tokens)
-    passes, bonus, node_tokens = passes.tolist(), bonus.tolist(), tokens.tolist()
+    passes, node_tokens = passes.tolist(), tokens.tolist()
+    return _walk(tree, lambda node: passes[node], node_tokens, bonus.tolist())
+
+
+def _walk(tree: DraftTree, passes: Callable[[int], bool], node_tokens: List[int], bonus: List[int]) -> Verdict:
+    """From the root into the first child that passes, while one does; then the bonus
+    token of the position where the walk ended (``bonus[0]``: the root's)."""
+    children = tree.children()
     path, node = [], -1
     while True:
-        match = next((c for c in children.get(node, []) if passes[c]), None)
+        match = next((child for child in children.get(node, []) if passes(child)), None)
         if match is None:
             return Verdict(path, [node_tokens[n] for n in path], bonus[node + 1])
         path.append(match)
