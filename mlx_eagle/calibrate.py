@@ -104,7 +104,7 @@ def measure_verify_costs(model: nn.Module, context: int = 256, repeats: int = 2)
     else the model's own forward pass."""
     from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
-    from .target import SUPPORTED_MODEL_TYPES, target_forward
+    from .target import drives, target_forward
 
     vocab = model.args.vocab_size
     tokens = np.random.default_rng(0).integers(min(100, vocab - 1), max(vocab - 100, 101), size=context + 32)
@@ -113,7 +113,7 @@ def measure_verify_costs(model: nn.Module, context: int = 256, repeats: int = 2)
     block = mx.array(tokens[None, context:])
 
     def verify(size: int) -> mx.array:
-        if model.args.model_type in SUPPORTED_MODEL_TYPES:
+        if drives(model):
             return target_forward(model, block[:, :size], cache, context, "causal" if size > 1 else None).logits
         return model(block[:, :size], cache=cache)
 

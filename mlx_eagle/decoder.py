@@ -30,8 +30,7 @@ from mlx_lm.models import cache as mlx_lm_cache
 from .errors import UserError
 from .heads import Head
 from .lookup import LookupDraft, LookupDrafter
-from .target import (SUPPORTED_MODEL_TYPES, TargetOutput, check_target, keep_cache_entries, lm_head, target_forward,
-                     tree_mask)
+from .target import TargetOutput, check_target, drives, keep_cache_entries, lm_head, target_forward, tree_mask
 from .trees import DraftTree, TreeDrafter, TreeSpec
 from .verify import Sampling, accept, sample
 
@@ -76,7 +75,7 @@ class SpeculativeDecoder:
             check_target(target)
         # Verifying through target.py's compiled pieces where it knows the architecture;
         # any other mlx-lm model verifies chains through its own forward pass.
-        self.drives_target = getattr(target.args, "model_type", None) in SUPPORTED_MODEL_TYPES
+        self.drives_target = drives(target)
         self.target, self.head, self.sampling, self.lookup = target, head, sampling, lookup
         self.drafter = TreeDrafter(head, target, tree) if head is not None else None
         self.taps = head.taps(target.args.num_hidden_layers) if head is not None else None

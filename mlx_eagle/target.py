@@ -108,9 +108,15 @@ class TargetOutput:
     hidden: Optional[mx.array] = None  # [batch, tokens, hidden]: the post-norm last state
 
 
+def drives(model: nn.Module) -> bool:
+    """Whether this module knows how to drive ``model``'s layers (tree masks, per-token
+    positions, feature taps, compiled pieces)."""
+    return getattr(getattr(model, "args", None), "model_type", None) in SUPPORTED_MODEL_TYPES
+
+
 def check_target(model: nn.Module) -> None:
-    model_type = getattr(getattr(model, "args", None), "model_type", None)
-    if model_type not in SUPPORTED_MODEL_TYPES:
+    if not drives(model):
+        model_type = getattr(getattr(model, "args", None), "model_type", None)
         raise UserError(
             f"EAGLE decoding supports {', '.join(SUPPORTED_MODEL_TYPES)} targets, not {model_type!r}; "
             "use mlx_lm for this model"
