@@ -102,13 +102,13 @@ def measure_verify_costs(model: nn.Module, context: int = 256, repeats: int = 2)
     """Time a verification over k = 1..32 new tokens, ``context`` cached, the way the
     decoder runs it: through target.py's compiled pieces where it knows the architecture,
     else the model's own forward pass."""
-    from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
+    from mlx_lm.models.cache import trim_prompt_cache
 
-    from .target import drives, target_forward
+    from .target import drives, make_cache, target_forward
 
     vocab = model.args.vocab_size
     tokens = np.random.default_rng(0).integers(min(100, vocab - 1), max(vocab - 100, 101), size=context + 32)
-    cache = make_prompt_cache(model)
+    cache = make_cache(model)
     mx.eval(model(mx.array(tokens[None, :context]), cache=cache))
     block = mx.array(tokens[None, context:])
 

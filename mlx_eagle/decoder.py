@@ -30,7 +30,8 @@ from mlx_lm.models import cache as mlx_lm_cache
 from .errors import UserError
 from .heads import Head
 from .lookup import LookupDraft, LookupDrafter
-from .target import TargetOutput, check_target, drives, keep_cache_entries, lm_head, target_forward, tree_mask
+from .target import (TargetOutput, check_target, drives, keep_cache_entries, lm_head, make_cache, target_forward,
+                     tree_mask)
 from .trees import DraftTree, TreeDrafter, TreeSpec
 from .verify import Sampling, accept, sample
 
@@ -48,7 +49,7 @@ class PromptCache:
 
 def make_prompt_cache(model: nn.Module) -> PromptCache:
     """An empty cache for ``model``; pass it to every turn of one conversation."""
-    return PromptCache(target=mlx_lm_cache.make_prompt_cache(model), draft=[mlx_lm_cache.KVCache()], tokens=[])
+    return PromptCache(target=make_cache(model), draft=[mlx_lm_cache.KVCache()], tokens=[])
 
 
 def common_prefix(a: List[int], b: List[int]) -> int:

@@ -14,11 +14,10 @@ from typing import List, Sequence
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-from mlx_lm.models.cache import make_prompt_cache
 
 from .data import save_shard, shard_path
 from .generation import chat_tokens
-from .target import lm_head, target_forward
+from .target import lm_head, make_cache, target_forward
 
 
 def greedy_batch(model: nn.Module, prompts: Sequence[Sequence[int]], max_answer_tokens: int,
@@ -29,7 +28,7 @@ def greedy_batch(model: nn.Module, prompts: Sequence[Sequence[int]], max_answer_
     sequences = [list(p) for p in prompts]
     prompt_lengths = [len(p) for p in prompts]
     generating = [True] * len(prompts)
-    cache = make_prompt_cache(model)
+    cache = make_cache(model)
     fed = min(prompt_lengths)
     state = target_forward(model, mx.array([s[:fed] for s in sequences]), cache, 0, "causal")
     while True:

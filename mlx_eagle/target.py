@@ -1,9 +1,13 @@
 """What mlx-lm lacks for EAGLE, written once: attention with per-token positions and
 tree masks, the target's forward pass with feature taps, and KV-cache compaction.
 
-These drive the modules of an mlx-lm llama / mistral / qwen2 / qwen3 model directly
-(their weights, RoPE and KV caches), since a model's own ``__call__`` only takes one
-position offset and builds its own causal mask.
+These drive the modules of an mlx-lm llama / mistral / qwen2 / qwen3 / qwen3_moe /
+mixtral / gpt_oss model directly (their weights, RoPE, experts and KV caches), since a
+model's own ``__call__`` only takes one position offset and builds its own causal mask.
+The architectures differ in a few names (heads, scale, the feed-forward block), in
+attention sinks (gpt_oss) and in sliding-window layers (gpt_oss), which here keep full
+caches and see their window through the mask, so that any branch of a tree can be cut
+out of the cache again.
 """
 
 from __future__ import annotations
@@ -15,12 +19,15 @@ from typing import Callable, List, Optional, Sequence, Tuple, Union
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.models import cache as mlx_lm_cache
 from mlx_lm.models.base import scaled_dot_product_attention
+from mlx_lm.models.cache import KVCache
 
 from .errors import UserError
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
-_MLX_LM_MODULES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}  # mlx-lm runs mistral as llama
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "gpt_oss")
+_MLX_LM_MODULES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",  # mlx-lm runs mistral as llama
+                   "qwen3_moe": "qwen3_moe", "mixtral": "mixtral", "gpt_oss": "gpt_oss"}
 
 
 def model_classes(model_type: str) -> Tuple[type, type]:
@@ -44,12 +51,32 @@ def rotate(rope: nn.Module, x: mx.array, positions: mx.array) -> mx.array:
     return rope(x.transpose(2, 1, 0, 3), offset=positions).transpose(2, 1, 0, 3)
 
 
+# (query heads, key/value heads, softmax scale): what mlx-lm's attention modules call them.
+_ATTENTION_NAMES = (("n_heads", "n_kv_heads", "scale"),  # llama, qwen2, qwen3, qwen3_moe, EAGLE heads
+                    ("num_heads", "num_key_value_heads", "scale"),  # mixtral
+                    ("num_attention_heads", "num_key_value_heads", "sm_scale"))  # gpt_oss
+
+
+def attention_sizes(attn: nn.Module) -> Tuple[int, int, float]:
+    """An mlx-lm attention module's (query heads, key/value heads, scale)."""
+    for heads, kv_heads, scale in _ATTENTION_NAMES:
+        if hasattr(attn, heads):
+            return getattr(attn, heads), getattr(attn, kv_heads), getattr(attn, scale)
+    raise TypeError(f"{type(attn).__name__} names its heads in a way target.py does not know")
+
+
+def feed_forward(layer: nn.Module) -> nn.Module:
+    """A decoder layer's MLP or mixture of experts (mixtral calls it block_sparse_moe)."""
+    return layer.block_sparse_moe if "block_sparse_moe" in layer else layer.mlp
+
+
 def _project(attn: nn.Module, x: mx.array, positions: mx.array) -> Tuple[mx.array, mx.array, mx.array]:
     """An mlx-lm attention module's queries, keys and values for ``x``, rotated."""
     batch, length, _ = x.shape
-    queries = attn.q_proj(x).reshape(batch, length, attn.n_heads, -1)
-    keys = attn.k_proj(x).reshape(batch, length, attn.n_kv_heads, -1)
-    values = attn.v_proj(x).reshape(batch, length, attn.n_kv_heads, -1)
+    heads, kv_heads, _ = attention_sizes(attn)
+    queries = attn.q_proj(x).reshape(batch, length, heads, -1)
+    keys = attn.k_proj(x).reshape(batch, length, kv_heads, -1)
+    values = attn.v_proj(x).reshape(batch, length, kv_heads, -1)
     if "q_norm" in attn:
         queries, keys = attn.q_norm(queries), attn.k_norm(keys)
     queries = rotate(attn.rope, queries.transpose(0, 2, 1, 3), positions)
@@ -61,7 +88,7 @@ def _finish(layer: nn.Module, residual: mx.array, attended: mx.array) -> mx.arra
     """The rest of a decoder layer after attention: output projection, residual, MLP."""
     batch, _, length, _ = attended.shape
     h = residual + layer.self_attn.o_proj(attended.transpose(0, 2, 1, 3).reshape(batch, length, -1))
-    return h + layer.mlp(layer.post_attention_layernorm(h))
+    return h + feed_forward(layer)(layer.post_attention_layernorm(h))
 
 
 # Blocks up to this many tokens (decoding rounds, not prompts or training batches) run
@@ -92,8 +119,9 @@ def layer_block(layer: nn.Module, residual: mx.array, x: mx.array, cache, positi
     positions = mx.array(positions) if isinstance(positions, int) else positions  # traced, not a constant
     queries, keys, values = compiled_piece(layer.self_attn, _project, tokens)(x, positions)
     keys, values = cache.update_and_fetch(keys, values)
-    attended = scaled_dot_product_attention(queries, keys, values, cache=cache, scale=layer.self_attn.scale,
-                                            mask=mask)
+    attn = layer.self_attn
+    attended = scaled_dot_product_attention(queries, keys, values, cache=cache, scale=attention_sizes(attn)[2],
+                                            mask=mask, sinks=attn.get("sinks"))
     return compiled_piece(layer, _finish, tokens)(residual, attended)
 
 
@@ -123,16 +151,56 @@ def check_target(model: nn.Module) -> None:
         )
 
 
+def make_cache(model: nn.Module) -> List:
+    """The target's KV caches. For a model this module drives, a full cache per layer,
+    sliding-window layers included (their window is applied by the mask): a rotating
+    cache could not give back the entries of a rejected branch."""
+    if drives(model):
+        return [KVCache() for _ in model.model.layers]
+    return mlx_lm_cache.make_prompt_cache(model)
+
+
+def layer_windows(model: nn.Module) -> List[Optional[int]]:
+    """Per layer, the attention window (None: the whole context)."""
+    inner = model.model
+    if getattr(inner, "layer_types", None) is None:
+        return [None] * len(inner.layers)
+    return [inner.window_size if kind == "sliding_attention" else None for kind in inner.layer_types]
+
+
+def window_mask(mask: Mask, positions: Positions, cached: int, new: int, window: int) -> Mask:
+    """``mask`` narrowed for a sliding-window layer: a query at position p sees keys at
+    positions > p - window. Cached entries sit at their positions (0..cached-1)."""
+    if isinstance(positions, int):
+        if positions + new <= window:  # no query reaches past its window yet
+            return mask
+        queries = mx.arange(positions, positions + new)
+    else:
+        queries = positions
+    keys = mx.concatenate([mx.arange(cached), queries])
+    inside = (queries[:, None] - keys[None]) < window
+    if mask is None:
+        return inside
+    if isinstance(mask, str):  # "causal" over a contiguous block
+        return inside & (keys[None] <= queries[:, None])
+    return inside & mask
+
+
+def _output_layer(model: nn.Module) -> nn.Module:
+    """The LM head, or the embedding it is tied to."""
+    return model.lm_head if "lm_head" in model else model.model.embed_tokens
+
+
 def lm_head(model: nn.Module, hidden: mx.array) -> mx.array:
-    if model.args.tie_word_embeddings:
-        return model.model.embed_tokens.as_linear(hidden)
-    return model.lm_head(hidden)
+    if "lm_head" in model:
+        return model.lm_head(hidden)
+    return model.model.embed_tokens.as_linear(hidden)
 
 
 def lm_head_rows(model: nn.Module, hidden: mx.array, rows: mx.array) -> mx.array:
     """The LM head's logits for vocabulary ``rows`` only: a draft vocabulary's share of
     the head, without paying for the whole vocabulary."""
-    layer = model.model.embed_tokens if model.args.tie_word_embeddings else model.lm_head
+    layer = _output_layer(model)
     if "scales" in layer:
         biases = layer["biases"][rows] if "biases" in layer else None
         weight = mx.dequantize(layer.weight[rows], layer.scales[rows], biases, layer.group_size, layer.bits,
@@ -158,11 +226,15 @@ def target_forward(
     """
     inner = model.model
     h = inner.embed_tokens(tokens)
+    cached, new = cache[0].offset, tokens.shape[1]
+    masks = {None: mask}  # per window size
     entering = {}
-    for index, (layer, layer_cache) in enumerate(zip(inner.layers, cache)):
+    for index, (layer, layer_cache, window) in enumerate(zip(inner.layers, cache, layer_windows(model))):
         if taps is not None and index in taps:
             entering[index] = h
-        h = decoder_layer(layer, h, layer_cache, positions, mask)
+        if window not in masks:
+            masks[window] = window_mask(mask, positions, cached, new, window)
+        h = decoder_layer(layer, h, layer_cache, positions, masks[window])
     h = inner.norm(h)
     features = h if taps is None else mx.concatenate([entering[i] for i in taps], axis=-1)
     return TargetOutput(logits=lm_head(model, h), features=features, hidden=h)

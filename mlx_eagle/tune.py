@@ -85,16 +85,15 @@ def measure_costs(model: nn.Module, tokenizer, head, context: int = 256, repeats
                   progress: bool = True) -> Costs:
     """Time verification, a draft step, a round's remainder and plain decoding here."""
     from mlx_lm import stream_generate
-    from mlx_lm.models.cache import make_prompt_cache
     from tqdm import tqdm
 
     from .decoder import SpeculativeDecoder
-    from .target import keep_cache_entries, target_forward
+    from .target import keep_cache_entries, make_cache, target_forward
 
     rng = np.random.default_rng(0)
     prompt = rng.integers(100, model.args.vocab_size - 100, size=context).tolist()
     taps = head.taps(model.args.num_hidden_layers)
-    cache = make_prompt_cache(model)
+    cache = make_cache(model)
     mx.eval(target_forward(model, mx.array([prompt]), cache, 0, "causal", taps).features)
 
     def verify(k: int) -> None:

@@ -208,3 +208,31 @@ def write_model(root: Path, arch: str, qtype=QT.F32, seed: int = 0, with_tokeniz
     writer.write_tensors_to_file()
     writer.close()
     return {"hf": hf_dir, "gguf": gguf_path}
+
+
+# Mixture-of-experts targets, as their Hugging Face configs describe them (tiny sizes).
+MOE_CONFIGS = {
+    "qwen3_moe": {"num_experts": 8, "num_experts_per_tok": 2, "decoder_sparse_step": 1, "mlp_only_layers": [3],
+                  "moe_intermediate_size": 32, "norm_topk_prob": True},
+    "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2},
+    # gpt-oss: attention sinks, biases, sliding-window layers every other layer, YaRN RoPE.
+    "gpt_oss": {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 8,
+                "layer_types": ["sliding_attention", "full_attention"] * 2,
+                "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                 "truncate": False, "original_max_position_embeddings": 64}},
+}
+
+
+def moe_config(model_type: str, vocab_size: int = 384) -> Dict:
+    config = dict(_config(model_type, vocab_size), **MOE_CONFIGS[model_type])
+    config["tie_word_embeddings"] = False
+    return config
+
+
+def build_model(config: Dict, seed: int = 0):
+    """The mlx-lm model a config describes, with random weights, in memory."""
+    model_class, args_class = model_classes(config["model_type"])
+    model = model_class(args_class.from_dict(config))
+    model.load_weights([(k, mx.array(v)) for k, v in _weights(config, seed).items()])
+    mx.eval(model.parameters())
+    return model

@@ -1,0 +1,86 @@
+"""Mixture-of-experts targets on the tree path (qwen3_moe, mixtral, gpt_oss with its
+attention sinks, sliding-window layers and YaRN RoPE), as tiny models with random
+weights: a tree's logits equal mlx-lm's own forward pass over each branch, and greedy
+decoding with a random head, an oracle head or context drafts alone gives exactly
+mlx-lm's greedy tokens, also once the context is longer than gpt-oss's window."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.generate import generate_step
+from mlx_lm.models.cache import make_prompt_cache
+
+from mlx_eagle.decoder import SpeculativeDecoder
+from mlx_eagle.heads import new_head
+from mlx_eagle.lookup import LookupDrafter
+from mlx_eagle.target import make_cache, target_forward, tree_mask
+from mlx_eagle.trees import parse_tree
+from mlx_eagle.verify import Sampling
+from oracle import OracleHead
+from synthetic import MOE_CONFIGS, build_model, moe_config
+
+PROMPT = [5, 17, 99, 3, 250, 41, 41, 7, 300, 12, 8, 77, 5, 17, 99, 3, 120, 64, 9, 200]  # longer than gpt-oss's window
+
+
+@pytest.fixture(scope="module", params=list(MOE_CONFIGS))
+def moe_target(request):
+    return request.param, build_model(moe_config(request.param))
+
+
+def mlx_lm_logits(model, tokens):
+    """mlx-lm's own forward over ``tokens`` (its own caches: rotating ones for sliding layers)."""
+    return model(mx.array([tokens]), cache=make_prompt_cache(model))[0]
+
+
+def test_tree_logits_equal_mlx_lms_forward_over_each_branch(moe_target):
+    _, model = moe_target
+    cache = make_cache(model)
+    prefill = target_forward(model, mx.array([PROMPT]), cache, 0, "causal")
+    assert np.abs(np.array(prefill.logits[0]) - np.array(mlx_lm_logits(model, PROMPT))).max() < 1e-4
+    # Root, a branch of three, a branch of two: [r, a1, a2, a3, b1, b2].
+    tokens = [11, 21, 22, 23, 31, 32]
+    parents = [-1, 0, 1, 2, 0, 4]
+    depths = [0, 1, 2, 3, 1, 2]
+    ancestors = np.eye(6, dtype=bool)
+    for node in range(6):
+        parent = parents[node]
+        while parent >= 0:
+            ancestors[node, parent] = True
+            parent = parents[parent]
+    start = len(PROMPT)
+    tree = target_forward(model, mx.array([tokens]), cache, start + mx.array(depths),
+                          tree_mask(start, mx.array(ancestors)))
+    got = np.array(tree.logits[0])
+    for branch in ([0, 1, 2, 3], [0, 4, 5]):
+        expected = np.array(mlx_lm_logits(model, PROMPT + [tokens[n] for n in branch]))[-len(branch):]
+        assert np.abs(got[branch] - expected).max() < 1e-4
+
+
+def mlx_lm_greedy(model, count):
+    return [int(t) for t, _ in generate_step(mx.array(PROMPT), model, max_tokens=count)]
+
+
+def speculative_greedy(model, head, tree, count, lookup=False):
+    decoder = SpeculativeDecoder(model, head, parse_tree(tree), Sampling(),
+                                 lookup=LookupDrafter(lambda k: 1.0 + 0.05 * k) if lookup else None)
+    tokens = [decoder.prefill(PROMPT)]
+    while len(tokens) < count:
+        tokens += decoder.round(count - len(tokens)).tokens
+    return tokens[:count]
+
+
+@pytest.mark.parametrize("drafts", ["random eagle3 head, static tree", "random eagle1 head, dynamic tree",
+                                    "oracle head, static tree", "context lookup alone"])
+def test_greedy_decoding_equals_mlx_lm(moe_target, drafts):
+    _, model = moe_target
+    count = 40
+    expected = mlx_lm_greedy(model, count)
+    if drafts.startswith("random"):
+        head = new_head(model, drafts.split()[1])
+    elif drafts.startswith("oracle"):
+        head = OracleHead(PROMPT + expected, model.args.vocab_size)
+    else:
+        head = None
+    tree = "dynamic:topk=3,depth=4,tokens=10" if "dynamic" in drafts else "static:default"
+    assert speculative_greedy(model, head, tree if head is not None else "none", count,
+                              lookup=head is None) == expected
