@@ -110,11 +110,6 @@ def read_config(reader, path: Path) -> Dict[str, Any]:
             f"{path}: architecture {arch!r} is not supported; supported are "
             f"{', '.join(sorted(ARCHITECTURES))} (Mistral GGUFs use 'llama')"
         )
-    if "rope_freqs.weight" in {t.name for t in reader.tensors}:
-        raise UserError(
-            f"{path}: Llama 3.1-style rope scaling (rope_freqs) is not supported from GGUF; "
-            "convert the Hugging Face model directory instead"
-        )
     tokens = field(reader, "tokenizer.ggml.tokens") or []
     heads = number(reader, f"{arch}.attention.head_count")
     hidden = number(reader, f"{arch}.embedding_length")
@@ -140,9 +135,72 @@ def read_config(reader, path: Path) -> Dict[str, Any]:
     if arch == "llama":
         config["attention_bias"] = "blk.0.attn_q.bias" in {t.name for t in reader.tensors}
         config["mlp_bias"] = False
+    rope_freqs = next((t for t in reader.tensors if t.name == ROPE_FREQS), None)
+    if rope_freqs is not None:
+        dims = number(reader, f"{arch}.rope.dimension_count", int, config["head_dim"])
+        original = field(reader, f"{arch}.rope.scaling.original_context_length")
+        config["rope_scaling"] = llama3_rope_scaling(np.asarray(rope_freqs.data, dtype=np.float64).reshape(-1),
+                                                     config["rope_theta"], dims, original, path)
     config = {k: v for k, v in config.items() if v is not None}
     check_model_config(config, path, path.stat().st_size)
     return config
+
+
+# Llama 3.1+ GGUFs carry their RoPE scaling as one divisor per frequency (llama.cpp's
+# convert_hf_to_gguf computes it from the config's rope_scaling and drops the config).
+ROPE_FREQS = "rope_freqs.weight"
+
+
+def llama3_rope_factors(theta: float, dims: int, factor: float, low: float, high: float,
+                        original: float) -> np.ndarray:
+    """Llama 3's per-frequency RoPE divisors, as Hugging Face and mlx-lm compute them."""
+    wavelengths = 2 * np.pi * theta ** (np.arange(0, dims, 2) / dims)
+    smooth = (original / wavelengths - low) / (high - low)
+    medium = 1 / ((1 - smooth) / factor + smooth)
+    return np.where(wavelengths > original / low, factor, np.where(wavelengths < original / high, 1.0, medium))
+
+
+def llama3_rope_scaling(divisors: np.ndarray, theta: float, dims: int, original: Optional[int],
+                        path: Path) -> Optional[Dict[str, Any]]:
+    """The ``rope_scaling`` (rope_type llama3) that gives ``divisors``, or one line when none does.
+
+    Between the frequencies left alone (divisor 1) and those divided by ``factor``, the
+    smoothing s = (1/d - 1/factor) / (1 - 1/factor) is linear in 1/wavelength:
+    s = original / (high - low) / wavelength - low / (high - low). A line fitted through
+    those frequencies gives two of (low, high, original); the third is the GGUF's
+    original context length when it records one, else low = 1, as in every Llama 3.x."""
+    factor = float(divisors.max())
+    if divisors.shape != (dims // 2,) or not np.isfinite(divisors).all() or divisors.min() <= 0:
+        raise UserError(f"{path}: {ROPE_FREQS} holds {divisors.size} values, not {dims // 2} positive ones; "
+                        "the file is damaged")
+    if factor <= 1 + 1e-6:
+        return None
+    wavelengths = 2 * np.pi * theta ** (np.arange(0, dims, 2) / dims)
+    middle = (divisors > 1 + 1e-4) & (divisors < factor * (1 - 1e-4))
+    low, high = 1.0, 4.0
+    if middle.sum() >= 2:
+        smooth = (1 / divisors[middle] - 1 / factor) / (1 - 1 / factor)
+        slope, intercept = np.polyfit(1 / wavelengths[middle], smooth, 1)
+        if original:
+            high_minus_low = original / slope
+            low = -intercept * high_minus_low
+            high = low + high_minus_low
+        elif intercept < 0:
+            high = 1 - 1 / intercept
+            original = -slope / intercept
+    elif not original:  # at most one smoothed frequency: Llama 3's (1, 4), the context from the boundary
+        shortest_scaled = wavelengths[divisors >= factor * (1 - 1e-4)].min()
+        original = shortest_scaled if not middle.any() else \
+            wavelengths[middle][0] * (1 + (high - low) * (1 / divisors[middle][0] - 1 / factor) / (1 - 1 / factor))
+    scaling = {"rope_type": "llama3", "factor": factor, "low_freq_factor": float(f"{low:.6g}"),
+               "high_freq_factor": float(f"{high:.6g}"),
+               "original_max_position_embeddings": int(round(float(original or 0)))}
+    rebuilt = llama3_rope_factors(theta, dims, factor, scaling["low_freq_factor"], scaling["high_freq_factor"],
+                                  scaling["original_max_position_embeddings"])
+    if not original or not np.allclose(rebuilt, divisors, rtol=1e-4):
+        raise UserError(f"{path}: its {ROPE_FREQS} is not a Llama 3 RoPE scaling this converter can rebuild; "
+                        "convert the Hugging Face model directory instead")
+    return scaling
 
 
 def _unpermute_rows(n_heads: int, rows: int) -> np.ndarray:
@@ -221,6 +279,8 @@ def read_tensors(reader, config: Dict[str, Any], path: Path) -> List[SourceTenso
     permuted = config["model_type"] in _PERMUTED_ARCHITECTURES
     tensors = []
     for tensor in reader.tensors:
+        if tensor.name == ROPE_FREQS:  # in the config's rope_scaling (see read_config)
+            continue
         name = hf_name(tensor.name)
         if name is None:
             raise UserError(f"{path}: unexpected tensor {tensor.name!r} for a {config['model_type']} model")

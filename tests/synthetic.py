@@ -27,14 +27,20 @@ CORPUS = [
     "你好，世界！今天天气很好。", "Emoji time 🙂🚀 and numbers 1234567.",
     "Paris is the capital of France; Berlin is the capital of Germany.",
 ] * 40
-# Qwen2's pre-tokenizer split, as its tokenizer.json has it.
+# Qwen2's and Llama 3's pre-tokenizer splits, as their tokenizer.json files have them.
 QWEN2_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+LLAMA3_SPLIT = QWEN2_SPLIT.replace(r"\p{N}|", r"\p{N}{1,3}|")
+# Llama 3.1's RoPE scaling (its published values, with an original context small enough
+# that a 32-wide head has frequencies in all three bands).
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64}
 
 ARCHS = {
     # name: (config model_type, GGUF architecture, tokenizer kind, GGUF pre-tokenizer)
     "llama": ("llama", "llama", "bpe", "smollm"),
+    "llama3": ("llama", "llama", "bpe", "llama-bpe"),  # Llama 3.1: rope_scaling llama3, rope_freqs in the GGUF
     "mistral": ("mistral", "llama", "spm", None),
     "qwen2": ("qwen2", "qwen2", "bpe", "qwen2"),
     "qwen3": ("qwen3", "qwen3", "bpe", "qwen2"),
@@ -50,7 +56,7 @@ def _bpe_tokenizer(pre: str) -> Tokenizer:
         )
     else:
         tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated"),
+            pre_tokenizers.Split(Regex(LLAMA3_SPLIT if pre == "llama-bpe" else QWEN2_SPLIT), behavior="isolated"),
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
         ])
     tokenizer.decoder = decoders.ByteLevel()
@@ -59,7 +65,31 @@ def _bpe_tokenizer(pre: str) -> Tokenizer:
         show_progress=False,
     )
     tokenizer.train_from_iterator(CORPUS, trainer)
+    if pre == "llama-bpe":  # Llama 3's tokenizer.json: a word in the vocabulary is one token
+        data = json.loads(tokenizer.to_str())
+        data["model"]["ignore_merges"] = True
+        tokenizer = Tokenizer.from_str(json.dumps(data))
     return tokenizer
+
+
+def llama_cpp_rope_freqs(config: Dict) -> np.ndarray:
+    """rope_freqs as llama.cpp's convert_hf_to_gguf writes it for rope_type llama3."""
+    scaling, dims = config["rope_scaling"], config["head_dim"]
+    old_context = scaling["original_max_position_embeddings"]
+    low_wavelength = old_context / scaling["low_freq_factor"]
+    high_wavelength = old_context / scaling["high_freq_factor"]
+    factors = []
+    for freq in 1.0 / config["rope_theta"] ** (np.arange(0, dims, 2) / dims):
+        wavelength = 2 * np.pi / freq
+        if wavelength < high_wavelength:
+            factors.append(1.0)
+        elif wavelength > low_wavelength:
+            factors.append(scaling["factor"])
+        else:
+            smooth = (old_context / wavelength - scaling["low_freq_factor"]) / (
+                scaling["high_freq_factor"] - scaling["low_freq_factor"])
+            factors.append(1 / ((1 - smooth) / scaling["factor"] + smooth))
+    return np.array(factors, dtype=np.float32)
 
 
 def _spm_model() -> bytes:
@@ -148,6 +178,8 @@ def write_model(root: Path, arch: str, qtype=QT.F32, seed: int = 0, with_tokeniz
     config = _config(model_type, vocab_size)
     if arch == "qwen2":
         config.pop("head_dim")
+    if arch == "llama3":
+        config.update(head_dim=32, rope_scaling=LLAMA3_ROPE)
     (hf_dir / "config.json").write_text(json.dumps(config))
     weights = _weights(config, seed)
     mx.save_safetensors(str(hf_dir / "model.safetensors"), {k: mx.array(v) for k, v in weights.items()})
@@ -165,8 +197,12 @@ def write_model(root: Path, arch: str, qtype=QT.F32, seed: int = 0, with_tokeniz
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     writer.add_rope_freq_base(config["rope_theta"])
     writer.add_vocab_size(vocab_size)
-    if arch == "qwen3":
+    if arch in ("qwen3", "llama3"):
         writer.add_key_length(config["head_dim"])
+        writer.add_value_length(config["head_dim"])
+    if arch == "llama3":
+        writer.add_rope_dimension_count(config["head_dim"])
+        writer.add_tensor("rope_freqs.weight", llama_cpp_rope_freqs(config))
     if with_tokenizer:
         if kind == "bpe":
             data = json.loads(tokenizer.to_str())

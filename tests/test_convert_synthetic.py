@@ -68,3 +68,36 @@ def test_requested_format(options, tmp_path):
         assert (layer.bits, layer.group_size) == (4, 32)
     else:
         assert layer.weight.dtype == mx.bfloat16
+
+
+def test_llama3_rope_scaling_is_rebuilt_from_rope_freqs(tmp_path):
+    """A Llama 3.1 GGUF (rope_freqs, no rope_scaling in its metadata) converts to the
+    config's own rope_scaling, and over 200 positions its logits are mlx-lm's on the
+    Hugging Face directory; without the scaling they would not be."""
+    import json
+
+    paths = synthetic.write_model(tmp_path, "llama3")
+    out = convert_target(paths["gguf"], tmp_path / "from-gguf", progress=False)
+    assert json.loads((out / "config.json").read_text())["rope_scaling"] == synthetic.LLAMA3_ROPE
+    tokens = mx.array([[(7 * i + 3) % 380 for i in range(200)]])
+    expected = load(str(paths["hf"]))[0](tokens)
+    assert mx.allclose(load(str(out))[0](tokens), expected, atol=1e-5)
+    config = json.loads((paths["hf"] / "config.json").read_text())
+    del config["rope_scaling"]
+    (paths["hf"] / "config.json").write_text(json.dumps(config))
+    assert not mx.allclose(load(str(paths["hf"]))[0](tokens), expected, atol=1e-3)
+
+
+@pytest.mark.parametrize("divisors, message", [
+    ([1.0, 3.0, 1.5, 8.0, 2.0, 8.0, 8.0, 8.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0], "can rebuild"),
+    ([1.0, 2.0, 8.0], "not 16 positive"),
+    ([0.0] * 16, "not 16 positive"),
+])
+def test_rope_freqs_that_are_no_llama3_scaling_fail_with_one_line(divisors, message):
+    import numpy as np
+
+    from convert.gguf_weights import llama3_rope_scaling
+    from mlx_eagle.errors import UserError
+
+    with pytest.raises(UserError, match=message):
+        llama3_rope_scaling(np.array(divisors), 10000.0, 32, None, "model.gguf")
