@@ -54,6 +54,9 @@ def official_config(config: dict, dtype: mx.Dtype) -> dict:
                       target_hidden_size=config.get("target_hidden_size") or config["hidden_size"])
         if config.get("taps"):
             result["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": list(config["taps"])}
+        for flag in ("norm_before_residual", "norm_before_fc"):  # speculators' names, which vLLM reads
+            if config.get(flag):
+                result[flag] = True
     else:
         result["architectures"] = ["LlamaForCausalLM"]
     return result

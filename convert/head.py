@@ -3,9 +3,14 @@
     python -m convert.head SRC OUT --target TARGET [--q-bits 8|4 [--q-group-size 64]] [--dtype float16]
 
 SRC is a checkpoint directory as published (config.json with model.safetensors, sharded
-safetensors with an index, or pytorch_model.bin) or a Hugging Face repo id. The family
-comes from the tensors; the head is checked against TARGET (any --model value) and the
-output is written atomically, then loaded once to prove it works.
+safetensors with an index, or pytorch_model.bin) or a Hugging Face repo id, written by
+any of the tools that publish heads: the official EAGLE code, SpecForge and AngelSlim
+(the official layout), vLLM's speculators (a nested config, ``layers.0``, optional
+norm-before-residual and input norm) or NVIDIA's Model Optimizer (``layers.0``, flags in
+``eagle_config``, possibly the whole vocabulary and no d2t). Each is first brought to the
+official layout (``published_layout``); fused q/k/v and gate/up projections are split.
+The family comes from the tensors; the head is checked against TARGET (any --model
+value) and the output is written atomically, then loaded once to prove it works.
 """
 
 from __future__ import annotations
@@ -87,27 +92,136 @@ def read_checkpoint(path: Path) -> Tuple[dict, Dict[str, mx.array]]:
 def detect_family(tensors: Dict[str, mx.array]) -> str:
     """EAGLE-3 has its own norm, LM head and d2t; EAGLE-1/2 use the target's."""
     if "fc.weight" not in tensors:
+        if "fusion_fc.weight" in tensors:
+            raise UserError("a speculators EAGLE head whose config.json lacks speculators_model_type; "
+                            "download its config.json too")
         raise UserError("not an EAGLE head: no fc.weight (found " + ", ".join(sorted(tensors)[:4]) + ", ...)")
     if any(k.startswith("midlayer.") for k in tensors) or "lm_head.weight" in tensors or "d2t" in tensors:
         return "eagle3"
     return "eagle1"
 
 
-def head_config(raw: dict, family: str, tensors: Dict[str, mx.array], target: nn.Module) -> HeadConfig:
+_LAYER_KEYS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+               "rms_norm_eps", "max_position_embeddings", "vocab_size", "num_hidden_layers")
+
+
+def _from_speculators(raw: dict, tensors: Dict[str, mx.array], source: str) -> Tuple[dict, Dict[str, mx.array]]:
+    """vLLM speculators: the layer's config nested (written as its difference from the
+    transformers defaults), EAGLE-3 under ``layers.0``, EAGLE-1 as ``fusion_fc`` and
+    ``transformer``; the verifier's norm and LM head, kept for training, are dropped."""
+    kind = raw["speculators_model_type"]
+    if kind not in ("eagle", "eagle3"):
+        raise UserError(f"{source}: speculators_model_type {kind!r} is not an EAGLE head; supported are eagle, eagle3")
+    layer = raw.get("transformer_layer_config") or {}
+    if not isinstance(layer, dict):
+        raise UserError(f"{source}: transformer_layer_config is not a JSON object")
+    from transformers import AutoConfig
+
+    try:
+        full = AutoConfig.for_model(layer.get("model_type", "llama"),
+                                    **{k: v for k, v in layer.items() if k != "model_type"}).to_dict()
+    except (ValueError, TypeError, KeyError) as exc:
+        raise UserError(f"{source}: transformer_layer_config is not a config transformers knows ({exc})") from None
+    flat = {k: full.get(k) for k in _LAYER_KEYS}
+    rope = full.get("rope_parameters") or {}
+    flat["rope_theta"] = rope.get("rope_theta", full.get("rope_theta"))
+    if rope.get("rope_type", "default") != "default":
+        flat["rope_scaling"] = {k: v for k, v in rope.items() if k != "rope_theta"}
+    if kind == "eagle":
+        if raw.get("layernorms"):
+            raise UserError(f"{source}: a speculators EAGLE head with layernorms true (extra embedding and "
+                            "pre-LM-head norms) is not supported; only layernorms false")
+        renames = (("fusion_fc.", "fc."), ("transformer.", "layers.0."))
+        tensors = {next((new + k[len(old):] for old, new in renames if k.startswith(old)), k): v
+                   for k, v in tensors.items()}
+        flat["family"] = "eagle1"
+    else:
+        flat.update(draft_vocab_size=raw.get("draft_vocab_size"), target_hidden_size=raw.get("target_hidden_size"),
+                    norm_before_residual=bool(raw.get("norm_before_residual")),
+                    norm_before_fc=bool(raw.get("norm_before_fc")), family="eagle3")
+        if raw.get("eagle_aux_hidden_state_layer_ids"):
+            flat["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": raw["eagle_aux_hidden_state_layer_ids"]}
+    return flat, {k: v for k, v in tensors.items() if not k.startswith("verifier")}
+
+
+# Model Optimizer's eagle_config flags, and the only value of each this runtime computes.
+_MODELOPT_FLAGS = {"use_aux_hidden_state": True, "use_input_layernorm_in_first_layer": True,
+                   "use_last_layernorm": True, "use_mtp_layernorm": False}
+
+
+def _check_modelopt(raw: dict, source: str) -> None:
+    """NVIDIA Model Optimizer: refuse, naming it, any setting the official computation lacks."""
+    eagle = raw["eagle_config"]
+    for flag, supported in _MODELOPT_FLAGS.items():
+        if eagle.get(flag) is not None and bool(eagle[flag]) != supported:
+            raise UserError(f"{source}: eagle_config.{flag} is {eagle[flag]!r}; only {supported} is supported")
+    if (eagle.get("parallel_draft_step") or 1) > 1:
+        raise UserError(f"{source}: eagle_config.parallel_draft_step is {eagle['parallel_draft_step']} "
+                        "(parallel drafting heads); only 1 is supported")
+
+
+def _split_fused(raw: dict, tensors: Dict[str, mx.array]) -> Dict[str, mx.array]:
+    """Fused q/k/v and gate/up projections, as some exporters write them, split into the
+    separate projections (q, k, v rows in that order; gate rows before up rows)."""
+    heads = raw.get("num_attention_heads") or 1
+    kv_heads = raw.get("num_key_value_heads") or heads
+    head_dim = raw.get("head_dim") or (raw.get("hidden_size") or 0) // heads
+    result = {}
+    for name, value in tensors.items():
+        if ".qkv_proj." in name:
+            rows = [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim]
+            if value.shape[0] != sum(rows):
+                raise UserError(f"{name} has {value.shape[0]} rows, not the {sum(rows)} its config implies")
+            for part, piece in zip("qkv", mx.split(value, [rows[0], rows[0] + rows[1]], axis=0)):
+                result[name.replace(".qkv_proj.", f".{part}_proj.")] = piece
+        elif ".gate_up_proj." in name:
+            gate, up = mx.split(value, 2, axis=0)
+            result[name.replace(".gate_up_proj.", ".gate_proj.")] = gate
+            result[name.replace(".gate_up_proj.", ".up_proj.")] = up
+        else:
+            result[name] = value
+    return result
+
+
+def published_layout(raw: dict, tensors: Dict[str, mx.array], source: str) -> Tuple[dict, Dict[str, mx.array]]:
+    """A head's config (flat, Llama-style) and tensors in the official EAGLE layout,
+    whichever tool wrote it; one line for a setting or format this runtime lacks."""
+    if "speculators_model_type" in raw:
+        raw, tensors = _from_speculators(raw, tensors, source)
+    elif isinstance(raw.get("eagle_config"), dict) and "use_aux_hidden_state" in raw["eagle_config"]:
+        _check_modelopt(raw, source)
+    if raw.get("quantization_config"):
+        method = (raw["quantization_config"] or {}).get("quant_method", "quantized")
+        raise UserError(f"{source}: the head is quantized ({method}); convert an unquantized export "
+                        "(--q-bits quantizes it here)")
+    if (raw.get("num_hidden_layers") or 1) > 1:
+        raise UserError(f"{source}: the head has {raw['num_hidden_layers']} decoder layers (num_hidden_layers); "
+                        "only one-layer EAGLE heads are supported")
+    return raw, _split_fused(raw, tensors)
+
+
+def head_config(raw: dict, family: str, tensors: Dict[str, mx.array], target: nn.Module,
+                official_code: bool = False) -> HeadConfig:
+    """``official_code``: the checkpoint is in the official code's own layout (``midlayer``)."""
     args = target.args
     hidden = raw.get("hidden_size")
     if hidden is None:
         raise UserError("the head's config.json has no hidden_size")
     layer = "midlayer" if family == "eagle3" else "layers.0"
+    rope_scaling = raw.get("rope_scaling")
+    if family == "eagle3" and official_code and (rope_scaling or {}).get("rope_type") == "llama3":
+        rope_scaling = None  # the official EAGLE code and SpecForge run such heads on plain RoPE
     config = HeadConfig(
-        family=family, hidden_size=hidden, intermediate_size=raw.get("intermediate_size", 0),
-        num_attention_heads=raw.get("num_attention_heads", 0),
-        num_key_value_heads=raw.get("num_key_value_heads", raw.get("num_attention_heads", 0)),
-        vocab_size=raw.get("vocab_size", args.vocab_size), head_dim=raw.get("head_dim"),
-        rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
-        rope_theta=raw.get("rope_theta", 10000.0),  # the official code's default when absent
-        rope_scaling=raw.get("rope_scaling"), max_position_embeddings=raw.get("max_position_embeddings", 8192),
+        family=family, hidden_size=hidden, intermediate_size=raw.get("intermediate_size") or 0,
+        num_attention_heads=raw.get("num_attention_heads") or 0,
+        num_key_value_heads=raw.get("num_key_value_heads") or raw.get("num_attention_heads") or 0,
+        vocab_size=raw.get("vocab_size") or args.vocab_size, head_dim=raw.get("head_dim"),
+        rms_norm_eps=raw.get("rms_norm_eps") or 1e-6,
+        rope_theta=raw.get("rope_theta") or 10000.0,  # the official code's default when absent
+        rope_scaling=rope_scaling, max_position_embeddings=raw.get("max_position_embeddings") or 8192,
         bias="fc.bias" in tensors, attention_bias=f"{layer}.self_attn.q_proj.bias" in tensors,
+        norm_before_residual=bool(raw.get("norm_before_residual")),
+        norm_before_fc="input_norm.weight" in tensors,
     )
     if family == "eagle3":
         config.draft_vocab_size = int(tensors["lm_head.weight"].shape[0]) if "lm_head.weight" in tensors else None
@@ -136,9 +250,17 @@ def _embedding_matches(own: mx.array, target: nn.Module) -> bool:
 
 def build_head(raw: dict, tensors: Dict[str, mx.array], target: nn.Module, source: str) -> nn.Module:
     """The head as an MLX module holding the checkpoint's tensors, checked against ``target``."""
-    family = detect_family(tensors)
+    raw, tensors = published_layout(raw, tensors, source)
+    family = raw.get("family") or detect_family(tensors)
+    official_code = any(k.startswith("midlayer.") for k in tensors)
     tensors = normalise(family, tensors)
-    config = head_config(raw, family, tensors, target)
+    config = head_config(raw, family, tensors, target, official_code)
+    if family == "eagle3" and "d2t" not in tensors:
+        if config.draft_vocab_size not in (None, config.vocab_size):
+            raise UserError(f"{source}: no d2t for its draft vocabulary of {config.draft_vocab_size}; "
+                            "download the whole checkpoint")
+        # Model Optimizer: a head over the whole vocabulary comes without a map.
+        tensors["d2t"] = mx.zeros((config.vocab_size,), dtype=mx.int64)
     head = (Eagle3Head if family == "eagle3" else Eagle1Head)(config)
     t2d = tensors.pop("t2d", None)  # implied by d2t
     own = tensors.pop("embed_tokens.weight", None)

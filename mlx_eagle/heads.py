@@ -38,12 +38,14 @@ class HeadConfig:
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     max_position_embeddings: int = 8192
-    bias: bool = False  # EAGLE-1: fc has a bias
+    bias: bool = False  # fc has a bias (EAGLE-1, early speculators EAGLE-3)
     attention_bias: bool = False  # q/k/v biases (Qwen2-style heads)
     draft_vocab_size: Optional[int] = None  # EAGLE-3
     target_hidden_size: Optional[int] = None  # EAGLE-3
     taps: Optional[List[int]] = None  # EAGLE-3: the states entering these target layers
     rope_scaling: Optional[dict] = None
+    norm_before_residual: bool = False  # EAGLE-3 (speculators): the residual is hidden_norm(hidden)
+    norm_before_fc: bool = False  # EAGLE-3 (speculators, gpt-oss heads): input_norm over the taps before fc
     extra: dict = field(default_factory=dict)
 
     def layer_args(self) -> llama.ModelArgs:
@@ -140,7 +142,9 @@ class Eagle3Head(nn.Module):
         super().__init__()
         self.config = config
         target_hidden = config.target_hidden_size or config.hidden_size
-        self.fc = nn.Linear(3 * target_hidden, config.hidden_size, bias=False)
+        if config.norm_before_fc:
+            self.input_norm = nn.RMSNorm(3 * target_hidden, eps=config.rms_norm_eps)
+        self.fc = nn.Linear(3 * target_hidden, config.hidden_size, bias=config.bias)
         self.midlayer = Eagle3Layer(config)
         self.norm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         draft_vocab = config.draft_vocab_size or config.vocab_size
@@ -151,13 +155,14 @@ class Eagle3Head(nn.Module):
         return tuple(self.config.taps or default_taps(num_target_layers))
 
     def project(self, features: mx.array) -> mx.array:
-        return self.fc(features)
+        return self.fc(self.input_norm(features) if "input_norm" in self else features)
 
     def step(self, target: nn.Module, hidden: mx.array, tokens: mx.array, cache: List,
              positions: Positions, mask: Mask) -> mx.array:
         layer = self.midlayer
         x = compiled_piece(layer, _eagle3_inputs, tokens.shape[1])(embed(self, target, tokens), hidden)
-        return layer_block(layer, hidden, x, cache[0], positions, mask)
+        residual = layer.hidden_norm(hidden) if self.config.norm_before_residual else hidden
+        return layer_block(layer, residual, x, cache[0], positions, mask)
 
     def logits(self, target: nn.Module, hidden: mx.array) -> mx.array:
         return self.lm_head(self.norm(hidden))

@@ -113,8 +113,9 @@ def mlp(t, layer, x):
     return (gate / (1 + np.exp(-gate)) * (x @ t[f"{layer}.mlp.up_proj.weight"].T)) @ t[f"{layer}.mlp.down_proj.weight"].T
 
 
-def reference_logits(family, t, target_embed, features, tokens, theta):
-    """Draft logits over target ids (EAGLE-3: scattered through d2t, -inf elsewhere)."""
+def reference_logits(family, t, target_embed, features, tokens, theta, norm_before_residual=False):
+    """Draft logits over target ids (EAGLE-3: scattered through d2t, -inf elsewhere).
+    ``norm_before_residual``: speculators' variant, the residual is the normed hidden."""
     if family == "eagle1":
         embedding = t["embed_tokens.weight"][tokens]
         x = np.concatenate([embedding, features], -1) @ t["fc.weight"].T + t.get("fc.bias", 0)
@@ -122,14 +123,16 @@ def reference_logits(family, t, target_embed, features, tokens, theta):
         out = h + mlp(t, "layers.0", rms(h, t["layers.0.post_attention_layernorm.weight"]))
         return out @ target_embed.T
     layer = "midlayer" if "midlayer.hidden_norm.weight" in t else "layers.0"
-    hidden = features @ t["fc.weight"].T
-    x = np.concatenate([rms(target_embed[tokens], t[f"{layer}.input_layernorm.weight"]),
-                        rms(hidden, t[f"{layer}.hidden_norm.weight"])], -1)
-    h = hidden + attention(t, layer, x, theta)
+    if "input_norm.weight" in t:
+        features = rms(features, t["input_norm.weight"])
+    hidden = features @ t["fc.weight"].T + t.get("fc.bias", 0)
+    normed = rms(hidden, t[f"{layer}.hidden_norm.weight"])
+    x = np.concatenate([rms(target_embed[tokens], t[f"{layer}.input_layernorm.weight"]), normed], -1)
+    h = (normed if norm_before_residual else hidden) + attention(t, layer, x, theta)
     out = h + mlp(t, layer, rms(h, t[f"{layer}.post_attention_layernorm.weight"]))
     draft = rms(out, t["norm.weight"]) @ t["lm_head.weight"].T
     full = np.full((len(tokens), target_embed.shape[0]), -np.inf, dtype=np.float32)
-    full[:, np.arange(DRAFT_VOCAB) + t["d2t"]] = draft
+    full[:, np.arange(draft.shape[1]) + t.get("d2t", 0)] = draft
     return full
 
 
@@ -202,6 +205,145 @@ def test_converted_heads_draft_as_the_numpy_reference(targets, tmp_path, arch, f
     first, second = mx.load(str(out / "model.safetensors")), mx.load(str(again / "model.safetensors"))
     assert set(first) == set(second) and all(mx.array_equal(first[k], second[k]) for k in first)
     assert np.array_equal(mlx_logits(load_head(again, model), model, features, tokens), got)
+
+
+# Each tool's layout, written from the official tensors: (tensors, config, reference options).
+def _renamed(tensors, old, new):
+    return {(new + k[len(old):] if k.startswith(old) else k): v for k, v in tensors.items()}
+
+
+def specforge(t, config):
+    """SpecForge: the official layout and names; Llama 3 RoPE scaling in the config, which
+    SpecForge's draft layer (and the official code's) does not apply."""
+    rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64}
+    return t, dict(config, architectures=["LlamaForCausalLMEagle3"], rope_scaling=rope,
+                   eagle_config={"eagle_aux_hidden_state_layer_ids": [0, 1, 3]}), {}
+
+
+def angelslim(t, config):
+    """AngelSlim: the official layout; its config is the target's, with draft_vocab_size."""
+    config = {k: v for k, v in config.items() if k != "target_hidden_size"}
+    return t, dict(config, architectures=["Eagle3LlamaForCausalLM"], tie_word_embeddings=True, rope_scaling=None,
+                   hidden_act="silu", num_hidden_layers=1), {}
+
+
+def speculators_eagle3(t, config):
+    """vLLM speculators: layers.0, fc with a bias, an input norm over the taps, the residual
+    taken after hidden_norm, the layer's config nested (only what differs from transformers'
+    defaults), and the verifier's norm and LM head left in from training."""
+    rng = np.random.default_rng(11)
+    t = _renamed(t, "midlayer.", "layers.0.")
+    t = dict(t, **{"fc.bias": (0.1 * rng.standard_normal(64)).astype(np.float32),
+                   "input_norm.weight": (1 + 0.1 * rng.standard_normal(192)).astype(np.float32),
+                   "verifier_norm.weight": np.ones(64, np.float32),
+                   "verifier_lm_head.weight": np.zeros((DRAFT_VOCAB, 64), np.float32)})
+    layer = {k: config[k] for k in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+                                    "head_dim", "rms_norm_eps", "max_position_embeddings", "vocab_size", "rope_theta")}
+    nested = {"speculators_model_type": "eagle3", "architectures": ["Eagle3Speculator"],
+              "transformer_layer_config": dict(layer, model_type="llama", num_hidden_layers=1),
+              "draft_vocab_size": DRAFT_VOCAB, "target_hidden_size": 64, "norm_before_residual": True,
+              "norm_before_fc": True, "eagle_aux_hidden_state_layer_ids": [0, 1, 3],
+              "speculators_config": {"algorithm": "eagle3", "verifier": {"name_or_path": "tiny"}}}
+    return t, nested, {"norm_before_residual": True}
+
+
+def modelopt(t, config):
+    """NVIDIA Model Optimizer: layers.0, no embedding, no t2d, the head over the whole
+    vocabulary (its LM head, no d2t), flags in eagle_config."""
+    rng = np.random.default_rng(12)
+    t = {k: v for k, v in _renamed(t, "midlayer.", "layers.0.").items() if k not in ("t2d", "d2t", "embed_tokens.weight")}
+    t["lm_head.weight"] = (0.1 * rng.standard_normal((config["vocab_size"], 64))).astype(np.float32)
+    flags = {"eagle_aux_hidden_state_layer_ids": [0, 1, 3], "use_aux_hidden_state": True,
+             "use_input_layernorm_in_first_layer": True, "use_last_layernorm": True, "use_mtp_layernorm": False,
+             "next_layer_regular": True, "parallel_draft_step": 1, "parallel_draft_heads_num_layers": None}
+    config = dict(config, architectures=["LlamaForCausalLMEagle3"], draft_vocab_size=config["vocab_size"],
+                  num_hidden_layers=1, eagle_config=flags)
+    return t, config, {}
+
+
+def fused(t, config):
+    """Fused projections, as some exporters write them: qkv_proj and gate_up_proj."""
+    t = dict(t)
+    qkv = [t.pop(f"midlayer.self_attn.{p}_proj.weight") for p in "qkv"]
+    t["midlayer.self_attn.qkv_proj.weight"] = np.concatenate(qkv)
+    t["midlayer.mlp.gate_up_proj.weight"] = np.concatenate([t.pop("midlayer.mlp.gate_proj.weight"),
+                                                           t.pop("midlayer.mlp.up_proj.weight")])
+    return t, config, {}
+
+
+def speculators_eagle(t, config):
+    """vLLM speculators' EAGLE-1: fusion_fc (with a bias) and transformer; the embedding
+    and LM head are the verifier's and not saved."""
+    rng = np.random.default_rng(13)
+    t = {k: v for k, v in _renamed(_renamed(t, "fc.", "fusion_fc."), "layers.0.", "transformer.").items()
+         if k != "embed_tokens.weight"}
+    t["fusion_fc.bias"] = (0.1 * rng.standard_normal(64)).astype(np.float32)
+    layer = {k: config[k] for k in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+                                    "head_dim", "rms_norm_eps", "vocab_size", "rope_theta")}
+    return t, {"speculators_model_type": "eagle", "layernorms": False, "fusion_bias": True,
+               "transformer_layer_config": dict(layer, model_type="llama", num_hidden_layers=1)}, {}
+
+
+LAYOUTS = [("eagle3", specforge), ("eagle3", angelslim), ("eagle3", speculators_eagle3), ("eagle3", modelopt),
+           ("eagle3", fused), ("eagle1", speculators_eagle)]
+
+
+@pytest.mark.parametrize("family, layout", LAYOUTS, ids=[layout.__name__ for _, layout in LAYOUTS])
+def test_every_published_layout_drafts_as_the_numpy_reference(targets, tmp_path, family, layout):
+    path, model, embed = targets["llama"]
+    rng = np.random.default_rng(7)
+    base = official_tensors(family, embed, rng)
+    config = dict(HEAD, vocab_size=embed.shape[0], rope_theta=5000.0)
+    if family == "eagle3":
+        config.update(draft_vocab_size=DRAFT_VOCAB, target_hidden_size=64)
+    tensors, config, options = layout(base, config)
+    write_checkpoint(tmp_path / "published", tensors, config, "safetensors")
+    head = load_head(convert_head(str(tmp_path / "published"), tmp_path / "mlx-head", target=str(path)), model)
+    if "eagle_aux_hidden_state_layer_ids" in json.dumps(config):
+        assert head.taps(4) == (0, 1, 3)
+    reference = {k: v for k, v in _renamed(tensors, "layers.0.", "midlayer.").items()} if family == "eagle3" else \
+        _renamed(_renamed(tensors, "fusion_fc.", "fc."), "transformer.", "layers.0.")
+    if layout is fused:
+        reference = base
+    if "embed_tokens.weight" not in reference and family == "eagle1":
+        reference["embed_tokens.weight"] = embed
+    features = rng.standard_normal((7, 192 if family == "eagle3" else 64)).astype(np.float32)
+    tokens = rng.integers(0, embed.shape[0], size=7)
+    expected = reference_logits(family, reference, embed, features, tokens, 5000.0, **options)
+    got = mlx_logits(head, model, features, tokens)
+    finite = np.isfinite(expected)
+    assert np.array_equal(finite, np.isfinite(got))
+    assert np.abs(got[finite] - expected[finite]).max() < 1e-4
+    # Exported to the official layout (with speculators' flags where it needs them) and back: the same drafts.
+    export_head(tmp_path / "mlx-head", tmp_path / "exported")
+    again = load_head(convert_head(str(tmp_path / "exported"), tmp_path / "again", target=str(path)), model)
+    assert np.array_equal(mlx_logits(again, model, features, tokens), got)
+
+
+@pytest.mark.parametrize("layout, change, message", [
+    (speculators_eagle, {"layernorms": True}, "layernorms true"),
+    (speculators_eagle3, {"speculators_model_type": "mlp"}, "'mlp' is not an EAGLE head"),
+    (speculators_eagle3, {"transformer_layer_config": {"model_type": "llama", "num_hidden_layers": 2}},
+     "2 decoder layers"),
+    (modelopt, {"eagle_config": {"use_aux_hidden_state": True, "parallel_draft_step": 3}}, "parallel_draft_step is 3"),
+    (modelopt, {"eagle_config": {"use_aux_hidden_state": True, "use_mtp_layernorm": True}}, "use_mtp_layernorm"),
+    (specforge, {"quantization_config": {"quant_method": "modelopt"}}, r"quantized \(modelopt\)"),
+    (specforge, {"tensor": "midlayer.self_attn.rotary_emb.inv_freq"}, "unexpected midlayer.self_attn.rotary_emb"),
+])
+def test_an_unknown_setting_or_key_is_named_in_one_line(targets, tmp_path, layout, change, message):
+    path, _, embed = targets["llama"]
+    family = "eagle1" if layout is speculators_eagle else "eagle3"
+    config = dict(HEAD, vocab_size=embed.shape[0], rope_theta=5000.0, draft_vocab_size=DRAFT_VOCAB)
+    tensors, config, _ = layout(official_tensors(family, embed, np.random.default_rng(0)), config)
+    change = dict(change)
+    if "tensor" in change:
+        tensors[change.pop("tensor")] = np.ones(8, np.float32)
+    config.update(change)
+    write_checkpoint(tmp_path / "published", tensors, config, "safetensors")
+    with pytest.raises(UserError, match=message) as caught:
+        convert_head(str(tmp_path / "published"), tmp_path / "out", target=str(path))
+    assert "\n" not in str(caught.value) and not (tmp_path / "out").exists()
 
 
 def test_quantized_conversion_stays_close(targets, tmp_path):
