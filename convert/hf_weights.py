@@ -46,6 +46,10 @@ def read_tensors(path: Path, config: Dict[str, Any]) -> List[SourceTensor]:
             weights.update(mx.load(str(file)))
         except Exception as exc:
             raise UserError(f"{file} is damaged or truncated ({exc}); download it again") from exc
+    packed = next((name for name in weights if name.endswith("_blocks")), None)
+    if packed is not None:
+        raise UserError(f"{path}: {packed} is MXFP4-packed (gpt-oss as OpenAI publishes it), which this converter "
+                        "does not unpack; pass an MLX conversion of the model to --model instead")
     model_class, args_class = model_classes(config["model_type"])
     weights = model_class(args_class.from_dict(config)).sanitize(weights)
     return [

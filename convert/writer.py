@@ -38,7 +38,8 @@ def _quantize(value: mx.array, bits: int, group_size: int, dtype: mx.Dtype) -> Q
 
 def convert_tensor(tensor: SourceTensor, fmt: OutputFormat, float_dtype: mx.Dtype):
     """The output for one tensor: a float array or a QuantizedWeight."""
-    is_matrix = tensor.name.endswith(".weight") and len(tensor.shape) == 2
+    # Matrices, and the stacked matrices of a mixture of experts (mlx-lm's SwitchLinear).
+    is_matrix = tensor.name.endswith(".weight") and len(tensor.shape) in (2, 3)
     if not is_matrix or (fmt.dtype is not None and fmt.bits is None):
         return tensor.load().astype(float_dtype)
     bits, group_size = fmt.bits, fmt.group_size

@@ -272,3 +272,32 @@ def build_model(config: Dict, seed: int = 0):
     model.load_weights([(k, mx.array(v)) for k, v in _weights(config, seed).items()])
     mx.eval(model.parameters())
     return model
+
+
+# Hugging Face names of one expert's projections, per MoE architecture.
+_HF_EXPERTS = {"qwen3_moe": ("mlp.experts.{e}.", {"gate_proj": "gate_proj", "up_proj": "up_proj", "down_proj": "down_proj"}),
+               "mixtral": ("block_sparse_moe.experts.{e}.", {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"})}
+
+
+def write_moe_hf(root: Path, model_type: str, seed: int = 0) -> Path:
+    """A tiny MoE model as a Hugging Face directory: one tensor per expert, as published."""
+    directory = root / f"{model_type}-hf"
+    directory.mkdir(parents=True)
+    tokenizer = _bpe_tokenizer("qwen2")
+    tokenizer.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>", "chat_template": CHATML}))
+    config = moe_config(model_type, tokenizer.get_vocab_size())
+    (directory / "config.json").write_text(json.dumps(config))
+    prefix, names = _HF_EXPERTS[model_type]
+    weights = {}
+    for name, value in _weights(config, seed).items():
+        stacked = next((part for part in names if f"switch_mlp.{part}." in name), None)
+        if stacked is None:
+            weights[name] = value
+            continue
+        layer = name.split(".switch_mlp.")[0].rsplit(".", 1)[0]
+        for expert, matrix in enumerate(value):
+            weights[f"{layer}.{prefix.format(e=expert)}{names[stacked]}.weight"] = matrix
+    mx.save_safetensors(str(directory / "model.safetensors"), {k: mx.array(v) for k, v in weights.items()})
+    return directory

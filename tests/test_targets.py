@@ -84,3 +84,41 @@ def test_greedy_decoding_equals_mlx_lm(moe_target, drafts):
     tree = "dynamic:topk=3,depth=4,tokens=10" if "dynamic" in drafts else "static:default"
     assert speculative_greedy(model, head, tree if head is not None else "none", count,
                               lookup=head is None) == expected
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral"])
+def test_moe_hugging_face_directories_convert(tmp_path, model_type):
+    """One tensor per expert, as published, converts to mlx-lm's stacked experts: the same
+    logits in float, and with --q-bits the experts are quantized too."""
+    import json
+
+    from mlx_lm import load
+
+    from convert.target import convert_target
+    from synthetic import write_moe_hf
+
+    directory = write_moe_hf(tmp_path, model_type)
+    reference = build_model(json.loads((directory / "config.json").read_text()))
+    tokens = mx.array([PROMPT])
+    model, _ = load(str(convert_target(directory, tmp_path / "float", progress=False)))
+    assert mx.array_equal(model(tokens), reference(tokens))
+    quantized = convert_target(directory, tmp_path / "q8", q_bits=8, progress=False)
+    assert any(k.endswith("switch_mlp.gate_proj.scales") for k in mx.load(str(quantized / "model.safetensors")))
+    assert mx.isfinite(load(str(quantized))[0](tokens)).all()
+
+
+def test_an_mxfp4_gpt_oss_checkpoint_is_refused_with_one_line(tmp_path):
+    import json
+
+    from convert.target import convert_target
+    from mlx_eagle.errors import UserError
+    from synthetic import write_moe_hf
+
+    directory = write_moe_hf(tmp_path, "mixtral")
+    config = dict(moe_config("gpt_oss"), vocab_size=json.loads((directory / "config.json").read_text())["vocab_size"])
+    (directory / "config.json").write_text(json.dumps(config))
+    mx.save_safetensors(str(directory / "model.safetensors"),
+                        {"model.layers.0.mlp.experts.gate_up_proj_blocks": mx.zeros((4, 128, 16, 16), dtype=mx.uint8)})
+    with pytest.raises(UserError, match="MXFP4-packed"):
+        convert_target(directory, tmp_path / "out", progress=False)
+    assert not (tmp_path / "out").exists()
