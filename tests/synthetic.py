@@ -279,9 +279,8 @@ _HF_EXPERTS = {"qwen3_moe": ("mlp.experts.{e}.", {"gate_proj": "gate_proj", "up_
                "mixtral": ("block_sparse_moe.experts.{e}.", {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"})}
 
 
-def write_moe_hf(root: Path, model_type: str, seed: int = 0) -> Path:
-    """A tiny MoE model as a Hugging Face directory: one tensor per expert, as published."""
-    directory = root / f"{model_type}-hf"
+def _moe_directory(directory: Path, model_type: str) -> Dict:
+    """A model directory's tokenizer files and config.json for a tiny MoE; returns the config."""
     directory.mkdir(parents=True)
     tokenizer = _bpe_tokenizer("qwen2")
     tokenizer.save(str(directory / "tokenizer.json"))
@@ -289,6 +288,21 @@ def write_moe_hf(root: Path, model_type: str, seed: int = 0) -> Path:
         "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>", "chat_template": CHATML}))
     config = moe_config(model_type, tokenizer.get_vocab_size())
     (directory / "config.json").write_text(json.dumps(config))
+    return config
+
+
+def write_moe_mlx(root: Path, model_type: str, seed: int = 0) -> Path:
+    """A tiny MoE model as an mlx-lm directory (stacked experts), as mlx-community publishes them."""
+    directory = root / f"{model_type}-mlx"
+    config = _moe_directory(directory, model_type)
+    mx.save_safetensors(str(directory / "model.safetensors"), {k: mx.array(v) for k, v in _weights(config, seed).items()})
+    return directory
+
+
+def write_moe_hf(root: Path, model_type: str, seed: int = 0) -> Path:
+    """A tiny MoE model as a Hugging Face directory: one tensor per expert, as published."""
+    directory = root / f"{model_type}-hf"
+    config = _moe_directory(directory, model_type)
     prefix, names = _HF_EXPERTS[model_type]
     weights = {}
     for name, value in _weights(config, seed).items():

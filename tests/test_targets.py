@@ -122,3 +122,32 @@ def test_an_mxfp4_gpt_oss_checkpoint_is_refused_with_one_line(tmp_path):
     with pytest.raises(UserError, match="MXFP4-packed"):
         convert_target(directory, tmp_path / "out", progress=False)
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "gpt_oss"])
+def test_the_generate_command_on_an_moe_model_prints_plain_decodings_text(tmp_path, model_type):
+    """As a user runs it: an mlx-lm MoE directory, an EAGLE-3 head for it, `generate`
+    with a tree prints exactly what `--draft none` prints."""
+    import subprocess
+    import sys
+
+    from mlx_lm import load
+
+    from mlx_eagle.heads import save_head
+    from synthetic import write_moe_mlx
+
+    directory = write_moe_mlx(tmp_path, model_type)
+    save_head(new_head(load(str(directory))[0], "eagle3"), tmp_path / "head")
+
+    def generate(*flags):
+        result = subprocess.run([sys.executable, "-m", "mlx_eagle.generate", "--model", str(directory), "--prompt",
+                                 "Paris is the capital of", "--max-tokens", "40", *flags],
+                                capture_output=True, text=True, timeout=300)
+        assert result.returncode == 0, result.stderr
+        return result.stdout
+
+    plain = generate("--draft", "none")
+    assert plain.strip()
+    assert generate("--draft", str(tmp_path / "head"), "--tree", "static:default") == plain
+    assert generate("--draft", "lookup") == plain
