@@ -23,6 +23,9 @@ except ImportError as exc:  # pragma: no cover - gguf is a declared dependency
 # GGUF architecture -> mlx-lm model_type. Mistral GGUFs are written as "llama".
 ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 
+# Mixture-of-experts GGUF architectures: their targets run here from other formats.
+MOE_ARCHITECTURES = {"qwen3moe", "qwen2moe", "gpt-oss", "mixtral"}
+
 # llama.cpp reorders the Q and K rows of these architectures for its RoPE layout.
 _PERMUTED_ARCHITECTURES = {"llama"}
 
@@ -105,6 +108,11 @@ def number(reader, key: str, kind: type = int, default: Any = None) -> Any:
 def read_config(reader, path: Path) -> Dict[str, Any]:
     """The Hugging Face config.json equivalent of a GGUF file's metadata."""
     arch = field(reader, "general.architecture")
+    if arch in MOE_ARCHITECTURES or any("_exps." in t.name for t in reader.tensors):
+        raise UserError(
+            f"{path}: mixture-of-experts GGUF files ({arch}) are not converted here; pass the model's Hugging Face "
+            "directory to convert.target, or an MLX conversion of it to --model (both decode with EAGLE)"
+        )
     if not isinstance(arch, str) or arch not in ARCHITECTURES:
         raise UserError(
             f"{path}: architecture {arch!r} is not supported; supported are "

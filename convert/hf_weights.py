@@ -26,6 +26,9 @@ _TORCH_DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bf
 def read_config(path: Path) -> Dict[str, Any]:
     config = read_config_json(path, "a Hugging Face model directory")
     model_type = config.get("model_type")
+    if model_type == "gpt_oss":  # its experts are MXFP4-packed or interleaved; mlx-lm's conversions unpack them
+        raise UserError(f"{path}: gpt-oss checkpoints are not converted here; pass an MLX conversion of it "
+                        "(such as mlx-community/gpt-oss-20b-MXFP4-Q8) to --model, which decodes with EAGLE")
     if model_type not in MODEL_TYPES:
         raise UserError(
             f"{path}: architecture {model_type!r} is not supported; supported are {', '.join(MODEL_TYPES)}"
@@ -46,10 +49,6 @@ def read_tensors(path: Path, config: Dict[str, Any]) -> List[SourceTensor]:
             weights.update(mx.load(str(file)))
         except Exception as exc:
             raise UserError(f"{file} is damaged or truncated ({exc}); download it again") from exc
-    packed = next((name for name in weights if name.endswith("_blocks")), None)
-    if packed is not None:
-        raise UserError(f"{path}: {packed} is MXFP4-packed (gpt-oss as OpenAI publishes it), which this converter "
-                        "does not unpack; pass an MLX conversion of the model to --model instead")
     model_class, args_class = model_classes(config["model_type"])
     weights = model_class(args_class.from_dict(config)).sanitize(weights)
     return [

@@ -4,6 +4,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import synthetic
@@ -137,3 +138,18 @@ def test_a_full_disk_gets_one_line_and_leaves_nothing(tmp_path, monkeypatch):
     with pytest.raises(UserError, match="No space left on device"):
         target.convert_target(paths["gguf"], tmp_path / "out", progress=False)
     assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out.*"))
+
+
+@pytest.mark.parametrize("arch", ["qwen3moe", "gpt-oss"])
+def test_a_moe_gguf_says_where_its_model_runs_instead(tmp_path, arch):
+    import gguf
+
+    path = tmp_path / f"{arch}.gguf"
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(1)
+    writer.add_tensor("blk.0.ffn_gate_exps.weight", np.zeros((4, 8, 8), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    assert_clean_failure(run_convert(path, tmp_path / "out"), tmp_path / "out", "mixture-of-experts", "--model")

@@ -84,3 +84,16 @@ def test_row_permutation_applies_to_packed_rows():
                           group_size=32, bits=4)
     reference = gguf.quants.dequantize(data, QT.Q4_1).reshape(ROWS, COLS)[order]
     np.testing.assert_array_equal(np.array(value.astype(mx.float32)), reference)
+
+
+@pytest.mark.parametrize("qtype", [QT.IQ4_NL, QT.IQ2_XS], ids=lambda t: t.name)
+def test_i_quants_are_refused_with_one_line(qtype):
+    from types import SimpleNamespace
+
+    from convert.gguf_weights import read_tensors
+    from mlx_eagle.errors import UserError
+
+    tensor = SimpleNamespace(name="blk.0.attn_q.weight", tensor_type=qtype, shape=np.array([COLS, ROWS]),
+                             data=np.zeros(16, np.uint8))
+    with pytest.raises(UserError, match=f"type {qtype.name}, which is not supported"):
+        read_tensors(SimpleNamespace(tensors=[tensor]), {"model_type": "qwen2"}, "model.gguf")
