@@ -127,7 +127,8 @@ def reference_logits(family, t, target_embed, features, tokens, theta, norm_befo
         features = rms(features, t["input_norm.weight"])
     hidden = features @ t["fc.weight"].T + t.get("fc.bias", 0)
     normed = rms(hidden, t[f"{layer}.hidden_norm.weight"])
-    x = np.concatenate([rms(target_embed[tokens], t[f"{layer}.input_layernorm.weight"]), normed], -1)
+    embedding = t.get("embed_tokens.weight", target_embed)[tokens]
+    x = np.concatenate([rms(embedding, t[f"{layer}.input_layernorm.weight"]), normed], -1)
     h = (normed if norm_before_residual else hidden) + attention(t, layer, x, theta)
     out = h + mlp(t, layer, rms(h, t[f"{layer}.post_attention_layernorm.weight"]))
     draft = rms(out, t["norm.weight"]) @ t["lm_head.weight"].T
@@ -230,11 +231,13 @@ def angelslim(t, config):
 
 def speculators_eagle3(t, config):
     """vLLM speculators: layers.0, fc with a bias, an input norm over the taps, the residual
-    taken after hidden_norm, the layer's config nested (only what differs from transformers'
-    defaults), and the verifier's norm and LM head left in from training."""
+    taken after hidden_norm, an embedding of its own (trained, embed_requires_grad), the
+    layer's config nested (only what differs from transformers' defaults), and the
+    verifier's norm and LM head left in from training."""
     rng = np.random.default_rng(11)
     t = _renamed(t, "midlayer.", "layers.0.")
     t = dict(t, **{"fc.bias": (0.1 * rng.standard_normal(64)).astype(np.float32),
+                   "embed_tokens.weight": (0.1 * rng.standard_normal((config["vocab_size"], 64))).astype(np.float32),
                    "input_norm.weight": (1 + 0.1 * rng.standard_normal(192)).astype(np.float32),
                    "verifier_norm.weight": np.ones(64, np.float32),
                    "verifier_lm_head.weight": np.zeros((DRAFT_VOCAB, 64), np.float32)})
@@ -243,7 +246,7 @@ def speculators_eagle3(t, config):
     nested = {"speculators_model_type": "eagle3", "architectures": ["Eagle3Speculator"],
               "transformer_layer_config": dict(layer, model_type="llama", num_hidden_layers=1),
               "draft_vocab_size": DRAFT_VOCAB, "target_hidden_size": 64, "norm_before_residual": True,
-              "norm_before_fc": True, "eagle_aux_hidden_state_layer_ids": [0, 1, 3],
+              "norm_before_fc": True, "embed_requires_grad": True, "eagle_aux_hidden_state_layer_ids": [0, 1, 3],
               "speculators_config": {"algorithm": "eagle3", "verifier": {"name_or_path": "tiny"}}}
     return t, nested, {"norm_before_residual": True}
 

@@ -104,7 +104,8 @@ def test_moe_hugging_face_directories_convert(tmp_path, model_type):
     assert mx.array_equal(model(tokens), reference(tokens))
     quantized = convert_target(directory, tmp_path / "q8", q_bits=8, progress=False)
     assert any(k.endswith("switch_mlp.gate_proj.scales") for k in mx.load(str(quantized / "model.safetensors")))
-    assert mx.isfinite(load(str(quantized))[0](tokens)).all()
+    model, _ = load(str(quantized))  # quantized experts (gather_qmm) inside the compiled verification, still lossless
+    assert speculative_greedy(model, new_head(model, "eagle3"), "static:default", 24) == mlx_lm_greedy(model, 24)
 
 
 def test_a_gpt_oss_hugging_face_checkpoint_says_where_it_runs_instead(tmp_path):
