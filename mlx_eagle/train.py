@@ -58,6 +58,10 @@ class TrainConfig:
     seed: int = 0
     pad_multiple: int = 64  # batch lengths are rounded up to this, so compiled steps see few shapes
     compile: bool = True
+    # Recipe levers (off by default; README's ablations):
+    mask_outside_draft: bool = False  # positions whose target choice is outside the draft vocabulary do not count
+    feature_noise: float = 0.0  # uniform noise in (-x, x) on the target's states, as EAGLE-1 trains
+    train_embeddings: bool = False  # the head gets an embedding of its own (the target's to start), trained
 
     def __post_init__(self) -> None:
         """One line naming a setting no run could train with."""
@@ -67,12 +71,14 @@ class TrainConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise UserError(f"{name.replace('_', '-')} must be a whole number, {low} or more, not {value!r}")
-        for name in ("lr", "weight_decay", "clip", "step_decay"):
+        for name in ("lr", "weight_decay", "clip", "step_decay", "feature_noise"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0 or \
                     (name == "lr" and value == 0):
                 raise UserError(f"{name.replace('_', '-')} must be a finite number, 0 or more"
                                 f"{' (above 0)' if name == 'lr' else ''}, not {value!r}")
+        if self.mask_outside_draft and self.family != "eagle3":
+            raise UserError("mask-outside-draft is for EAGLE-3 heads, which draft from a draft vocabulary")
 
 
 # (token ids, answer) with answer[i] True where the model itself generated token i.
@@ -94,15 +100,20 @@ def d2t_t2d(used: np.ndarray, vocab_size: int) -> Tuple[np.ndarray, np.ndarray]:
     return (used - np.arange(len(used))).astype(np.int64), t2d
 
 
-def head_to_train(target, family: str, used: np.ndarray, seed: int = 0):
+def head_to_train(target, family: str, used: np.ndarray, seed: int = 0, train_embeddings: bool = False):
     """A new head for training, in float32 whatever the target's dtype (a bfloat16 or
     quantized target on a GPU would otherwise give a bfloat16 head to AdamW). An EAGLE-3
     head starts speaking the target's output language: its final norm and reduced LM head
     begin as the target's own (the draft vocabulary's rows of it), so training spends its
-    steps on prediction rather than on relearning the vocabulary."""
+    steps on prediction rather than on relearning the vocabulary. ``train_embeddings``:
+    the head gets an embedding of its own, a copy of the target's, which training moves."""
     from .heads import new_head
 
     head = new_head(target, family, draft_vocab_size=len(used), seed=seed)
+    if train_embeddings:
+        vocab = target.args.vocab_size
+        head.embed_tokens = nn.Embedding(vocab, target.args.hidden_size)
+        head.embed_tokens.weight = target.model.embed_tokens(mx.arange(vocab)).astype(mx.float32)
     head.set_dtype(mx.float32)
     if family == "eagle3":
         head.d2t = mx.array(d2t_t2d(used, target.args.vocab_size)[0])
@@ -165,13 +176,19 @@ def ttt_unroll(head, target, tokens: mx.array, features: mx.array, steps: int) -
         hidden = shift(out, 1)  # position t next reads the head's own output at t - 1
 
 
-def eagle3_loss(head, target, tokens, mask, features, last, used: mx.array, ttt_steps: int, step_decay: float):
+def eagle3_loss(head, target, tokens, mask, features, last, used: mx.array, ttt_steps: int, step_decay: float,
+                mask_outside_draft: bool = False):
     """Training-time test; returns (loss, per-step losses, per-step accuracies). The target
     distribution at t is the target's next-token distribution at t + 1, renormalised over
-    the draft vocabulary, as EAGLE-3 trains."""
+    the draft vocabulary, as EAGLE-3 trains. ``mask_outside_draft``: positions where the
+    target's own choice (over its whole vocabulary) is no draft token do not count, since
+    no draft can be accepted there (this computes the full LM head once)."""
     target_logits = lm_head_rows(target, shift(last, -1).astype(mx.float32), used)
     wanted = mx.softmax(target_logits, axis=-1)
     target_choice = mx.argmax(target_logits, axis=-1)
+    if mask_outside_draft:
+        in_draft = mx.zeros((target.args.vocab_size,)).at[used].add(1.0) > 0
+        mask = mask & in_draft[mx.argmax(lm_head(target, shift(last, -1)), axis=-1)]
     position = mx.arange(tokens.shape[1])[None]
     total, losses, accuracies = 0.0, [], []
     for step, logits in ttt_unroll(head, target, tokens, features, ttt_steps):
@@ -274,18 +291,23 @@ class Trainer:
         world, rank = self.group.size(), self.group.rank()
         return [batch[rank::world] for batch in chosen]
 
-    def _loss(self, head, tokens, mask, used):
+    def _loss(self, head, tokens, mask, used, key):
         features, last = target_states(self.target, tokens, self.taps)
+        if self.config.feature_noise:
+            features = features + mx.random.uniform(-self.config.feature_noise, self.config.feature_noise,
+                                                    features.shape, key=key).astype(features.dtype)
         if self.config.family == "eagle3":
             total, losses, accuracies = eagle3_loss(head, self.target, tokens, mask, features, last, used,
-                                                    self.config.ttt_steps, self.config.step_decay)
+                                                    self.config.ttt_steps, self.config.step_decay,
+                                                    self.config.mask_outside_draft)
         else:
             total, losses, accuracies = eagle1_loss(head, self.target, tokens, mask, features, last)
         return total, (losses, accuracies)
 
-    def _micro_batch(self, tokens, mask, accumulated, used):
-        # The draft vocabulary is an argument: mx.compile cannot capture an index array.
-        (total, (losses, accuracies)), grads = nn.value_and_grad(self.head, self._loss)(self.head, tokens, mask, used)
+    def _micro_batch(self, tokens, mask, accumulated, used, key):
+        # The draft vocabulary and the noise's key are arguments: mx.compile cannot capture arrays.
+        (total, (losses, accuracies)), grads = nn.value_and_grad(self.head, self._loss)(self.head, tokens, mask, used,
+                                                                                         key)
         # Flat {name: gradient}: compiled outputs drop the empty subtrees a module's gradient holds.
         return total, losses, accuracies, {k: accumulated[k] + g for k, g in tree_flatten(grads)}
 
@@ -301,11 +323,14 @@ class Trainer:
         """One optimizer step: (loss, per-step losses, per-step accuracies, answer tokens seen)."""
         grads = {k: mx.zeros_like(p) for k, p in tree_flatten(self.head.trainable_parameters())}
         totals, step_losses, step_accuracies, tokens = [], [], [], 0
-        for chosen in self.micro_batches(self.step):
+        for micro, chosen in enumerate(self.micro_batches(self.step)):
             length = padded_length(max(self.lengths[i] for i in chosen), self.config.pad_multiple)
             rows = max(1, self.config.tokens_per_batch // length // self.group.size())
             batch = make_batch([self._piece(i) for i in chosen], rows, length)
-            total, losses, accuracies, grads = self._gradients(batch["tokens"], batch["mask"], grads, self.used)
+            # A key per micro-batch of the run: a resumed run draws the same noise.
+            key = mx.random.key((self.config.seed * 1_000_003 + self.step * self.config.grad_accum + micro)
+                                * self.group.size() + self.group.rank())
+            total, losses, accuracies, grads = self._gradients(batch["tokens"], batch["mask"], grads, self.used, key)
             mx.async_eval(grads)  # the next batch is built while this one runs
             totals.append(total)
             step_losses.append(losses)
@@ -513,8 +538,12 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     for name in ("steps", "tokens_per_batch", "grad_accum", "seq_len", "warmup", "ttt_steps", "checkpoint_every",
                  "seed", "pad_multiple"):
         parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(defaults, name))
-    for name in ("lr", "weight_decay", "clip", "step_decay"):
+    for name in ("lr", "weight_decay", "clip", "step_decay", "feature_noise"):
         parser.add_argument(f"--{name.replace('_', '-')}", type=float, default=getattr(defaults, name))
+    parser.add_argument("--mask-outside-draft", action="store_true", help="positions whose target choice is "
+                        "no draft token do not count in the loss")
+    parser.add_argument("--train-embeddings", action="store_true", help="train an embedding of the head's own "
+                        "(a copy of the target's to start) instead of reading the target's")
     parser.add_argument("--subset", type=int, help="train on this many of the pieces, chosen at random "
                         "(for measuring what more data buys)")
     parser.add_argument("--save-dtype", choices=["float16", "bfloat16", "float32"], default="float16",
@@ -566,7 +595,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     if args.subset:
         chosen = np.random.default_rng(config.seed).permutation(len(pieces))[: args.subset]
         pieces = [pieces[i] for i in sorted(chosen)]
-    head = head_to_train(model, config.family, vocab["used"], config.seed)
+    head = head_to_train(model, config.family, vocab["used"], config.seed, config.train_embeddings)
     trainer = Trainer(model, head, pieces, config, work, used=vocab["used"], progress=progress)
     if config.family == "eagle3" and not np.array_equal(np.array(head.d2t), vocab["d2t"]):
         raise UserError(f"the checkpoint in {work} was trained with another draft vocabulary than {vocab_path}; "

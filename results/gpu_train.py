@@ -41,7 +41,7 @@ print(f"{len(pieces)} pieces, {sum(int(a.sum()) for _, a in pieces)} answer toke
 
 
 def fresh_trainer(config: TrainConfig, work: Path) -> Trainer:
-    head = head_to_train(model, "eagle3", vocab["used"], config.seed)
+    head = head_to_train(model, "eagle3", vocab["used"], config.seed, config.train_embeddings)
     return Trainer(model, head, pieces, config, work, used=vocab["used"], progress=False)
 
 

@@ -11,8 +11,8 @@ from mlx.utils import tree_flatten
 
 from mlx_eagle.data import read_sharegpt, sharegpt_path, sharegpt_prompts, mtbench_questions
 from mlx_eagle.heads import new_head
-from mlx_eagle.train import TrainConfig, Trainer, d2t_t2d, draft_vocabulary, epoch_batches, make_batch, \
-    target_states, ttt_mask
+from mlx_eagle.train import TrainConfig, Trainer, d2t_t2d, draft_vocabulary, epoch_batches, head_to_train, \
+    make_batch, target_states, ttt_mask
 from synthetic import write_model
 
 
@@ -83,19 +83,22 @@ def test_a_few_steps_lower_the_loss(training_setup, tmp_path, family):
     assert np.mean(losses[0][-5:]) < 0.7 * np.mean(losses[0][:5])
 
 
-def ten_step_trainer(training_setup, work):
+def ten_step_trainer(training_setup, work, **levers):
     """The same 10-step run (checkpoints every 4 steps) wherever ``work`` is."""
     model, pieces, used = training_setup
-    head = new_head(model, "eagle3", draft_vocab_size=len(used), seed=2)
-    head.d2t = mx.array(d2t_t2d(used, model.args.vocab_size)[0])
     config = TrainConfig(steps=10, tokens_per_batch=128, grad_accum=2, lr=2e-3, warmup=3, ttt_steps=2,
-                         checkpoint_every=4)
+                         checkpoint_every=4, **levers)
+    head = head_to_train(model, "eagle3", used, seed=2, train_embeddings=config.train_embeddings)
     return Trainer(model, head, pieces, config, work, used=used, progress=False)
 
 
-def test_resumed_run_reaches_the_same_weights(training_setup, tmp_path):
+LEVERS = {"feature_noise": 0.05, "mask_outside_draft": True, "train_embeddings": True}
+
+
+@pytest.mark.parametrize("levers", [{}, LEVERS], ids=["plain", "every recipe lever"])
+def test_resumed_run_reaches_the_same_weights(training_setup, tmp_path, levers):
     def trainer(work):
-        return ten_step_trainer(training_setup, work)
+        return ten_step_trainer(training_setup, work, **levers)
 
     straight = trainer(tmp_path / "straight")
     straight.run()
@@ -105,6 +108,28 @@ def test_resumed_run_reaches_the_same_weights(training_setup, tmp_path):
     resumed.run()
     for (name, a), (_, b) in zip(tree_flatten(straight.head.parameters()), tree_flatten(resumed.head.parameters())):
         assert mx.allclose(a, b, atol=1e-6), name
+
+
+@pytest.mark.parametrize("lever", list(LEVERS))
+def test_each_recipe_lever_changes_training_and_stays_deterministic(training_setup, tmp_path, lever):
+    """Each lever of README's ablation table does something, the same thing twice."""
+    from mlx_eagle.heads import load_head, save_head
+
+    model, pieces, used = training_setup
+    # This target's choices are all among the 96 draft tokens: half of them leaves some out.
+    setup = (model, pieces, used[::2]) if lever == "mask_outside_draft" else training_setup
+    runs = {}
+    for name, levers in (("plain", {}), ("lever", {lever: LEVERS[lever]}), ("again", {lever: LEVERS[lever]})):
+        trainer = ten_step_trainer(setup, tmp_path / name, **levers)
+        trainer.run(stop_after=4)
+        runs[name] = ([json.loads(line)["loss"] for line in (tmp_path / name / "log.jsonl").read_text().splitlines()],
+                      trainer.head)
+    assert runs["lever"][0] == runs["again"][0] and runs["lever"][0] != runs["plain"][0]
+    if lever == "train_embeddings":
+        head = runs["lever"][1]
+        assert not mx.allclose(head.embed_tokens.weight, model.model.embed_tokens.weight.astype(mx.float32))
+        save_head(head, tmp_path / "saved")
+        assert "embed_tokens" in load_head(tmp_path / "saved", model)
 
 
 def test_a_kill_in_the_middle_of_saving_a_checkpoint_loses_nothing(training_setup, tmp_path):
