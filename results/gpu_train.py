@@ -1,15 +1,18 @@
 """Train the SmolLM2 head on a lent GPU inside a fixed wall-clock budget (MLX's CUDA backend).
 
-    python results/gpu_train.py GGUF DATA_DIR OUT_DIR SECONDS [TTT_STEPS]
+    python results/gpu_train.py GGUF DATA_DIR OUT_DIR SECONDS [--ttt-steps 5] [--init HEAD] [--smoke]
 
 DATA_DIR holds what ``python -m mlx_eagle.train --seq-len 2048 --prepare-only --data DATA_DIR``
 wrote here (tokenized ShareGPT dialogues and the draft vocabulary), so the GPU only trains.
 A probe of a few steps measures the step time; the run is then sized to end inside the
 budget, and the head is exported to OUT_DIR (float16, in files of under 16 MiB) after
-every chunk of steps, so a cut-off run still leaves its latest head behind.
+every chunk of steps, so a cut-off run still leaves its latest head behind. ``--init``
+starts from a head this job exported before (results/gpu-run/head), so GPU sessions add
+epochs to one head (a new warm-up and cosine schedule each time). ``--smoke``: a CPU
+rehearsal with tiny batches and few pieces.
 """
+import argparse
 import json
-import sys
 import time
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -18,14 +21,21 @@ import mlx.core as mx
 import numpy as np
 
 start = time.time()
-gguf, data, out, seconds = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3]), float(sys.argv[4])
-ttt_steps = int(sys.argv[5]) if len(sys.argv) > 5 else 5
-smoke = len(sys.argv) > 6 and sys.argv[6] == "smoke"  # a CPU rehearsal: tiny batches, few pieces
-deadline = start + seconds
+parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+parser.add_argument("gguf", type=Path)
+parser.add_argument("data", type=Path)
+parser.add_argument("out", type=Path)
+parser.add_argument("seconds", type=float)
+parser.add_argument("--ttt-steps", type=int, default=5)
+parser.add_argument("--init", type=Path, help="a head this job exported before, to go on training")
+parser.add_argument("--smoke", action="store_true")
+args = parser.parse_args()
+gguf, data, out, ttt_steps, smoke = args.gguf, args.data, args.out, args.ttt_steps, args.smoke
+deadline = start + args.seconds
 out.mkdir(parents=True, exist_ok=True)
 
 from convert.target import convert_target  # noqa: E402
-from mlx_eagle.heads import save_head  # noqa: E402
+from mlx_eagle.heads import read_head_weights, save_head  # noqa: E402
 from mlx_eagle.models import load  # noqa: E402
 from mlx_eagle.train import Trainer, TrainConfig, head_to_train, sharegpt_pieces  # noqa: E402
 
@@ -42,6 +52,12 @@ print(f"{len(pieces)} pieces, {sum(int(a.sum()) for _, a in pieces)} answer toke
 
 def fresh_trainer(config: TrainConfig, work: Path) -> Trainer:
     head = head_to_train(model, "eagle3", vocab["used"], config.seed, config.train_embeddings)
+    if args.init is not None:
+        _, weights = read_head_weights(args.init)
+        if not np.array_equal(np.array(weights["d2t"]), vocab["d2t"]):
+            raise SystemExit(f"{args.init} drafts from another draft vocabulary than {data}")
+        head.load_weights([(k, v.astype(mx.float32) if mx.issubdtype(v.dtype, mx.floating) else v)
+                           for k, v in weights.items()])
     return Trainer(model, head, pieces, config, work, used=vocab["used"], progress=False)
 
 
