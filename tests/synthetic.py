@@ -175,11 +175,7 @@ def write_model(root: Path, arch: str, qtype=QT.F32, seed: int = 0, with_tokeniz
         (hf_dir / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "LlamaTokenizer"}))
         sp = spm.SentencePieceProcessor(model_proto=proto)
         vocab_size = sp.get_piece_size()
-    config = _config(model_type, vocab_size)
-    if arch == "qwen2":
-        config.pop("head_dim")
-    if arch == "llama3":
-        config.update(head_dim=32, rope_scaling=LLAMA3_ROPE)
+    config = target_config(arch, vocab_size)
     (hf_dir / "config.json").write_text(json.dumps(config))
     weights = _weights(config, seed)
     mx.save_safetensors(str(hf_dir / "model.safetensors"), {k: mx.array(v) for k, v in weights.items()})
@@ -262,6 +258,18 @@ MOE_CONFIGS = {
 def moe_config(model_type: str, vocab_size: int = 384) -> Dict:
     config = dict(_config(model_type, vocab_size), **MOE_CONFIGS[model_type])
     config["tie_word_embeddings"] = False
+    return config
+
+
+def target_config(arch: str, vocab_size: int = 384) -> Dict:
+    """The tiny config of an ARCHS or MOE_CONFIGS architecture."""
+    if arch in MOE_CONFIGS:
+        return moe_config(arch, vocab_size)
+    config = _config(ARCHS[arch][0], vocab_size)
+    if arch == "qwen2":
+        config.pop("head_dim")
+    if arch == "llama3":
+        config.update(head_dim=32, rope_scaling=LLAMA3_ROPE)
     return config
 
 

@@ -1,8 +1,9 @@
-"""Mixture-of-experts targets on the tree path (qwen3_moe, mixtral, gpt_oss with its
-attention sinks, sliding-window layers and YaRN RoPE), as tiny models with random
-weights: a tree's logits equal mlx-lm's own forward pass over each branch, and greedy
-decoding with a random head, an oracle head or context drafts alone gives exactly
-mlx-lm's greedy tokens, also once the context is longer than gpt-oss's window."""
+"""Every architecture on the tree path (llama with Llama 3's RoPE scaling, mistral, qwen2,
+qwen3, and the mixtures of experts qwen3_moe, mixtral, gpt_oss with its attention sinks,
+sliding-window layers and YaRN RoPE), as tiny models with random weights: a tree's logits
+equal mlx-lm's own forward pass over each branch, and greedy decoding with a random head,
+an oracle head or context drafts alone gives exactly mlx-lm's greedy tokens, also once
+the context is longer than gpt-oss's window."""
 
 import mlx.core as mx
 import numpy as np
@@ -17,14 +18,14 @@ from mlx_eagle.target import make_cache, target_forward, tree_mask
 from mlx_eagle.trees import parse_tree
 from mlx_eagle.verify import Sampling
 from oracle import OracleHead
-from synthetic import MOE_CONFIGS, build_model, moe_config
+from synthetic import ARCHS, MOE_CONFIGS, build_model, moe_config, target_config
 
 PROMPT = [5, 17, 99, 3, 250, 41, 41, 7, 300, 12, 8, 77, 5, 17, 99, 3, 120, 64, 9, 200]  # longer than gpt-oss's window
 
 
-@pytest.fixture(scope="module", params=list(MOE_CONFIGS))
-def moe_target(request):
-    return request.param, build_model(moe_config(request.param))
+@pytest.fixture(scope="module", params=[a for a in ARCHS if a != "llama"] + list(MOE_CONFIGS))
+def tree_target(request):
+    return request.param, build_model(target_config(request.param))
 
 
 def mlx_lm_logits(model, tokens):
@@ -32,8 +33,8 @@ def mlx_lm_logits(model, tokens):
     return model(mx.array([tokens]), cache=make_prompt_cache(model))[0]
 
 
-def test_tree_logits_equal_mlx_lms_forward_over_each_branch(moe_target):
-    _, model = moe_target
+def test_tree_logits_equal_mlx_lms_forward_over_each_branch(tree_target):
+    _, model = tree_target
     cache = make_cache(model)
     prefill = target_forward(model, mx.array([PROMPT]), cache, 0, "causal")
     assert np.abs(np.array(prefill.logits[0]) - np.array(mlx_lm_logits(model, PROMPT))).max() < 1e-4
@@ -71,8 +72,8 @@ def speculative_greedy(model, head, tree, count, lookup=False):
 
 @pytest.mark.parametrize("drafts", ["random eagle3 head, static tree", "random eagle1 head, dynamic tree",
                                     "oracle head, static tree", "context lookup alone"])
-def test_greedy_decoding_equals_mlx_lm(moe_target, drafts):
-    _, model = moe_target
+def test_greedy_decoding_equals_mlx_lm(tree_target, drafts):
+    _, model = tree_target
     count = 40
     expected = mlx_lm_greedy(model, count)
     if drafts.startswith("random"):
