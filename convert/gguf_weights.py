@@ -176,7 +176,8 @@ def llama3_rope_scaling(divisors: np.ndarray, theta: float, dims: int, original:
     smoothing s = (1/d - 1/factor) / (1 - 1/factor) is linear in 1/wavelength:
     s = original / (high - low) / wavelength - low / (high - low). A line fitted through
     those frequencies gives two of (low, high, original); the third is the GGUF's
-    original context length when it records one, else low = 1, as in every Llama 3.x."""
+    original context length when it records one, else low = 1, as in every Llama 3.x.
+    The parameters found are checked by computing the divisors back."""
     factor = float(divisors.max())
     if divisors.shape != (dims // 2,) or not np.isfinite(divisors).all() or divisors.min() <= 0:
         raise UserError(f"{path}: {ROPE_FREQS} holds {divisors.size} values, not {dims // 2} positive ones; "
@@ -185,10 +186,11 @@ def llama3_rope_scaling(divisors: np.ndarray, theta: float, dims: int, original:
         return None
     wavelengths = 2 * np.pi * theta ** (np.arange(0, dims, 2) / dims)
     middle = (divisors > 1 + 1e-4) & (divisors < factor * (1 - 1e-4))
-    low, high = 1.0, 4.0
-    if middle.sum() >= 2:
+    scaling = None
+    if middle.sum() >= 2:  # every Llama 3.x smooths several frequencies; fewer leave the line undetermined
         smooth = (1 / divisors[middle] - 1 / factor) / (1 - 1 / factor)
         slope, intercept = np.polyfit(1 / wavelengths[middle], smooth, 1)
+        low, high = 1.0, 4.0
         if original:
             high_minus_low = original / slope
             low = -intercept * high_minus_low
@@ -196,16 +198,12 @@ def llama3_rope_scaling(divisors: np.ndarray, theta: float, dims: int, original:
         elif intercept < 0:
             high = 1 - 1 / intercept
             original = -slope / intercept
-    elif not original:  # at most one smoothed frequency: Llama 3's (1, 4), the context from the boundary
-        shortest_scaled = wavelengths[divisors >= factor * (1 - 1e-4)].min()
-        original = shortest_scaled if not middle.any() else \
-            wavelengths[middle][0] * (1 + (high - low) * (1 / divisors[middle][0] - 1 / factor) / (1 - 1 / factor))
-    scaling = {"rope_type": "llama3", "factor": factor, "low_freq_factor": float(f"{low:.6g}"),
-               "high_freq_factor": float(f"{high:.6g}"),
-               "original_max_position_embeddings": int(round(float(original or 0)))}
-    rebuilt = llama3_rope_factors(theta, dims, factor, scaling["low_freq_factor"], scaling["high_freq_factor"],
-                                  scaling["original_max_position_embeddings"])
-    if not original or not np.allclose(rebuilt, divisors, rtol=1e-4):
+        if original:
+            scaling = {"rope_type": "llama3", "factor": factor, "low_freq_factor": float(f"{low:.6g}"),
+                       "high_freq_factor": float(f"{high:.6g}"), "original_max_position_embeddings": int(round(original))}
+    if scaling is None or not np.allclose(
+            llama3_rope_factors(theta, dims, factor, scaling["low_freq_factor"], scaling["high_freq_factor"],
+                                scaling["original_max_position_embeddings"]), divisors, rtol=1e-4):
         raise UserError(f"{path}: its {ROPE_FREQS} is not a Llama 3 RoPE scaling this converter can rebuild; "
                         "convert the Hugging Face model directory instead")
     return scaling

@@ -101,6 +101,11 @@ def detect_family(tensors: Dict[str, mx.array]) -> str:
     return "eagle1"
 
 
+def _renamed(tensors: Dict[str, mx.array], renames: Sequence[Tuple[str, str]]) -> Dict[str, mx.array]:
+    """``tensors`` with each name's prefix ``old`` replaced by ``new`` (first match)."""
+    return {next((new + k[len(old):] for old, new in renames if k.startswith(old)), k): v for k, v in tensors.items()}
+
+
 _LAYER_KEYS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
                "rms_norm_eps", "max_position_embeddings", "vocab_size", "num_hidden_layers")
 
@@ -131,9 +136,7 @@ def _from_speculators(raw: dict, tensors: Dict[str, mx.array], source: str) -> T
         if raw.get("layernorms"):
             raise UserError(f"{source}: a speculators EAGLE head with layernorms true (extra embedding and "
                             "pre-LM-head norms) is not supported; only layernorms false")
-        renames = (("fusion_fc.", "fc."), ("transformer.", "layers.0."))
-        tensors = {next((new + k[len(old):] for old, new in renames if k.startswith(old)), k): v
-                   for k, v in tensors.items()}
+        tensors = _renamed(tensors, (("fusion_fc.", "fc."), ("transformer.", "layers.0.")))
         flat["family"] = "eagle1"
     else:
         flat.update(draft_vocab_size=raw.get("draft_vocab_size"), target_hidden_size=raw.get("target_hidden_size"),
@@ -233,10 +236,7 @@ def head_config(raw: dict, family: str, tensors: Dict[str, mx.array], target: nn
 
 def normalise(family: str, tensors: Dict[str, mx.array]) -> Dict[str, mx.array]:
     """Our key layout (the official one): some EAGLE-3 exporters call midlayer layers.0."""
-    if family == "eagle3":
-        tensors = {("midlayer." + k[len("layers.0."):] if k.startswith("layers.0.") else k): v
-                   for k, v in tensors.items()}
-    return tensors
+    return _renamed(tensors, [("layers.0.", "midlayer.")]) if family == "eagle3" else tensors
 
 
 def _embedding_matches(own: mx.array, target: nn.Module) -> bool:
