@@ -247,13 +247,111 @@ def epoch_batches(lengths: Sequence[int], config: TrainConfig, epoch: int) -> Li
     return [batches[i] for i in rng.permutation(len(batches))]
 
 
+class StateStore:
+    """The target's states for every piece (its taps, or the last state for EAGLE-1, and
+    the post-norm last state), computed once in packed batches and kept on disk in
+    float16: 4.6 KB a token for SmolLM2-135M with EAGLE-3 taps. Worth it when the same
+    pieces are trained on many times (epochs, or many runs such as ablations) and fit on
+    disk; the full ShareGPT set does not (see README), so by default states are recomputed.
+    ``fill`` resumes where a killed run stopped; a store made from other pieces, another
+    target or other taps is refused."""
+
+    def __init__(self, path: Path, target: nn.Module, pieces: Sequence[Piece], taps: Optional[Sequence[int]],
+                 seq_len: int):
+        import hashlib
+
+        self.path, self.target, self.taps = path, target, taps
+        self.tokens = [np.asarray(t[:seq_len], dtype=np.int32) for t, _ in pieces]
+        self.starts = np.concatenate([[0], np.cumsum([len(t) for t in self.tokens])])
+        hidden = target.args.hidden_size
+        self.widths = (hidden * (len(taps) if taps is not None else 1), hidden)
+        digest = hashlib.sha256(json.dumps([target_identity(target), list(taps or []), self.widths]).encode())
+        # The weights too (a fine-tune has the same identity): the final norm and a sample of the embedding.
+        digest.update(np.array(mx.concatenate([target.model.norm.weight.astype(mx.float32),
+                                               target.model.embed_tokens(mx.arange(64)).astype(mx.float32).reshape(-1)])
+                               ).tobytes())
+        for tokens in self.tokens:
+            digest.update(len(tokens).to_bytes(4, "little") + tokens.tobytes())
+        self.meta = {"fingerprint": digest.hexdigest(), "tokens": int(self.starts[-1]), "pieces": len(self.tokens),
+                     "widths": list(self.widths)}
+        path.mkdir(parents=True, exist_ok=True)
+        meta_path = path / "meta.json"
+        if meta_path.exists() and json.loads(meta_path.read_text()) != self.meta:
+            raise UserError(f"{path} holds the states of other pieces, another target or other taps; pass another "
+                            "--store-features directory")
+        size = self.meta["tokens"] * sum(self.widths) * 2
+        states = path / "states.f16"
+        if not states.exists() or states.stat().st_size != size:
+            free = shutil.disk_usage(path).free
+            if size > free:
+                raise UserError(f"the target's states need {size / 1e9:.1f} GB and {path} has {free / 1e9:.1f} GB "
+                                "free; train without --store-features (states are then recomputed) or on fewer "
+                                "pieces (--prompts, --subset)")
+            (path / "filled.json").unlink(missing_ok=True)
+            with open(states, "wb") as file:
+                file.truncate(size)  # sparse until filled
+        if not meta_path.exists():
+            (path / "filled.json").unlink(missing_ok=True)
+            meta_path.write_text(json.dumps(self.meta))
+        self.states = np.memmap(states, dtype=np.float16, mode="r+", shape=(self.meta["tokens"], sum(self.widths)))
+
+    def _filled(self) -> int:
+        """How many pieces, in order of decreasing length, have their states on disk."""
+        done = self.path / "filled.json"
+        return json.loads(done.read_text())["pieces"] if done.exists() else 0
+
+    def missing(self) -> bool:
+        return self._filled() < len(self.tokens)
+
+    def fill(self, tokens_per_batch: int, progress: bool = True) -> float:
+        """Compute what is missing, longest pieces first, packed by tokens so that little is
+        padding; returns the target's tokens/s (0.0 when nothing was missing)."""
+        from tqdm import tqdm
+
+        order = sorted(range(len(self.tokens)), key=lambda i: -len(self.tokens[i]))
+        done = self._filled()
+        bar = tqdm(total=self.meta["tokens"], initial=sum(len(self.tokens[i]) for i in order[:done]), unit="token",
+                   desc="target states", disable=not progress)
+        tic, computed = time.perf_counter(), 0
+        while done < len(order):
+            length = padded_length(len(self.tokens[order[done]]), 16)
+            chosen = order[done:done + max(1, tokens_per_batch // length)]
+            batch = make_batch([(self.tokens[i], np.ones(len(self.tokens[i]), bool)) for i in chosen], len(chosen),
+                               length)
+            states = np.array(mx.concatenate(target_states(self.target, batch["tokens"], self.taps), axis=-1)
+                              .astype(mx.float32))
+            if not np.isfinite(states).all() or np.abs(states).max() > np.finfo(np.float16).max:
+                raise UserError("the target's states exceed float16's range; train without --store-features")
+            for row, i in enumerate(chosen):
+                self.states[self.starts[i]:self.starts[i + 1]] = states[row, :len(self.tokens[i])]
+            self.states.flush()
+            done += len(chosen)
+            staging = self.path / "filled.partial"
+            staging.write_text(json.dumps({"pieces": done}))
+            staging.replace(self.path / "filled.json")  # only once the states it counts are on disk
+            computed += sum(len(self.tokens[i]) for i in chosen)
+            bar.update(sum(len(self.tokens[i]) for i in chosen))
+        bar.close()
+        return computed / (time.perf_counter() - tic) if computed else 0.0
+
+    def batch(self, chosen: Sequence[int], rows: int, length: int) -> Tuple[mx.array, mx.array]:
+        """(features, last) for ``chosen`` pieces padded to rows x length, in the target's dtype."""
+        states = np.zeros((rows, length, sum(self.widths)), dtype=np.float16)
+        for row, i in enumerate(chosen):
+            states[row, :len(self.tokens[i])] = self.states[self.starts[i]:self.starts[i + 1]]
+        states = mx.array(states).astype(self.target.model.norm.weight.dtype)
+        return states[..., :self.widths[0]], states[..., self.widths[0]:]
+
+
 class Trainer:
     """Owns the head, optimizer and checkpoints of one training run. The target's states
-    are recomputed for every batch (no feature store): see README, "Training a head"."""
+    are recomputed for every batch, or read from a ``store``: see README, "Training a head"."""
 
     def __init__(self, target: nn.Module, head: nn.Module, pieces: Sequence[Piece], config: TrainConfig,
-                 work: Path, used: Optional[np.ndarray] = None, progress: bool = True):
+                 work: Path, used: Optional[np.ndarray] = None, progress: bool = True,
+                 store: Optional[StateStore] = None):
         self.target, self.head, self.pieces, self.config, self.work = target, head, pieces, config, work
+        self.store = store
         self.used = mx.array(used if used is not None else [0])
         self.lengths = [min(len(t), config.seq_len) for t, _ in pieces]
         self.taps = head.taps(target.args.num_hidden_layers)
@@ -291,8 +389,8 @@ class Trainer:
         world, rank = self.group.size(), self.group.rank()
         return [batch[rank::world] for batch in chosen]
 
-    def _loss(self, head, tokens, mask, used, key):
-        features, last = target_states(self.target, tokens, self.taps)
+    def _loss(self, head, tokens, mask, used, key, *stored):
+        features, last = stored or target_states(self.target, tokens, self.taps)
         if self.config.feature_noise:
             features = features + mx.random.uniform(-self.config.feature_noise, self.config.feature_noise,
                                                     features.shape, key=key).astype(features.dtype)
@@ -304,10 +402,10 @@ class Trainer:
             total, losses, accuracies = eagle1_loss(head, self.target, tokens, mask, features, last)
         return total, (losses, accuracies)
 
-    def _micro_batch(self, tokens, mask, accumulated, used, key):
+    def _micro_batch(self, tokens, mask, accumulated, used, key, *stored):
         # The draft vocabulary and the noise's key are arguments: mx.compile cannot capture arrays.
         (total, (losses, accuracies)), grads = nn.value_and_grad(self.head, self._loss)(self.head, tokens, mask, used,
-                                                                                         key)
+                                                                                         key, *stored)
         # Flat {name: gradient}: compiled outputs drop the empty subtrees a module's gradient holds.
         return total, losses, accuracies, {k: accumulated[k] + g for k, g in tree_flatten(grads)}
 
@@ -330,7 +428,9 @@ class Trainer:
             # A key per micro-batch of the run: a resumed run draws the same noise.
             key = mx.random.key((self.config.seed * 1_000_003 + self.step * self.config.grad_accum + micro)
                                 * self.group.size() + self.group.rank())
-            total, losses, accuracies, grads = self._gradients(batch["tokens"], batch["mask"], grads, self.used, key)
+            stored = self.store.batch(chosen, rows, length) if self.store else ()
+            total, losses, accuracies, grads = self._gradients(batch["tokens"], batch["mask"], grads, self.used, key,
+                                                               *stored)
             mx.async_eval(grads)  # the next batch is built while this one runs
             totals.append(total)
             step_losses.append(losses)
@@ -548,7 +648,11 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                         "(for measuring what more data buys)")
     parser.add_argument("--save-dtype", choices=["float16", "bfloat16", "float32"], default="float16",
                         help="weights of the written head (training runs in float32)")
-    parser.add_argument("--prepare-only", action="store_true", help="stop after the data and vocabulary")
+    parser.add_argument("--store-features", type=Path, metavar="DIR", help="compute the target's states once "
+                        "and keep them in DIR (float16, ~4.6 KB a token for SmolLM2), shareable between runs on the "
+                        "same pieces, instead of recomputing them for every batch")
+    parser.add_argument("--prepare-only", action="store_true", help="stop after the data and vocabulary "
+                        "(and the stored states, with --store-features)")
     parser.add_argument("--skip-eval", action="store_true", help="write the head without measuring acceptance")
     parser.add_argument("--no-compile", dest="compile", action="store_false", help="run the training step "
                         "uncompiled (mx.compile traces each new batch shape once)")
@@ -588,15 +692,24 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         used = draft_vocabulary(pieces, model.args.vocab_size, args.draft_vocab)
         d2t, t2d = d2t_t2d(used, model.args.vocab_size)
         np.savez(vocab_path, used=used, d2t=d2t, t2d=t2d)
-    if args.prepare_only:
-        return
-
-    vocab = np.load(vocab_path)
     if args.subset:
         chosen = np.random.default_rng(config.seed).permutation(len(pieces))[: args.subset]
         pieces = [pieces[i] for i in sorted(chosen)]
+    vocab = np.load(vocab_path)
     head = head_to_train(model, config.family, vocab["used"], config.seed, config.train_embeddings)
-    trainer = Trainer(model, head, pieces, config, work, used=vocab["used"], progress=progress)
+    store = None
+    if args.store_features:
+        store = StateStore(args.store_features, model, pieces, head.taps(model.args.num_hidden_layers),
+                           config.seq_len)
+        if world.size() > 1 and store.missing():
+            raise UserError(f"fill {args.store_features} once without mlx.launch first: {parser.prog} ... "
+                            "--store-features DIR --prepare-only")
+        speed = store.fill(config.tokens_per_batch, progress)
+        if speed:
+            print(f"target states: {store.meta['tokens']:,} tokens in {args.store_features}, {speed:.0f} tokens/s")
+    if args.prepare_only:
+        return
+    trainer = Trainer(model, head, pieces, config, work, used=vocab["used"], progress=progress, store=store)
     if config.family == "eagle3" and not np.array_equal(np.array(head.d2t), vocab["d2t"]):
         raise UserError(f"the checkpoint in {work} was trained with another draft vocabulary than {vocab_path}; "
                         "pass a new --work")

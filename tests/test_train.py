@@ -11,8 +11,9 @@ from mlx.utils import tree_flatten
 
 from mlx_eagle.data import read_sharegpt, sharegpt_path, sharegpt_prompts, mtbench_questions
 from mlx_eagle.heads import new_head
-from mlx_eagle.train import TrainConfig, Trainer, d2t_t2d, draft_vocabulary, epoch_batches, head_to_train, \
-    make_batch, target_states, ttt_mask
+from mlx_eagle.errors import UserError
+from mlx_eagle.train import StateStore, TrainConfig, Trainer, d2t_t2d, draft_vocabulary, epoch_batches, \
+    head_to_train, make_batch, target_states, ttt_mask
 from synthetic import write_model
 
 
@@ -83,13 +84,13 @@ def test_a_few_steps_lower_the_loss(training_setup, tmp_path, family):
     assert np.mean(losses[0][-5:]) < 0.7 * np.mean(losses[0][:5])
 
 
-def ten_step_trainer(training_setup, work, **levers):
+def ten_step_trainer(training_setup, work, store=None, **levers):
     """The same 10-step run (checkpoints every 4 steps) wherever ``work`` is."""
     model, pieces, used = training_setup
     config = TrainConfig(steps=10, tokens_per_batch=128, grad_accum=2, lr=2e-3, warmup=3, ttt_steps=2,
                          checkpoint_every=4, **levers)
     head = head_to_train(model, "eagle3", used, seed=2, train_embeddings=config.train_embeddings)
-    return Trainer(model, head, pieces, config, work, used=used, progress=False)
+    return Trainer(model, head, pieces, config, work, used=used, progress=False, store=store)
 
 
 LEVERS = {"feature_noise": 0.05, "mask_outside_draft": True, "train_embeddings": True}
@@ -251,3 +252,39 @@ def test_data_parallel_with_two_processes(training_setup, tiny_root, tmp_path):
     assert all(mx.array_equal(ranks[0][k], ranks[1][k]) for k in ranks[0])
     losses = [json.loads(line)["loss"] for line in (tmp_path / "work0" / "log.jsonl").read_text().splitlines()]
     assert np.mean(losses[-5:]) < np.mean(losses[:5])
+
+
+def test_stored_states_are_the_targets_and_train_as_recomputed_ones(training_setup, tmp_path):
+    """--store-features: every piece's states on disk equal the target's for that piece
+    alone (to float16's precision); a fill killed part-way resumes to the same store; a
+    run reading them trains as one recomputing them; another data set is refused."""
+    model, pieces, used = training_setup
+    taps = head_to_train(model, "eagle3", used).taps(model.args.num_hidden_layers)
+    pieces = [(tokens[: 13 + 2 * i], answer[: 13 + 2 * i]) for i, (tokens, answer) in enumerate(pieces)]  # lengths differ
+    store = StateStore(tmp_path / "store", model, pieces, taps, seq_len=1024)
+    assert store.missing() and store.fill(tokens_per_batch=64, progress=False) > 0 and not store.missing()
+    for i, (tokens, _) in enumerate(pieces):
+        features, last = target_states(model, mx.array(tokens)[None], taps)
+        stored_features, stored_last = store.batch([i], 1, len(tokens))
+        assert mx.allclose(stored_features[0], features[0], rtol=2e-3, atol=2e-3)
+        assert mx.allclose(stored_last[0], last[0], rtol=2e-3, atol=2e-3)
+    complete = np.array(store.states)
+
+    (tmp_path / "store" / "filled.json").write_text(json.dumps({"pieces": 5}))  # killed after 5 pieces
+    store.states[:store.starts[7]] = 0  # the longest come first: pieces 7..11 were done, 0..6 not
+    resumed = StateStore(tmp_path / "store", model, pieces, taps, seq_len=1024)
+    assert resumed.missing() and resumed.fill(tokens_per_batch=64, progress=False) > 0
+    # (packed into other batches than before, so equal to float16's precision, not bit for bit)
+    assert np.allclose(np.array(resumed.states, dtype=np.float32), complete, rtol=2e-3, atol=2e-3)
+    assert StateStore(tmp_path / "store", model, pieces, taps, seq_len=1024).fill(64, progress=False) == 0.0
+
+    setup = (model, pieces, used)
+    recomputed, stored = ten_step_trainer(setup, tmp_path / "recomputed"), ten_step_trainer(setup, tmp_path / "stored",
+                                                                                            store=resumed)
+    recomputed.run()
+    stored.run()
+    logs = [[json.loads(line)["loss"] for line in (tmp_path / name / "log.jsonl").read_text().splitlines()]
+            for name in ("recomputed", "stored")]
+    assert np.allclose(logs[0], logs[1], rtol=1e-2)
+    with pytest.raises(UserError, match="states of other pieces"):
+        StateStore(tmp_path / "store", model, pieces[1:], taps, seq_len=1024)
