@@ -120,8 +120,11 @@ def layer_block(layer: nn.Module, residual: mx.array, x: mx.array, cache, positi
     queries, keys, values = compiled_piece(layer.self_attn, _project, tokens)(x, positions)
     keys, values = cache.update_and_fetch(keys, values)
     attn = layer.self_attn
-    attended = scaled_dot_product_attention(queries, keys, values, cache=cache, scale=attention_sizes(attn)[2],
-                                            mask=mask, sinks=attn.get("sinks"))
+    if hasattr(cache, "attend"):  # a cache that knows its own attention pattern (training's TTTCache)
+        attended = cache.attend(queries, attention_sizes(attn)[2])
+    else:
+        attended = scaled_dot_product_attention(queries, keys, values, cache=cache, scale=attention_sizes(attn)[2],
+                                                mask=mask, sinks=attn.get("sinks"))
     return compiled_piece(layer, _finish, tokens)(residual, attended)
 
 

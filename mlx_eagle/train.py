@@ -144,34 +144,69 @@ def target_states(target, tokens: mx.array, taps: Optional[Sequence[int]]) -> Tu
     return mx.stop_gradient(out.features), mx.stop_gradient(out.hidden)
 
 
-def ttt_mask(length: int, step: int) -> mx.array:
-    """Attention mask of unrolled step ``step`` over the keys of steps 0..step: position t
-    sees step 0 up to t - step (the committed context) and, from each later step j, only
-    its own ancestor at t - step + j, as a depth-``step`` tree node does at inference."""
-    t = mx.arange(length)[:, None]
-    s = mx.arange(length)[None]
-    blocks = [s <= t - step] + [s == t - step + j for j in range(1, step + 1)]
-    return mx.concatenate(blocks, axis=1)
-
-
 def shift(x: mx.array, by: int) -> mx.array:
     """Move along the sequence axis by ``by`` (>0: right), filling with zeros."""
     zeros = mx.zeros_like(x[:, :abs(by)])
     return mx.concatenate([zeros, x[:, :-by]], axis=1) if by > 0 else mx.concatenate([x[:, -by:], zeros], axis=1)
 
 
+class TTTCache:
+    """The head's keys and values across training-time-test steps, attending as a tree
+    node of each depth does at inference without forming that mask: step k's query at
+    position t sees step 0's keys up to t - k (the committed context) and, from each
+    later step j, only the key at t - k + j (its own ancestor). It scores L + k keys
+    where a dense [L, (k + 1) L] mask would score (k + 1) L, which at TTT 5 over 2,048
+    tokens is most of the head's work. target.layer_block asks a cache with ``attend``
+    for the attention."""
+
+    def __init__(self):
+        self.keys: List[mx.array] = []
+        self.values: List[mx.array] = []
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> Tuple[mx.array, mx.array]:
+        self.keys.append(keys)
+        self.values.append(values)
+        return keys, values
+
+    def attend(self, queries: mx.array, scale: float) -> mx.array:
+        step = len(self.keys) - 1
+        if step == 0:
+            return mx.fast.scaled_dot_product_attention(queries, self.keys[0], self.values[0], scale=scale,
+                                                        mask="causal")
+        batch, heads, length, width = queries.shape
+        kv_heads = self.keys[0].shape[1]
+        grouped = (queries * scale).reshape(batch, kv_heads, heads // kv_heads, length, width)
+        t = mx.arange(length)
+        context = grouped @ self.keys[0][:, :, None].swapaxes(-1, -2)  # [batch, kv, group, L, L]
+        scores = [mx.where(t[None] <= t[:, None] - step, context, -mx.inf)]
+        # Step j's key for the query at t sits at t - (step - j): moved right by step - j.
+        ancestors = [(shift_positions(self.keys[j], step - j), shift_positions(self.values[j], step - j))
+                     for j in range(1, step + 1)]
+        for j, (keys, _) in enumerate(ancestors, start=1):
+            score = (grouped * keys[:, :, None]).sum(-1, keepdims=True)
+            scores.append(mx.where((t >= step - j)[:, None], score, -mx.inf))
+        weights = mx.softmax(mx.concatenate(scores, axis=-1), axis=-1, precise=True)
+        out = weights[..., :length] @ self.values[0][:, :, None]
+        for j, (_, values) in enumerate(ancestors, start=1):
+            out = out + weights[..., length + j - 1:length + j] * values[:, :, None]
+        return out.reshape(batch, heads, length, width)
+
+
+def shift_positions(x: mx.array, by: int) -> mx.array:
+    """[batch, heads, length, width] moved ``by`` positions later, zeros first."""
+    return mx.concatenate([mx.zeros_like(x[:, :, :by]), x[:, :, :x.shape[2] - by]], axis=2) if by else x
+
+
 def ttt_unroll(head, target, tokens: mx.array, features: mx.array, steps: int) -> Iterator[Tuple[int, mx.array]]:
     """Training-time test: the head unrolled ``steps`` times on its own outputs. Yields
     (step, the head's logits [batch, length, draft vocab]). Step k at position t predicts
     token t + 2 as a depth-(k + 1) tree node does: true tokens up to t + 1, the target's
-    features only up to t - k, the head's own outputs after that."""
-    length = tokens.shape[1]
+    features only up to t - k, the head's own outputs after that (see TTTCache)."""
     next_tokens = shift(tokens, -1)
-    cache = [KVCache()]
+    cache = [TTTCache()]
     hidden = head.project(features.astype(mx.float32))
     for step in range(steps):
-        mask = "causal" if step == 0 else ttt_mask(length, step)
-        out = head.step(target, hidden, next_tokens, cache, 0, mask)
+        out = head.step(target, hidden, next_tokens, cache, 0, None)
         yield step, head.logits(target, out).astype(mx.float32)
         hidden = shift(out, 1)  # position t next reads the head's own output at t - 1
 

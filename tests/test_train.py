@@ -5,6 +5,7 @@ sequence alone sees, the ShareGPT readers survive the truncated file and keep ev
 import json
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 import pytest
 from mlx.utils import tree_flatten
@@ -13,7 +14,7 @@ from mlx_eagle.data import read_sharegpt, sharegpt_path, sharegpt_prompts, mtben
 from mlx_eagle.heads import new_head
 from mlx_eagle.errors import UserError
 from mlx_eagle.train import StateStore, TrainConfig, Trainer, d2t_t2d, draft_vocabulary, epoch_batches, \
-    head_to_train, make_batch, target_states, ttt_mask
+    head_to_train, make_batch, shift, target_states, ttt_unroll
 from synthetic import write_model
 
 
@@ -43,6 +44,28 @@ def training_setup(tiny_root):
     return model, pieces, used
 
 
+def ttt_mask(length: int, step: int) -> mx.array:
+    """The attention mask of unrolled step ``step`` over the keys of steps 0..step: position
+    t sees step 0 up to t - step (the committed context) and, from each later step j, only
+    its own ancestor at t - step + j, as a depth-``step`` tree node does at inference."""
+    t = mx.arange(length)[:, None]
+    s = mx.arange(length)[None]
+    blocks = [s <= t - step] + [s == t - step + j for j in range(1, step + 1)]
+    return mx.concatenate(blocks, axis=1)
+
+
+def dense_ttt_unroll(head, target, tokens, features, steps):
+    """Training-time test with the whole mask over every step's keys: the reference TTTCache
+    must equal."""
+    from mlx_lm.models.cache import KVCache
+
+    next_tokens, cache, hidden = shift(tokens, -1), [KVCache()], head.project(features)
+    for step in range(steps):
+        out = head.step(target, hidden, next_tokens, cache, 0, "causal" if step == 0 else ttt_mask(tokens.shape[1], step))
+        yield step, head.logits(target, out)
+        hidden = shift(out, 1)
+
+
 def test_ttt_mask_matches_a_hand_built_reference():
     # 4 positions, step 2: keys are [step 0 | step 1 | step 2], 4 each.
     expected = np.array([
@@ -55,6 +78,31 @@ def test_ttt_mask_matches_a_hand_built_reference():
     assert np.array_equal(np.array(ttt_mask(4, 2)), expected)
     assert np.array_equal(np.array(ttt_mask(3, 1)), np.array([
         [0, 0, 0, 1, 0, 0], [1, 0, 0, 0, 1, 0], [1, 1, 0, 0, 0, 1]], dtype=bool))
+
+
+@pytest.mark.parametrize("which", ["tiny", "SmolLM2"])
+def test_ttt_attention_equals_the_dense_tree_mask(training_setup, smollm, which):
+    """TTTCache scores L + k keys per query instead of (k + 1) L: the logits of every
+    unrolled step, and the gradients through them, equal attention under the full mask."""
+    model = training_setup[0] if which == "tiny" else smollm[0]
+    head = head_to_train(model, "eagle3", np.arange(96), seed=3)
+    rng = np.random.default_rng(0)
+    tokens = mx.array(rng.integers(3, 96, (2, 37)).astype(np.int32))
+    features, _ = target_states(model, tokens, head.taps(model.args.num_hidden_layers))
+
+    def total(unroll):
+        def loss(head):
+            return sum((logits * mx.cos(mx.arange(logits.size).reshape(logits.shape))).sum()
+                       for _, logits in unroll(head, model, tokens, features, 4))
+        return nn.value_and_grad(head, loss)(head)
+
+    for (_, fast), (_, dense) in zip(ttt_unroll(head, model, tokens, features, 4),
+                                     dense_ttt_unroll(head, model, tokens, features, 4)):
+        assert mx.allclose(fast, dense, atol=2e-4, rtol=1e-4)
+    (fast_loss, fast_grads), (dense_loss, dense_grads) = total(ttt_unroll), total(dense_ttt_unroll)
+    assert abs(float(fast_loss) - float(dense_loss)) <= 1e-3 * abs(float(dense_loss))
+    for (name, a), (_, b) in zip(tree_flatten(fast_grads), tree_flatten(dense_grads)):
+        assert mx.allclose(a, b, atol=1e-3, rtol=1e-3), name
 
 
 def test_d2t_t2d_round_trip():
