@@ -709,6 +709,12 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         work.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise UserError(f"cannot use {work} for checkpoints and logs ({exc.strerror}); pass another --work") from None
+    if args.store_features:
+        try:
+            args.store_features.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise UserError(f"cannot keep the target's states in {args.store_features} ({exc.strerror}); pass "
+                            "another --store-features") from None
     progress = not args.quiet
     world = mx.distributed.init()
     model, tokenizer = load(args.model)

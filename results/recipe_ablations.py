@@ -5,12 +5,12 @@ ShareGPT pieces (--subset of every-turn dialogues, the same batches in the same 
 reading the target's states from one --store-features store filled once, and changes one
 flag against the reference (TTT 3, lr 5e-4, 3% warm-up then cosine, draft vocabulary
 8,192; the 4,096 run's vocabulary is made by the trainer the same way). TTT 5 gets 3/5
-of the steps: the same number of unrolled head passes. Each head is then measured on held-out dialogues (pieces no run trained on) teacher-forced: how often
-its top draft at each unrolled depth is the target's greedy choice over the whole
-vocabulary, over every answer token, with no noise and no masking whatever the run
-trained with, and the chain tau those rates imply
-(1 + a1 + a1 a2 + ...). Resumable: the store, each run and the evaluation pick up where
-they were.
+of the steps: the same number of unrolled head passes. Each head is then measured on
+held-out dialogues (pieces no run trained on) teacher-forced: how often its top draft at
+each unrolled depth is the target's greedy choice over the whole vocabulary, over every
+answer token, with no noise and no masking whatever the run trained with, and the chain
+tau those rates imply (1 + a1 + a1 a2 + ...). Resumable: the store, each run and the
+evaluation pick up where they were.
 
     python -m mlx_eagle.train --out x --data DATA --seq-len 512 --prepare-only   # the tokens and vocabulary
     python results/recipe_ablations.py DATA RUNS [--seq-len 512] [--subset 500] [--steps 100]

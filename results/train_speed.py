@@ -3,14 +3,15 @@
 The recipe PLATFORM.md timed on the trainer of commit 985e530 (3.4 s a step): EAGLE-3,
 SmolLM2-135M-Instruct in float32 as the target, 4 sequences of 400 tokens a step,
 training-time test unrolled 3 times, a draft vocabulary of 8,192. The same step through
-today's Trainer, compiled and eager, medians of --steps steps after two warm-ups, and the
-part of it that is the target's forward pass (its states are recomputed for every batch;
-the 985e530 trainer read stored features instead).
+today's Trainer, compiled and eager, recomputing the target's states for every batch, and
+compiled reading them from a --store-features store (as the 985e530 trainer read stored
+features); medians of --steps steps after two warm-ups, and the target's forward alone.
 Floating-point work is counted analytically (matmuls and attention, forward of the target,
 forward and backward of the head: backward = 2 x forward) and divided by the step time;
 the machine's rate is a 2048 x 2048 float32 matmul timed in the same run.
 
     python results/train_speed.py [--steps 5] [--out results/train-speed.json]
+    python results/train_speed.py --rows 1 --length 2048 --ttt 5 --modes compiled --out results/train-speed-2048-ttt5.json
 """
 
 import argparse
@@ -27,10 +28,9 @@ import numpy as np
 from mlx_eagle.cli import use_fast_blas
 from mlx_eagle.models import load_target
 from mlx_eagle.target import default_taps
-from mlx_eagle.train import Trainer, TrainConfig, head_to_train, make_batch, target_states
+from mlx_eagle.train import StateStore, Trainer, TrainConfig, head_to_train, make_batch, target_states
 
 BEFORE_S = 3.4  # PLATFORM.md: one step of this recipe on the trainer of commit 985e530, this machine class
-ROWS, LENGTH, TTT = 4, 400, 3
 
 
 def matmul_rate(size: int = 2048, repeats: int = 10) -> float:
@@ -64,10 +64,18 @@ def step_flops(args, rows: int, length: int, ttt: int, draft_vocab: int) -> floa
     return target + labels + 3 * head_forward
 
 
-def time_steps(target, pieces, used, compile_step, steps, work) -> float:
-    config = TrainConfig(steps=10_000, tokens_per_batch=ROWS * LENGTH, ttt_steps=TTT, seq_len=LENGTH,
-                         pad_multiple=16, compile=compile_step, checkpoint_every=10_000)
-    trainer = Trainer(target, head_to_train(target, "eagle3", used), pieces, config, work, used, progress=False)
+def time_steps(target, pieces, used, mode, steps, work, ttt) -> float:
+    """Median seconds of a training step: ``mode`` compiled, eager, or stored (compiled,
+    reading the target's states from a --store-features store, as 985e530 read features)."""
+    rows, length = len(pieces), len(pieces[0][0])
+    config = TrainConfig(steps=10_000, tokens_per_batch=rows * length, ttt_steps=ttt, seq_len=length,
+                         pad_multiple=16, compile=mode != "eager", checkpoint_every=10_000)
+    store = None
+    if mode == "stored":
+        store = StateStore(work / "store", target, pieces, default_taps(target.args.num_hidden_layers), length)
+        store.fill(rows * length, progress=False)
+    trainer = Trainer(target, head_to_train(target, "eagle3", used), pieces, config, work, used, progress=False,
+                      store=store)
     times = []
     for _ in range(steps + 2):
         tic = time.perf_counter()
@@ -79,7 +87,7 @@ def time_steps(target, pieces, used, compile_step, steps, work) -> float:
 
 def time_target(target, pieces, steps) -> float:
     """The target's forward over one batch, as a training step computes it."""
-    tokens = make_batch(pieces, ROWS, LENGTH)["tokens"]
+    tokens = make_batch(pieces)["tokens"]
     taps = default_taps(target.args.num_hidden_layers)
     times = []
     for _ in range(steps + 2):
@@ -92,8 +100,13 @@ def time_target(target, pieces, steps) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--rows", type=int, default=4)
+    parser.add_argument("--length", type=int, default=400)
+    parser.add_argument("--ttt", type=int, default=3)
+    parser.add_argument("--modes", nargs="+", default=["compiled", "eager", "stored"], choices=["compiled", "eager", "stored"])
     parser.add_argument("--out", type=Path, default=Path("results/train-speed.json"))
     args = parser.parse_args()
+    ROWS, LENGTH, TTT = args.rows, args.length, args.ttt  # noqa: N806
     use_fast_blas()
     target, _, _ = load_target(None, progress=False)
     rng = np.random.default_rng(0)
@@ -106,21 +119,26 @@ def main() -> None:
     flops = step_flops(target.args, ROWS, LENGTH, TTT, len(used))
     no_target = step_flops(dataclasses.replace(target.args, num_hidden_layers=0), ROWS, LENGTH, TTT, len(used))
     with tempfile.TemporaryDirectory() as work:
-        timed = {mode: time_steps(target, pieces, used, mode == "compiled", args.steps, Path(work) / mode)
-                 for mode in ("compiled", "eager")}
+        timed = {mode: time_steps(target, pieces, used, mode, args.steps, Path(work) / mode, TTT)
+                 for mode in args.modes}
     target_s = time_target(target, pieces, args.steps)
     results = {"matmul_gflops": rate, "recipe": {"rows": ROWS, "length": LENGTH, "ttt_steps": TTT, "draft_vocab": 8192},
                "gflop_per_step": flops / 1e9, "target_gflop_per_step": (flops - no_target) / 1e9,
-               "target_forward_s": target_s, "before_985e530_s": BEFORE_S}
+               "target_forward_s": target_s}
+    before = BEFORE_S if (ROWS, LENGTH, TTT) == (4, 400, 3) else None  # 985e530 was timed on this recipe only
+    if before:
+        results["before_985e530_s"] = before
     for mode, seconds in timed.items():
-        results[mode] = {"s_per_step": seconds, "tokens_per_s": ROWS * LENGTH / seconds, "gflops": flops / seconds / 1e9,
-                         "fraction_of_matmul_rate": flops / seconds / 1e9 / rate,
-                         "head_only_s": seconds - target_s, "speedup_vs_985e530": BEFORE_S / seconds,
-                         "head_only_speedup_vs_985e530": BEFORE_S / (seconds - target_s)}
-        print(f"{mode}: {seconds:.2f} s/step, {ROWS * LENGTH / seconds:.0f} tokens/s, {flops / seconds / 1e9:.0f} "
-              f"GFLOP/s ({flops / seconds / 1e9 / rate:.0%} of the matmul rate); of it the target's forward "
-              f"{target_s:.2f} s; vs the 985e530 trainer's {BEFORE_S} s: {BEFORE_S / seconds:.2f}x "
-              f"(head only {BEFORE_S / (seconds - target_s):.2f}x)")
+        work = no_target if mode == "stored" else flops  # a stored step does not run the target
+        head_s = seconds if mode == "stored" else seconds - target_s
+        results[mode] = {"s_per_step": seconds, "tokens_per_s": ROWS * LENGTH / seconds, "gflops": work / seconds / 1e9,
+                         "fraction_of_matmul_rate": work / seconds / 1e9 / rate, "head_only_s": head_s}
+        line = (f"{mode}: {seconds:.2f} s/step, {ROWS * LENGTH / seconds:.0f} tokens/s, {work / seconds / 1e9:.0f} "
+                f"GFLOP/s ({work / seconds / 1e9 / rate:.0%} of the matmul rate); the head's part {head_s:.2f} s")
+        if before:
+            results[mode].update(speedup_vs_985e530=before / seconds, head_only_speedup_vs_985e530=before / head_s)
+            line += f"; vs the 985e530 trainer's {before} s: {before / seconds:.2f}x (head only {before / head_s:.2f}x)"
+        print(line)
     args.out.write_text(json.dumps(results, indent=1) + "\n")
     print(f"wrote {args.out}")
 
