@@ -7,9 +7,10 @@ Stages, each kept in --data / --work and skipped when already done, so a stopped
                    mask (--answers self: data-self/, first prompts answered by the target)
   vocab-*.npz      the draft vocabulary: the most frequent answer tokens (d2t, t2d)
   checkpoint/, log.jsonl, curves.png: training; the head is then written to --out.
-The target's states (EAGLE-3 taps, post-norm last state) are recomputed for every batch.
+The target's states (EAGLE-3 taps, post-norm last state) are recomputed for every batch,
+or computed once into --store-features DIR and read from there (StateStore).
 EAGLE-3 trains by training-time test: the head is unrolled --ttt-steps times on its own
-outputs, each step under the attention mask it meets at inference, against the target's
+outputs, each step seeing what it sees at inference (TTTCache), against the target's
 probabilities; step k's loss is weighted by --step-decay ** k. Data parallel:
 ``mlx.launch -n 2 --backend ring .venv/bin/python -m mlx_eagle.train ...`` after one
 ``--prepare-only`` run (each process takes its share of every batch; gradients are averaged).
