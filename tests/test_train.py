@@ -336,3 +336,26 @@ def test_stored_states_are_the_targets_and_train_as_recomputed_ones(training_set
     assert np.allclose(logs[0], logs[1], rtol=1e-2)
     with pytest.raises(UserError, match="states of other pieces"):
         StateStore(tmp_path / "store", model, pieces[1:], taps, seq_len=1024)
+
+
+@pytest.mark.slow  # the real model, twice through the command line
+def test_train_command_stores_the_states_once_and_reuses_them(tmp_path, capsys):
+    """python -m mlx_eagle.train --store-features on real ShareGPT dialogues and SmolLM2:
+    the first run computes the states and trains; a second run on the same pieces (another
+    lever) reads them without computing any, and trains to a loadable head."""
+    from mlx_eagle import load
+    from mlx_eagle.heads import load_head
+    from mlx_eagle.train import main
+
+    def train(name, *flags):
+        main(["--out", str(tmp_path / name), "--data", str(tmp_path / "data"), "--prompts", "2", "--held-out", "0",
+              "--seq-len", "256", "--tokens-per-batch", "512", "--steps", "2", "--ttt-steps", "2", "--skip-eval",
+              "--store-features", str(tmp_path / "states"), "--quiet", *flags])
+        return capsys.readouterr().out
+
+    assert "target states:" in train("first")
+    assert "target states:" not in train("second", "--feature-noise", "0.1")
+    model, _ = load()
+    assert load_head(tmp_path / "second", model).family == "eagle3"
+    meta = json.loads((tmp_path / "states" / "meta.json").read_text())
+    assert (tmp_path / "states" / "states.f16").stat().st_size == meta["tokens"] * sum(meta["widths"]) * 2
