@@ -680,6 +680,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                         "no draft token do not count in the loss")
     parser.add_argument("--train-embeddings", action="store_true", help="train an embedding of the head's own "
                         "(a copy of the target's to start) instead of reading the target's")
+    parser.add_argument("--mix-self", type=int, metavar="N", help="with --answers sharegpt: also train on N "
+                        "ShareGPT first prompts answered by the target itself (self-distilled, made as --answers "
+                        "self makes them)")
     parser.add_argument("--subset", type=int, help="train on this many of the pieces, chosen at random "
                         "(for measuring what more data buys)")
     parser.add_argument("--save-dtype", choices=["float16", "bfloat16", "float32"], default="float16",
@@ -701,10 +704,12 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     # What is wrong with the arguments is said before the model loads.
     config = TrainConfig(family=args.family, **{k: getattr(args, k) for k in asdict(defaults) if k != "family"})
     for name, value, low in (("draft-vocab", args.draft_vocab, 1), ("held-out", args.held_out, 0),
-                             ("prompts", args.prompts, 1), ("subset", args.subset, 1),
+                             ("prompts", args.prompts, 1), ("subset", args.subset, 1), ("mix-self", args.mix_self, 1),
                              ("max-answer-tokens", args.max_answer_tokens, 1)):
         if value is not None and value < low:
             raise UserError(f"--{name} must be {low} or more, not {value}")
+    if args.mix_self and args.answers != "sharegpt":
+        raise UserError("--mix-self adds the target's own answers to ShareGPT's; it needs --answers sharegpt")
     work = args.work or args.out.with_name(args.out.name + ".work")
     try:
         work.mkdir(parents=True, exist_ok=True)
@@ -737,6 +742,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     if args.subset:
         chosen = np.random.default_rng(config.seed).permutation(len(pieces))[: args.subset]
         pieces = [pieces[i] for i in sorted(chosen)]
+    if args.mix_self:  # after --subset, so that --subset N --mix-self M trains on N + M pieces
+        pieces = pieces + self_distilled_pieces(model, tokenizer, root, args.mix_self, 0, args.max_answer_tokens,
+                                                progress)[0]
     vocab = np.load(vocab_path)
     head = head_to_train(model, config.family, vocab["used"], config.seed, config.train_embeddings)
     store = None

@@ -40,6 +40,9 @@ RUNS = {  # name: (flags changed against the reference, share of the reference's
     "train-embeddings": (["--train-embeddings"], 1.0),
     "feature-noise-0.2": (["--feature-noise", "0.2"], 1.0),
     "draft-vocab-4096": (["--draft-vocab", "4096"], 1.0),
+    # A quarter of the pieces are the target's own answers to ShareGPT first prompts: the
+    # reference's first 375 pieces and 125 self-distilled ones, with a store of their own.
+    "self-distilled-mix": (["--subset", "375", "--mix-self", "125", "--store-features", "{runs}/store-self-mix"], 1.0),
 }
 
 
@@ -82,7 +85,7 @@ def main() -> None:
         steps = round(args.steps * share)
         print(f"== {name}: {' '.join(flags) or 'the reference'}, {steps} steps", flush=True)
         train(["--out", str(args.runs / name), "--work", str(args.runs / f"{name}.work"), "--steps", str(steps),
-               "--warmup", str(max(1, round(0.03 * steps)))] + common + flags)
+               "--warmup", str(max(1, round(0.03 * steps)))] + common + [f.format(runs=args.runs) for f in flags])
 
     model, _ = load(None)
     pieces, _ = load_dialogues(args.data / f"dialogues-{args.seq_len}-all-20.npz")

@@ -237,7 +237,8 @@ def test_convert_head_refuses_bad_sources_before_loading_a_target(source, words,
     (["--tokens-per-batch", "-4"], "tokens-per-batch"), (["--clip", "-1"], "clip"),
     (["--draft-vocab", "0"], "draft-vocab"),
     (["--held-out", "-1"], "held-out"), (["--work", "{file}"], "cannot use"),
-    (["--store-features", "{file}"], "cannot keep"),
+    (["--store-features", "{file}"], "cannot keep"), (["--mix-self", "0"], "mix-self"),
+    (["--answers", "self", "--mix-self", "3"], "--answers sharegpt"),
     (["--feature-noise", "-0.1"], "feature-noise"), (["--family", "eagle1", "--mask-outside-draft"], "EAGLE-3"),
 ])
 def test_train_refuses_bad_arguments_before_loading(argv, words, tmp_path, capsys, monkeypatch):
