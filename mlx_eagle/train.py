@@ -682,7 +682,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                         "(a copy of the target's to start) instead of reading the target's")
     parser.add_argument("--mix-self", type=int, metavar="N", help="with --answers sharegpt: also train on N "
                         "ShareGPT first prompts answered by the target itself (self-distilled, made as --answers "
-                        "self makes them)")
+                        "self makes them; prompts over 256 tokens are skipped)")
     parser.add_argument("--subset", type=int, help="train on this many of the pieces, chosen at random "
                         "(for measuring what more data buys)")
     parser.add_argument("--save-dtype", choices=["float16", "bfloat16", "float32"], default="float16",
