@@ -317,8 +317,8 @@ class StateStore:
                             "--store-features directory")
         size = self.meta["tokens"] * sum(self.widths) * 2
         states = path / "states.f16"
-        if not states.exists() or states.stat().st_size != size:
-            free = shutil.disk_usage(path).free
+        if not meta_path.exists() or not states.exists() or states.stat().st_size != size:  # a new store
+            free = shutil.disk_usage(path).free + (states.stat().st_size if states.exists() else 0)
             if size > free:
                 raise UserError(f"the target's states need {size / 1e9:.1f} GB and {path} has {free / 1e9:.1f} GB "
                                 "free; train without --store-features (states are then recomputed) or on fewer "
@@ -326,8 +326,6 @@ class StateStore:
             (path / "filled.json").unlink(missing_ok=True)
             with open(states, "wb") as file:
                 file.truncate(size)  # sparse until filled
-        if not meta_path.exists():
-            (path / "filled.json").unlink(missing_ok=True)
             meta_path.write_text(json.dumps(self.meta))
         self.states = np.memmap(states, dtype=np.float16, mode="r+", shape=(self.meta["tokens"], sum(self.widths)))
 
@@ -365,8 +363,9 @@ class StateStore:
             staging = self.path / "filled.partial"
             staging.write_text(json.dumps({"pieces": done}))
             staging.replace(self.path / "filled.json")  # only once the states it counts are on disk
-            computed += sum(len(self.tokens[i]) for i in chosen)
-            bar.update(sum(len(self.tokens[i]) for i in chosen))
+            tokens = sum(len(self.tokens[i]) for i in chosen)
+            computed += tokens
+            bar.update(tokens)
         bar.close()
         return computed / (time.perf_counter() - tic) if computed else 0.0
 
