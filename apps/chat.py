@@ -168,7 +168,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
     args = build_parser().parse_args(argv)
-    from mlx_eagle.generation import check_options
+    from mlx_eagle.generate import check_options
     from mlx_eagle.session import ChatSession
     from mlx_eagle.trees import parse_tree
     from mlx_eagle.verify import Sampling

@@ -1,30 +1,34 @@
-"""mlx-eagle: EAGLE speculative decoding on MLX, lossless by construction."""
+"""mlx-eagle: speculative decoding on MLX (EAGLE heads, drafts from the context, your own
+drafters), lossless by construction. The names and habits of mlx-lm::
 
+    from mlx_eagle import load, stream_generate
+"""
+
+import importlib
 import os
-import sys
-import types
 
 # transformers warns on import that PyTorch is absent; mlx-eagle never needs it.
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
+# The API functions are bound over the subpackage of the same name (python -m
+# mlx_eagle.generate runs its __main__), as mlx_lm binds its own.
+from .generate import GenerationResponse, generate, stream_generate  # noqa: E402
 
-class _Package(types.ModuleType):
-    """Importing the command module mlx_eagle.generate (python -m does) makes Python set
-    this package's ``generate`` to that module, hiding the function of the same name."""
+# Everything else is imported on first use, so that a command's --help need not load MLX's
+# model code (mlx-lm and transformers take seconds to import).
+_EXPORTS = {
+    "DEFAULT_MODEL": "models", "load": "models", "load_target": "models", "resolve_model": "models",
+    "PromptCache": "decoder", "make_prompt_cache": "decoder",
+    "DraftPlan": "plan", "load_draft": "plan", "plan_drafts": "plan",
+    "Budget": "drafters", "Drafter": "drafters", "Outcome": "drafters", "Proposal": "drafters",
+}
 
-    def __setattr__(self, name: str, value) -> None:
-        if name == "generate" and isinstance(value, types.ModuleType):
-            return
-        super().__setattr__(name, value)
+__all__ = ["GenerationResponse", "generate", "stream_generate", *_EXPORTS]
 
 
-sys.modules[__name__].__class__ = _Package
-
-from .decoder import PromptCache, make_prompt_cache  # noqa: E402
-from .generation import GenerationResponse, generate, stream_generate  # noqa: E402
-from .models import DEFAULT_MODEL, load, load_draft, load_target, resolve_model  # noqa: E402
-
-__all__ = [
-    "DEFAULT_MODEL", "GenerationResponse", "PromptCache", "generate", "load", "load_draft", "load_target",
-    "make_prompt_cache", "resolve_model", "stream_generate",
-]
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+    globals()[name] = value
+    return value

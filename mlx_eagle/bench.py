@@ -24,12 +24,13 @@ import mlx.core as mx
 
 from .cli import TREE_HELP, add_model_arguments, blas_in_use, run_cli
 from .errors import UserError
-from .generation import chat_tokens, check_messages
+from .generate import chat_tokens, check_messages
 from .verify import Sampling
 
-# baseline: plain mlx-lm; eagle: the head alone; lookup: drafts from the context alone;
-# eagle+lookup: both in one tree (what the commands do by default); draft-model: mlx-lm's.
-METHODS = ("baseline", "eagle", "lookup", "eagle+lookup", "draft-model")
+# baseline: plain mlx-lm; default: what the commands do with the --draft and --tree given (by
+# default the model's own drafter and drafts from the context); eagle: the head alone;
+# lookup: drafts from the context alone; eagle+lookup: both in one tree; draft-model: mlx-lm's.
+METHODS = ("baseline", "default", "eagle", "lookup", "eagle+lookup", "draft-model")
 
 
 @dataclass
@@ -127,13 +128,14 @@ def timed(responses: Iterable) -> Tuple[list, float, float]:
     return collected, time.perf_counter() - tic, first
 
 
-def eagle_method(model, tokenizer, head, tree, max_tokens: int, sampling: Sampling, seed: Optional[int] = None,
-                 lookup: bool = False) -> Generator:
-    from .generation import stream_generate
+def speculative_method(model, tokenizer, plan, max_tokens: int, sampling: Sampling,
+                       seed: Optional[int] = None) -> Generator:
+    """Our decoding with the drafters of ``plan`` (a DraftPlan)."""
+    from .generate import stream_generate
 
     def run(ids: List[int]) -> Answer:
-        responses, seconds, first = timed(stream_generate(model, tokenizer, ids, max_tokens=max_tokens, draft=head,
-                                                          tree=tree, lookup=lookup, seed=seed, **asdict(sampling)))
+        responses, seconds, first = timed(stream_generate(model, tokenizer, ids, max_tokens=max_tokens, draft=plan,
+                                                          seed=seed, **asdict(sampling)))
         return Answer([r.token for r in responses], seconds, first,
                       accepted_per_round([r.from_draft for r in responses]))
 
@@ -334,7 +336,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parser.add_argument("--min-p", type=float, default=0.0)
     parser.add_argument("--top-k", type=int, default=0)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--methods", default="baseline,eagle", help=f"comma-separated: {', '.join(METHODS)}")
+    parser.add_argument("--methods", default="baseline,default",
+                        help=f"comma-separated: {', '.join(METHODS)} (default: %(default)s)")
     parser.add_argument("--tree", default="auto", help=TREE_HELP)
     parser.add_argument("--draft-model", help="small model for mlx-lm's draft-model speculative decoding")
     parser.add_argument("--num-draft-tokens", type=int, default=3)
@@ -350,32 +353,31 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     if "draft-model" in methods and not args.draft_model:
         raise UserError("the draft-model method needs --draft-model (a small model with the same tokenizer)")
     from . import load
+    from .costs import weight_format
     from .models import resolve_model
+    from .plan import plan_drafts
     from .trees import parse_tree
-    from .calibrate import auto_tree, weight_format
 
-    tree = parse_tree(args.tree) if args.tree != "auto" else None
+    tree = parse_tree(args.tree) if args.tree != "auto" else "auto"
     prompts = read_prompts(args.prompts) if args.prompts else mtbench_suite()
     for prompt in prompts:
         prompt.turns = prompt.turns[: args.max_turns] if args.max_turns else prompt.turns
     prompts = prompts[: args.limit] if args.limit else prompts
-    model, tokenizer, head = load(args.model, draft=args.draft)
-    if {"eagle", "eagle+lookup"} & set(methods) and head is None:
-        raise UserError("no EAGLE head for this model: pass --draft DIR (see python -m mlx_eagle.train)")
-    tree_reason = "given"
-    if tree is None:
-        tree, tree_reason = auto_tree(model, head)
+    model, tokenizer, draft = load(args.model, draft=args.draft)
+    plans = {"default": plan_drafts(model, draft if args.draft != "none" else "none", tree),
+             "lookup": plan_drafts(model, "lookup", tree)}
+    if {"eagle", "eagle+lookup"} & set(methods):
+        if draft is None:
+            raise UserError("no EAGLE head for this model: pass --draft DIR (see python -m mlx_eagle.train)")
+        plans["eagle"] = plan_drafts(model, draft, tree, lookup=False)
+        plans["eagle+lookup"] = plan_drafts(model, draft, tree, lookup=True)
     sampling = Sampling(args.temp, args.top_p, args.min_p, args.top_k)
     generators: Dict[str, Generator] = {}
     for name in methods:
         if name == "baseline":
             generators[name] = mlx_lm_method(model, tokenizer, args.max_tokens, sampling, args.seed)
-        elif name in ("eagle", "eagle+lookup"):
-            generators[name] = eagle_method(model, tokenizer, head, tree, args.max_tokens, sampling, args.seed,
-                                            lookup=name == "eagle+lookup")
-        elif name == "lookup":
-            generators[name] = eagle_method(model, tokenizer, None, parse_tree("none"), args.max_tokens, sampling,
-                                            args.seed, lookup=True)
+        elif name in plans:
+            generators[name] = speculative_method(model, tokenizer, plans[name], args.max_tokens, sampling, args.seed)
         else:
             draft_model, _ = load(args.draft_model)
             generators[name] = mlx_lm_method(model, tokenizer, args.max_tokens, sampling, args.seed, draft_model,
@@ -383,8 +385,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     results = run_bench(prompts, tokenizer, generators, greedy=args.temp == 0, progress=not args.quiet)
     results.update(
         machine=machine(), model=str(resolve_model(args.model)), weights=weight_format(model),
-        head=str(head.directory) if head is not None else None,
-        tree=tree.text, tree_reason=tree_reason, tree_nodes=tree.max_nodes,
+        head=str(getattr(draft, "directory", None)) if draft is not None else None, tree=args.tree,
+        drafts={name: {"drafts": plans[name].describe(), "notes": plans[name].notes} for name in methods
+                if name in plans},
         settings={k: v for k, v in vars(args).items() if k not in ("out", "plot", "quiet")},
         prompt_count=len(prompts),
     )

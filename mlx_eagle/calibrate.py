@@ -1,178 +1,30 @@
-"""What a round costs on this device, and the tree that pays most for it.
+"""The head's tree for this device: the tree with the most expected tokens per second
+under this device's costs (costs.py) and the head's acceptance by (depth, rank).
 
-Speculation pays only where verifying k tokens costs less than k plain steps, and
-how much less differs by orders of magnitude between devices: on this repository's
-2-core x86 CPU 16 tokens cost ~2.2 plain steps, on an Apple GPU about one. So the
-target's forward over k tokens is timed once per device, weight format and
-architecture (a few seconds) and cached; lookup drafts size themselves on it, and
-``--tree auto`` builds the head's tree from it and the head's recorded acceptance by
-(depth, rank) where nobody ran ``python -m mlx_eagle.tune`` (the thorough tool, which
-also times whole rounds and checks its tree by decoding).
+``--tree auto`` takes the tree ``python -m mlx_eagle.tune`` built for this device and
+head (the thorough tool, which also times whole rounds and checks its tree by decoding);
+untuned, it builds one here from the head's recorded acceptance and a few timed
+forwards, once, and caches it; no tree where speculation is expected to lose.
 """
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import heapq
-import json
-import platform
-import re
-import statistics
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import List, Optional, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-from mlx.utils import tree_flatten
 
-from .cli import REFERENCE_BLAS, blas_in_use, openblas_loaded
-from .trees import DEFAULT_STATIC, RankPath, TreeSpec, check_paths, parse_tree
-
-CALIBRATION_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 32)
-
-
-@dataclass
-class VerifyCosts:
-    """Milliseconds of one target forward over k new tokens (after a few hundred cached)."""
-
-    ms: Dict[int, float]
-
-    def __call__(self, tokens: int) -> float:
-        """The cost of a forward over ``tokens`` tokens, in plain decoding steps (one token = 1)."""
-        sizes = sorted(self.ms)
-        values = [self.ms[k] for k in sizes]
-        if tokens > sizes[-1]:  # past the curve: grow at its last measured slope
-            slope = (values[-1] - values[-2]) / (sizes[-1] - sizes[-2])
-            return (values[-1] + slope * (tokens - sizes[-1])) / self.ms[1]
-        return float(np.interp(tokens, sizes, values)) / self.ms[1]
-
-
-def weight_format(model: nn.Module) -> str:
-    """The target's weights as its matrices hold them: "q4", "q8", "float32", ..."""
-    for module in model.modules():
-        if hasattr(module, "bits") and "scales" in module:
-            return f"q{module.bits}"
-    weights = [v for k, v in tree_flatten(model.parameters()) if k.endswith("weight")]
-    return str(weights[0].dtype).split(".")[-1]
-
-
-def device_key(model: nn.Module) -> str:
-    """What timings and tuned trees depend on: the device (and BLAS on CPU) and the
-    target's weight format."""
-    device = mx.default_device()
-    name = platform.machine()
-    if device.type == mx.gpu and mx.metal.is_available():
-        name = mx.metal.device_info().get("device_name", name)
-    elif device.type == mx.cpu and openblas_loaded():
-        name += "-openblas"
-    return re.sub(r"[^A-Za-z0-9._-]+", "-", f"{device.type.name}-{name}-{weight_format(model)}").lower()
-
-
-# Bumped when the way a verification runs changes (2: through compiled pieces), so that
-# timings taken by older code are taken again.
-TIMING_VERSION = 3
-
-
-def model_digest(model: nn.Module) -> str:
-    """The target's architecture and sizes (not its weights: timings do not depend on
-    them), and the timing version."""
-    config = json.dumps([TIMING_VERSION, vars(model.args)], sort_keys=True, default=str)
-    return hashlib.sha256(config.encode()).hexdigest()[:12]
-
-
-def non_decreasing(values: Sequence[float]) -> List[float]:
-    """The closest non-decreasing sequence (least squares; pool adjacent violators).
-    More tokens never cost less to verify; on a noisy machine a dip (10 tokens timed
-    below 8) would otherwise make a drafter favour a size for no reason."""
-    blocks: List[List[float]] = []  # [mean, count]
-    for value in values:
-        blocks.append([value, 1])
-        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
-            (mean_a, count_a), (mean_b, count_b) = blocks.pop(-2), blocks.pop()
-            blocks.append([(mean_a * count_a + mean_b * count_b) / (count_a + count_b), count_a + count_b])
-    return [mean for mean, count in blocks for _ in range(count)]
-
-
-def measure_verify_costs(model: nn.Module, context: int = 256, repeats: int = 2) -> VerifyCosts:
-    """Time a verification over k = 1..32 new tokens, ``context`` cached, the way the
-    decoder runs it: through target.py's compiled pieces where it knows the architecture,
-    else the model's own forward pass."""
-    from mlx_lm.models.cache import trim_prompt_cache
-
-    from .target import drives, make_cache, target_forward
-
-    vocab = model.args.vocab_size
-    tokens = np.random.default_rng(0).integers(min(100, vocab - 1), max(vocab - 100, 101), size=context + 32)
-    cache = make_cache(model)
-    mx.eval(model(mx.array(tokens[None, :context]), cache=cache))
-    block = mx.array(tokens[None, context:])
-
-    def verify(size: int) -> mx.array:
-        if drives(model):
-            return target_forward(model, block[:, :size], cache, context, "causal" if size > 1 else None).logits
-        return model(block[:, :size], cache=cache)
-
-    timed = []
-    for size in CALIBRATION_SIZES:
-        times = []
-        for _ in range(repeats + 1):  # the first is a warm-up
-            tic = time.perf_counter()
-            mx.eval(verify(size))
-            times.append(time.perf_counter() - tic)
-            trim_prompt_cache(cache, size)
-        timed.append(1000 * statistics.median(times[1:]))
-    return VerifyCosts(dict(zip(CALIBRATION_SIZES, non_decreasing(timed))))
-
-
-def verify_costs(model: nn.Module) -> VerifyCosts:
-    """This device's verify-cost curve for ``model``: measured once (a few seconds) and
-    kept under the cache directory, keyed by device, weight format and architecture."""
-    from .models import cache_dir
-
-    path = cache_dir() / "calibration" / f"{device_key(model)}-{model_digest(model)}.json"
-    try:
-        return VerifyCosts({int(k): float(v) for k, v in json.loads(path.read_text())["verify_ms"].items()})
-    except (OSError, ValueError, KeyError, TypeError):
-        pass
-    print(f"timing this device's forward passes once ({device_key(model)})", file=sys.stderr)
-    costs = measure_verify_costs(model)
-    _save(path, {"device": device_key(model), "verify_ms": costs.ms})
-    return costs
-
-
-def _save(path: Path, record: dict) -> None:
-    """Write ``record`` whole or not at all (another process may calibrate alongside); an
-    unwritable cache directory only means measuring again next time."""
-    partial = path.with_suffix(f".{id(record)}.tmp")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        partial.write_text(json.dumps(record, indent=1))
-        partial.replace(path)
-    except OSError:
-        with contextlib.suppress(OSError):
-            partial.unlink()
-
-
-@dataclass
-class Costs:
-    verify_ms: Dict[int, float]  # one target forward over k tokens (the root + k - 1 nodes)
-    draft_step_ms: float  # one head step over a tree depth
-    round_ms: float  # the rest of a round: acceptance, cache compaction, host work
-    plain_ms: float  # one token of plain mlx-lm decoding
-
-    def verify(self, tokens: int) -> float:
-        sizes = sorted(self.verify_ms)
-        return float(np.interp(tokens, sizes, [self.verify_ms[k] for k in sizes]))
-
-    def round(self, nodes: int, depth: int) -> float:
-        # One head step per depth, and one to read the previous round's accepted tokens.
-        return self.verify(nodes + 1) + (depth + 1) * self.draft_step_ms + self.round_ms
-
+from . import costs as device_costs
+from .costs import Costs, device_key, median_ms, model_digest
+from .errors import UserError
+from .files import read_json, write_json
+from .trees import DEFAULT_STATIC, MAX_RANK, RankPath, TreeSpec, check_paths, parse_tree
 
 @dataclass
 class TreeChoice:
@@ -218,7 +70,7 @@ def best_tree(acceptance: np.ndarray, costs: Optional[Costs], max_nodes: int) ->
     return best
 
 
-ACCEPTANCE_FILE = "acceptance.json"  # beside a head: its measured acceptance by (depth, rank)
+ACCEPTANCE_FILE = "acceptance.json"  # a head's measured acceptance by (depth, rank)
 
 # For a head with none recorded: the CPU-trained SmolLM2 head's, measured on held-out
 # prompts, the weakest real head we know, so an untuned device drafts only where
@@ -233,24 +85,53 @@ PRIOR_ACCEPTANCE = np.array([[0.37, 0.13, 0.06, 0.04], [0.32, 0.10, 0.06, 0.04],
 CALIBRATED_MARGIN = 1.2
 
 
-def save_acceptance(head_dir: Path, acceptance: np.ndarray, source: str) -> None:
-    """Record a head's measured acceptance by (depth, rank) beside it."""
+def user_head_dir(head_dir: Path) -> Path:
+    """Where what is measured for the head in ``head_dir`` on this machine is kept (its
+    tuned trees, its acceptance): in the user's cache, never beside the head, which may
+    be a shipped or read-only one."""
+    from .models import cache_dir
+
+    resolved = str(Path(head_dir).resolve())
+    return cache_dir() / "heads" / f"{Path(resolved).name}-{hashlib.sha256(resolved.encode()).hexdigest()[:12]}"
+
+
+def save_acceptance(directory: Path, acceptance: np.ndarray, source: str) -> None:
+    """Record a head's measured acceptance by (depth, rank) in ``directory``."""
     record = {"acceptance_by_depth_and_rank": np.asarray(acceptance).round(4).tolist(), "source": source}
-    (Path(head_dir) / ACCEPTANCE_FILE).write_text(json.dumps(record, indent=1))
+    if not write_json(Path(directory) / ACCEPTANCE_FILE, record):
+        raise UserError(f"cannot write {Path(directory) / ACCEPTANCE_FILE}; is the disk full or read-only?")
+
+
+def _acceptance_table(record: object) -> np.ndarray:
+    """A record's acceptance table, or ValueError: a small 2-D table of probabilities."""
+    table = record.get("acceptance_by_depth_and_rank") if isinstance(record, dict) else None
+    if not isinstance(table, list) or not 0 < len(table) <= 64 or \
+            not all(isinstance(row, list) and 0 < len(row) <= MAX_RANK + 1 for row in table) or \
+            len({len(row) for row in table}) != 1 or \
+            not all(isinstance(p, (int, float)) and not isinstance(p, bool) and 0 <= p <= 1 for row in table for p in row):
+        raise ValueError("no acceptance table of probabilities by depth and rank")
+    return np.array(table, dtype=np.float64)
+
+
+def _acceptance_files(head) -> List[Path]:
+    """Where a head's acceptance may be recorded, the user's own measurement first."""
+    directory = getattr(head, "directory", None)
+    if directory is None:
+        return []
+    return ([user_head_dir(directory) / ACCEPTANCE_FILE] + sorted(user_head_dir(directory).glob("trees/*.json"))
+            + [Path(directory) / ACCEPTANCE_FILE] + sorted(Path(directory).glob("trees/*.json")))
 
 
 def head_acceptance(head) -> Tuple[np.ndarray, str]:
-    """The head's acceptance by (depth, rank) as recorded beside it (by train or tune, or
-    in a tree file tuned on any device), else the conservative prior; and where it came from."""
-    directory = getattr(head, "directory", None)
-    files = [Path(directory) / ACCEPTANCE_FILE] + sorted(Path(directory).glob("trees/*.json")) if directory else []
-    for file in files:
-        try:
-            table = np.array(json.loads(file.read_text())["acceptance_by_depth_and_rank"], dtype=np.float64)
-        except (OSError, ValueError, KeyError, TypeError):
+    """The head's acceptance by (depth, rank) as recorded for it (by train or tune, or in a
+    tree file tuned on any device), else the conservative prior; and where it came from."""
+    for file in _acceptance_files(head):
+        if not file.exists():
             continue
-        if table.ndim == 2 and table.size and ((table >= 0) & (table <= 1)).all():
-            return table, f"acceptance recorded in {file.name}"
+        try:
+            return _acceptance_table(read_json(file)), f"acceptance recorded in {file.name}"
+        except ValueError as exc:
+            print(f"warning: ignoring {file} ({exc})", file=sys.stderr)
     return PRIOR_ACCEPTANCE, "no recorded acceptance, a cautious prior"
 
 
@@ -258,7 +139,7 @@ def time_draft_step(model: nn.Module, head, context: int = 64, repeats: int = 3)
     """Milliseconds of one head step over a tree depth (the default static tree's, averaged)."""
     from mlx_lm.models.cache import KVCache
 
-    from .trees import TreeDrafter
+    from .drafters.eagle import TreeDrafter
 
     taps = head.taps(model.args.num_hidden_layers)
     width = model.args.hidden_size * (len(taps) if taps is not None else 1)
@@ -267,12 +148,8 @@ def time_draft_step(model: nn.Module, head, context: int = 64, repeats: int = 3)
     out = head.step(model, head.project(mx.zeros((1, context, width))), tokens, cache, 0, "causal")
     mx.eval(out)
     drafter = TreeDrafter(head, model, parse_tree("static:default"))
-    times = []
-    for _ in range(repeats + 1):  # the first is a warm-up
-        tic = time.perf_counter()
-        mx.eval(drafter.draft(out[:, -1], cache, context - 1)[1])
-        times.append(time.perf_counter() - tic)
-    return 1000 * statistics.median(times[1:]) / max(len(p) for p in DEFAULT_STATIC)
+    step = median_ms(lambda: mx.eval(drafter.draft(out[:, -1], cache, context - 1)[1]), repeats)
+    return step / max(len(p) for p in DEFAULT_STATIC)
 
 
 def _head_digest(head) -> Optional[str]:
@@ -281,8 +158,30 @@ def _head_digest(head) -> Optional[str]:
     directory = getattr(head, "directory", None)
     if directory is None:
         return None
-    stats = sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in Path(directory).iterdir() if p.is_file())
-    return hashlib.sha256(json.dumps([str(Path(directory).resolve()), stats]).encode()).hexdigest()[:12]
+    files = [p for p in Path(directory).iterdir() if p.is_file()]
+    files += [p for p in [user_head_dir(directory) / ACCEPTANCE_FILE] if p.is_file()]
+    stats = sorted((str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in files)
+    return hashlib.sha256(repr([str(Path(directory).resolve()), stats]).encode()).hexdigest()[:12]
+
+
+def _read_tree_record(path: Path) -> dict:
+    """A tuned or calibrated tree file: {"paths": rank paths or [], ...}, checked; or
+    ValueError naming what is wrong with it."""
+    record = read_json(path)
+    if not isinstance(record, dict) or not isinstance(record.get("paths"), list):
+        raise ValueError('no "paths" list of rank paths')
+    if record["paths"]:
+        try:
+            record["paths"] = check_paths(record["paths"], str(path))
+        except UserError as exc:
+            raise ValueError(str(exc).split(": ", 1)[-1]) from None
+    return record
+
+
+def _number(record: dict, name: str) -> Optional[float]:
+    value = record.get(name)
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) and \
+        abs(value) < 1e12 else None
 
 
 def calibrated_tree(model: nn.Module, head) -> Tuple[TreeSpec, str]:
@@ -296,15 +195,14 @@ def calibrated_tree(model: nn.Module, head) -> Tuple[TreeSpec, str]:
     path = cache_dir() / "trees" / f"{key}-{model_digest(model)}-{digest}.json" if digest else None
     if path is not None and path.exists():
         try:
-            saved = json.loads(path.read_text())
-            paths = check_paths(saved["paths"], str(path)) if saved["paths"] else []
-            return _calibrated_spec(paths), saved["why"]
-        except (OSError, ValueError, KeyError, TypeError):
-            pass  # rebuilt below
+            saved = _read_tree_record(path)
+            why = saved.get("why") if isinstance(saved.get("why"), str) else "calibrated"
+            return _calibrated_spec(saved["paths"]), why
+        except ValueError as exc:
+            print(f"warning: building the tree again: {path} is unusable ({exc})", file=sys.stderr)
     acceptance, source = head_acceptance(head)
-    verify = verify_costs(model)
-    costs = Costs({k: verify(k) * verify.ms[1] for k in (1, 2, 4, 8, 16, 32, 64)},
-                  draft_step_ms=time_draft_step(model, head), round_ms=0.0, plain_ms=verify.ms[1])
+    verify = device_costs.verify_costs(model)
+    costs = Costs({k: verify.verify(k) for k in (1, 2, 4, 8, 16, 32, 64)}, draft_step_ms=time_draft_step(model, head))
     choice = best_tree(acceptance, costs, max_nodes=64)
     gain = choice.expected_tokens_per_s / choice.plain_tokens_per_s
     if gain < CALIBRATED_MARGIN:
@@ -315,8 +213,8 @@ def calibrated_tree(model: nn.Module, head) -> Tuple[TreeSpec, str]:
                                     f"{choice.expected_tau:.2f}, {gain:.2f}x plain")
     print(f"tree auto: {why}", file=sys.stderr)
     if path is not None:
-        _save(path, {"device": key, "paths": [list(p) for p in paths], "why": why,
-                     "costs_ms": {"verify": costs.verify_ms, "draft_step": costs.draft_step_ms}})
+        write_json(path, {"device": key, "paths": [list(p) for p in paths], "why": why,
+                          "costs_ms": {"verify": costs.verify_ms, "draft_step": costs.draft_step_ms}})
     return _calibrated_spec(paths), why
 
 
@@ -325,43 +223,47 @@ def _calibrated_spec(paths: List[RankPath]) -> TreeSpec:
 
 
 def tree_file(head_dir: Path, key: str) -> Path:
+    """Where a tree tuned for device ``key`` is shipped beside a head."""
     return Path(head_dir) / "trees" / f"{key}.json"
 
 
+def tuned_tree_file(head_dir: Path, key: str) -> Path:
+    """Where ``tune`` keeps the tree it builds for the head in ``head_dir`` on this machine."""
+    return tree_file(user_head_dir(head_dir), key)
+
+
 def auto_tree(model: nn.Module, head) -> Tuple[TreeSpec, str]:
-    """``--tree auto``: the tree ``tune`` built for this device beside the head; untuned,
-    the tree the cost model builds from the head's recorded acceptance and this device's
-    timed forwards (``calibrated_tree``); no tree where speculation is expected to lose.
-    Returns the tree and why it was chosen."""
-    key = device_key(model)
+    """``--tree auto``: the tree ``tune`` built for this device and head (the user's own,
+    else one shipped beside the head); untuned, the tree the cost model builds from the
+    head's recorded acceptance and this device's timed forwards (``calibrated_tree``); no
+    tree where speculation is expected to lose. Returns the tree and why it was chosen."""
     if head is None:
         return parse_tree("none"), "no draft head"
+    key = device_key(model)
     head_dir = getattr(head, "directory", None)
-    path = tree_file(head_dir, key) if head_dir is not None else None
-    if path is not None and path.exists():
-        tuned = json.loads(path.read_text())
+    for path in ([tuned_tree_file(head_dir, key), tree_file(head_dir, key)] if head_dir is not None else []):
+        if not path.exists():
+            continue
+        try:
+            tuned = _read_tree_record(path)
+        except ValueError as exc:
+            print(f"warning: ignoring the tuned tree {path} ({exc}); run python -m mlx_eagle.tune to tune again",
+                  file=sys.stderr)
+            continue
         if not tuned["paths"]:
             measured = tuned.get("measured_tokens_per_s")
-            detail = (f"the best tree ran at {measured['tree']:.1f} tokens/s, plain at {measured['plain']:.1f}"
-                      if measured else f"no tree is expected to beat {tuned['plain_tokens_per_s']:.1f} tokens/s")
+            tree, plain = (_number(measured, "tree"), _number(measured, "plain")) if isinstance(measured, dict) \
+                else (None, None)
+            if tree is not None and plain is not None:
+                detail = f"the best tree ran at {tree:.1f} tokens/s, plain at {plain:.1f}"
+            else:
+                detail = f"no tree is expected to beat {_number(tuned, 'plain_tokens_per_s') or 0:.1f} tokens/s"
             return parse_tree("none"), f"tuned for {key}: plain decoding is faster here ({detail})"
-        spec = TreeSpec("static", check_paths(tuned["paths"], str(path)), text=f"auto ({path})")
-        return spec, f"tuned for {key}: {len(spec.paths)} nodes, expected tau {tuned['expected_tau']:.2f}"
-    blocker = cpu_blocker(model) if mx.default_device().type == mx.cpu else None
+        spec = TreeSpec("static", tuned["paths"], text=f"auto ({path})")
+        tau = _number(tuned, "expected_tau")
+        return spec, f"tuned for {key}: {len(spec.paths)} nodes" + (f", expected tau {tau:.2f}" if tau else "")
+    blocker = device_costs.cpu_blocker(model)
     if blocker is not None:
         return parse_tree("none"), (f"{blocker}: verifying k tokens costs about k times one on a CPU, so "
                                     "speculation cannot pay off")
     return calibrated_tree(model, head)
-
-
-def cpu_blocker(model: nn.Module) -> Optional[str]:
-    """Why a CPU would verify a tree at about k times the cost of one token (and the
-    fix), or None where a fast float32 BLAS makes it cheap."""
-    weights = weight_format(model)
-    if weights != "float32":
-        kind = "quantized" if weights.startswith("q") else weights
-        return f"{kind} weights (convert with --dtype float32 to speculate)"
-    if blas_in_use() == REFERENCE_BLAS:
-        return ("MLX's bundled reference BLAS (install OpenBLAS: apt-get install libopenblas0-pthread; "
-                "the mlx_eagle commands preload it, Python programs need LD_PRELOAD)")
-    return None

@@ -154,28 +154,13 @@ def shipped_head_dir(model: nn.Module) -> Optional[Path]:
     return None
 
 
-def load_draft(draft: Optional[str], model: nn.Module):
-    """An EAGLE head for ``model``: a head directory, "auto" (the head shipped for this
-    model, if any) or None / "none" / "lookup" (no head)."""
-    from .heads import load_head
-
-    if draft in (None, "none", "lookup"):
-        return None
-    if draft == "auto":
-        found = shipped_head_dir(model)
-        return load_head(found, model) if found is not None else None
-    return load_head(Path(draft).expanduser(), model)
-
-
-def drafts_from_context(draft: Optional[str]) -> bool:
-    """Every --draft value but "none" (plain decoding) also drafts from the context."""
-    return draft != "none"
-
-
 def load(path_or_hf_repo: Optional[str] = None, draft: Optional[str] = None,
          tokenizer_config: Optional[Dict[str, Any]] = None):
-    """Like mlx_lm.load: ``(model, tokenizer)``; with ``draft`` (a head directory or
-    "auto") ``(model, tokenizer, head)``, head None when "auto" finds none."""
+    """Like mlx_lm.load: ``(model, tokenizer)``; with ``draft`` (a drafter's directory or
+    "auto", see plan.load_draft) ``(model, tokenizer, drafter weights)``, None when "auto"
+    finds none."""
+    from .plan import load_draft
+
     model, tokenizer, path = load_target(path_or_hf_repo, tokenizer_config)
     if draft is None:
         return model, tokenizer

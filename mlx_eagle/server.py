@@ -36,7 +36,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence
 from .cli import add_model_arguments, run_cli
 from .errors import UserError
 from .errors import check_text
-from .generation import MAX_SEED, GenerationResponse, chat_tokens, check_messages
+from .generate import MAX_SEED, GenerationResponse, chat_tokens, check_messages
 from .session import Engine
 
 MAX_BODY_BYTES = 1 << 20
@@ -430,7 +430,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parser.add_argument("--max-tokens", type=int, default=512, help="reply length when a request gives none")
     parser.add_argument("--quiet", action="store_true", help="no line per request")
     args = parser.parse_args(argv)
-    from .generation import check_options
+    from .generate import check_options
     from .trees import parse_tree
 
     # Everything that can be wrong with the arguments is said before the model loads.
@@ -446,7 +446,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         reason = getattr(exc, "strerror", None) or str(exc)
         raise UserError(f"cannot listen on {args.host}:{args.port} ({reason}); pick another --port or --host") from None
     try:
-        server.engine = engine = Engine(args.model, args.draft)
+        server.engine = engine = Engine(args.model, args.draft, tree=args.tree)
     except BaseException:
         server.server_close()
         raise

@@ -24,8 +24,9 @@ import mlx.core as mx
 
 from .decoder import make_prompt_cache
 from .errors import UserError
-from .generation import GenerationResponse, chat_tokens, check_messages, stream_generate
-from .models import DEFAULT_MODEL, drafts_from_context, load_draft, load_target
+from .generate import GenerationResponse, chat_tokens, check_messages, stream_generate
+from .models import DEFAULT_MODEL, load_target
+from .plan import DraftPlan, load_draft, plan_drafts
 
 Message = Dict[str, str]
 
@@ -54,12 +55,13 @@ class Engine:
     others wait their turn in a queue."""
 
     def __init__(self, model: Optional[str] = None, draft: Optional[str] = "auto", loaded: Optional[tuple] = None,
-                 name: Optional[str] = None):
-        """``draft``: a head directory, "auto" (the shipped head, if any), "lookup" (drafts
-        from the context alone) or "none" (plain decoding); every choice but "none" also
-        drafts from the context. ``loaded``: (model, tokenizer, head) already in memory,
+                 name: Optional[str] = None, tree: Any = "auto"):
+        """``draft``: a drafter's directory, "auto" (the model's own drafter, if any),
+        "lookup" (drafts from the context alone) or "none" (plain decoding); every choice
+        but "none" also drafts from the context (see plan.py). ``loaded``: (model,
+        tokenizer, drafter weights or None) already in memory,
         instead of loading ``model`` and ``draft``; ``name``: what to call the model
-        (default: its directory's)."""
+        (default: its directory's); ``tree``: the head's tree when a generation names none."""
         self._jobs: "queue.Queue" = queue.Queue()
         self._current: Optional[threading.Event] = None
         worker = threading.Thread(target=_work, args=(self._jobs,), name="mlx-eagle-engine", daemon=True)
@@ -71,14 +73,25 @@ class Engine:
         else:  # a lazy array can only be evaluated on the thread whose stream made it
             mx.eval([m.parameters() for m in loaded if hasattr(m, "parameters")])
         self.model, self.tokenizer, self.head, *path = loaded
-        self.lookup = drafts_from_context(draft)
+        self.lookup = draft != "none"
         self.name = name or (path[0].name if path else DEFAULT_MODEL)
+        self._plans: Dict[Any, DraftPlan] = {}
+        self.tree = tree
         self.cache = self._call(lambda: make_prompt_cache(self.model))
 
     @staticmethod
     def _load(model: Optional[str], draft: Optional[str]):
         target, tokenizer, path = load_target(model)
         return target, tokenizer, load_draft(draft, target), path
+
+    def plan(self, tree: Any = None) -> DraftPlan:
+        """What drafts with ``tree`` (a --tree spec; None: the engine's): planned once per
+        tree value, on the worker thread (planning may time this device's forwards)."""
+        tree = self.tree if tree is None else tree
+        key = getattr(tree, "text", tree)
+        if key not in self._plans:
+            self._plans[key] = plan_drafts(self.model, self.head, tree, self.lookup)
+        return self._plans[key]
 
     def _call(self, function: Callable[[], Any]) -> Any:
         """Run ``function`` on the worker and return its result (or raise its error)."""
@@ -98,10 +111,8 @@ class Engine:
 
     @property
     def drafting(self) -> str:
-        """What drafts each round, in words."""
-        drafts = [f"{self.head.family} head"] if self.head is not None else []
-        drafts += ["context lookup"] if self.lookup else []
-        return " + ".join(drafts) or "plain decoding"
+        """What drafts each round with the engine's tree, in words."""
+        return self._call(lambda: self.plan().describe())
 
     @property
     def context_length(self) -> Optional[int]:
@@ -114,13 +125,14 @@ class Engine:
         runs) or ``Engine.cancel()`` stops the generation within a round."""
         out: "queue.Queue" = queue.Queue()
         cancel = cancel if cancel is not None else threading.Event()
+        tree = options.pop("tree", None)
 
         def job():
             self._current = cancel
             try:
                 if cancel.is_set():
                     return
-                for response in stream_generate(self.model, self.tokenizer, ids, draft=self.head, lookup=self.lookup,
+                for response in stream_generate(self.model, self.tokenizer, ids, draft=self.plan(tree),
                                                 prompt_cache=self.cache, **options):
                     out.put(response)
                     if cancel.is_set():
@@ -187,7 +199,7 @@ class ChatSession:
                  tree: str = "auto", temp: float = 0.0, top_p: float = 1.0, max_tokens: int = 512,
                  seed: Optional[int] = None, engine: Optional[Engine] = None,
                  on_notice: Callable[[str], None] = lambda text: None):
-        self.engine = engine or Engine(model, draft)
+        self.engine = engine or Engine(model, draft, tree=tree)
         self.system, self.tree, self.temp, self.top_p = system, tree, temp, top_p
         self.max_tokens, self.seed, self.on_notice = max_tokens, seed, on_notice
         self.stats: Optional[TurnStats] = None

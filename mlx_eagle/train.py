@@ -38,7 +38,7 @@ from mlx_lm.models.cache import KVCache
 from .cli import add_model_arguments, run_cli
 from .errors import UserError
 from .features import self_distill
-from .generation import chat_tokens
+from .generate import chat_tokens
 from .models import TARGET_FILE, target_identity
 from .target import lm_head, lm_head_rows, target_forward
 
@@ -588,13 +588,14 @@ def acceptance_by_depth(target, tokenizer, head, prompts: Sequence[str], depth: 
     """Greedy decoding with a chain of ``depth`` on held-out prompts: how often the
     draft token at each depth is accepted once all before it were, and tau."""
     from .decoder import SpeculativeDecoder
+    from .drafters.eagle import EagleDrafter
     from .trees import parse_tree
     from .verify import Sampling
 
     reached, accepted, produced, rounds = np.zeros(depth), np.zeros(depth), 0, 0
     for prompt in prompts:
         ids = chat_tokens(tokenizer, [{"role": "user", "content": prompt}])
-        decoder = SpeculativeDecoder(target, head, parse_tree(f"chain:{depth}"), Sampling())
+        decoder = SpeculativeDecoder(target, EagleDrafter(head, target, parse_tree(f"chain:{depth}")), Sampling())
         decoder.prefill(ids)
         generated = 1
         while generated < max_tokens:

@@ -16,8 +16,9 @@
 4. The check: the winning tree and plain mlx-lm decode six more ShareGPT prompts in
    turn; unless the tree is measured at least 5% faster, plain decoding is kept.
 
-The result is saved beside the head as trees/<device>.json, and ``--tree auto`` (the
-default of the commands) uses it on this device.
+The result is kept in the user's cache (``~/.cache/mlx-eagle/heads/<head>/trees/<device>.json``,
+never inside the head's own directory, which may be a shipped one), and ``--tree auto``
+(the default of the commands) uses it on this device.
 """
 
 from __future__ import annotations
@@ -34,11 +35,12 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from .calibrate import (Costs, TreeChoice, best_tree, device_key, non_decreasing, save_acceptance, time_draft_step,
-                        tree_file)
+from .calibrate import TreeChoice, best_tree, save_acceptance, time_draft_step, tuned_tree_file, user_head_dir
+from .costs import Costs, device_key, median_ms, time_forwards
 from .cli import add_model_arguments, run_cli
 from .errors import UserError
-from .generation import chat_tokens
+from .files import write_atomically
+from .generate import chat_tokens
 from .trees import RankPath, TreeSpec, parse_tree
 from .verify import Sampling
 
@@ -55,11 +57,12 @@ def confirm_speedup(model: nn.Module, tokenizer, head, paths: List[RankPath], pr
                     max_tokens: int = 64) -> Tuple[float, float]:
     """Decode ``prompts`` greedily with the tree and with plain mlx-lm, alternating;
     returns (tree tokens/s, plain tokens/s), measured."""
-    from .bench import eagle_method, mlx_lm_method
+    from .bench import mlx_lm_method, speculative_method
+    from .plan import plan_drafts
 
     sampling = Sampling()  # greedy
-    spec = TreeSpec("static", paths, text="tuned")
-    methods = [eagle_method(model, tokenizer, head, spec, max_tokens, sampling),
+    plan = plan_drafts(model, head, TreeSpec("static", paths, text="tuned"), lookup=False)
+    methods = [speculative_method(model, tokenizer, plan, max_tokens, sampling),
                mlx_lm_method(model, tokenizer, max_tokens, sampling)]
     tokens, seconds = [0, 0], [0.0, 0.0]
     for index, prompt in enumerate(prompts):
@@ -71,46 +74,23 @@ def confirm_speedup(model: nn.Module, tokenizer, head, paths: List[RankPath], pr
     return tokens[0] / seconds[0], tokens[1] / seconds[1]
 
 
-def _median_ms(run: Callable[[], None], repeats: int) -> float:
-    run()  # warm-up
-    times = []
-    for _ in range(repeats):
-        tic = time.perf_counter()
-        run()
-        times.append(1000 * (time.perf_counter() - tic))
-    return statistics.median(times)
-
-
 def measure_costs(model: nn.Module, tokenizer, head, context: int = 256, repeats: int = 5,
                   progress: bool = True) -> Costs:
     """Time verification, a draft step, a round's remainder and plain decoding here."""
     from mlx_lm import stream_generate
-    from tqdm import tqdm
 
     from .decoder import SpeculativeDecoder
-    from .target import keep_cache_entries, make_cache, target_forward
+    from .drafters.eagle import EagleDrafter
 
-    rng = np.random.default_rng(0)
-    prompt = rng.integers(100, model.args.vocab_size - 100, size=context).tolist()
-    taps = head.taps(model.args.num_hidden_layers)
-    cache = make_cache(model)
-    mx.eval(target_forward(model, mx.array([prompt]), cache, 0, "causal", taps).features)
-
-    def verify(k: int) -> None:
-        out = target_forward(model, mx.array([prompt[:k]]), cache, context, "causal" if k > 1 else None, taps)
-        mx.eval(out.logits, out.features)
-        keep_cache_entries(cache, context, [])
-
-    timed = [_median_ms(lambda: verify(k), repeats)
-             for k in tqdm(VERIFY_SIZES, desc="timing verification", disable=not progress)]
-    verify_ms = dict(zip(VERIFY_SIZES, non_decreasing(timed)))
-
+    verify_ms = time_forwards(model, VERIFY_SIZES, context, repeats, head.taps(model.args.num_hidden_layers),
+                              progress)
     draft_step_ms = time_draft_step(model, head, context, repeats)
 
     # A whole round of a one-node chain, less its verification and draft steps.
-    decoder = SpeculativeDecoder(model, head, parse_tree("chain:1"), Sampling())
+    prompt = np.random.default_rng(0).integers(100, model.args.vocab_size - 100, size=context).tolist()
+    decoder = SpeculativeDecoder(model, EagleDrafter(head, model, parse_tree("chain:1")), Sampling())
     decoder.prefill(prompt)
-    round_ms = _median_ms(lambda: decoder.round(4), repeats * 2)
+    round_ms = median_ms(lambda: decoder.round(4), repeats * 2)
     remainder = max(0.0, round_ms - verify_ms[2] - 2 * draft_step_ms)
 
     times = []
@@ -200,10 +180,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     prompts, confirmation = available[-args.prompts:], available[-args.prompts - 6:-args.prompts]
     pieces = calibration_pieces(model, tokenizer, prompts, args.max_tokens)
     acceptance = measure_acceptance(model, head, pieces)
-    try:  # what --tree auto builds trees from on devices nobody tuned
-        save_acceptance(head_dir, acceptance, f"python -m mlx_eagle.tune, {len(pieces)} ShareGPT calibration prompts")
-    except OSError as exc:
-        print(f"could not record the acceptance beside the head ({exc.strerror})")
+    # what --tree auto builds trees from on devices nobody tuned
+    save_acceptance(user_head_dir(head_dir), acceptance, f"python -m mlx_eagle.tune, {len(pieces)} ShareGPT "
+                    "calibration prompts")
     costs = measure_costs(model, tokenizer, head, progress=progress) if args.objective == "speed" else None
     choice = best_tree(acceptance, costs, args.max_nodes)
     key = device_key(model)
@@ -222,9 +201,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         "acceptance_by_depth_and_rank": acceptance.round(4).tolist(),
         "costs_ms": asdict(costs) if costs else None, "calibration_prompts": len(pieces),
     }
-    out = args.out or tree_file(head_dir, key)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1))
+    out = args.out or tuned_tree_file(head_dir, key)
+    write_atomically(out, json.dumps(result, indent=1))
     depth1 = ", ".join(f"{p:.2f}" for p in acceptance[:, 0])
     print(f"acceptance of the top draft by depth: {depth1}")
     if choice.paths:

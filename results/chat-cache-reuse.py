@@ -16,7 +16,7 @@ from mlx_eagle.cli import use_fast_blas  # noqa: E402
 use_fast_blas()
 
 from mlx_eagle.data import mtbench_questions  # noqa: E402
-from mlx_eagle.generation import chat_tokens  # noqa: E402
+from mlx_eagle.generate import chat_tokens  # noqa: E402
 from mlx_eagle.session import ChatSession  # noqa: E402
 
 chat = ChatSession(draft="auto", max_tokens=128)

@@ -92,7 +92,7 @@ TREE_FILES = [(["--tree", f"static:{{{name}}}"], words) for name, words in TREES
 def test_generate_refuses_bad_arguments_before_loading(argv, words, bad_trees, capsys, monkeypatch):
     import mlx_eagle
 
-    generate = importlib.import_module("mlx_eagle.generate")  # the package's `generate` is the function
+    generate = importlib.import_module("mlx_eagle.generate.__main__")  # the command
     forbid_loading(monkeypatch, mlx_eagle, "load")
     argv = [a.format(**bad_trees) for a in argv]
     assert_one_line(*run_command(generate.main, argv, capsys, monkeypatch), words)
@@ -107,7 +107,7 @@ def test_generate_refuses_bad_arguments_before_loading(argv, words, bad_trees, c
 ])
 @pytest.mark.slow  # loads the real model, or converts it for the damaged copies
 def test_generate_refuses_bad_input(argv, stdin, words, bad_models, capsys, monkeypatch):
-    generate = importlib.import_module("mlx_eagle.generate")
+    generate = importlib.import_module("mlx_eagle.generate.__main__")
     argv = [a.format(**bad_models) for a in argv]
     assert_one_line(*run_command(generate.main, argv + ["--max-tokens", "4"], capsys, monkeypatch, stdin), words)
 

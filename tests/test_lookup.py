@@ -8,12 +8,12 @@ import pytest
 from mlx_lm.generate import generate_step
 from mlx_lm.models import starcoder2
 
-import mlx_eagle.calibrate
+import mlx_eagle.costs
 from mlx_eagle import stream_generate
-from mlx_eagle.calibrate import VerifyCosts
-from mlx_eagle.decoder import SpeculativeDecoder
+from drafting import decoder as make_decoder
+from mlx_eagle.costs import Costs
 from mlx_eagle.heads import new_head
-from mlx_eagle.lookup import ContextIndex, LookupDraft, LookupDrafter
+from mlx_eagle.drafters.lookup import ContextIndex, LookupDraft, LookupDrafter
 from mlx_eagle.trees import DraftTree, parse_tree
 from mlx_eagle.verify import Sampling
 from oracle import OracleHead
@@ -45,8 +45,8 @@ def test_committing_costs_a_few_updates_whatever_the_context():
 
 
 def test_draft_length_follows_device_costs_and_acceptance():
-    steep = VerifyCosts({1: 50.0, 2: 60.0, 4: 80.0, 8: 100.0, 16: 130.0})  # like this CPU
-    flat = VerifyCosts({1: 10.0, 16: 10.5})  # like a GPU
+    steep = Costs({1: 50.0, 2: 60.0, 4: 80.0, 8: 100.0, 16: 130.0})  # like this CPU
+    flat = Costs({1: 10.0, 16: 10.5})  # like a GPU
     assert steep(1) == 1.0 and steep(3) == pytest.approx(1.4) and steep(32) == pytest.approx(3.8)
     rarely, often, rarely_flat = LookupDrafter(steep), LookupDrafter(steep), LookupDrafter(flat)
     for _ in range(50):
@@ -82,7 +82,7 @@ def _reference(model, ids, max_tokens, eos):
 
 
 # The target's forward over k tokens as timed on this repository's 2-core CPU (SmolLM2, ms).
-CPU_COSTS = VerifyCosts({1: 53.5, 2: 58.6, 3: 64.9, 4: 70.2, 6: 75.9, 8: 81.8, 12: 109.5, 16: 121.5, 32: 176.6})
+CPU_COSTS = Costs({1: 53.5, 2: 58.6, 3: 64.9, 4: 70.2, 6: 75.9, 8: 81.8, 12: 109.5, 16: 121.5, 32: 176.6})
 
 COPYING = [
     "Repeat this sentence exactly, twice: The quick brown fox jumps over the lazy dog near the river bank.",
@@ -94,8 +94,8 @@ COPYING = [
 
 def _decode(model, ids, head, tree, eos, max_tokens=64):
     """Greedy decoding through the decoder with a lookup drafter; (tokens, lookup tokens accepted)."""
-    drafter = LookupDrafter(VerifyCosts({1: 1.0, 16: 1.2}))  # cheap verification: lookup drafts freely
-    decoder = SpeculativeDecoder(model, head, parse_tree(tree), Sampling(), lookup=drafter)
+    drafter = LookupDrafter(Costs({1: 1.0, 16: 1.2}))  # cheap verification: lookup drafts freely
+    decoder = make_decoder(model, head, tree, Sampling(), lookup=drafter)
     tokens = [decoder.prefill(ids)]
     while len(tokens) < max_tokens and tokens[-1] not in eos:
         tokens += decoder.round(max_tokens - len(tokens)).tokens
@@ -106,7 +106,7 @@ def _decode(model, ids, head, tree, eos, max_tokens=64):
 def test_lookup_alone_keeps_greedy_output(smollm, text, monkeypatch):
     model, tokenizer = smollm
     # this CPU's timed curve, so that what is drafted does not depend on the machine's load
-    monkeypatch.setattr(mlx_eagle.calibrate, "verify_costs", lambda model: CPU_COSTS)
+    monkeypatch.setattr(mlx_eagle.costs, "verify_costs", lambda model: CPU_COSTS)
     ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
     expected = _reference(model, ids, 64, tokenizer.eos_token_ids)
     responses = list(stream_generate(model, tokenizer, ids, max_tokens=64, draft="lookup"))
@@ -141,15 +141,15 @@ def test_lookup_works_on_any_mlx_lm_architecture():
     mx.eval(model.parameters())
     prompt = [5, 17, 33, 5, 17, 60, 2, 9]
     expected = _reference(model, prompt, 48, ())
-    drafter = LookupDrafter(VerifyCosts({1: 1.0, 16: 1.2}))
-    decoder = SpeculativeDecoder(model, None, parse_tree("none"), Sampling(), lookup=drafter)
+    drafter = LookupDrafter(Costs({1: 1.0, 16: 1.2}))
+    decoder = make_decoder(model, None, "none", Sampling(), lookup=drafter)
     tokens = [decoder.prefill(prompt)]
     while len(tokens) < 48:
         tokens += decoder.round(48 - len(tokens)).tokens
     assert tokens == expected
     assert drafter.accepted.sum() > 10 and decoder.forwards < 40
     with pytest.raises(ValueError, match="supports llama"):  # a head needs the tree path
-        SpeculativeDecoder(model, OracleHead(prompt, 97), parse_tree("chain:2"), Sampling())
+        make_decoder(model, OracleHead(prompt, 97), "chain:2", Sampling())
 
 
 def test_the_command_drafts_from_the_context_and_says_so(smollm, tmp_path):
@@ -158,12 +158,12 @@ def test_the_command_drafts_from_the_context_and_says_so(smollm, tmp_path):
     import subprocess
     import sys
 
-    from mlx_eagle.calibrate import device_key, model_digest
+    from mlx_eagle.costs import device_key, model_digest
 
     # a cache holding this CPU's timed curve for the model, as the command's first run writes it
     calibration = tmp_path / "calibration" / f"{device_key(smollm[0])}-{model_digest(smollm[0])}.json"
     calibration.parent.mkdir()
-    calibration.write_text(json.dumps({"verify_ms": CPU_COSTS.ms}))
+    calibration.write_text(json.dumps({"verify_ms": CPU_COSTS.verify_ms}))
     env = dict(os.environ, MLX_EAGLE_CACHE=str(tmp_path))
 
     def run(*args):

@@ -10,7 +10,7 @@ import pytest
 from mlx.utils import tree_flatten
 
 from mlx_eagle.errors import UserError
-from mlx_eagle.decoder import SpeculativeDecoder
+from drafting import decoder as make_decoder
 from mlx_eagle.heads import load_head, new_head, save_head
 from mlx_eagle.trees import DEFAULT_STATIC, parse_tree
 from mlx_eagle.verify import Sampling
@@ -45,7 +45,7 @@ def test_a_tree_costs_one_target_forward_per_round(tiny_llama, tree):
     model.model.norm = counting
     try:
         sequence = list(range(3, 60))
-        decoder = SpeculativeDecoder(model, OracleHead(sequence, model.args.vocab_size), parse_tree(tree), Sampling())
+        decoder = make_decoder(model, OracleHead(sequence, model.args.vocab_size), tree, Sampling())
         decoder.prefill(sequence[:5])
         assert len(calls) == 1
         for round_number in range(1, 6):
@@ -174,7 +174,7 @@ def test_stop_strings(tiny_llama):
 
 
 def test_a_stop_string_split_across_tokens_is_never_shown():
-    from mlx_eagle.generation import StopMatcher
+    from mlx_eagle.generate import StopMatcher
 
     matcher = StopMatcher(["END", ""])
     pieces = [matcher.feed(text, final=False) for text in ("abc", "abcE", "abcEN", "abcENDxyz")]
@@ -208,5 +208,5 @@ def test_importing_the_generate_command_keeps_the_generate_function():
 
     import mlx_eagle
 
-    importlib.import_module("mlx_eagle.generate")  # the command, as python -m and the corpus tests load it
-    assert callable(mlx_eagle.generate) and mlx_eagle.generate.__module__ == "mlx_eagle.generation"
+    importlib.import_module("mlx_eagle.generate.__main__")  # the command, as python -m and the corpus tests load it
+    assert callable(mlx_eagle.generate) and mlx_eagle.generate.__module__ == "mlx_eagle.generate"

@@ -10,8 +10,8 @@ import pytest
 from mlx_lm.models import llama
 from mlx_lm.sample_utils import make_sampler
 
-from mlx_eagle.decoder import SpeculativeDecoder
-from mlx_eagle.lookup import LookupDrafter
+from drafting import decoder as make_decoder
+from mlx_eagle.drafters.lookup import LookupDrafter
 from mlx_eagle.trees import TreeSpec
 from mlx_eagle.verify import Sampling
 from oracle import FixedDraft
@@ -70,7 +70,7 @@ def sample_first_three(model, draft, sampling: Sampling, lookup: bool = False, p
     drafted_tokens = accepted_tokens = 0
     for seed in range(SAMPLES):
         drafter = LookupDrafter(lambda tokens: 1.0, max_tokens=3) if lookup else None
-        decoder = SpeculativeDecoder(model, draft, TREE, sampling, seed=seed, lookup=drafter)
+        decoder = make_decoder(model, draft, TREE, sampling, seed=seed, lookup=drafter)
         tokens = [decoder.prefill(prompt)]
         while len(tokens) < 3:
             result = decoder.round(3 - len(tokens))

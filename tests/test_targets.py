@@ -11,9 +11,9 @@ import pytest
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
 
-from mlx_eagle.decoder import SpeculativeDecoder
+from drafting import decoder as make_decoder
 from mlx_eagle.heads import new_head
-from mlx_eagle.lookup import LookupDrafter
+from mlx_eagle.drafters.lookup import LookupDrafter
 from mlx_eagle.target import make_cache, target_forward, tree_mask
 from mlx_eagle.trees import parse_tree
 from mlx_eagle.verify import Sampling
@@ -62,8 +62,8 @@ def mlx_lm_greedy(model, count):
 
 
 def speculative_greedy(model, head, tree, count, lookup=False):
-    decoder = SpeculativeDecoder(model, head, parse_tree(tree), Sampling(),
-                                 lookup=LookupDrafter(lambda k: 1.0 + 0.05 * k) if lookup else None)
+    decoder = make_decoder(model, head, tree, Sampling(),
+                           lookup=LookupDrafter(lambda k: 1.0 + 0.05 * k) if lookup else None)
     tokens = [decoder.prefill(PROMPT)]
     while len(tokens) < count:
         tokens += decoder.round(count - len(tokens)).tokens

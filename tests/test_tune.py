@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 
 import mlx_eagle.calibrate
-from mlx_eagle.calibrate import (CALIBRATED_MARGIN, PRIOR_ACCEPTANCE, Costs, auto_tree, best_tree, device_key,
-                                 non_decreasing, save_acceptance, tree_file)
+import mlx_eagle.costs
+from mlx_eagle.calibrate import CALIBRATED_MARGIN, PRIOR_ACCEPTANCE, auto_tree, best_tree, save_acceptance, tree_file
+from mlx_eagle.costs import Costs, device_key, non_decreasing
 from mlx_eagle.heads import load_head, new_head, save_head
 from mlx_eagle.tune import measure_acceptance
 from synthetic import write_model
@@ -108,7 +109,7 @@ def test_auto_decodes_plainly_where_a_cpu_verifies_slowly(tiny_target, monkeypat
     if mx.default_device().type != mx.cpu:
         pytest.skip("the rule is for CPUs")
     head = new_head(model, "eagle3", draft_vocab_size=64)
-    if mlx_eagle.calibrate.blas_in_use() != mlx_eagle.calibrate.REFERENCE_BLAS:  # float32 on a fast BLAS
+    if mlx_eagle.costs.blas_in_use() != mlx_eagle.costs.REFERENCE_BLAS:  # float32 on a fast BLAS
         assert "calibrated for" in auto_tree(model, head)[1]
     embed, weight = model.model.embed_tokens, model.model.embed_tokens.weight
     if setting == "quantized":
@@ -118,7 +119,7 @@ def test_auto_decodes_plainly_where_a_cpu_verifies_slowly(tiny_target, monkeypat
         embed.weight = embed.weight.astype(mx.float16)
         expected = "float16 weights (convert with --dtype float32"
     else:
-        monkeypatch.setattr(mlx_eagle.calibrate, "blas_in_use", lambda: mlx_eagle.calibrate.REFERENCE_BLAS)
+        monkeypatch.setattr(mlx_eagle.costs, "blas_in_use", lambda: mlx_eagle.costs.REFERENCE_BLAS)
         expected = "reference BLAS (install OpenBLAS"
     try:
         spec, why = auto_tree(model, head)
@@ -199,7 +200,7 @@ def test_calibration_is_cached_per_head_and_weight_format(tiny_target, tmp_path,
     save_acceptance(tmp_path / "head", np.array([[0.01, 0.0]] * 4), "test, retrained")
     spec, why = auto_tree(model, load_head(tmp_path / "head", model))
     assert len(timings) == 2 and spec.kind == "none" and "no tree is expected" in why
-    monkeypatch.setattr(mlx_eagle.calibrate, "cpu_blocker", lambda model: None)  # let a CPU time float16 too
+    monkeypatch.setattr(mlx_eagle.costs, "cpu_blocker", lambda model: None)  # let a CPU time float16 too
     embed, weight = model.model.embed_tokens, model.model.embed_tokens.weight
     embed.weight = weight.astype(mx.float16)
     try:
@@ -210,7 +211,7 @@ def test_calibration_is_cached_per_head_and_weight_format(tiny_target, tmp_path,
 
 
 def test_an_unwritable_cache_only_means_timing_again(tiny_target, tmp_path, monkeypatch):
-    from mlx_eagle.calibrate import verify_costs
+    from mlx_eagle.costs import verify_costs
 
     model, _ = tiny_target
     blocked = tmp_path / "a-file"

@@ -9,11 +9,9 @@ import argparse
 import sys
 from typing import List, Optional, Sequence
 
-import mlx.core as mx
-
-from .cli import add_model_arguments, blas_in_use, run_cli
-from .errors import UserError, check_text
-from .generation import chat_tokens, check_options, print_stats, stream_generate
+from ..cli import add_model_arguments, blas_in_use, run_cli
+from ..errors import UserError, check_text
+from . import chat_tokens, check_options
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -52,37 +50,37 @@ def prompt_tokens(tokenizer, prompt: str, system: Optional[str], use_chat_templa
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
     args = build_parser().parse_args(argv)
-    from . import load
-    from .models import drafts_from_context
-    from .trees import parse_tree
-    from .calibrate import auto_tree
-    from .verify import Sampling
+    import mlx.core as mx
 
-    # What is wrong with the arguments is said before the model loads.
-    spec = parse_tree(args.tree) if args.tree != "auto" else None
+    from .. import load
+    from ..plan import plan_drafts
+    from ..trees import parse_tree
+    from ..verify import Sampling
+    from . import print_stats, stream_generate
+
+    # What is wrong with the arguments (and the prompt) is said before the model loads.
+    tree = parse_tree(args.tree) if args.tree != "auto" else "auto"
     check_options(args.max_tokens, args.seed)
     Sampling(args.temp, args.top_p, args.min_p, args.top_k)
-    if args.verbose:
-        print(f"device: {mx.default_device()}, BLAS: {blas_in_use()}", file=sys.stderr)
-    model, tokenizer, head = load(args.model, draft=args.draft)
-    lookup = drafts_from_context(args.draft) and not args.no_lookup
-    if spec is None:
-        spec, why = auto_tree(model, head)
-        if head is not None and spec.kind == "none":
-            print(f"{'drafting from the context alone' if lookup else 'decoding plainly'}: {why}", file=sys.stderr)
-        elif args.verbose:
-            print(f"tree auto: {why}", file=sys.stderr)
-    if args.verbose:
-        drafts = [f"{head.family} head, tree {spec.text}"] if head is not None and spec.kind != "none" else []
-        drafts += ["context lookup"] if lookup else []
-        print(f"drafts: {' + '.join(drafts) or 'none (plain decoding)'}", file=sys.stderr)
     prompt = read_stdin() if args.prompt == "-" else check_text(args.prompt, "--prompt")
     system = check_text(args.system, "--system") if args.system else None
+    if args.verbose:
+        print(f"device: {mx.default_device()}, BLAS: {blas_in_use()}", file=sys.stderr)
+    model, tokenizer = load(args.model)
+    plan = plan_drafts(model, args.draft, tree, lookup=not args.no_lookup)
+    for source in plan.sources:
+        if source.make is None and source.note:  # a drafter that decided not to draft here says why
+            print(f"{'drafting from the context alone' if plan.active else 'decoding plainly'}: {source.note}",
+                  file=sys.stderr)
+        elif args.verbose and source.note:
+            print(f"{source.name}: {source.note}", file=sys.stderr)
+    if args.verbose:
+        print(f"drafts: {plan.describe()}", file=sys.stderr)
     ids = prompt_tokens(tokenizer, prompt, system, not args.no_chat_template)
     response = None
-    for response in stream_generate(model, tokenizer, ids, max_tokens=args.max_tokens, draft=head, tree=spec,
-                                    lookup=lookup, temp=args.temp, top_p=args.top_p, min_p=args.min_p, top_k=args.top_k,
-                                    seed=args.seed, stop=args.stop):
+    for response in stream_generate(model, tokenizer, ids, max_tokens=args.max_tokens, draft=plan, temp=args.temp,
+                                    top_p=args.top_p, min_p=args.min_p, top_k=args.top_k, seed=args.seed,
+                                    stop=args.stop):
         print(response.text, end="", flush=True)
     print()
     if args.verbose and response is not None:

@@ -1,4 +1,5 @@
-"""Generate text with EAGLE speculative decoding: the Python API, as mlx-lm's."""
+"""Generate text with speculative decoding: the Python API, as mlx-lm's (the command,
+``python -m mlx_eagle.generate``, is this package's __main__)."""
 
 from __future__ import annotations
 
@@ -10,11 +11,12 @@ from typing import TYPE_CHECKING, Any, Dict, Generator, List, Optional, Sequence
 import mlx.core as mx
 import mlx.nn as nn
 
-from .errors import UserError, check_text
+from ..errors import UserError, check_text
 
 if TYPE_CHECKING:
-    from .decoder import PromptCache
-    from .trees import TreeSpec
+    from ..decoder import PromptCache
+    from ..plan import DraftPlan
+    from ..trees import TreeSpec
 
 
 @dataclass
@@ -125,7 +127,7 @@ def stream_generate(
     tokenizer,
     prompt: Union[str, List[int], mx.array],
     max_tokens: int = 256,
-    draft: Union[nn.Module, str, None] = None,
+    draft: Union["DraftPlan", nn.Module, str, None] = None,
     tree: Union[str, "TreeSpec", None] = None,
     lookup: bool = True,
     temp: float = 0.0,
@@ -138,45 +140,39 @@ def stream_generate(
 ) -> Generator[GenerationResponse, None, None]:
     """Yield the continuation of ``prompt`` token by token.
 
-    ``draft``: an EAGLE head (see ``load``), or None (or "lookup") for no head.
-    ``tree``: a --tree spec; ``auto`` (default) takes the tree tuned for this
-    device beside the head (``python -m mlx_eagle.tune``), else one built once from the
-    head's recorded acceptance and a few timed forward passes here, or no head tree
+    ``draft``: what drafts (see mlx_eagle.plan): a ``DraftPlan``; a head from
+    ``load_draft`` or ``load(..., draft=...)``; your own ``mlx_eagle.Drafter``; "auto" (the
+    model's own drafter, if any), "lookup" or None (drafts from the context alone), or
+    "none" (plain decoding through the same loop). ``tree``: a head's --tree spec;
+    ``auto`` (default) takes the tree tuned for this device, else one built once from
+    the head's recorded acceptance and a few timed forward passes here, or no head tree
     where none is expected to pay off. ``lookup``: also draft from the context
     (continuations of the last few tokens' earlier occurrences in the prompt and
-    reply), as long a draft as this device's measured costs and the drafts'
-    acceptance so far say pays off; with neither head nor lookup, plain decoding
-    through the same loop. The text is exactly
-    what the target alone would produce: the same tokens when greedy (temp 0),
-    the same distribution when sampling. ``prompt_cache`` (``make_prompt_cache``):
-    keep it across the turns of a conversation and pass the whole conversation each
-    time; the part the cache already holds is not read again. Stopping the iteration
-    between tokens leaves it usable.
+    reply), as long a draft as this device's measured costs and the drafts' acceptance
+    so far say pays off. A plan already says all of this: ``tree`` and ``lookup`` are
+    for the other choices. The text is exactly what the target alone would produce:
+    the same tokens when greedy (temp 0), the same distribution when sampling.
+    ``prompt_cache`` (``make_prompt_cache``): keep it across the turns of a conversation
+    and pass the whole conversation each time; the part the cache already holds is not
+    read again. Stopping the iteration between tokens leaves it usable.
     """
-    from .calibrate import auto_tree, verify_costs
-    from .decoder import SpeculativeDecoder
-    from .lookup import LookupDrafter
-    from .trees import parse_tree
-    from .verify import Sampling
+    from ..decoder import SpeculativeDecoder, make_prompt_cache
+    from ..plan import plan_drafts
+    from ..verify import Sampling
 
     check_options(max_tokens, seed)
     sampling = Sampling(temp, top_p, min_p, top_k)
-    if isinstance(draft, str):
-        if draft != "lookup":
-            raise UserError(f"draft {draft!r}: pass a head (mlx_eagle.load_draft), \"lookup\" or None")
-        draft = None
-    if tree in (None, "auto"):
-        spec = auto_tree(model, draft)[0]
-    else:
-        spec = parse_tree(tree) if isinstance(tree, str) else tree
     ids = _prompt_ids(tokenizer, prompt)
     if not ids:
         raise UserError("the prompt is empty")
     limit = _context_length(model)
     if limit is not None and len(ids) >= limit:
         raise UserError(f"the prompt is {len(ids)} tokens; the model's context holds {limit}. Shorten it")
-    drafter = LookupDrafter(verify_costs(model)) if lookup else None
-    decoder = SpeculativeDecoder(model, draft, spec, sampling, seed, prompt_cache, drafter)
+    plan = plan_drafts(model, draft, tree, lookup)
+    cache = prompt_cache if prompt_cache is not None else make_prompt_cache(model)
+    if cache.plan_key != plan.key:  # a conversation keeps its drafters (and their caches) while its plan holds
+        cache.drafter, cache.plan_key = plan.drafter(), plan.key
+    decoder = SpeculativeDecoder(model, cache.drafter, sampling, seed, cache)
     eos = set(tokenizer.eos_token_ids)
     stops = StopMatcher(stop or [])
     detokenizer = tokenizer.detokenizer

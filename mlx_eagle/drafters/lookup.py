@@ -8,17 +8,24 @@ draft. Verification keeps the output the target's own whatever is drafted.
 
 How many tokens to draft is decided each round: the draft's expected accepted
 tokens, from this conversation's own acceptance history per match length and
-position, against what verifying them costs on this device (``VerifyCosts``).
-Where no length is expected to beat plain decoding nothing is drafted, and the
-round costs what a plain step costs.
+position, against what verifying them costs on this device (costs.Costs), beside
+whatever the round verifies already. Where no length is expected to beat plain
+decoding nothing is drafted, and the round costs what a plain step costs. It needs no
+target states, so it drafts for any model mlx-lm loads whose cache can be rewound.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Sequence, Tuple
+from pathlib import Path
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
+import mlx.nn as nn
 import numpy as np
+
+from . import Budget, Drafter, DraftSettings, DraftSource, Outcome, Proposal
+
+NAME = "lookup"
 
 
 class ContextIndex:
@@ -73,7 +80,7 @@ class LookupDraft:
     kind: int  # which acceptance history judges it: the match's length, and whether a copy goes on
 
 
-class LookupDrafter:
+class LookupDrafter(Drafter):
     """Proposes this round's lookup draft, as long as is expected to pay off.
 
     ``cost(k)``: a target forward over k tokens, in plain decoding steps. The
@@ -95,6 +102,7 @@ class LookupDrafter:
         self.tried = np.zeros((2 * (max_ngram + 1), max_tokens))  # by kind and position
         self.accepted = np.zeros((2 * (max_ngram + 1), max_tokens))
         self.copying = False  # the last round's draft was accepted whole
+        self._proposed = LookupDraft([], 0)  # this round's draft
 
     def kind(self, ngram: int) -> int:
         return ngram + (self.index.max_ngram + 1) * self.copying
@@ -117,17 +125,17 @@ class LookupDrafter:
         values = (expected + np.concatenate([[0.0], np.cumsum(reach)])) / self._costs[verified][:limit + 1]
         return int(np.argmax(values))  # the shortest of equals: 0 (no draft) on a tie
 
-    def propose(self, limit: int, verified: int = 1, expected: float = 1.0) -> LookupDraft:
-        """At most ``limit`` tokens to follow the committed ones; empty where no match is
-        expected to pay off. ``verified``: tokens the round verifies anyway (the root and
-        a head's tree), ``expected``: the tokens those are expected to yield."""
+    def propose(self, budget: Budget) -> Optional[Proposal]:
+        """At most ``budget.room`` tokens to follow the committed ones; none where no match
+        is expected to pay off beside the ``budget.verified`` tokens the round verifies
+        anyway, which yield ``budget.expected``."""
         ngram, position = self.index.match()
         kind = self.kind(ngram)
         self.copying = False  # until a draft is accepted whole
-        if ngram == 0 or limit < 1:
-            return LookupDraft([], kind)
-        length = self.best_length(kind, min(limit, self.max_tokens), verified, expected)
-        return LookupDraft(self.index.continuation(position, length), kind)
+        limit = min(budget.room, budget.nodes, self.max_tokens)
+        length = self.best_length(kind, limit, budget.verified, budget.expected) if ngram and limit >= 1 else 0
+        self._proposed = LookupDraft(self.index.continuation(position, length), kind)
+        return Proposal.chain(self._proposed.tokens) if length else None
 
     def record(self, draft: LookupDraft, accepted: int) -> None:
         """How many leading tokens of ``draft`` the target accepted."""
@@ -135,3 +143,24 @@ class LookupDrafter:
         self.tried[draft.kind, :min(accepted + 1, proposed)] += 1
         self.accepted[draft.kind, :accepted] += 1
         self.copying = accepted == proposed
+
+    def observe(self, outcome: Outcome) -> None:
+        if outcome.proposal is not None and len(outcome.proposal):
+            self.record(self._proposed, outcome.accepted)
+        if outcome.from_prompt:
+            self.index.reset(outcome.tokens)
+        else:
+            self.index.commit(outcome.new_tokens)
+
+
+def recognizes(directory: Path, config: dict) -> bool:
+    return False  # drafts from the context need no files: --draft lookup
+
+
+def accepts(draft: object) -> bool:
+    return draft == NAME
+
+
+def source(draft: object, model: nn.Module, settings: DraftSettings) -> DraftSource:
+    costs = settings.costs
+    return DraftSource("context lookup", lambda: LookupDrafter(costs))

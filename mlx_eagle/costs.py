@@ -1,0 +1,254 @@
+"""What verification costs on this device: the one cost model and the one timer.
+
+Speculation pays only where verifying k tokens costs less than k plain steps, and how
+much less differs by orders of magnitude between devices: on this repository's 2-core
+x86 CPU 16 tokens cost ~2.2 plain steps, on an Apple GPU about one. So the target's
+forward over k tokens is timed once per device, weight format and architecture (a few
+seconds) and kept in the user's cache; every drafter sizes its drafts on that curve,
+and ``tune`` times the same way with more sizes and repeats.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import platform
+import re
+import statistics
+import sys
+import time
+import weakref
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx.utils import tree_flatten
+
+from .cli import REFERENCE_BLAS, blas_in_use, openblas_loaded
+from .files import read_json, write_json
+
+CALIBRATION_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 32)
+
+
+@dataclass
+class Costs:
+    """Milliseconds a round's parts take here: ``verify_ms[k]``, one target forward over k
+    new tokens (the root and k - 1 nodes, after a few hundred cached); a draft step over
+    one tree depth; the rest of a round (acceptance, cache compaction, host work); and one
+    token of plain mlx-lm decoding (default: a forward over one token)."""
+
+    verify_ms: Dict[int, float]
+    draft_step_ms: float = 0.0
+    round_ms: float = 0.0
+    plain_ms: Optional[float] = None
+
+    def __post_init__(self) -> None:
+        self.verify_ms = {int(k): float(v) for k, v in sorted(self.verify_ms.items())}
+        if self.plain_ms is None:
+            self.plain_ms = self.verify(1)
+
+    @property
+    def largest_measured(self) -> int:
+        return max(self.verify_ms)
+
+    def verify(self, tokens: int) -> float:
+        """Milliseconds of a forward over ``tokens``: interpolated between measured sizes;
+        past the largest, extrapolated along the last measured slope (never flat: a size
+        nobody timed must not look free)."""
+        sizes = list(self.verify_ms)
+        values = list(self.verify_ms.values())
+        if len(sizes) == 1:
+            return values[0] * max(tokens, 1) / sizes[0] if tokens > sizes[0] else values[0]
+        if tokens > sizes[-1]:
+            slope = max((values[-1] - values[-2]) / (sizes[-1] - sizes[-2]), 0.0)
+            return values[-1] + slope * (tokens - sizes[-1])
+        return float(np.interp(tokens, sizes, values))
+
+    def steps(self, tokens: int) -> float:
+        """A forward over ``tokens`` in plain decoding steps (one token = 1)."""
+        return self.verify(tokens) / self.verify(1)
+
+    __call__ = steps  # what drafters size themselves with
+
+    def round(self, nodes: int, depth: int) -> float:
+        """A round verifying ``nodes`` drafted to ``depth``: one draft step per depth and one
+        to read the previous round's accepted tokens."""
+        return self.verify(nodes + 1) + (depth + 1) * self.draft_step_ms + self.round_ms
+
+
+def non_decreasing(values: Sequence[float]) -> List[float]:
+    """The closest non-decreasing sequence (least squares; pool adjacent violators).
+    More tokens never cost less to verify; on a noisy machine a dip (10 tokens timed
+    below 8) would otherwise make a drafter favour a size for no reason."""
+    blocks: List[List[float]] = []  # [mean, count]
+    for value in values:
+        blocks.append([value, 1])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            (mean_a, count_a), (mean_b, count_b) = blocks.pop(-2), blocks.pop()
+            blocks.append([(mean_a * count_a + mean_b * count_b) / (count_a + count_b), count_a + count_b])
+    return [mean for mean, count in blocks for _ in range(count)]
+
+
+def median_ms(run: Callable[[], None], repeats: int) -> float:
+    """Median milliseconds of ``run`` over ``repeats`` calls, after one warm-up call."""
+    run()
+    times = []
+    for _ in range(repeats):
+        tic = time.perf_counter()
+        run()
+        times.append(1000 * (time.perf_counter() - tic))
+    return statistics.median(times)
+
+
+def time_forwards(model: nn.Module, sizes: Sequence[int] = CALIBRATION_SIZES, context: int = 256,
+                  repeats: int = 2, taps: Optional[Sequence[int]] = None, progress: bool = False) -> Dict[int, float]:
+    """Milliseconds of a target forward over k distinct new tokens for each k in ``sizes``
+    (``context`` cached), the way the decoder verifies: through target.py's compiled
+    pieces where it drives the architecture (with ``taps``' states), else the model's own
+    forward. Distinct tokens, because an MoE verifying one repeated token touches fewer
+    experts and would look cheaper than it is."""
+    from mlx_lm.models.cache import trim_prompt_cache
+    from tqdm import tqdm
+
+    from .target import drives, make_cache, target_forward
+
+    vocab = model.args.vocab_size
+    tokens = np.random.default_rng(0).integers(min(100, vocab - 1), max(vocab - 100, 101),
+                                               size=context + max(sizes))
+    cache = make_cache(model)
+    mx.eval(model(mx.array(tokens[None, :context]), cache=cache))
+    block = mx.array(tokens[None, context:])
+
+    def verify(size: int) -> None:
+        if drives(model):
+            out = target_forward(model, block[:, :size], cache, context, "causal" if size > 1 else None, taps)
+            mx.eval(out.logits, out.features)
+        else:
+            mx.eval(model(block[:, :size], cache=cache))
+        trim_prompt_cache(cache, size)
+
+    timed = [median_ms(lambda: verify(size), repeats)
+             for size in tqdm(sizes, desc="timing verification", disable=not progress, file=sys.stderr)]
+    return dict(zip(sizes, non_decreasing(timed)))
+
+
+def weight_format(model: nn.Module) -> str:
+    """The target's weights as its matrices hold them: "q4", "q8", "float32", ..."""
+    for module in model.modules():
+        if hasattr(module, "bits") and "scales" in module:
+            return f"q{module.bits}"
+    weights = [v for k, v in tree_flatten(model.parameters()) if k.endswith("weight")]
+    return str(weights[0].dtype).split(".")[-1]
+
+
+def device_key(model: nn.Module) -> str:
+    """What timings and tuned trees depend on: the device (and BLAS on CPU) and the
+    target's weight format."""
+    device = mx.default_device()
+    name = platform.machine()
+    if device.type == mx.gpu and mx.metal.is_available():
+        name = mx.metal.device_info().get("device_name", name)
+    elif device.type == mx.cpu and openblas_loaded():
+        name += "-openblas"
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", f"{device.type.name}-{name}-{weight_format(model)}").lower()
+
+
+# Bumped when the way a verification runs changes, so that timings taken by older code
+# are taken again.
+TIMING_VERSION = 3
+
+
+def model_digest(model: nn.Module) -> str:
+    """The target's architecture and sizes (not its weights: timings do not depend on
+    them), and the timing version."""
+    config = json.dumps([TIMING_VERSION, vars(model.args)], sort_keys=True, default=str)
+    return hashlib.sha256(config.encode()).hexdigest()[:12]
+
+
+def cpu_blocker(model: nn.Module) -> Optional[str]:
+    """Why a CPU would verify k tokens at about k times the cost of one (and the fix), or
+    None where a fast float32 BLAS makes it cheap (or the device is not a CPU)."""
+    if mx.default_device().type != mx.cpu:
+        return None
+    weights = weight_format(model)
+    if weights != "float32":
+        kind = "quantized" if weights.startswith("q") else weights
+        return f"{kind} weights (convert with --dtype float32 to speculate)"
+    if blas_in_use() == REFERENCE_BLAS:
+        return ("MLX's bundled reference BLAS (install OpenBLAS: apt-get install libopenblas0-pthread; "
+                "the mlx_eagle commands preload it, Python programs need LD_PRELOAD)")
+    return None
+
+
+# A curve that says two tokens cost more than this many single ones was timed while
+# something else held the machine: it is timed again rather than believed.
+CONTRADICTION = 2.0
+MAX_CALIBRATION_MS = 1e7  # ~3 hours for one forward: no real timing, a damaged file
+
+
+def check_curve(record: object) -> Dict[int, float]:
+    """A calibration file's ``verify_ms`` as {tokens: ms}, or ValueError naming what is
+    wrong: not an object, sizes that are not whole numbers, times that are not positive
+    finite numbers, no single-token time, or a curve that contradicts itself."""
+    curve = record.get("verify_ms") if isinstance(record, dict) else None
+    if not isinstance(curve, dict) or len(curve) < 2:
+        raise ValueError("no verify_ms curve of two or more sizes")
+    checked = {}
+    for size, ms in curve.items():
+        if not (isinstance(size, str) and size.isascii() and size.isdigit() and 0 < len(size) < 4):
+            raise ValueError(f"size {size!r} is not a whole number of tokens")
+        # compared before any float conversion: a 400-digit integer must not overflow (NaN fails too)
+        if isinstance(ms, bool) or not isinstance(ms, (int, float)) or not 0 < ms < MAX_CALIBRATION_MS:
+            raise ValueError(f"time {ms!r} for {size} tokens is not a positive number of milliseconds")
+        checked[int(size)] = float(ms)
+    if 1 not in checked:
+        raise ValueError("no time for one token")
+    if 2 in checked and checked[2] > CONTRADICTION * checked[1]:
+        raise ValueError(f"2 tokens timed at {checked[2]:.0f} ms against {checked[1]:.0f} ms for one "
+                         "(measured under load)")
+    return checked
+
+
+def calibration_file(model: nn.Module) -> Path:
+    from .models import cache_dir
+
+    return cache_dir() / "calibration" / f"{device_key(model)}-{model_digest(model)}.json"
+
+
+# Per model object (weakly held): a process reads or times a model's curve once.
+_CURVES: Dict[int, Tuple["weakref.ref", Costs]] = {}
+
+
+def verify_costs(model: nn.Module) -> Costs:
+    """This device's verify-cost curve for ``model``: timed once (a few seconds) and kept
+    in the user's cache, keyed by device, weight format and architecture. A cached curve
+    that is damaged or contradicts itself is timed again, with one line saying why; so is
+    a fresh timing that contradicts itself (taken under load), up to twice."""
+    known = _CURVES.get(id(model))
+    if known is not None and known[0]() is model:
+        return known[1]
+    path = calibration_file(model)
+    curve = None
+    if path.exists():
+        try:
+            curve = check_curve(read_json(path))
+        except ValueError as exc:
+            print(f"warning: timing again: the calibration {path} is unusable ({exc})", file=sys.stderr)
+    if curve is None:
+        print(f"timing this device's forward passes once ({device_key(model)})", file=sys.stderr)
+        for attempt in range(3):
+            timed = time_forwards(model)
+            try:
+                curve = check_curve({"verify_ms": {str(k): v for k, v in timed.items()}})
+                break
+            except ValueError:
+                curve = timed  # kept if every attempt is disturbed: the best this machine gives now
+        if not write_json(path, {"device": device_key(model), "verify_ms": curve}):
+            print(f"note: could not keep the timing in {path.parent} (set MLX_EAGLE_CACHE to a writable "
+                  "directory to time once)", file=sys.stderr)
+    costs = Costs(curve)
+    _CURVES[id(model)] = (weakref.ref(model), costs)
+    return costs

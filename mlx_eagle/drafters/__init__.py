@@ -1,0 +1,185 @@
+"""Draft sources behind one seam: the ``Drafter`` protocol, and the registry of kinds.
+
+A round asks the drafter for a ``Proposal``, a tree of candidate tokens after the root
+(the token the target already chose), within a ``Budget``; the target verifies it in one
+forward pass; then every drafter ``observe``s the ``Outcome``: the committed tokens, the
+target's states at the entries it just added, and how many of its own nodes were
+accepted. Reading the prompt ends in an ``observe`` too, with no proposal, so a drafter
+learns the committed state the same way whether it came from a prompt or a round.
+
+Several sources draft together through ``Composite`` (composite.py), which merges their
+trees so that a shared prefix is verified once. A new kind of drafter is one module in
+this package that defines a ``Drafter`` and the kind's hooks (see ``KINDS``), one line
+in ``KINDS``, and its tests.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from types import ModuleType
+from typing import TYPE_CHECKING, Callable, List, Optional, Sequence, Tuple, Union
+
+import mlx.core as mx
+
+from ..trees import DraftTree
+
+if TYPE_CHECKING:
+    import mlx.nn as nn
+
+    from ..costs import Costs
+    from ..trees import TreeSpec
+
+# The kinds of drafter, one module each: mlx_eagle.drafters.<kind>. A kind module defines
+#   NAME                         what --draft and the drafts: line call it
+#   recognizes(directory, config) -> bool   whether a --draft directory holds this kind
+#   load(directory, model)       its weights for ``model``, as load_draft returns them
+#   accepts(draft) -> bool       whether a loaded draft (or an object the API is handed) is this kind's
+#   source(draft, model, settings) -> DraftSource   the drafter factory the plan keeps
+KINDS = ("eagle", "lookup")
+
+
+def kind_modules() -> List[ModuleType]:
+    return [importlib.import_module(f"{__name__}.{kind}") for kind in KINDS]
+
+
+@dataclass
+class DraftSettings:
+    """What the plan tells a kind when it makes its source."""
+
+    model: "nn.Module"  # the target
+    tree: Union[str, "TreeSpec", None] = "auto"  # the tree a head or a tree-drafting kind grows
+
+    @property
+    def costs(self) -> "Costs":
+        """This device's verify-cost curve for the target (timed once, then cached)."""
+        from .. import costs
+
+        return costs.verify_costs(self.model)
+
+
+@dataclass
+class DraftSource:
+    """One source of drafts in a plan: what it is called, and how to make a fresh
+    drafter for each conversation (None: it decided not to draft here, for ``note``)."""
+
+    name: str
+    make: Optional[Callable[[], "Drafter"]]
+    note: Optional[str] = None  # why it drafts the way it does (a tree's calibration, ...)
+    draft: object = None  # what it drafts with (a head), for reports
+
+
+@dataclass
+class Budget:
+    """What a drafter may add to this round's tree."""
+
+    room: int  # how deep a node may be: tokens the reply and the context still have room for
+    nodes: int  # how many nodes it may add
+    verified: int = 1  # tokens the round verifies already: the root and the nodes before this drafter's
+    expected: float = 1.0  # tokens those are expected to yield (the bonus token included)
+
+
+@dataclass
+class Proposal:
+    """A drafter's part of a round: a tree after the root and its tokens, in node order.
+    ``tokens`` may still be computing on the device; ``tree.tokens`` holds them on the
+    host when the drafter has them there (empty otherwise)."""
+
+    tree: DraftTree
+    tokens: mx.array  # [nodes] int32 target ids
+
+    @staticmethod
+    def chain(tokens: Sequence[int]) -> "Proposal":
+        """``tokens`` in a row after the root."""
+        tokens = [int(t) for t in tokens]
+        tree = DraftTree(tokens, list(range(-1, len(tokens) - 1)), list(range(1, len(tokens) + 1)))
+        return Proposal(tree, mx.array(tokens, dtype=mx.int32))
+
+    def host_tokens(self) -> List[int]:
+        if len(self.tree.tokens) != len(self.tree):
+            self.tree.tokens = self.tokens.tolist()
+        return self.tree.tokens
+
+    def __len__(self) -> int:
+        return len(self.tree)
+
+
+@dataclass
+class TargetStates:
+    """The target's states at some positions: the states entering each of ``taps`` (its
+    layers), concatenated in that order, and the post-norm last state. ``rows``: which
+    rows of the forward pass they are (None: all), gathered when first read."""
+
+    features: Optional[mx.array]  # [tokens, len(taps) * hidden]; the post-norm state where taps is empty
+    hidden: Optional[mx.array]  # [tokens, hidden]
+    taps: Tuple[int, ...] = ()
+    rows: Optional[mx.array] = None
+
+    def read(self, taps: Sequence[int]) -> mx.array:
+        """The states entering ``taps`` concatenated (all of them among ``self.taps``); the
+        post-norm last state for no taps."""
+        taps = tuple(taps)
+        if not taps:
+            states = self.hidden
+        elif taps == self.taps:
+            states = self.features
+        else:
+            width = self.features.shape[-1] // len(self.taps)
+            states = mx.concatenate([self.features[..., self.taps.index(t) * width:(self.taps.index(t) + 1) * width]
+                                     for t in taps], axis=-1)
+        return states if self.rows is None else states[self.rows]
+
+
+@dataclass
+class Outcome:
+    """What a round (or reading the prompt) committed, for a drafter to learn from.
+
+    ``tokens``: every committed token, the new root last. The target's cache now holds
+    entries for positions ``start`` .. len(tokens) - 2 that it did not hold before, and
+    ``states`` are its states at exactly those entries (None where the drafters read
+    none). ``proposal``: what this drafter proposed this round (None when it proposed
+    nothing, or the prompt was read); ``path``: its nodes that were accepted, root's child
+    first. ``from_prompt``: a prompt was read, and the tokens from ``start`` on may differ
+    from those the drafter saw before (a conversation that went another way)."""
+
+    tokens: List[int]
+    start: int
+    states: Optional[TargetStates] = None
+    proposal: Optional[Proposal] = None
+    path: List[int] = field(default_factory=list)
+    from_prompt: bool = False
+
+    @property
+    def accepted(self) -> int:
+        return len(self.path)
+
+    @property
+    def new_tokens(self) -> List[int]:
+        """The tokens after each new entry: what was committed since the last outcome."""
+        return self.tokens[self.start + 1:]
+
+
+class Drafter:
+    """A draft source. Subclass it and override ``propose`` (and ``observe`` to learn);
+    the defaults read no target states and keep no state of their own.
+
+    ``taps``: None when the drafter reads no target states; else the target layers whose
+    entering states it reads (``()``: only the post-norm last state), delivered in
+    ``Outcome.states``. Reading states needs an architecture target.py drives."""
+
+    taps: Optional[Tuple[int, ...]] = None
+
+    def propose(self, budget: Budget) -> Optional[Proposal]:
+        """This round's drafts after the root: at most ``budget.nodes`` nodes, none deeper
+        than ``budget.room``. None (or an empty proposal): nothing to add."""
+        return None
+
+    def observe(self, outcome: Outcome) -> None:
+        """Learn what was committed (and what of this drafter's proposal was accepted)."""
+
+    def reusable(self, common: int) -> int:
+        """A new prompt shares its first ``common`` tokens with what was committed: how many
+        leading target positions this drafter's state is still good for (the prompt is
+        read again from the smallest answer, and ``observe`` then starts there)."""
+        return common
+

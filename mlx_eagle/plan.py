@@ -1,0 +1,141 @@
+"""What drafts, decided once: the ``DraftPlan`` and the one policy that makes it.
+
+Every entry point (the API, the commands, ``Engine``/``ChatSession``, the server, bench
+and tune) turns its draft choice into a plan with ``plan_drafts`` when the model and its
+drafters are loaded, and hands the plan on; ``stream_generate`` makes one itself when
+given a head, a drafter or a word.
+
+The draft choice (``--draft``, ``draft=``):
+  "auto"     the model's own drafter where there is one (a head shipped for it), and
+             drafts from the context
+  "lookup"   drafts from the context alone (any model mlx-lm loads), as None does
+  "none"     plain decoding through the same loop
+  a path     a drafter's directory; each kind in drafters.KINDS says whether it is its own
+  an object  a loaded head (load_draft), or your own ``Drafter``
+Drafts from the context join every choice but "none" unless ``lookup=False``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import List, Optional, Tuple, Union
+
+import mlx.nn as nn
+
+from .drafters import Drafter, DraftSettings, DraftSource, kind_modules
+from .drafters.composite import Composite
+from .errors import UserError, read_config
+from .trees import TreeSpec
+
+WORDS = ("auto", "lookup", "none")
+
+
+@dataclass
+class DraftPlan:
+    """The drafters for one model: each source in the order it drafts (those that decided
+    not to draft here say why in ``note``), and the settings they were made with."""
+
+    sources: List[DraftSource]
+    settings: DraftSettings
+    key: Tuple = field(default=())  # what the plan was made from: equal keys, equal plans
+
+    @property
+    def active(self) -> List[DraftSource]:
+        return [source for source in self.sources if source.make is not None]
+
+    @property
+    def notes(self) -> List[str]:
+        return [source.note for source in self.sources if source.note]
+
+    @property
+    def head(self):
+        """The EAGLE head drafting in this plan, if any."""
+        return next((s.draft for s in self.active if s.draft is not None), None)
+
+    def describe(self) -> str:
+        """What drafts, in words: the drafts: line."""
+        return " + ".join(source.name for source in self.active) or "none (plain decoding)"
+
+    def drafter(self) -> Optional[Drafter]:
+        """Fresh drafters for one conversation, merged where there are several; None: plain
+        decoding."""
+        made = [source.make() for source in self.active]
+        if not made:
+            return None
+        return made[0] if len(made) == 1 else Composite(made)
+
+
+def _kind(name: str):
+    return next(kind for kind in kind_modules() if kind.NAME == name)
+
+
+def directory_kind(directory: Path):
+    """The kind whose drafter ``directory`` holds, or one line saying what it looks like."""
+    config = read_config(directory, "a drafter's directory (an EAGLE head, ...)")
+    for kind in kind_modules():
+        if kind.recognizes(directory, config):
+            return kind
+    layers, model_type = config.get("num_hidden_layers"), config.get("model_type")
+    looks = f"a {model_type} model with {layers} layers" if model_type and layers else "no drafter this runtime knows"
+    raise UserError(f"{directory} looks like {looks}, not a drafter ({', '.join(k.NAME for k in kind_modules())}); "
+                    "a model goes to --model")
+
+
+def load_draft(draft: Union[str, Path, None, object], model: nn.Module):
+    """What ``draft`` drafts with, loaded for ``model``: a drafter's directory loaded by its
+    kind, "auto" the drafter shipped for this model (None if there is none), and None for
+    "none", "lookup" and None. Anything else is returned as it is."""
+    if draft is None or draft in ("none", "lookup"):
+        return None
+    if draft == "auto":
+        for kind in kind_modules():
+            found = kind.shipped(model) if hasattr(kind, "shipped") else None
+            if found is not None:
+                return found
+        return None
+    if isinstance(draft, (str, Path)):
+        path = Path(draft).expanduser()
+        if not path.exists():
+            close = [w for w in WORDS if _similar(str(draft), w)]
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise UserError(f"draft {draft} does not exist{hint}; pass a drafter's directory, or one of "
+                            f"{', '.join(WORDS)}")
+        if not path.is_dir():
+            raise UserError(f"draft {draft} is a file; a drafter is a directory (config.json and safetensors)")
+        return directory_kind(path).load(path, model)
+    return draft
+
+
+def _similar(given: str, word: str) -> bool:
+    """A typo of ``word``: one letter more, less or different, or two swapped."""
+    import difflib
+
+    return difflib.SequenceMatcher(None, given.lower(), word).ratio() >= 0.7
+
+
+def plan_drafts(model: nn.Module, draft: Union[str, Path, None, object] = "auto",
+                tree: Union[str, TreeSpec, None] = "auto", lookup: bool = True) -> DraftPlan:
+    """The one policy: what drafts for ``model`` given the user's draft choice (see the
+    module's docstring), the head's ``tree`` and whether to draft from the context."""
+    if isinstance(draft, DraftPlan):
+        return draft
+    if draft == "none":
+        lookup = False
+    key = (id(model), draft if isinstance(draft, (str, Path, type(None))) else id(draft),
+           tree.text if isinstance(tree, TreeSpec) else tree, lookup)
+    loaded = load_draft(draft, model)
+    settings = DraftSettings(model, tree)
+    sources = []
+    if isinstance(loaded, Drafter):
+        sources.append(DraftSource(type(loaded).__name__, lambda: loaded))
+    elif loaded is not None:
+        kind = next((k for k in kind_modules() if k.accepts(loaded)), None)
+        if kind is None:
+            raise UserError(f"draft {loaded!r}: pass a head (mlx_eagle.load_draft), a Drafter, or one of "
+                            f"{', '.join(WORDS)}")
+        sources.append(kind.source(loaded, model, settings))
+    if lookup:
+        sources.append(_kind("lookup").source("lookup", model, settings))
+    return DraftPlan(sources, settings, key)
+
