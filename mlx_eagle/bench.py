@@ -81,7 +81,7 @@ def read_prompts(path: Path) -> List[BenchPrompt]:
         try:
             record = json.loads(line)
         except json.JSONDecodeError as error:
-            raise UserError(f"{path}:{number}: not valid JSON ({error.msg}); write one JSON object per line")
+            raise UserError(f"{path}:{number}: not valid JSON ({error.msg}); write one JSON object per line") from None
         prompts.append(_prompt_from_record(record, f"{path}:{number}"))
     if not prompts:
         raise UserError(f"{path} holds no prompts")

@@ -23,7 +23,7 @@ import numpy as np
 from . import costs as device_costs
 from .costs import Costs, device_key, median_ms, model_digest
 from .errors import UserError
-from .files import read_json, write_json
+from .files import cache_dir, read_json, write_json
 from .trees import DEFAULT_STATIC, MAX_RANK, RankPath, TreeSpec, check_paths, parse_tree
 
 @dataclass
@@ -89,8 +89,6 @@ def user_head_dir(head_dir: Path) -> Path:
     """Where what is measured for the head in ``head_dir`` on this machine is kept (its
     tuned trees, its acceptance): in the user's cache, never beside the head, which may
     be a shipped or read-only one."""
-    from .models import cache_dir
-
     resolved = str(Path(head_dir).resolve())
     return cache_dir() / "heads" / f"{Path(resolved).name}-{hashlib.sha256(resolved.encode()).hexdigest()[:12]}"
 
@@ -108,7 +106,8 @@ def _acceptance_table(record: object) -> np.ndarray:
     if not isinstance(table, list) or not 0 < len(table) <= 64 or \
             not all(isinstance(row, list) and 0 < len(row) <= MAX_RANK + 1 for row in table) or \
             len({len(row) for row in table}) != 1 or \
-            not all(isinstance(p, (int, float)) and not isinstance(p, bool) and 0 <= p <= 1 for row in table for p in row):
+            not all(isinstance(p, (int, float)) and not isinstance(p, bool) and 0 <= p <= 1
+                    for row in table for p in row):
         raise ValueError("no acceptance table of probabilities by depth and rank")
     return np.array(table, dtype=np.float64)
 
@@ -139,7 +138,7 @@ def time_draft_step(model: nn.Module, head, context: int = 64, repeats: int = 3)
     """Milliseconds of one head step over a tree depth (the default static tree's, averaged)."""
     from mlx_lm.models.cache import KVCache
 
-    from .drafters.eagle import TreeDrafter
+    from .trees import TreeDrafter
 
     taps = head.taps(model.args.num_hidden_layers)
     width = model.args.hidden_size * (len(taps) if taps is not None else 1)
@@ -188,8 +187,6 @@ def calibrated_tree(model: nn.Module, head) -> Tuple[TreeSpec, str]:
     """The fast path of ``tune``: the best static tree for the head's recorded acceptance
     under this device's timed costs, or no tree; cached per device, weight format, model
     and head, and said once on stderr when first built."""
-    from .models import cache_dir
-
     key = device_key(model)
     digest = _head_digest(head)
     path = cache_dir() / "trees" / f"{key}-{model_digest(model)}-{digest}.json" if digest else None

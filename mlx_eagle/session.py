@@ -183,7 +183,8 @@ class TurnStats:
 
     def line(self) -> str:
         # The first token comes from reading the prompt: a speed needs a second one.
-        tokens = f"{self.tokens} tokens, {self.tokens_per_s:.1f} tokens/s" if self.tokens > 1 else f"{self.tokens} token"
+        tokens = (f"{self.tokens} tokens, {self.tokens_per_s:.1f} tokens/s" if self.tokens > 1
+                  else f"{self.tokens} token")
         return (f"{tokens}, tau {self.tau:.2f}, "
                 f"prompt {self.prompt_tokens - self.prompt_reused} read + {self.prompt_reused} cached "
                 f"in {self.prompt_seconds:.2f} s")

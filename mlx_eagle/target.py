@@ -12,7 +12,6 @@ out of the cache again.
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass
 from functools import partial
 from typing import Callable, List, Optional, Sequence, Tuple, Union
@@ -23,19 +22,11 @@ from mlx_lm.models import cache as mlx_lm_cache
 from mlx_lm.models.base import scaled_dot_product_attention
 from mlx_lm.models.cache import KVCache
 
+from .architectures import ARCHITECTURES, SUPPORTED_MODEL_TYPES
 from .errors import UserError
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "gpt_oss")
-_MLX_LM_MODULES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",  # mlx-lm runs mistral as llama
-                   "qwen3_moe": "qwen3_moe", "mixtral": "mixtral", "gpt_oss": "gpt_oss"}
-
-
-def model_classes(model_type: str) -> Tuple[type, type]:
-    """mlx-lm's (Model, ModelArgs) for a supported model type, from its public modules."""
-    if model_type not in _MLX_LM_MODULES:
-        raise UserError(f"model type {model_type!r} is not supported; supported are {', '.join(SUPPORTED_MODEL_TYPES)}")
-    module = importlib.import_module(f"mlx_lm.models.{_MLX_LM_MODULES[model_type]}")
-    return module.Model, module.ModelArgs
+ATTENTION_NAMES = tuple(dict.fromkeys(a.attention for a in ARCHITECTURES.values()))
+FEED_FORWARD_NAMES = tuple(dict.fromkeys(a.feed_forward for a in ARCHITECTURES.values()))
 
 # An int: positions run on from there (prefill, chains). An array: one per token (trees).
 Positions = Union[int, mx.array]
@@ -51,23 +42,18 @@ def rotate(rope: nn.Module, x: mx.array, positions: mx.array) -> mx.array:
     return rope(x.transpose(2, 1, 0, 3), offset=positions).transpose(2, 1, 0, 3)
 
 
-# (query heads, key/value heads, softmax scale): what mlx-lm's attention modules call them.
-_ATTENTION_NAMES = (("n_heads", "n_kv_heads", "scale"),  # llama, qwen2, qwen3, qwen3_moe, EAGLE heads
-                    ("num_heads", "num_key_value_heads", "scale"),  # mixtral
-                    ("num_attention_heads", "num_key_value_heads", "sm_scale"))  # gpt_oss
-
-
 def attention_sizes(attn: nn.Module) -> Tuple[int, int, float]:
-    """An mlx-lm attention module's (query heads, key/value heads, scale)."""
-    for heads, kv_heads, scale in _ATTENTION_NAMES:
+    """An mlx-lm attention module's (query heads, key/value heads, scale), under the names
+    its architecture's record gives them (EAGLE heads use llama's)."""
+    for heads, kv_heads, scale in ATTENTION_NAMES:
         if hasattr(attn, heads):
             return getattr(attn, heads), getattr(attn, kv_heads), getattr(attn, scale)
     raise TypeError(f"{type(attn).__name__} names its heads in a way target.py does not know")
 
 
 def feed_forward(layer: nn.Module) -> nn.Module:
-    """A decoder layer's MLP or mixture of experts (mixtral calls it block_sparse_moe)."""
-    return layer.block_sparse_moe if "block_sparse_moe" in layer else layer.mlp
+    """A decoder layer's MLP or mixture of experts (as its architecture's record names it)."""
+    return next(layer[name] for name in FEED_FORWARD_NAMES if name in layer)
 
 
 def _project(attn: nn.Module, x: mx.array, positions: mx.array) -> Tuple[mx.array, mx.array, mx.array]:

@@ -29,7 +29,7 @@ import statistics
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -41,6 +41,7 @@ from .cli import add_model_arguments, run_cli
 from .errors import UserError
 from .files import write_atomically
 from .generate import chat_tokens
+from .train.evaluate import calibration_pieces, measure_acceptance
 from .trees import RankPath, TreeSpec, parse_tree
 from .verify import Sampling
 
@@ -95,58 +96,10 @@ def measure_costs(model: nn.Module, tokenizer, head, context: int = 256, repeats
 
     times = []
     tic = time.perf_counter()
-    for response in stream_generate(model, tokenizer, mx.array(prompt[:64]), max_tokens=48):
+    for _ in stream_generate(model, tokenizer, mx.array(prompt[:64]), max_tokens=48):
         times.append(time.perf_counter() - tic)
     plain_ms = 1000 * statistics.median(np.diff(times[8:]))
     return Costs(verify_ms, draft_step_ms, remainder, plain_ms)
-
-
-def calibration_pieces(model: nn.Module, tokenizer, prompts: Sequence[str], max_tokens: int) -> List[tuple]:
-    """The target's greedy answers to ``prompts``, as (token ids, answer) pieces."""
-    from .features import greedy_batch
-
-    ids = [chat_tokens(tokenizer, [{"role": "user", "content": p}]) for p in prompts]
-    ids = sorted((i for i in ids if len(i) <= 256), key=len)
-    pieces = []
-    for start in range(0, len(ids), 16):
-        batch = ids[start:start + 16]
-        for prompt, tokens in zip(batch, greedy_batch(model, batch, max_tokens, tokenizer.eos_token_ids)):
-            pieces.append((tokens, np.arange(len(tokens)) >= len(prompt)))
-    return pieces
-
-
-def measure_acceptance(model: nn.Module, head, pieces: Sequence[tuple], depths: int = 8,
-                       ranks: int = 8) -> np.ndarray:
-    """p[d][r]: how often the target's token is the head's rank-r draft at depth d + 1,
-    given the path to it is right (the head unrolled as in training-time test)."""
-    from .train import make_batch, shift, target_states, ttt_unroll
-
-    hits = np.zeros((depths, ranks))
-    totals = np.zeros(depths)
-    lookup = None
-    if head.family == "eagle3":  # target ids -> draft ids; -1 where the draft vocabulary lacks one
-        draft_size = head.d2t.shape[0]
-        lookup = mx.full((model.args.vocab_size,), -1, dtype=mx.int32)
-        lookup[head.target_ids(mx.arange(draft_size))] = mx.arange(draft_size, dtype=mx.int32)
-    taps = head.taps(model.args.num_hidden_layers)
-    for start in range(0, len(pieces), 4):
-        batch = make_batch(pieces[start:start + 4])
-        tokens, index = batch["tokens"], batch["index"]
-        position = index % tokens.shape[1]
-        truth = shift(tokens, -2).reshape(-1)[index]  # token t + 2 at position t
-        if lookup is not None:
-            truth = lookup[truth]
-        features, _ = target_states(model, tokens, taps)
-        for step, logits in ttt_unroll(head, model, tokens, features, depths):
-            logits = logits.reshape(-1, logits.shape[-1])[index]
-            valid = (position >= step) & (truth >= 0)
-            chosen = mx.take_along_axis(logits, mx.maximum(truth, 0)[:, None], axis=-1)
-            rank = (logits > chosen).sum(-1)
-            rank, valid = np.array(rank), np.array(valid)
-            totals[step] += (position >= step).sum().item()
-            for r in range(ranks):
-                hits[step, r] += ((rank == r) & valid).sum()
-    return hits / np.maximum(totals, 1)[:, None]
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:

@@ -34,7 +34,7 @@ gguf, data, out, ttt_steps, smoke = args.gguf, args.data, args.out, args.ttt_ste
 deadline = start + args.seconds
 out.mkdir(parents=True, exist_ok=True)
 
-from convert.target import convert_target  # noqa: E402
+from mlx_eagle.convert.target import convert_target  # noqa: E402
 from mlx_eagle.heads import read_head_weights, save_head  # noqa: E402
 from mlx_eagle.models import load  # noqa: E402
 from mlx_eagle.train import Trainer, TrainConfig, head_to_train, sharegpt_pieces  # noqa: E402

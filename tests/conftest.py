@@ -56,7 +56,7 @@ def smollm_reader(smollm_gguf):
 @pytest.fixture(scope="session")
 def smollm_float32(smollm_gguf, tmp_path_factory) -> Path:
     """SmolLM2-135M-Instruct converted to float32, as the default model is on a CPU."""
-    from convert.target import convert_target
+    from mlx_eagle.convert.target import convert_target
 
     return convert_target(smollm_gguf, tmp_path_factory.mktemp("smollm") / "float32", dtype="float32",
                           progress=False)
@@ -65,6 +65,6 @@ def smollm_float32(smollm_gguf, tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def smollm_native(smollm_gguf, tmp_path_factory) -> Path:
     """SmolLM2-135M-Instruct with the GGUF's own Q4_1/Q8_0 quantization kept."""
-    from convert.target import convert_target
+    from mlx_eagle.convert.target import convert_target
 
     return convert_target(smollm_gguf, tmp_path_factory.mktemp("smollm") / "native", progress=False)

@@ -15,10 +15,11 @@ from gguf import GGMLQuantizationType as QT
 from mlx.utils import tree_flatten
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from mlx_eagle.target import model_classes
+from mlx_eagle.architectures import model_classes
 
 CHATML = (
-    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"
+    "{% for message in messages %}"
+    "{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 CORPUS = [
@@ -283,7 +284,8 @@ def build_model(config: Dict, seed: int = 0):
 
 
 # Hugging Face names of one expert's projections, per MoE architecture.
-_HF_EXPERTS = {"qwen3_moe": ("mlp.experts.{e}.", {"gate_proj": "gate_proj", "up_proj": "up_proj", "down_proj": "down_proj"}),
+_HF_EXPERTS = {"qwen3_moe": ("mlp.experts.{e}.",
+                             {"gate_proj": "gate_proj", "up_proj": "up_proj", "down_proj": "down_proj"}),
                "mixtral": ("block_sparse_moe.experts.{e}.", {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"})}
 
 
@@ -303,7 +305,8 @@ def write_moe_mlx(root: Path, model_type: str, seed: int = 0) -> Path:
     """A tiny MoE model as an mlx-lm directory (stacked experts), as mlx-community publishes them."""
     directory = root / f"{model_type}-mlx"
     config = _moe_directory(directory, model_type)
-    mx.save_safetensors(str(directory / "model.safetensors"), {k: mx.array(v) for k, v in _weights(config, seed).items()})
+    weights = {k: mx.array(v) for k, v in _weights(config, seed).items()}
+    mx.save_safetensors(str(directory / "model.safetensors"), weights)
     return directory
 
 

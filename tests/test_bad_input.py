@@ -115,7 +115,7 @@ def test_generate_refuses_bad_input(argv, stdin, words, bad_models, capsys, monk
 @pytest.mark.parametrize("argv, words", OPTIONS + TREE_FILES[:3])
 def test_chat_app_refuses_bad_arguments_before_loading(argv, words, bad_trees, capsys, monkeypatch):
     import mlx_eagle.session
-    from apps import chat
+    from mlx_eagle import chat
 
     forbid_loading(monkeypatch, mlx_eagle.session, "ChatSession")
     argv = [a.format(**bad_trees) for a in argv]
@@ -159,7 +159,7 @@ def test_server_refuses_bad_arguments_before_loading(argv, words, bad_trees, cap
     (lambda c: dict(c, rope_scaling={"type": "warp-drive", "factor": 2.0}), "rope_scaling"),
 ])
 def test_convert_target_refuses_impossible_configs(change, words, tmp_path, capsys, monkeypatch):
-    from convert import target
+    from mlx_eagle.convert import target
     from synthetic import write_model
 
     source = write_model(tmp_path, "llama")["hf"]
@@ -171,7 +171,7 @@ def test_convert_target_refuses_impossible_configs(change, words, tmp_path, caps
 
 
 def test_convert_target_refuses_dev_null(tmp_path, capsys, monkeypatch):
-    from convert import target
+    from mlx_eagle.convert import target
 
     code, lines = run_command(target.main, ["/dev/null", str(tmp_path / "out")], capsys, monkeypatch)
     assert_one_line(code, lines, "/dev/null")
@@ -184,7 +184,7 @@ def test_a_head_pickle_that_repeats_its_storage_is_refused_before_allocating(tmp
 
     import torch
 
-    from convert import head
+    from mlx_eagle.convert import head
 
     directory = tmp_path / "bomb"
     directory.mkdir()
@@ -217,7 +217,7 @@ HEADS = [  # (what the source is, words in the line)
 @pytest.mark.parametrize("source, words", HEADS)
 def test_convert_head_refuses_bad_sources_before_loading_a_target(source, words, tmp_path, capsys, monkeypatch):
     import mlx_eagle.models
-    from convert import head
+    from mlx_eagle.convert import head
 
     forbid_loading(monkeypatch, mlx_eagle.models, "load_target")
     (tmp_path / "file").write_text("x")
@@ -243,7 +243,7 @@ def test_convert_head_refuses_bad_sources_before_loading_a_target(source, words,
 ])
 def test_train_refuses_bad_arguments_before_loading(argv, words, tmp_path, capsys, monkeypatch):
     import mlx_eagle.models
-    from mlx_eagle import train
+    from mlx_eagle.train import __main__ as train
 
     forbid_loading(monkeypatch, mlx_eagle.models, "load")
     (tmp_path / "a-file").write_text("x")

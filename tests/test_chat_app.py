@@ -37,7 +37,7 @@ class Terminal:
         if self.pid == 0:  # the child: the pty is its controlling terminal, so ^C is SIGINT
             os.chdir(ROOT)
             env = dict(os.environ, TERM="dumb", PYTHONPATH=str(ROOT))
-            os.execve(sys.executable, [sys.executable, "-m", "apps.chat", *args], env)
+            os.execve(sys.executable, [sys.executable, "-m", "mlx_eagle.chat", *args], env)
         self.seen = ""  # printed since the last match
         self.transcript = ""  # all of it, for failure messages
 

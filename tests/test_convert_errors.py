@@ -11,7 +11,7 @@ import synthetic
 
 
 def run_convert(src: Path, out: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "convert.target", str(src), str(out), "--quiet"],
+    return subprocess.run([sys.executable, "-m", "mlx_eagle.convert", str(src), str(out), "--quiet"],
                           capture_output=True, text=True, timeout=300)
 
 
@@ -80,7 +80,7 @@ def test_existing_output_is_left_alone(tmp_path):
 
 def test_failure_midway_leaves_nothing(tmp_path):
     """A conversion that dies after writing has started removes its staging directory."""
-    from convert import writer
+    from mlx_eagle.convert import writer
 
     paths = synthetic.write_model(tmp_path, "llama")
 
@@ -102,7 +102,7 @@ def test_sigterm_midway_leaves_nothing_and_a_killed_runs_leftovers_are_removed(s
     import time
 
     out = tmp_path / "out"
-    process = subprocess.Popen([sys.executable, "-m", "convert.target", str(smollm_gguf), str(out), "--quiet",
+    process = subprocess.Popen([sys.executable, "-m", "mlx_eagle.convert", str(smollm_gguf), str(out), "--quiet",
                                 "--dtype", "float32"], stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 120
     while not list(tmp_path.glob(".out.*.partial")):
@@ -127,7 +127,7 @@ def test_sigterm_midway_leaves_nothing_and_a_killed_runs_leftovers_are_removed(s
 def test_a_full_disk_gets_one_line_and_leaves_nothing(tmp_path, monkeypatch):
     import errno
 
-    from convert import target, writer
+    from mlx_eagle.convert import target, writer
     from mlx_eagle.errors import UserError
 
     def full(*args, **kwargs):

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import KVCache
 
-from convert.export import export_head
-from convert.head import convert_head, main
+from mlx_eagle.convert.export import export_head
+from mlx_eagle.convert.head import convert_head, main
 from mlx_eagle.errors import UserError
 from mlx_eagle.heads import load_head
 from synthetic import write_model
@@ -110,7 +110,8 @@ def attention(t, layer, x, theta):
 
 def mlp(t, layer, x):
     gate = x @ t[f"{layer}.mlp.gate_proj.weight"].T
-    return (gate / (1 + np.exp(-gate)) * (x @ t[f"{layer}.mlp.up_proj.weight"].T)) @ t[f"{layer}.mlp.down_proj.weight"].T
+    up = x @ t[f"{layer}.mlp.up_proj.weight"].T
+    return (gate / (1 + np.exp(-gate)) * up) @ t[f"{layer}.mlp.down_proj.weight"].T
 
 
 def reference_logits(family, t, target_embed, features, tokens, theta, norm_before_residual=False):
@@ -149,7 +150,7 @@ def mlx_logits(head, target, features, tokens):
 
 @pytest.fixture(scope="module")
 def targets(tmp_path_factory):
-    from convert.target import convert_target
+    from mlx_eagle.convert.target import convert_target
     from mlx_eagle import load
 
     root = tmp_path_factory.mktemp("head-targets")
@@ -177,7 +178,8 @@ def test_converted_heads_draft_as_the_numpy_reference(targets, tmp_path, arch, f
     path, model, embed = targets[arch]
     rng = np.random.default_rng(len(variant))
     tensors = official_tensors(family, embed, rng, qkv_bias="qkv" in variant, fc_bias="fc bias" in variant,
-                               own_embedding="own" in variant, prefix="layers.0" if "layers.0" in variant else "midlayer")
+                               own_embedding="own" in variant,
+                               prefix="layers.0" if "layers.0" in variant else "midlayer")
     config = dict(HEAD, vocab_size=embed.shape[0], architectures=["LlamaForCausalLM"])
     if "no rope_theta" not in variant:
         config["rope_theta"] = 5000.0
@@ -255,7 +257,8 @@ def modelopt(t, config):
     """NVIDIA Model Optimizer: layers.0, no embedding, no t2d, the head over the whole
     vocabulary (its LM head, no d2t), flags in eagle_config."""
     rng = np.random.default_rng(12)
-    t = {k: v for k, v in _renamed(t, "midlayer.", "layers.0.").items() if k not in ("t2d", "d2t", "embed_tokens.weight")}
+    t = {k: v for k, v in _renamed(t, "midlayer.", "layers.0.").items()
+         if k not in ("t2d", "d2t", "embed_tokens.weight")}
     t["lm_head.weight"] = (0.1 * rng.standard_normal((config["vocab_size"], 64))).astype(np.float32)
     flags = {"eagle_aux_hidden_state_layer_ids": [0, 1, 3], "use_aux_hidden_state": True,
              "use_input_layernorm_in_first_layer": True, "use_last_layernorm": True, "use_mtp_layernorm": False,
@@ -424,10 +427,13 @@ def test_a_converted_head_keeps_greedy_decoding_lossless(tmp_path, smollm):
         return (0.05 * rng.standard_normal(shape)).astype(np.float32)
 
     used = np.sort(rng.choice(vocab, draft_vocab, replace=False))
-    tensors = {"fc.weight": w(hidden, 3 * hidden), "norm.weight": 1 + w(hidden), "lm_head.weight": w(draft_vocab, hidden),
+    tensors = {"fc.weight": w(hidden, 3 * hidden), "norm.weight": 1 + w(hidden),
+               "lm_head.weight": w(draft_vocab, hidden),
                "d2t": (used - np.arange(draft_vocab)).astype(np.int64),
-               "midlayer.self_attn.q_proj.weight": w(576, 2 * hidden), "midlayer.self_attn.k_proj.weight": w(192, 2 * hidden),
-               "midlayer.self_attn.v_proj.weight": w(192, 2 * hidden), "midlayer.self_attn.o_proj.weight": w(hidden, 576),
+               "midlayer.self_attn.q_proj.weight": w(576, 2 * hidden),
+               "midlayer.self_attn.k_proj.weight": w(192, 2 * hidden),
+               "midlayer.self_attn.v_proj.weight": w(192, 2 * hidden),
+               "midlayer.self_attn.o_proj.weight": w(hidden, 576),
                "midlayer.mlp.gate_proj.weight": w(512, hidden), "midlayer.mlp.up_proj.weight": w(512, hidden),
                "midlayer.mlp.down_proj.weight": w(hidden, 512)}
     for norm in ("input_layernorm", "hidden_norm", "post_attention_layernorm"):
@@ -436,7 +442,8 @@ def test_a_converted_head_keeps_greedy_decoding_lossless(tmp_path, smollm):
               "rms_norm_eps": 1e-5, "rope_theta": 100000.0, "vocab_size": vocab, "draft_vocab_size": draft_vocab}
     write_checkpoint(tmp_path / "published", tensors, config, "bin")
     head = load_head(convert_head(str(tmp_path / "published"), tmp_path / "head", q_bits=8), model)
-    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Name three fruits."}], add_generation_prompt=True)
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Name three fruits."}],
+                                           add_generation_prompt=True)
     expected = []
     for token, _ in generate_step(mx.array(prompt), model, max_tokens=24):
         expected.append(int(token))

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from mlx_lm import generate, load
 
-from convert.gguf_weights import hf_name
+from mlx_eagle.convert.gguf_weights import hf_name
 from synthetic import _llama_cpp_permute
 
 

@@ -8,7 +8,7 @@ from gguf import GGMLQuantizationType as QT
 from mlx_lm import load
 
 import synthetic
-from convert.target import convert_target
+from mlx_eagle.convert.target import convert_target
 
 TOKENS = mx.array([[5, 17, 33, 80, 120, 7, 250, 3]])
 TEXTS = ["Hello world 2024!", "def f(x):\n  return x", "你好，世界", "🙂🚀 ok", "  two  spaces "]
@@ -96,7 +96,7 @@ def test_llama3_rope_scaling_is_rebuilt_from_rope_freqs(tmp_path):
 def test_rope_freqs_that_are_no_llama3_scaling_fail_with_one_line(divisors, message):
     import numpy as np
 
-    from convert.gguf_weights import llama3_rope_scaling
+    from mlx_eagle.convert.gguf_weights import llama3_rope_scaling
     from mlx_eagle.errors import UserError
 
     with pytest.raises(UserError, match=message):

@@ -80,9 +80,9 @@ def samples(tmp_path_factory):
 
 
 def read_gguf(path: Path) -> None:
-    """What convert.target reads of a GGUF before writing anything."""
-    from convert import gguf_weights
-    from convert.gguf_tokenizer import build_tokenizer
+    """What mlx_eagle.convert reads of a GGUF before writing anything."""
+    from mlx_eagle.convert import gguf_weights
+    from mlx_eagle.convert.gguf_tokenizer import build_tokenizer
 
     reader = gguf_weights.open_gguf(path)
     config = gguf_weights.read_config(reader, path)
@@ -92,7 +92,7 @@ def read_gguf(path: Path) -> None:
 
 
 def read_torch_bin(path: Path) -> None:
-    from convert.torch_pickle import load_torch_bin
+    from mlx_eagle.convert.torch_pickle import load_torch_bin
 
     load_torch_bin(path)
 

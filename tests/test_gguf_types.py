@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as QT
 
-from convert.gguf_weights import NATIVE_BITS, REQUANTIZE_BITS, _source_tensor, native_quantized
-from convert.writer import OutputFormat, convert_tensor
+from mlx_eagle.convert.gguf_weights import NATIVE_BITS, REQUANTIZE_BITS, _source_tensor, native_quantized
+from mlx_eagle.convert.writer import OutputFormat, convert_tensor
 
 ROWS, COLS = 8, 512
 # Byte offsets of the float16 scale fields inside one block of each K type.
@@ -90,7 +90,7 @@ def test_row_permutation_applies_to_packed_rows():
 def test_i_quants_are_refused_with_one_line(qtype):
     from types import SimpleNamespace
 
-    from convert.gguf_weights import read_tensors
+    from mlx_eagle.convert.gguf_weights import read_tensors
     from mlx_eagle.errors import UserError
 
     tensor = SimpleNamespace(name="blk.0.attn_q.weight", tensor_type=qtype, shape=np.array([COLS, ROWS]),

@@ -14,7 +14,7 @@ from drafting import decoder as make_decoder
 from mlx_eagle.costs import Costs
 from mlx_eagle.heads import new_head
 from mlx_eagle.drafters.lookup import ContextIndex, LookupDraft, LookupDrafter
-from mlx_eagle.trees import DraftTree, parse_tree
+from mlx_eagle.trees import DraftTree
 from mlx_eagle.verify import Sampling
 from oracle import OracleHead
 

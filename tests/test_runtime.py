@@ -20,7 +20,7 @@ from synthetic import write_model
 
 @pytest.fixture(scope="module")
 def tiny_llama(tmp_path_factory):
-    from convert.target import convert_target
+    from mlx_eagle.convert.target import convert_target
     from mlx_eagle import load
 
     root = tmp_path_factory.mktemp("tiny")
@@ -189,7 +189,7 @@ def test_draft_auto_finds_the_shipped_head_by_the_models_identity_not_its_path(s
     head; another model gets none."""
     import shutil
 
-    from convert.target import convert_target
+    from mlx_eagle.convert.target import convert_target
     from mlx_eagle import load
     from mlx_eagle.models import shipped_head_dir
     from synthetic import write_model

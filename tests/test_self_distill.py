@@ -35,7 +35,7 @@ def test_more_prompts_extend_the_data_made_before(tmp_path):
     """--prompts 2 then 3: the third prompt's answer is added in a shard of its own, the
     first two's are kept (their draft vocabulary too); asking for fewer is one clear error."""
     from mlx_eagle.errors import UserError
-    from mlx_eagle.train import main
+    from mlx_eagle.train.__main__ import main
 
     def prepare(prompts):
         main(["--out", str(tmp_path / "head"), "--data", str(tmp_path), "--answers", "self", "--prompts", str(prompts),

@@ -191,7 +191,8 @@ def test_a_shutdown_cuts_replies_in_flight_with_an_error_not_a_finish():
     while not stream.fp.readline().startswith(b"data:"):
         pass
     waiting = http.client.HTTPConnection(*address, timeout=300)
-    waiting.request("POST", "/v1/chat/completions", body=json.dumps(story), headers={"Content-Type": "application/json"})
+    waiting.request("POST", "/v1/chat/completions", body=json.dumps(story),
+                    headers={"Content-Type": "application/json"})
     time.sleep(1)
     process.send_signal(signal.SIGTERM)
     rest = stream.read().decode()

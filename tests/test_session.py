@@ -136,7 +136,8 @@ def test_oldest_turns_are_dropped_when_the_context_fills(engine):
     list(chat.send("Hello"))
     list(chat.send("How are you?"))
     # A reply budget that leaves room for one turn only: the older two must go.
-    chat.max_tokens = limit - len(chat_tokens(engine.tokenizer, chat.messages([{"role": "user", "content": "Bye"}]))) + 30
+    prompt = chat_tokens(engine.tokenizer, chat.messages([{"role": "user", "content": "Bye"}]))
+    chat.max_tokens = limit - len(prompt) + 30
     for _ in chat.send("Bye"):
         break  # the first piece is enough; leaving the loop cancels the rest
     assert notices and "dropped the oldest 2 turns" in notices[0]

@@ -15,7 +15,6 @@ from drafting import decoder as make_decoder
 from mlx_eagle.heads import new_head
 from mlx_eagle.drafters.lookup import LookupDrafter
 from mlx_eagle.target import make_cache, target_forward, tree_mask
-from mlx_eagle.trees import parse_tree
 from mlx_eagle.verify import Sampling
 from oracle import OracleHead
 from synthetic import ARCHS, MOE_CONFIGS, build_model, moe_config, target_config
@@ -95,7 +94,7 @@ def test_moe_hugging_face_directories_convert(tmp_path, model_type):
 
     from mlx_lm import load
 
-    from convert.target import convert_target
+    from mlx_eagle.convert.target import convert_target
     from synthetic import write_moe_hf
 
     directory = write_moe_hf(tmp_path, model_type)
@@ -112,7 +111,7 @@ def test_moe_hugging_face_directories_convert(tmp_path, model_type):
 def test_a_gpt_oss_hugging_face_checkpoint_says_where_it_runs_instead(tmp_path):
     import json
 
-    from convert.target import convert_target
+    from mlx_eagle.convert.target import convert_target
     from mlx_eagle.errors import UserError
     from synthetic import write_moe_hf
 

@@ -26,7 +26,7 @@ def tiny_root(tmp_path_factory):
 @pytest.fixture(scope="module")
 def training_setup(tiny_root):
     """A sharpened training_setup llama, 12 repetitive sequences (answers after token 4), and a draft vocabulary."""
-    from convert.target import convert_target
+    from mlx_eagle.convert.target import convert_target
     from mlx_eagle import load
 
     root = tiny_root
@@ -37,7 +37,7 @@ def training_setup(tiny_root):
     rng = np.random.default_rng(0)
     # Repetitive sequences: a pattern a head can learn in a few steps; answers after token 4.
     pieces = []
-    for i in range(12):
+    for _ in range(12):
         pattern = rng.integers(3, model.args.vocab_size, size=5)
         pieces.append((np.tile(pattern, 8).astype(np.int32), np.arange(40) >= 4))
     used = draft_vocabulary(pieces, model.args.vocab_size, 96)
@@ -61,7 +61,8 @@ def dense_ttt_unroll(head, target, tokens, features, steps):
 
     next_tokens, cache, hidden = shift(tokens, -1), [KVCache()], head.project(features)
     for step in range(steps):
-        out = head.step(target, hidden, next_tokens, cache, 0, "causal" if step == 0 else ttt_mask(tokens.shape[1], step))
+        mask = "causal" if step == 0 else ttt_mask(tokens.shape[1], step)
+        out = head.step(target, hidden, next_tokens, cache, 0, mask)
         yield step, head.logits(target, out)
         hidden = shift(out, 1)
 
@@ -291,7 +292,8 @@ def test_data_parallel_with_two_processes(training_setup, tiny_root, tmp_path):
     launcher = Path(sys.executable).parent / "mlx.launch"
     worker = Path(__file__).parent / "distributed_worker.py"
     result = subprocess.run(
-        [str(launcher), "-n", "2", "--backend", "ring", sys.executable, str(worker), str(model_dir), str(tmp_path / "pieces.npz"),
+        [str(launcher), "-n", "2", "--backend", "ring", sys.executable, str(worker), str(model_dir),
+         str(tmp_path / "pieces.npz"),
          str(tmp_path / "vocab.npy"), str(tmp_path)],
         capture_output=True, text=True, timeout=600,
     )
@@ -308,7 +310,8 @@ def test_stored_states_are_the_targets_and_train_as_recomputed_ones(training_set
     run reading them trains as one recomputing them; another data set is refused."""
     model, pieces, used = training_setup
     taps = head_to_train(model, "eagle3", used).taps(model.args.num_hidden_layers)
-    pieces = [(tokens[: 13 + 2 * i], answer[: 13 + 2 * i]) for i, (tokens, answer) in enumerate(pieces)]  # lengths differ
+    # lengths differ
+    pieces = [(tokens[: 13 + 2 * i], answer[: 13 + 2 * i]) for i, (tokens, answer) in enumerate(pieces)]
     store = StateStore(tmp_path / "store", model, pieces, taps, seq_len=1024)
     assert store.missing() and store.fill(tokens_per_batch=64, progress=False) > 0 and not store.missing()
     for i, (tokens, _) in enumerate(pieces):
@@ -345,7 +348,7 @@ def test_train_command_stores_the_states_once_and_reuses_them(tmp_path, capsys):
     lever) reads them without computing any, and trains to a loadable head."""
     from mlx_eagle import load
     from mlx_eagle.heads import load_head
-    from mlx_eagle.train import main
+    from mlx_eagle.train.__main__ import main
 
     def train(name, *flags):
         main(["--out", str(tmp_path / name), "--data", str(tmp_path / "data"), "--prompts", "2", "--held-out", "0",

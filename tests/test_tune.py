@@ -15,7 +15,7 @@ import mlx_eagle.costs
 from mlx_eagle.calibrate import CALIBRATED_MARGIN, PRIOR_ACCEPTANCE, auto_tree, best_tree, save_acceptance, tree_file
 from mlx_eagle.costs import Costs, device_key, non_decreasing
 from mlx_eagle.heads import load_head, new_head, save_head
-from mlx_eagle.tune import measure_acceptance
+from mlx_eagle.train import measure_acceptance
 from synthetic import write_model
 
 TABLE = np.array([[0.8, 0.1, 0.05], [0.7, 0.1, 0.0], [0.6, 0.0, 0.0]])
@@ -75,7 +75,7 @@ def test_expensive_verification_means_plain_decoding():
 
 @pytest.fixture(scope="module")
 def tiny_target(tmp_path_factory):
-    from convert.target import convert_target
+    from mlx_eagle.convert.target import convert_target
     from mlx_eagle import load
 
     root = tmp_path_factory.mktemp("tiny-tune")

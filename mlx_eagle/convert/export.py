@@ -1,7 +1,7 @@
 """Export an MLX head directory to the official EAGLE layout, for SGLang, vLLM and the
 official EAGLE code.
 
-    python -m convert.export HEAD OUT [--dtype bfloat16]
+    python -m mlx_eagle.convert.export HEAD OUT [--dtype bfloat16]
 
 EAGLE-3: model.safetensors with fc, midlayer.*, norm, lm_head, d2t (int64) and t2d (bool),
 and a Llama-style config.json (``LlamaForCausalLMEagle3``, draft_vocab_size,
@@ -19,8 +19,8 @@ from typing import Dict, Optional, Sequence
 
 import mlx.core as mx
 
-from mlx_eagle.cli import run_cli
-from mlx_eagle.heads import read_head_weights
+from ..cli import run_cli
+from ..heads import read_head_weights
 
 from .target import DTYPES
 from .writer import write_atomically
@@ -83,7 +83,7 @@ def export_head(head: Path, out: Path, dtype: Optional[str] = None, overwrite: b
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m convert.export", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m mlx_eagle.convert.export", description=__doc__.splitlines()[0])
     parser.add_argument("head", type=Path, help="an MLX head directory (ours, or converted)")
     parser.add_argument("out", type=Path, help="the directory to write in the official layout")
     parser.add_argument("--dtype", choices=list(DTYPES), help="float type (default: the head's)")

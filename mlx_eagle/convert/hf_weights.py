@@ -8,8 +8,8 @@ from typing import Any, Dict, List, Optional
 
 import mlx.core as mx
 
-from mlx_eagle.errors import UserError, check_model_config, read_config as read_config_json
-from mlx_eagle.target import SUPPORTED_MODEL_TYPES as MODEL_TYPES, model_classes
+from ..errors import UserError, check_model_config, read_config as read_config_json
+from ..architectures import SUPPORTED_MODEL_TYPES as MODEL_TYPES, model_classes
 
 from .tensors import SourceTensor
 
@@ -34,7 +34,8 @@ def read_config(path: Path) -> Dict[str, Any]:
             f"{path}: architecture {model_type!r} is not supported; supported are {', '.join(MODEL_TYPES)}"
         )
     if not any((path / name).exists() for name in ("tokenizer.json", "tokenizer.model")):
-        raise UserError(f"{path} has no tokenizer (tokenizer.json or tokenizer.model); copy it from the model's repository")
+        raise UserError(f"{path} has no tokenizer (tokenizer.json or tokenizer.model); copy it from the model's "
+                        "repository")
     check_model_config(config, path / "config.json", sum(f.stat().st_size for f in path.glob("*.safetensors")))
     return config
 

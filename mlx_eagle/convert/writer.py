@@ -14,7 +14,7 @@ from typing import Any, Callable, Dict, List, Optional
 import mlx.core as mx
 from tqdm import tqdm
 
-from mlx_eagle.errors import UserError
+from ..errors import UserError
 
 from .tensors import QuantizedWeight, SourceTensor
 

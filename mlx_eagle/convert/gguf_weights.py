@@ -9,7 +9,8 @@ from typing import Any, Dict, List, Optional, Tuple
 import mlx.core as mx
 import numpy as np
 
-from mlx_eagle.errors import UserError, check_model_config
+from ..architectures import GGUF_ARCHITECTURES, architecture
+from ..errors import UserError, check_model_config
 
 from .tensors import QuantizedWeight, SourceTensor
 
@@ -20,14 +21,9 @@ except ImportError as exc:  # pragma: no cover - gguf is a declared dependency
     raise ImportError("reading GGUF files needs the 'gguf' package: pip install gguf") from exc
 
 
-# GGUF architecture -> mlx-lm model_type. Mistral GGUFs are written as "llama".
-ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
-
-# Mixture-of-experts GGUF architectures: their targets run here from other formats.
-MOE_ARCHITECTURES = {"qwen3moe", "qwen2moe", "gpt-oss", "mixtral"}
-
-# llama.cpp reorders the Q and K rows of these architectures for its RoPE layout.
-_PERMUTED_ARCHITECTURES = {"llama"}
+# GGUF architecture -> its record (architectures.py). Mistral GGUFs are written as "llama";
+# mixture-of-experts ones are refused (their targets run here from other formats).
+ARCHITECTURES = {name: record for name, record in GGUF_ARCHITECTURES.items() if not record.experts}
 
 FLOAT_TYPES = {QT.F32, QT.F16, QT.BF16}
 
@@ -108,10 +104,11 @@ def number(reader, key: str, kind: type = int, default: Any = None) -> Any:
 def read_config(reader, path: Path) -> Dict[str, Any]:
     """The Hugging Face config.json equivalent of a GGUF file's metadata."""
     arch = field(reader, "general.architecture")
-    if arch in MOE_ARCHITECTURES or any("_exps." in t.name for t in reader.tensors):
+    experts = arch in GGUF_ARCHITECTURES and GGUF_ARCHITECTURES[arch].experts
+    if experts or any("_exps." in t.name for t in reader.tensors):
         raise UserError(
             f"{path}: mixture-of-experts GGUF files ({arch}) are not converted here; pass the model's Hugging Face "
-            "directory to convert.target, or an MLX conversion of it to --model (both decode with EAGLE)"
+            "directory to mlx_eagle.convert, or an MLX conversion of it to --model (both decode with EAGLE)"
         )
     if not isinstance(arch, str) or arch not in ARCHITECTURES:
         raise UserError(
@@ -122,10 +119,8 @@ def read_config(reader, path: Path) -> Dict[str, Any]:
     heads = number(reader, f"{arch}.attention.head_count")
     hidden = number(reader, f"{arch}.embedding_length")
     config = {
-        "model_type": ARCHITECTURES[arch],
-        "architectures": [
-            {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[arch]
-        ],
+        "model_type": ARCHITECTURES[arch].model_type,
+        "architectures": [ARCHITECTURES[arch].hf_class],
         "hidden_size": hidden,
         "intermediate_size": number(reader, f"{arch}.feed_forward_length"),
         "num_hidden_layers": number(reader, f"{arch}.block_count"),
@@ -200,7 +195,8 @@ def llama3_rope_scaling(divisors: np.ndarray, theta: float, dims: int, original:
             original = -slope / intercept
         if original:
             scaling = {"rope_type": "llama3", "factor": factor, "low_freq_factor": float(f"{low:.6g}"),
-                       "high_freq_factor": float(f"{high:.6g}"), "original_max_position_embeddings": int(round(original))}
+                       "high_freq_factor": float(f"{high:.6g}"),
+                       "original_max_position_embeddings": int(round(original))}
     if scaling is None or not np.allclose(
             llama3_rope_factors(theta, dims, factor, scaling["low_freq_factor"], scaling["high_freq_factor"],
                                 scaling["original_max_position_embeddings"]), divisors, rtol=1e-4):
@@ -282,7 +278,7 @@ def dequantized(data: np.ndarray, qtype, shape: Tuple[int, ...]) -> mx.array:
 
 
 def read_tensors(reader, config: Dict[str, Any], path: Path) -> List[SourceTensor]:
-    permuted = config["model_type"] in _PERMUTED_ARCHITECTURES
+    permuted = architecture(config["model_type"]).gguf_permuted
     tensors = []
     for tensor in reader.tensors:
         if tensor.name == ROPE_FREQS:  # in the config's rope_scaling (see read_config)

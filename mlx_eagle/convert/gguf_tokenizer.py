@@ -7,7 +7,7 @@ from typing import Callable, Dict, List
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
-from mlx_eagle.errors import UserError
+from ..errors import UserError
 
 from .gguf_weights import field
 

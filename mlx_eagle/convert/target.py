@@ -1,6 +1,6 @@
 """Convert a target model (GGUF file or Hugging Face directory) into an mlx-lm model directory.
 
-    python -m convert.target SRC OUT [--q-bits 4 --q-group-size 32 | --dtype float32]
+    python -m mlx_eagle.convert SRC OUT [--q-bits 4 --q-group-size 32 | --dtype float32]
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from typing import Optional, Sequence
 
 import mlx.core as mx
 
-from mlx_eagle.cli import run_cli
-from mlx_eagle.errors import UserError
+from ..cli import run_cli
+from ..errors import UserError
 
 from .writer import OutputFormat, write_model_dir
 
@@ -72,7 +72,7 @@ def convert_target(
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
     parser = argparse.ArgumentParser(
-        prog="python -m convert.target",
+        prog="python -m mlx_eagle.convert",
         description="Convert a GGUF file or a Hugging Face model directory into an mlx-lm model directory.",
     )
     parser.add_argument("src", type=Path, help="a .gguf file or a Hugging Face model directory")

@@ -17,7 +17,7 @@ from typing import Dict
 
 import numpy as np
 
-from mlx_eagle.errors import UserError
+from ..errors import UserError
 
 # Storage classes PyTorch names in its pickles -> numpy dtypes; bfloat16 is widened to float32.
 _STORAGES = {

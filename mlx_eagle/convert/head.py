@@ -1,6 +1,6 @@
 """Convert a published EAGLE head (EAGLE-1/2 or EAGLE-3) into an MLX head directory.
 
-    python -m convert.head SRC OUT --target TARGET [--q-bits 8|4 [--q-group-size 64]] [--dtype float16]
+    python -m mlx_eagle.convert.head SRC OUT --target TARGET [--q-bits 8|4 [--q-group-size 64]] [--dtype float16]
 
 SRC is a checkpoint directory as published (config.json with model.safetensors, sharded
 safetensors with an index, or pytorch_model.bin) or a Hugging Face repo id, written by
@@ -24,9 +24,9 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from mlx_eagle.cli import run_cli
-from mlx_eagle.errors import UserError, read_config
-from mlx_eagle.heads import Eagle1Head, Eagle3Head, HeadConfig, check_draft_vocabulary, check_fits, save_head
+from ..cli import run_cli
+from ..errors import UserError, read_config
+from ..heads import Eagle1Head, Eagle3Head, HeadConfig, check_draft_vocabulary, check_fits, save_head
 
 from .target import DTYPES
 from .writer import write_atomically
@@ -274,7 +274,8 @@ def build_head(raw: dict, tensors: Dict[str, mx.array], target: nn.Module, sourc
     if unknown or missing:
         raise UserError(f"{source}: not a {family} head in the official layout: "
                         + (f"unexpected {', '.join(unknown[:3])}" if unknown else "")
-                        + ("; " if unknown and missing else "") + (f"missing {', '.join(missing[:3])}" if missing else ""))
+                        + ("; " if unknown and missing else "")
+                        + (f"missing {', '.join(missing[:3])}" if missing else ""))
     for name, value in tensors.items():
         if tuple(value.shape) != tuple(expected[name].shape):
             raise UserError(f"{source}: {name} has shape {tuple(value.shape)}, its config.json implies "
@@ -288,8 +289,8 @@ def build_head(raw: dict, tensors: Dict[str, mx.array], target: nn.Module, sourc
 
 def convert_head(src: str, out: Path, target: Optional[str] = None, q_bits: Optional[int] = None,
                  q_group_size: int = 64, dtype: Optional[str] = None, overwrite: bool = False) -> Path:
-    from mlx_eagle.heads import load_head
-    from mlx_eagle.models import TARGET_FILE, load_target, target_identity
+    from ..heads import load_head
+    from ..models import TARGET_FILE, load_target, target_identity
 
     path = _locate(src)  # a wrong SRC fails before the target is loaded
     raw, tensors = read_checkpoint(path)
@@ -310,7 +311,7 @@ def convert_head(src: str, out: Path, target: Optional[str] = None, q_bits: Opti
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m convert.head", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m mlx_eagle.convert.head", description=__doc__.splitlines()[0])
     parser.add_argument("src", help="head checkpoint directory or Hugging Face repo id")
     parser.add_argument("out", type=Path, help="the MLX head directory to write")
     parser.add_argument("--target", help="the target it drafts for, as --model takes it (default: SmolLM2)")

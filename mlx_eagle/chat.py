@@ -1,6 +1,6 @@
 """Chat with a local model in the terminal, EAGLE-accelerated.
 
-    python -m apps.chat [--model M] [--draft D] [--system TEXT] [--temp X] [--tree SPEC]
+    python -m mlx_eagle.chat [--model M] [--draft D] [--system TEXT] [--temp X] [--tree SPEC]
 
 Enter sends; end a line with \\ to continue on the next, or wrap a block in \"\"\".
 Ctrl-C stops a reply (the conversation stays), Ctrl-D or /quit leaves.
@@ -15,8 +15,8 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
-from mlx_eagle.cli import add_model_arguments, run_cli
-from mlx_eagle.errors import UserError
+from .cli import add_model_arguments, run_cli
+from .errors import UserError
 
 COMMANDS = """commands:
   /help           this list
@@ -87,8 +87,8 @@ def save_conversation(session, path: Path) -> None:
 
 def command(session, terminal: Terminal, text: str, state: dict) -> bool:
     """Run a /command; False when it asks to leave."""
-    from mlx_eagle.trees import parse_tree
-    from mlx_eagle.verify import Sampling
+    from .trees import parse_tree
+    from .verify import Sampling
 
     name, _, argument = text.partition(" ")
     argument = argument.strip()
@@ -155,7 +155,7 @@ def reply(session, terminal: Terminal, text: str, show_stats: bool) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m apps.chat", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m mlx_eagle.chat", description=__doc__.splitlines()[0])
     add_model_arguments(parser)
     parser.add_argument("--system", help="a system prompt")
     parser.add_argument("--temp", type=float, default=0.0, help="sampling temperature (0: greedy)")
@@ -168,10 +168,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
     args = build_parser().parse_args(argv)
-    from mlx_eagle.generate import check_options
-    from mlx_eagle.session import ChatSession
-    from mlx_eagle.trees import parse_tree
-    from mlx_eagle.verify import Sampling
+    from .generate import check_options
+    from .session import ChatSession
+    from .trees import parse_tree
+    from .verify import Sampling
 
     # What is wrong with the arguments is said before the model loads.
     if args.tree != "auto":

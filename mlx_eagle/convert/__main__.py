@@ -1,0 +1,3 @@
+from .target import cli
+
+cli()

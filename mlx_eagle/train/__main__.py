@@ -1,0 +1,165 @@
+"""Train a draft head for any supported target, resumably (the mlx_eagle.train command).
+
+    python -m mlx_eagle.train --out my-head [--model M] [--family eagle3] [--answers sharegpt]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import asdict
+from pathlib import Path
+from typing import Optional, Sequence
+
+from ..cli import add_model_arguments, run_cli
+from ..errors import UserError
+from .recipe import TrainConfig
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m mlx_eagle.train", description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True, type=Path, help="the head directory to write")
+    add_model_arguments(parser, draft=False, tree=False)
+    parser.add_argument("--work", type=Path, help="checkpoints, log and curves (default: OUT.work)")
+    parser.add_argument("--data", type=Path, help="tokenized data and vocabularies, shareable between runs "
+                        "(default: --work)")
+    parser.add_argument("--family", choices=["eagle3", "eagle1"], default="eagle3")
+    parser.add_argument("--answers", choices=["sharegpt", "self"], default="sharegpt",
+                        help="ShareGPT's own answers, every turn of every dialogue (default), or first prompts "
+                        "answered by the target itself (self-distillation)")
+    parser.add_argument("--prompts", type=int, help="dialogues (sharegpt; default all) or prompts (self; "
+                        "default 2000) to train on")
+    parser.add_argument("--held-out", type=int, default=20, help="further prompts kept for measuring acceptance")
+    parser.add_argument("--max-answer-tokens", type=int, default=256, help="self-distilled answers' length")
+    parser.add_argument("--draft-vocab", type=int, default=8192, help="EAGLE-3 draft vocabulary size")
+    defaults = TrainConfig()
+    for name in ("steps", "tokens_per_batch", "grad_accum", "seq_len", "warmup", "ttt_steps", "checkpoint_every",
+                 "seed", "pad_multiple"):
+        parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(defaults, name))
+    for name in ("lr", "weight_decay", "clip", "step_decay", "feature_noise"):
+        parser.add_argument(f"--{name.replace('_', '-')}", type=float, default=getattr(defaults, name))
+    parser.add_argument("--mask-outside-draft", action="store_true", help="positions whose target choice is "
+                        "no draft token do not count in the loss")
+    parser.add_argument("--train-embeddings", action="store_true", help="train an embedding of the head's own "
+                        "(a copy of the target's to start) instead of reading the target's")
+    parser.add_argument("--mix-self", type=int, metavar="N", help="with --answers sharegpt: also train on N "
+                        "ShareGPT first prompts answered by the target itself (self-distilled, made as --answers "
+                        "self makes them; prompts over 256 tokens are skipped)")
+    parser.add_argument("--subset", type=int, help="train on this many of the pieces, chosen at random "
+                        "(for measuring what more data buys)")
+    parser.add_argument("--save-dtype", choices=["float16", "bfloat16", "float32"], default="float16",
+                        help="weights of the written head (training runs in float32)")
+    parser.add_argument("--store-features", type=Path, metavar="DIR", help="compute the target's states once "
+                        "and keep them in DIR (float16, ~4.6 KB a token for SmolLM2), shareable between runs on the "
+                        "same pieces, instead of recomputing them for every batch")
+    parser.add_argument("--prepare-only", action="store_true", help="stop after the data and vocabulary "
+                        "(and the stored states, with --store-features)")
+    parser.add_argument("--skip-eval", action="store_true", help="write the head without measuring acceptance")
+    parser.add_argument("--no-compile", dest="compile", action="store_false", help="run the training step "
+                        "uncompiled (mx.compile traces each new batch shape once)")
+    parser.add_argument("--quiet", action="store_true")
+    args = parser.parse_args(argv)
+
+    import mlx.core as mx
+    import numpy as np
+
+    from ..heads import load_head, save_head
+    from ..models import TARGET_FILE, load, target_identity
+    from .evaluate import acceptance_by_depth
+    from .pieces import d2t_t2d, draft_vocabulary, self_distilled_pieces, sharegpt_pieces
+    from .store import StateStore
+    from .trainer import Trainer, head_to_train, plot_curves
+
+    # What is wrong with the arguments is said before the model loads.
+    config = TrainConfig(family=args.family, **{k: getattr(args, k) for k in asdict(defaults) if k != "family"})
+    for name, value, low in (("draft-vocab", args.draft_vocab, 1), ("held-out", args.held_out, 0),
+                             ("prompts", args.prompts, 1), ("subset", args.subset, 1), ("mix-self", args.mix_self, 1),
+                             ("max-answer-tokens", args.max_answer_tokens, 1)):
+        if value is not None and value < low:
+            raise UserError(f"--{name} must be {low} or more, not {value}")
+    if args.mix_self and args.answers != "sharegpt":
+        raise UserError("--mix-self adds the target's own answers to ShareGPT's; it needs --answers sharegpt")
+    work = args.work or args.out.with_name(args.out.name + ".work")
+    try:
+        work.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UserError(f"cannot use {work} for checkpoints and logs ({exc.strerror}); pass another --work") from None
+    if args.store_features:
+        try:
+            args.store_features.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise UserError(f"cannot keep the target's states in {args.store_features} ({exc.strerror}); pass "
+                            "another --store-features") from None
+    progress = not args.quiet
+    world = mx.distributed.init()
+    model, tokenizer = load(args.model)
+
+    root = args.data or work
+    if world.size() > 1 and not list(root.glob("vocab-*.npz")):
+        raise UserError(f"prepare the data once without mlx.launch first: {parser.prog} ... --prepare-only")
+    if args.answers == "sharegpt":
+        pieces, held_out = sharegpt_pieces(tokenizer, root, config.seq_len, args.prompts, args.held_out, progress)
+        vocab_path = root / f"vocab-sharegpt-{args.prompts or 'all'}-{args.draft_vocab}.npz"
+    else:
+        pieces, held_out = self_distilled_pieces(model, tokenizer, root, args.prompts or 2000, args.held_out,
+                                                 args.max_answer_tokens, progress)
+        vocab_path = root / f"vocab-self-{args.draft_vocab}.npz"
+    if not vocab_path.exists():
+        used = draft_vocabulary(pieces, model.args.vocab_size, args.draft_vocab)
+        d2t, t2d = d2t_t2d(used, model.args.vocab_size)
+        np.savez(vocab_path, used=used, d2t=d2t, t2d=t2d)
+    if args.subset:
+        chosen = np.random.default_rng(config.seed).permutation(len(pieces))[: args.subset]
+        pieces = [pieces[i] for i in sorted(chosen)]
+    if args.mix_self:  # after --subset, so that --subset N --mix-self M trains on N + M pieces
+        pieces = pieces + self_distilled_pieces(model, tokenizer, root, args.mix_self, 0, args.max_answer_tokens,
+                                                progress)[0]
+    vocab = np.load(vocab_path)
+    head = head_to_train(model, config.family, vocab["used"], config.seed, config.train_embeddings)
+    store = None
+    if args.store_features:
+        store = StateStore(args.store_features, model, pieces, head.taps(model.args.num_hidden_layers),
+                           config.seq_len)
+        if world.size() > 1 and store.missing():
+            raise UserError(f"fill {args.store_features} once without mlx.launch first: {parser.prog} ... "
+                            "--store-features DIR --prepare-only")
+        speed = store.fill(config.tokens_per_batch, progress)
+        if speed:
+            print(f"target states: {store.meta['tokens']:,} tokens in {args.store_features}, {speed:.0f} tokens/s")
+    if args.prepare_only:
+        return
+    trainer = Trainer(model, head, pieces, config, work, used=vocab["used"], progress=progress, store=store)
+    if config.family == "eagle3" and not np.array_equal(np.array(head.d2t), vocab["d2t"]):
+        raise UserError(f"the checkpoint in {work} was trained with another draft vocabulary than {vocab_path}; "
+                        "pass a new --work")
+    trainer.run()
+    if world.rank() != 0:
+        return
+    save_head(head, args.out, dtype=getattr(mx, args.save_dtype))
+    # Whom it drafts for, so that shipped in mlx_eagle/weights/ it is found by --draft auto.
+    (args.out / TARGET_FILE).write_text(json.dumps(target_identity(model), indent=1) + "\n")
+    plot_curves(work / "log.jsonl", work / "curves.png")
+    if args.skip_eval:
+        return
+    # Measured on the head as written (saved dtype), as users will load it.
+    result = acceptance_by_depth(model, tokenizer, load_head(args.out, model), held_out)
+    result.update(answers=args.answers, steps=config.steps,
+                  tokens=int(sum(int(answer[:config.seq_len].sum()) for _, answer in pieces)))
+    (work / "eval.json").write_text(json.dumps(result, indent=2))
+    # Acceptance by (depth, rank), beside the head: --tree auto builds its tree from it on any device.
+    from ..calibrate import save_acceptance
+    from .evaluate import calibration_pieces, measure_acceptance
+
+    table = measure_acceptance(model, head, calibration_pieces(model, tokenizer, held_out, 128))
+    save_acceptance(args.out, table, f"python -m mlx_eagle.train, {len(held_out)} held-out ShareGPT prompts")
+    print(f"wrote {args.out}; held-out tau {result['tau']:.2f}, acceptance by depth "
+          + " ".join(f"{r:.2f}" for r in result["acceptance_by_depth"]))
+
+
+def cli() -> None:
+    """Console-script entry point."""
+    run_cli(main)
+
+
+if __name__ == "__main__":
+    cli()

@@ -1,0 +1,88 @@
+"""How well a head drafts: acceptance by depth along greedy chains on held-out prompts,
+and by (depth, rank) unrolled along the target's own answers (what --tree auto and tune
+build trees from)."""
+
+from __future__ import annotations
+
+from typing import Dict, List, Sequence
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from ..generate import chat_tokens
+from .pieces import make_batch
+from .ttt import shift, target_states, ttt_unroll
+
+
+def acceptance_by_depth(target, tokenizer, head, prompts: Sequence[str], depth: int = 6,
+                        max_tokens: int = 128) -> Dict[str, object]:
+    """Greedy decoding with a chain of ``depth`` on held-out prompts: how often the
+    draft token at each depth is accepted once all before it were, and tau."""
+    from ..decoder import SpeculativeDecoder
+    from ..drafters.eagle import EagleDrafter
+    from ..trees import parse_tree
+    from ..verify import Sampling
+
+    reached, accepted, produced, rounds = np.zeros(depth), np.zeros(depth), 0, 0
+    for prompt in prompts:
+        ids = chat_tokens(tokenizer, [{"role": "user", "content": prompt}])
+        decoder = SpeculativeDecoder(target, EagleDrafter(head, target, parse_tree(f"chain:{depth}")), Sampling())
+        decoder.prefill(ids)
+        generated = 1
+        while generated < max_tokens:
+            result = decoder.round(max_tokens - generated)
+            taken = len(result.tokens) - 1
+            reached[: min(taken + 1, result.drafted)] += 1
+            accepted[:taken] += 1
+            produced, rounds, generated = produced + len(result.tokens), rounds + 1, generated + len(result.tokens)
+            if result.tokens[-1] in tokenizer.eos_token_ids or any(t in tokenizer.eos_token_ids for t in result.tokens):
+                break
+    rates = [float(a / r) if r else 0.0 for a, r in zip(accepted, reached)]
+    return {"tau": produced / max(rounds, 1), "acceptance_by_depth": rates, "rounds": rounds}
+
+
+def calibration_pieces(model: nn.Module, tokenizer, prompts: Sequence[str], max_tokens: int) -> List[tuple]:
+    """The target's greedy answers to ``prompts``, as (token ids, answer) pieces."""
+    from ..features import greedy_batch
+
+    ids = [chat_tokens(tokenizer, [{"role": "user", "content": p}]) for p in prompts]
+    ids = sorted((i for i in ids if len(i) <= 256), key=len)
+    pieces = []
+    for start in range(0, len(ids), 16):
+        batch = ids[start:start + 16]
+        for prompt, tokens in zip(batch, greedy_batch(model, batch, max_tokens, tokenizer.eos_token_ids)):
+            pieces.append((tokens, np.arange(len(tokens)) >= len(prompt)))
+    return pieces
+
+
+def measure_acceptance(model: nn.Module, head, pieces: Sequence[tuple], depths: int = 8,
+                       ranks: int = 8) -> np.ndarray:
+    """p[d][r]: how often the target's token is the head's rank-r draft at depth d + 1,
+    given the path to it is right (the head unrolled as in training-time test)."""
+    hits = np.zeros((depths, ranks))
+    totals = np.zeros(depths)
+    lookup = None
+    if head.family == "eagle3":  # target ids -> draft ids; -1 where the draft vocabulary lacks one
+        draft_size = head.d2t.shape[0]
+        lookup = mx.full((model.args.vocab_size,), -1, dtype=mx.int32)
+        lookup[head.target_ids(mx.arange(draft_size))] = mx.arange(draft_size, dtype=mx.int32)
+    taps = head.taps(model.args.num_hidden_layers)
+    for start in range(0, len(pieces), 4):
+        batch = make_batch(pieces[start:start + 4])
+        tokens, index = batch["tokens"], batch["index"]
+        position = index % tokens.shape[1]
+        truth = shift(tokens, -2).reshape(-1)[index]  # token t + 2 at position t
+        if lookup is not None:
+            truth = lookup[truth]
+        features, _ = target_states(model, tokens, taps)
+        for step, logits in ttt_unroll(head, model, tokens, features, depths):
+            logits = logits.reshape(-1, logits.shape[-1])[index]
+            valid = (position >= step) & (truth >= 0)
+            chosen = mx.take_along_axis(logits, mx.maximum(truth, 0)[:, None], axis=-1)
+            rank = (logits > chosen).sum(-1)
+            rank, valid = np.array(rank), np.array(valid)
+            totals[step] += (position >= step).sum().item()
+            for r in range(ranks):
+                hits[step, r] += ((rank == r) & valid).sum()
+    return hits / np.maximum(totals, 1)[:, None]

@@ -1,0 +1,86 @@
+"""The training recipe: its settings, checked once, the learning-rate schedule and how an
+epoch is cut into packed micro-batches (a pure function of seed and epoch, so a resumed
+run trains on exactly the batches an uninterrupted one would)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import List, Sequence
+
+import mlx.optimizers as optim
+import numpy as np
+
+from ..errors import UserError
+
+
+@dataclass
+class TrainConfig:
+    family: str = "eagle3"
+    steps: int = 2000
+    tokens_per_batch: int = 4096  # rows x padded length of one micro-batch
+    grad_accum: int = 1  # micro-batches per optimizer step
+    seq_len: int = 1024
+    lr: float = 5e-4
+    warmup: int = 100
+    weight_decay: float = 0.0
+    clip: float = 0.5
+    ttt_steps: int = 5
+    step_decay: float = 0.8
+    checkpoint_every: int = 200
+    seed: int = 0
+    pad_multiple: int = 64  # batch lengths are rounded up to this, so compiled steps see few shapes
+    compile: bool = True
+    # Recipe levers (off by default; README's ablations):
+    mask_outside_draft: bool = False  # positions whose target choice is outside the draft vocabulary do not count
+    feature_noise: float = 0.0  # uniform noise in (-x, x) on the target's states, as EAGLE-1 trains
+    train_embeddings: bool = False  # the head gets an embedding of its own (the target's to start), trained
+
+    def __post_init__(self) -> None:
+        """One line naming a setting no run could train with."""
+        at_least = {"steps": 1, "tokens_per_batch": 1, "grad_accum": 1, "seq_len": 2, "warmup": 0, "ttt_steps": 1,
+                    "checkpoint_every": 1, "seed": 0, "pad_multiple": 1}
+        for name, low in at_least.items():
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise UserError(f"{name.replace('_', '-')} must be a whole number, {low} or more, not {value!r}")
+        for name in ("lr", "weight_decay", "clip", "step_decay", "feature_noise"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0 or \
+                    (name == "lr" and value == 0):
+                raise UserError(f"{name.replace('_', '-')} must be a finite number, 0 or more"
+                                f"{' (above 0)' if name == 'lr' else ''}, not {value!r}")
+        if self.mask_outside_draft and self.family != "eagle3":
+            raise UserError("mask-outside-draft is for EAGLE-3 heads, which draft from a draft vocabulary")
+
+
+def learning_rate(config: TrainConfig):
+    warmup = max(1, min(config.warmup, config.steps - 1))
+    return optim.join_schedules(
+        [optim.linear_schedule(config.lr / warmup, config.lr, warmup),
+         optim.cosine_decay(config.lr, max(1, config.steps - warmup), config.lr * 0.05)],
+        [warmup],
+    )
+
+
+def padded_length(length: int, multiple: int) -> int:
+    return -(-length // multiple) * multiple
+
+
+def epoch_batches(lengths: Sequence[int], config: TrainConfig, epoch: int) -> List[List[int]]:
+    """The micro-batches of one epoch, a pure function of (seed, epoch), so a resumed run
+    sees exactly the batches an uninterrupted one would. The epoch is shuffled, then cut
+    into windows whose pieces are sorted by length and packed by tokens: each micro-batch
+    holds as many rows of its padded length as ``tokens_per_batch`` allows, so little of
+    it is padding and a long piece does not make a batch larger."""
+    rng = np.random.default_rng(config.seed + epoch)
+    order = rng.permutation(len(lengths))
+    batches = []
+    window = max(64, 16 * config.tokens_per_batch // max(1, int(np.mean(lengths))))
+    for start in range(0, len(order), window):
+        part = sorted(order[start:start + window], key=lambda i: -lengths[i])
+        while part:
+            rows = max(1, config.tokens_per_batch // padded_length(lengths[part[0]], config.pad_multiple))
+            batches.append([int(i) for i in part[:rows]])
+            part = part[rows:]
+    return [batches[i] for i in rng.permutation(len(batches))]

@@ -1,0 +1,122 @@
+"""The package's layout holds: no import circles anywhere in it (imports inside functions
+count too), the runtime never imports the tools or the apps above it, mlx_eagle is the
+only package installed, and every documented entry point is a module that exists."""
+
+import ast
+import re
+import tomllib
+from pathlib import Path
+from typing import Dict, Set
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "mlx_eagle"
+# What the runtime (target, drafters, trees, verify, decoder, generation, plan) must not reach.
+TOOLS_AND_APPS = ("mlx_eagle.bench", "mlx_eagle.tune", "mlx_eagle.train", "mlx_eagle.chat", "mlx_eagle.server")
+RUNTIME = ("mlx_eagle.target", "mlx_eagle.trees", "mlx_eagle.verify", "mlx_eagle.decoder", "mlx_eagle.generate",
+           "mlx_eagle.plan", "mlx_eagle.drafters", "mlx_eagle.costs", "mlx_eagle.calibrate", "mlx_eagle.heads",
+           "mlx_eagle.models", "mlx_eagle.session", "mlx_eagle.architectures")
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def modules() -> Dict[str, Path]:
+    return {module_name(p): p for p in PACKAGE.rglob("*.py")}
+
+
+def imports(name: str, path: Path, known: Set[str]) -> Set[str]:
+    """The package modules ``name`` imports, anywhere in its file."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[:len(package.split(".")) - (node.level - 1)]
+                base = ".".join(anchor + ([base] if base else []))
+            targets = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in known else base for alias in node.names]
+        else:
+            continue
+        for target in targets:
+            while target and target not in known:  # a name inside a module: the module
+                target = target.rpartition(".")[0]
+            if target and target != name:
+                found.add(target)
+    return found
+
+
+def graph() -> Dict[str, Set[str]]:
+    found = modules()
+    return {name: imports(name, path, set(found)) for name, path in found.items()}
+
+
+def test_no_module_imports_itself_through_others():
+    edges = graph()
+    index, low, stack, on_stack, circles = {}, {}, [], set(), []
+
+    def visit(node):  # Tarjan's strongly connected components
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for other in edges[node]:
+            if other not in index:
+                visit(other)
+                low[node] = min(low[node], low[other])
+            elif other in on_stack:
+                low[node] = min(low[node], index[other])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                circles.append(sorted(component))
+
+    for node in edges:
+        if node not in index:
+            visit(node)
+    assert circles == [], circles
+
+
+def test_the_runtime_never_imports_the_tools_or_apps():
+    edges = graph()
+    reach = {}
+
+    def reachable(node, seen):
+        for other in edges[node]:
+            if other not in seen:
+                seen.add(other)
+                reachable(other, seen)
+        return seen
+
+    for name in edges:
+        if name.startswith(RUNTIME):
+            reach[name] = {m for m in reachable(name, set()) if m.startswith(TOOLS_AND_APPS)}
+    assert {name: found for name, found in reach.items() if found} == {}
+
+
+def test_mlx_eagle_is_the_only_installed_package_and_every_script_exists():
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert project["tool"]["setuptools"]["packages"]["find"]["include"] == ["mlx_eagle*"]
+    known = modules()
+    for script, target in project["project"]["scripts"].items():
+        module, _, function = target.partition(":")
+        assert module in known, script
+        assert re.search(rf"^def {function}\(", known[module].read_text(), re.M), script
+
+
+def test_every_python_m_path_in_the_readme_is_a_module():
+    known = modules()
+    documented = set(re.findall(r"python -m (mlx_eagle[\w.]*)", (ROOT / "README.md").read_text()))
+    assert documented
+    for name in documented:
+        assert name in known or f"{name}.__main__" in known, name
