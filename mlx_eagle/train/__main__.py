@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
+import time
 from dataclasses import asdict
 from pathlib import Path
 from typing import Optional, Sequence
@@ -57,8 +59,15 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parser.add_argument("--skip-eval", action="store_true", help="write the head without measuring acceptance")
     parser.add_argument("--no-compile", dest="compile", action="store_false", help="run the training step "
                         "uncompiled (mx.compile traces each new batch shape once)")
-    parser.add_argument("--quiet", action="store_true")
+    parser.add_argument("--time-budget", type=float, metavar="SECONDS", help="train as many steps as fit in "
+                        "SECONDS of wall clock (--steps is then ignored): a few probe steps measure a step's time, "
+                        "the schedule is sized to end in time, and the head is written after every sixth of the "
+                        "steps, so a run cut off still leaves its latest head (for a lent GPU's fixed time)")
+    parser.add_argument("--init", type=Path, metavar="HEAD", help="start from a head this trainer wrote (the same "
+                        "draft vocabulary), to add epochs to it")
+    parser.add_argument("--quiet", action="store_true", help="no progress bars")
     args = parser.parse_args(argv)
+    started = time.monotonic()
 
     import mlx.core as mx
     import numpy as np
@@ -68,7 +77,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     from .evaluate import acceptance_by_depth
     from .pieces import d2t_t2d, draft_vocabulary, self_distilled_pieces, sharegpt_pieces
     from .store import StateStore
-    from .trainer import Trainer, head_to_train, plot_curves
+    from ..files import write_atomically
+    from .trainer import Trainer, head_to_train, plot_curves, steps_within
 
     # What is wrong with the arguments is said before the model loads.
     config = TrainConfig(family=args.family, **{k: getattr(args, k) for k in asdict(defaults) if k != "family"})
@@ -77,6 +87,10 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                              ("max-answer-tokens", args.max_answer_tokens, 1)):
         if value is not None and value < low:
             raise UserError(f"--{name} must be {low} or more, not {value}")
+    if args.time_budget is not None and not args.time_budget > 0:
+        raise UserError(f"--time-budget must be a number of seconds above 0, not {args.time_budget}")
+    if args.init is not None and not (args.init / "config.json").exists():
+        raise UserError(f"--init {args.init} is not a head directory (no config.json); pass a head this trainer wrote")
     if args.mix_self and args.answers != "sharegpt":
         raise UserError("--mix-self adds the target's own answers to ShareGPT's; it needs --answers sharegpt")
     work = args.work or args.out.with_name(args.out.name + ".work")
@@ -115,7 +129,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         pieces = pieces + self_distilled_pieces(model, tokenizer, root, args.mix_self, 0, args.max_answer_tokens,
                                                 progress)[0]
     vocab = np.load(vocab_path)
-    head = head_to_train(model, config.family, vocab["used"], config.seed, config.train_embeddings)
+    head = head_to_train(model, config.family, vocab["used"], config.seed, config.train_embeddings, args.init)
     store = None
     if args.store_features:
         store = StateStore(args.store_features, model, pieces, head.taps(model.args.num_hidden_layers),
@@ -127,17 +141,33 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         if speed:
             print(f"target states: {store.meta['tokens']:,} tokens in {args.store_features}, {speed:.0f} tokens/s")
     if args.prepare_only:
+        print(f"prepared {len(pieces)} pieces ({sum(int(a.sum()) for _, a in pieces):,} answer tokens) and the draft "
+              f"vocabulary {vocab_path.name} in {root}", file=sys.stderr)
         return
-    trainer = Trainer(model, head, pieces, config, work, used=vocab["used"], progress=progress, store=store)
+
+    def write_head() -> None:
+        save_head(head, args.out, dtype=getattr(mx, args.save_dtype))
+        # Whom it drafts for, so that shipped in mlx_eagle/weights/ it is found by --draft auto.
+        write_atomically(args.out / TARGET_FILE, json.dumps(target_identity(model), indent=1) + "\n")
+
+    def make_trainer(run_config: TrainConfig, run_work: Path) -> Trainer:
+        return Trainer(model, head, pieces, run_config, run_work, used=vocab["used"], progress=progress, store=store)
+
+    if args.time_budget is not None:
+        config = steps_within(make_trainer, config, args.time_budget - (time.monotonic() - started), work)
+        head = head_to_train(model, config.family, vocab["used"], config.seed, config.train_embeddings, args.init)
+    trainer = make_trainer(config, work)
     if config.family == "eagle3" and not np.array_equal(np.array(head.d2t), vocab["d2t"]):
         raise UserError(f"the checkpoint in {work} was trained with another draft vocabulary than {vocab_path}; "
                         "pass a new --work")
-    trainer.run()
+    chunk = max(1, config.steps // 6) if args.time_budget is not None else config.steps
+    while trainer.step < config.steps:
+        trainer.run(stop_after=min(config.steps, trainer.step + chunk))
+        if world.rank() == 0 and trainer.step < config.steps:
+            write_head()  # a run cut off at its time limit leaves its latest head
     if world.rank() != 0:
         return
-    save_head(head, args.out, dtype=getattr(mx, args.save_dtype))
-    # Whom it drafts for, so that shipped in mlx_eagle/weights/ it is found by --draft auto.
-    (args.out / TARGET_FILE).write_text(json.dumps(target_identity(model), indent=1) + "\n")
+    write_head()
     plot_curves(work / "log.jsonl", work / "curves.png")
     if args.skip_eval:
         return
@@ -145,7 +175,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     result = acceptance_by_depth(model, tokenizer, load_head(args.out, model), held_out)
     result.update(answers=args.answers, steps=config.steps,
                   tokens=int(sum(int(answer[:config.seq_len].sum()) for _, answer in pieces)))
-    (work / "eval.json").write_text(json.dumps(result, indent=2))
+    write_atomically(work / "eval.json", json.dumps(result, indent=2))
     # Acceptance by (depth, rank), beside the head: --tree auto builds its tree from it on any device.
     from ..calibrate import save_acceptance
     from .evaluate import calibration_pieces, measure_acceptance

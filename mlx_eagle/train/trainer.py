@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import shutil
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from functools import partial
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -25,14 +25,17 @@ from .store import StateStore
 from .ttt import eagle1_loss, eagle3_loss, target_states
 
 
-def head_to_train(target, family: str, used: np.ndarray, seed: int = 0, train_embeddings: bool = False):
+def head_to_train(target, family: str, used: np.ndarray, seed: int = 0, train_embeddings: bool = False,
+                  init: Optional[Path] = None):
     """A new head for training, in float32 whatever the target's dtype (a bfloat16 or
     quantized target on a GPU would otherwise give a bfloat16 head to AdamW). An EAGLE-3
     head starts speaking the target's output language: its final norm and reduced LM head
     begin as the target's own (the draft vocabulary's rows of it), so training spends its
     steps on prediction rather than on relearning the vocabulary. ``train_embeddings``:
-    the head gets an embedding of its own, a copy of the target's, which training moves."""
-    from ..heads import new_head
+    the head gets an embedding of its own, a copy of the target's, which training moves.
+    ``init``: a head this trainer wrote before, whose weights it starts from."""
+    from ..errors import UserError
+    from ..heads import load_head, new_head
 
     head = new_head(target, family, draft_vocab_size=len(used), seed=seed)
     if train_embeddings:
@@ -44,7 +47,36 @@ def head_to_train(target, family: str, used: np.ndarray, seed: int = 0, train_em
         head.d2t = mx.array(d2t_t2d(used, target.args.vocab_size)[0])
         head.norm.weight = target.model.norm.weight.astype(mx.float32)
         head.lm_head.weight = lm_head_rows(target, mx.eye(target.args.hidden_size), mx.array(used)).T.astype(mx.float32)
+    if init is not None:  # a quantized head (as shipped) is widened first
+        from mlx_lm.utils import dequantize_model
+
+        start = dequantize_model(load_head(init, target))
+        if family == "eagle3" and not np.array_equal(np.array(start.d2t), np.array(head.d2t)):
+            raise UserError(f"--init {init} drafts from another draft vocabulary than this run's")
+        try:
+            head.load_weights([(k, v.astype(mx.float32) if mx.issubdtype(v.dtype, mx.floating) else v)
+                               for k, v in tree_flatten(start.parameters())])
+        except ValueError as exc:
+            raise UserError(f"--init {init} is not a {family} head for this target ({str(exc)[:80]})") from None
     return head
+
+
+def steps_within(make_trainer, config: TrainConfig, seconds: float, work: Path, probe_steps: int = 10) -> TrainConfig:
+    """``config`` with as many steps as fit in ``seconds``: a probe trainer (in
+    work/probe, from the same start) times ``probe_steps`` steps, the median of the later
+    two thirds (after compiling) is taken with a 10% margin, and the warm-up scales along."""
+    probe = make_trainer(config, work / "probe")
+    times = []
+    for _ in range(probe_steps):
+        tic = time.perf_counter()
+        probe.train_step()
+        probe.step += 1
+        times.append(time.perf_counter() - tic)
+    shutil.rmtree(work / "probe", ignore_errors=True)
+    step = float(np.median(times[len(times) // 3:]))
+    steps = max(2, int((seconds - sum(times) - 45) / (1.1 * step)))
+    print(f"a step takes {step:.2f} s here: {steps} steps fit in the time budget", flush=True)
+    return replace(config, steps=steps, warmup=max(min(config.warmup, steps // 2), steps // 30))
 
 
 class Trainer:

@@ -13,7 +13,7 @@ tau those rates imply (1 + a1 + a1 a2 + ...). Resumable: the store, each run and
 evaluation pick up where they were.
 
     python -m mlx_eagle.train --out x --data DATA --seq-len 512 --prepare-only   # the tokens and vocabulary
-    python results/recipe_ablations.py DATA RUNS [--seq-len 512] [--subset 500] [--steps 100]
+    python benchmarks/recipe_ablations.py DATA RUNS [--seq-len 512] [--subset 500] [--steps 100]
 """
 
 import argparse
@@ -28,7 +28,8 @@ from mlx_eagle.data import load_dialogues
 from mlx_eagle.heads import load_head
 from mlx_eagle.models import load
 from mlx_eagle.target import default_taps, lm_head
-from mlx_eagle.train import StateStore, main as train, make_batch, shift, ttt_unroll
+from mlx_eagle.train import StateStore, make_batch, shift, ttt_unroll
+from mlx_eagle.train.__main__ import main as train
 
 DEPTH = 5  # unrolled depths measured, deeper than TTT 3 trains, so every run is measured alike
 RUNS = {  # name: (flags changed against the reference, share of the reference's steps)
@@ -73,7 +74,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--tokens-per-batch", type=int, default=2048)
     parser.add_argument("--only", nargs="*", help="these runs only")
-    parser.add_argument("--out", type=Path, default=Path("results/recipe-ablations.json"))
+    parser.add_argument("--held-out", type=int, default=20, help="the --held-out of the --prepare-only run")
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "recipe-ablations.json")
     args = parser.parse_args()
     use_fast_blas()
     common = ["--data", str(args.data), "--seq-len", str(args.seq_len), "--subset", str(args.subset),
@@ -88,7 +90,7 @@ def main() -> None:
                "--warmup", str(max(1, round(0.03 * steps)))] + common + [f.format(runs=args.runs) for f in flags])
 
     model, _ = load(None)
-    pieces, _ = load_dialogues(args.data / f"dialogues-{args.seq_len}-all-20.npz")
+    pieces, _ = load_dialogues(next(args.data.glob(f"dialogues-{args.seq_len}-*-{args.held_out}.npz")))
     trained = set(np.random.default_rng(0).permutation(len(pieces))[: args.subset].tolist())  # as --subset (seed 0)
     held = [pieces[i] for i in np.random.default_rng(1).permutation(len(pieces)) if int(i) not in trained]
     held = held[: args.held_out_pieces]
@@ -111,9 +113,9 @@ def main() -> None:
         print(f"{name:20} agreement by depth {' '.join(f'{r:.3f}' for r in rates)}  chain tau {tau:.3f}  "
               f"{log[-1]['tokens_per_s']:.0f} answer tokens/s", flush=True)
     held_tokens = int(sum(int(answer.sum()) for _, answer in held))
-    args.out.write_text(json.dumps({"seq_len": args.seq_len, "subset": args.subset, "steps": args.steps, "tokens_per_batch": args.tokens_per_batch,
-                                    "held_out_pieces": len(held), "held_out_answer_tokens": held_tokens,
-                                    "runs": table}, indent=1) + "\n")
+    args.out.write_text(json.dumps({"seq_len": args.seq_len, "subset": args.subset, "steps": args.steps,
+                                    "tokens_per_batch": args.tokens_per_batch, "held_out_pieces": len(held),
+                                    "held_out_answer_tokens": held_tokens, "runs": table}, indent=1) + "\n")
     print(f"wrote {args.out}")
 
 

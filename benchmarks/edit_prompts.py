@@ -1,6 +1,6 @@
-"""Write results/edit-prompts.jsonl: edit-style prompts whose answers copy from the prompt.
+"""Write benchmarks/prompts/edit.jsonl: edit-style prompts whose answers copy from the prompt.
 
-    python results/edit_prompts.py
+    python benchmarks/edit_prompts.py [--out benchmarks/prompts/edit.jsonl]
 
 Chosen by rule, not by hand: the first four ShareGPT first turns (file order, 200 to
 1,500 characters, MT-bench removed) that start with a verb of each kind (rewrite, fix,
@@ -8,6 +8,7 @@ reformat, code edit: a rewrite/convert/refactor/translate request holding code),
 four MT-bench extraction questions that quote the text to extract from.
 """
 
+import argparse
 import json
 import re
 from pathlib import Path
@@ -26,6 +27,9 @@ EXTRACTION = (131, 133, 135, 137, 139, 140)
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "prompts" / "edit.jsonl")
+    out = parser.parse_args().out
     chosen = {kind: [] for kind in KINDS}
     seen = set()
     for prompt in sharegpt_prompts():
@@ -34,7 +38,8 @@ def main() -> None:
             continue
         has_code = bool(CODE.search(text))
         for kind, pattern in KINDS.items():
-            if len(chosen[kind]) < PER_KIND and re.match(pattern, text, re.I) and has_code == (kind in ("fix", "code-edit")):
+            wanted = len(chosen[kind]) < PER_KIND and has_code == (kind in ("fix", "code-edit"))
+            if wanted and re.match(pattern, text, re.I):
                 chosen[kind].append(text)
                 seen.add(text[:60])
                 break
@@ -43,7 +48,7 @@ def main() -> None:
     questions = {q["question_id"]: q for q in mtbench_questions()}
     records += [{"id": f"mt-bench-{qid}", "category": "extract", "prompt": questions[qid]["turns"][0]}
                 for qid in EXTRACTION]
-    out = Path(__file__).with_name("edit-prompts.jsonl")
+    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
     print(f"wrote {len(records)} prompts to {out}")
 

@@ -4,10 +4,12 @@
    forward costs almost nothing, with a random EAGLE-3 head (tau ~1), decoded through
    the public stream_generate: time per token against plain mlx_lm.stream_generate.
    Methods alternate within each repeat; the medians are reported.
-2. SmolLM2-135M-Instruct with the shipped head: where a round's time goes (draft,
-   verify, accept, host), each phase timed to the end of its device work.
+2. SmolLM2-135M-Instruct with the shipped head: where a round's time goes, through the
+   decoder's phase hook, each phase timed to the end of its device work: waiting for the
+   tree drafted the round before (and any context draft), verifying and accepting it, and
+   the drafters observing what was committed (where the head drafts the next tree).
 
-    python results/round_overhead.py [--tokens 256] [--repeats 7] [--out results/round-overhead.json]
+    python benchmarks/round_overhead.py [--tokens 256] [--repeats 7] [--out benchmarks/results/round-overhead.json]
 """
 
 import argparse
@@ -20,13 +22,11 @@ import mlx.core as mx
 from mlx_lm import stream_generate as mlx_lm_stream_generate
 from mlx_lm.models import llama
 
-from mlx_eagle import load, stream_generate
+from mlx_eagle import load, plan_drafts, stream_generate
 from mlx_eagle.cli import use_fast_blas
-from mlx_eagle.decoder import SpeculativeDecoder
+from mlx_eagle.decoder import PHASES, SpeculativeDecoder
 from mlx_eagle.heads import new_head
-from mlx_eagle.target import keep_cache_entries
-from mlx_eagle.trees import parse_tree
-from mlx_eagle.verify import Sampling, accept
+from mlx_eagle.verify import Sampling
 
 SETTINGS = {  # name: (tree, lookup)
     "none": ("none", False),
@@ -35,7 +35,6 @@ SETTINGS = {  # name: (tree, lookup)
     "static:default": ("static:default", False),
     "dynamic": ("dynamic:topk=4,depth=5,tokens=16", False),
 }
-PHASES = ("draft", "verify", "accept", "host")
 
 
 def tiny_target(tokenizer, tokens: int, repeats: int) -> dict:
@@ -72,36 +71,27 @@ def tiny_target(tokenizer, tokens: int, repeats: int) -> dict:
 
 
 def phases_of_a_round(model, head, tree: str, prompt, rounds: int) -> dict:
-    """Milliseconds per round in each phase, the decoder's own steps run one by one
-    with the device drained after each (so the phases do not overlap as they do in
-    decoding: the sum is a little more than a real round)."""
-    decoder = SpeculativeDecoder(model, head, parse_tree(tree), Sampling())
+    """Milliseconds per round in each phase (PHASES, the decoder's own), the device
+    drained at each (so the phases do not overlap as they do in decoding: the sum is a
+    little more than a real round)."""
+    marks = {}
+
+    def mark(phase: str) -> None:
+        mx.synchronize()
+        marks[phase] = time.perf_counter()
+
+    decoder = SpeculativeDecoder(model, plan_drafts(model, head, tree, lookup=False).drafter(), Sampling(),
+                                 on_phase=mark)
     decoder.prefill(prompt)
     spent = {phase: [] for phase in PHASES}
     produced = 0
     for _ in range(rounds):
-        tic = time.perf_counter()
-        draft, tokens = decoder._head_tree(64)
-        mx.eval(tokens)
-        drafted = time.perf_counter()
-        start = decoder.target_cache[0].offset
-        out = decoder._verify(draft, tokens)
-        mx.eval(out.logits, out.features)
-        verified = time.perf_counter()
-        verdict = accept(draft, tokens, out.logits, decoder.sampling)
-        accepted = time.perf_counter()
-        kept = [0] + [n + 1 for n in verdict.path]
-        keep_cache_entries(decoder.target_cache, start, kept)
-        decoder.root = verdict.bonus
-        decoder.drafted = decoder._draft(out.features[mx.array(kept)], verdict.tokens + [verdict.bonus])
-        mx.eval(decoder.drafted[1])
-        done = time.perf_counter()
-        produced += len(verdict.path) + 1
-        # the next round's draft is built here, in the round before it is used
-        spent["draft"].append(done - accepted)
-        spent["verify"].append(verified - drafted)
-        spent["accept"].append(accepted - verified)
-        spent["host"].append(drafted - tic)
+        mx.synchronize()
+        before = time.perf_counter()
+        produced += len(decoder.round(64).tokens)
+        for phase in PHASES:
+            spent[phase].append(marks[phase] - before)
+            before = marks[phase]
     row = {phase: 1000 * statistics.mean(times[2:]) for phase, times in spent.items()}
     row["round"] = sum(row.values())
     row["tokens_per_round"] = produced / rounds
@@ -125,7 +115,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--rounds", type=int, default=40, help="SmolLM2 rounds timed per tree")
-    parser.add_argument("--out", type=Path, default=Path(__file__).with_name("round-overhead.json"))
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "round-overhead.json")
     args = parser.parse_args()
     _, tokenizer = load()
     tiny = tiny_target(tokenizer, args.tokens, args.repeats)

@@ -10,8 +10,9 @@ Floating-point work is counted analytically (matmuls and attention, forward of t
 forward and backward of the head: backward = 2 x forward) and divided by the step time;
 the machine's rate is a 2048 x 2048 float32 matmul timed in the same run.
 
-    python results/train_speed.py [--steps 5] [--out results/train-speed.json]
-    python results/train_speed.py --rows 1 --length 2048 --ttt 5 --modes compiled --out results/train-speed-2048-ttt5.json
+    python benchmarks/train_speed.py [--steps 5] [--out benchmarks/results/train-speed.json]
+    python benchmarks/train_speed.py --rows 1 --length 2048 --ttt 5 --modes compiled \
+        --out benchmarks/results/train-speed-2048-ttt5.json
 """
 
 import argparse
@@ -103,8 +104,9 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=4)
     parser.add_argument("--length", type=int, default=400)
     parser.add_argument("--ttt", type=int, default=3)
-    parser.add_argument("--modes", nargs="+", default=["compiled", "eager", "stored"], choices=["compiled", "eager", "stored"])
-    parser.add_argument("--out", type=Path, default=Path("results/train-speed.json"))
+    parser.add_argument("--modes", nargs="+", default=["compiled", "eager", "stored"],
+                        choices=["compiled", "eager", "stored"])
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "train-speed.json")
     args = parser.parse_args()
     ROWS, LENGTH, TTT = args.rows, args.length, args.ttt  # noqa: N806
     use_fast_blas()
@@ -122,7 +124,8 @@ def main() -> None:
         timed = {mode: time_steps(target, pieces, used, mode, args.steps, Path(work) / mode, TTT)
                  for mode in args.modes}
     target_s = time_target(target, pieces, args.steps)
-    results = {"matmul_gflops": rate, "recipe": {"rows": ROWS, "length": LENGTH, "ttt_steps": TTT, "draft_vocab": 8192},
+    results = {"matmul_gflops": rate,
+               "recipe": {"rows": ROWS, "length": LENGTH, "ttt_steps": TTT, "draft_vocab": 8192},
                "gflop_per_step": flops / 1e9, "target_gflop_per_step": (flops - no_target) / 1e9,
                "target_forward_s": target_s}
     before = BEFORE_S if (ROWS, LENGTH, TTT) == (4, 400, 3) else None  # 985e530 was timed on this recipe only
@@ -131,7 +134,8 @@ def main() -> None:
     for mode, seconds in timed.items():
         work = no_target if mode == "stored" else flops  # a stored step does not run the target
         head_s = seconds if mode == "stored" else seconds - target_s
-        results[mode] = {"s_per_step": seconds, "tokens_per_s": ROWS * LENGTH / seconds, "gflops": work / seconds / 1e9,
+        results[mode] = {"s_per_step": seconds, "tokens_per_s": ROWS * LENGTH / seconds,
+                         "gflops": work / seconds / 1e9,
                          "fraction_of_matmul_rate": work / seconds / 1e9 / rate, "head_only_s": head_s}
         line = (f"{mode}: {seconds:.2f} s/step, {ROWS * LENGTH / seconds:.0f} tokens/s, {work / seconds / 1e9:.0f} "
                 f"GFLOP/s ({work / seconds / 1e9 / rate:.0%} of the matmul rate); the head's part {head_s:.2f} s")

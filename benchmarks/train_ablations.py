@@ -1,13 +1,15 @@
-"""Collect the held-out acceptance of the training ablations (one lever changed per run,
-same 150-step schedule) into results/train-ablations.json and print a table.
+"""Collect the held-out acceptance of training runs (one lever changed per run, the same
+schedule: each run's --work directory with its eval.json and log.jsonl) into
+benchmarks/results/train-ablations.json and print a table.
 
-    python results/train-ablations.py RUNS_DIR   # the --work directories of the runs in README
+    python benchmarks/train_ablations.py RUNS_DIR [OUT]
 """
 import json
 import sys
 from pathlib import Path
 
 runs = Path(sys.argv[1])
+out = Path(sys.argv[2]) if len(sys.argv) > 2 else Path(__file__).parent / "results" / "train-ablations.json"
 table = {}
 for evaluation in sorted(runs.glob("*.work/eval.json")):
     name = evaluation.parent.name[: -len(".work")]
@@ -16,7 +18,6 @@ for evaluation in sorted(runs.glob("*.work/eval.json")):
     result["final_step_accuracy"] = log[-1]["step_accuracy"]
     result["tokens_per_s"] = log[-1]["tokens_per_s"]
     table[name] = result
-out = Path(__file__).with_suffix(".json")
 out.write_text(json.dumps(table, indent=2) + "\n")
 print(f"{'run':24} {'held-out tau':>12} {'acceptance by depth':>28} {'train tok/s':>12}")
 for name, r in table.items():

@@ -3,14 +3,14 @@
 A synthetic Qwen3-MoE-shaped target (random weights: 8 layers, width 512, 64 experts of
 width 256, 4 per token) against a dense twin with the same active width (one MLP of
 4 x 256): the time of one verification over k new tokens after 256 cached, as the
-runtime measures it for --tree auto (``calibrate.measure_verify_costs``: k distinct
+runtime measures it for its cost model (``costs.time_forwards``: k distinct
 tokens) and, for contrast, over k copies of one token; and how many distinct experts
 a layer runs for k tokens. A dense layer reads its weights once for any k; an MoE layer
 reads every expert some token picked, so its curve climbs with k until all experts are
 touched: trees pay more on MoE targets, and calibration must time distinct tokens to
 see it.
 
-    python results/moe_verify_cost.py [--out results/moe-verify-cost.json]
+    python benchmarks/moe_verify_cost.py [--layers 8] [--out benchmarks/results/moe-verify-cost.json]
 """
 
 import argparse
@@ -24,9 +24,10 @@ from mlx.utils import tree_map
 import numpy as np
 from mlx_lm.models import switch_layers
 
-from mlx_eagle.calibrate import CALIBRATION_SIZES, measure_verify_costs
+from mlx_eagle.costs import CALIBRATION_SIZES, time_forwards
 from mlx_eagle.cli import use_fast_blas
-from mlx_eagle.target import make_cache, model_classes, target_forward
+from mlx_eagle.architectures import model_classes
+from mlx_eagle.target import make_cache, target_forward
 
 SHAPE = {"hidden_size": 512, "num_hidden_layers": 8, "num_attention_heads": 8, "num_key_value_heads": 4,
          "head_dim": 64, "rms_norm_eps": 1e-6, "rope_theta": 1e6, "vocab_size": 32000, "max_position_embeddings": 4096,
@@ -46,7 +47,7 @@ def build(config: dict):
 
 
 def repeated_token_costs(model, context: int = 256, repeats: int = 3) -> dict:
-    """As measure_verify_costs, but the k new tokens are one token repeated."""
+    """As costs.time_forwards, but the k new tokens are one token repeated."""
     rng = np.random.default_rng(0)
     cache = make_cache(model)
     mx.eval(target_forward(model, mx.array([rng.integers(100, 30000, context).tolist()]), cache, 0, "causal").logits)
@@ -55,7 +56,8 @@ def repeated_token_costs(model, context: int = 256, repeats: int = 3) -> dict:
         times = []
         for _ in range(repeats + 1):
             tic = time.perf_counter()
-            mx.eval(target_forward(model, mx.full((1, size), 1234), cache, context, "causal" if size > 1 else None).logits)
+            mask = "causal" if size > 1 else None
+            mx.eval(target_forward(model, mx.full((1, size), 1234), cache, context, mask).logits)
             times.append(1000 * (time.perf_counter() - tic))
             for layer_cache in cache:
                 layer_cache.trim(size)
@@ -87,13 +89,14 @@ def experts_touched(model, sizes=CALIBRATION_SIZES) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=Path("results/moe-verify-cost.json"))
+    parser.add_argument("--layers", type=int, default=SHAPE["num_hidden_layers"], help="of both models")
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "moe-verify-cost.json")
     args = parser.parse_args()
     use_fast_blas()
-    moe, dense = build(MOE), build(DENSE)
+    moe, dense = build(dict(MOE, num_hidden_layers=args.layers)), build(dict(DENSE, num_hidden_layers=args.layers))
     curves = {
-        "dense, distinct tokens": measure_verify_costs(dense, repeats=3).ms,
-        "MoE, distinct tokens (what calibration times)": measure_verify_costs(moe, repeats=3).ms,
+        "dense, distinct tokens": time_forwards(dense, repeats=3),
+        "MoE, distinct tokens (what calibration times)": time_forwards(moe, repeats=3),
         "MoE, one token repeated": repeated_token_costs(moe),
     }
     touched = experts_touched(moe)

@@ -1,0 +1,84 @@
+"""Every script under benchmarks/ runs at HEAD: each is run here with tiny sizes and must
+write its JSON. (The figures in README and docs/ come from the same scripts at full size.)"""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCHMARKS = ROOT / "benchmarks"
+
+
+def run(script: str, *args, timeout: int = 600) -> subprocess.CompletedProcess:
+    result = subprocess.run([sys.executable, str(BENCHMARKS / script), *map(str, args)], capture_output=True,
+                            text=True, timeout=timeout, cwd=ROOT)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    return result
+
+
+def test_every_benchmark_script_has_a_smoke_test_here():
+    scripts = {p.name for p in BENCHMARKS.glob("*.py")}
+    tested = {name for name in scripts if f'"{name}"' in Path(__file__).read_text()}
+    assert scripts and scripts == tested, scripts - tested
+
+
+def test_moe_verify_cost(tmp_path):
+    run("moe_verify_cost.py", "--layers", 1, "--out", tmp_path / "moe.json")
+    result = json.loads((tmp_path / "moe.json").read_text())
+    assert len(result["verify_ms"]) == 3 and all(len(curve) == 9 for curve in result["verify_ms"].values())
+
+
+def test_train_ablations_collects_runs(tmp_path):
+    work = tmp_path / "runs" / "reference.work"
+    work.mkdir(parents=True)
+    (work / "eval.json").write_text(json.dumps({"tau": 1.2, "acceptance_by_depth": [0.2, 0.1]}))
+    (work / "log.jsonl").write_text(json.dumps({"step": 2, "step_accuracy": [0.1], "tokens_per_s": 100.0}) + "\n")
+    run("train_ablations.py", tmp_path / "runs", tmp_path / "table.json")
+    assert json.loads((tmp_path / "table.json").read_text())["reference"]["tau"] == 1.2
+
+
+@pytest.mark.slow  # reads ShareGPT and MT-bench
+def test_edit_prompts(tmp_path):
+    run("edit_prompts.py", "--out", tmp_path / "edit.jsonl")
+    records = [json.loads(line) for line in (tmp_path / "edit.jsonl").read_text().splitlines()]
+    shipped = [json.loads(line) for line in (BENCHMARKS / "prompts" / "edit.jsonl").read_text().splitlines()]
+    assert records == shipped  # the prompts the figures were measured on are the rule's
+
+
+@pytest.mark.slow  # the real model
+def test_round_overhead(tmp_path):
+    run("round_overhead.py", "--tokens", 6, "--repeats", 1, "--rounds", 4, "--out", tmp_path / "round.json")
+    result = json.loads((tmp_path / "round.json").read_text())
+    assert result["methods"]["mlx_lm"]["vs_mlx_lm"] == 1.0
+    assert set(result["smollm2_round_ms"]["chain:4"]) >= {"drafted", "verified", "observed", "round"}
+
+
+@pytest.mark.slow  # the real model
+def test_chat_cache_reuse(tmp_path):
+    run("chat_cache_reuse.py", "--questions", 1, "--max-tokens", 4, "--out", tmp_path / "chat.json")
+    rows = json.loads((tmp_path / "chat.json").read_text())
+    assert len(rows) == 2 and rows[1]["cached"] > 0
+
+
+@pytest.mark.slow  # the real model
+def test_train_speed(tmp_path):
+    run("train_speed.py", "--steps", 1, "--rows", 1, "--length", 32, "--ttt", 1, "--modes", "compiled", "stored",
+        "--out", tmp_path / "speed.json")
+    result = json.loads((tmp_path / "speed.json").read_text())
+    assert result["compiled"]["s_per_step"] > 0 and result["stored"]["s_per_step"] > 0
+
+
+@pytest.mark.slow  # the real model and ShareGPT
+def test_recipe_ablations(tmp_path):
+    data, runs = tmp_path / "data", tmp_path / "runs"
+    prepare = subprocess.run([sys.executable, "-m", "mlx_eagle.train", "--out", tmp_path / "x", "--data", data,
+                              "--seq-len", "64", "--prompts", "12", "--held-out", "2", "--draft-vocab", "512",
+                              "--prepare-only", "--quiet"], capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert prepare.returncode == 0, prepare.stderr[-3000:]
+    run("recipe_ablations.py", data, runs, "--seq-len", 64, "--subset", 6, "--steps", 2, "--tokens-per-batch", 128,
+        "--held-out-pieces", 2, "--held-out", 2, "--only", "reference", "--out", tmp_path / "ablations.json")
+    result = json.loads((tmp_path / "ablations.json").read_text())
+    assert len(result["runs"]["reference"]["held_out_agreement_by_depth"]) == 5
