@@ -70,16 +70,21 @@ def _kind(name: str):
     return next(kind for kind in kind_modules() if kind.NAME == name)
 
 
-def directory_kind(directory: Path):
-    """The kind whose drafter ``directory`` holds, or one line saying what it looks like."""
-    config = read_config(directory, "a drafter's directory (an EAGLE head, ...)")
+def path_kind(path: Path):
+    """The kind whose drafter ``path`` (a directory, or a file such as a GGUF) holds, or one
+    line saying what it looks like."""
+    config = read_config(path, "a drafter's directory (an EAGLE head, a draft model, ...)") if path.is_dir() else None
     for kind in kind_modules():
-        if kind.recognizes(directory, config):
+        if kind.recognizes(path, config):
             return kind
+    kinds = ", ".join(k.NAME for k in kind_modules())
+    if config is None:
+        raise UserError(f"draft {path} is a file that no drafter kind reads ({kinds}); pass a drafter's directory "
+                        "or a .gguf model")
     layers, model_type = config.get("num_hidden_layers"), config.get("model_type")
-    looks = f"a {model_type} model with {layers} layers" if model_type and layers else "no drafter this runtime knows"
-    raise UserError(f"{directory} looks like {looks}, not a drafter ({', '.join(k.NAME for k in kind_modules())}); "
-                    "a model goes to --model")
+    looks = f"a {model_type} model with {layers} layers and no tokenizer" if model_type and layers else \
+        "no drafter this runtime knows"
+    raise UserError(f"{path} looks like {looks}, not a drafter ({kinds})")
 
 
 def load_draft(draft: Union[str, Path, None, object], model: nn.Module):
@@ -101,9 +106,7 @@ def load_draft(draft: Union[str, Path, None, object], model: nn.Module):
             hint = f" (did you mean {close[0]!r}?)" if close else ""
             raise UserError(f"draft {draft} does not exist{hint}; pass a drafter's directory, or one of "
                             f"{', '.join(WORDS)}")
-        if not path.is_dir():
-            raise UserError(f"draft {draft} is a file; a drafter is a directory (config.json and safetensors)")
-        return directory_kind(path).load(path, model)
+        return path_kind(path).load(path, model)
     return draft
 
 

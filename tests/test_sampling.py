@@ -11,6 +11,8 @@ from mlx_lm.models import llama
 from mlx_lm.sample_utils import make_sampler
 
 from drafting import decoder as make_decoder
+from mlx_eagle.decoder import SpeculativeDecoder
+from mlx_eagle.drafters.draft_model import DraftModelDrafter
 from mlx_eagle.drafters.lookup import LookupDrafter
 from mlx_eagle.trees import TreeSpec
 from mlx_eagle.verify import Sampling
@@ -63,14 +65,18 @@ def chi_square_ok(counts: np.ndarray, expected_probs: np.ndarray) -> bool:
     return stat < critical
 
 
-def sample_first_three(model, draft, sampling: Sampling, lookup: bool = False, prompt=PROMPT):
+def sample_first_three(model, draft, sampling: Sampling, lookup: bool = False, prompt=PROMPT, drafter=None):
     """Counts of the first three tokens over SAMPLES seeds. ``lookup``: graft context
-    drafts onto every tree (a flat cost curve: always as long as they reach)."""
+    drafts onto every tree (a flat cost curve: always as long as they reach). ``drafter``:
+    makes the drafter of each decode instead (``draft`` and ``lookup`` unused)."""
     counts = np.zeros((VOCAB,) * 3)
     drafted_tokens = accepted_tokens = 0
     for seed in range(SAMPLES):
-        drafter = LookupDrafter(lambda tokens: 1.0, max_tokens=3) if lookup else None
-        decoder = make_decoder(model, draft, TREE, sampling, seed=seed, lookup=drafter)
+        if drafter is not None:
+            decoder = SpeculativeDecoder(model, drafter(), sampling, seed=seed)
+        else:
+            lookups = LookupDrafter(lambda tokens: 1.0, max_tokens=3) if lookup else None
+            decoder = make_decoder(model, draft, TREE, sampling, seed=seed, lookup=lookups)
         tokens = [decoder.prefill(prompt)]
         while len(tokens) < 3:
             result = decoder.round(3 - len(tokens))
@@ -110,6 +116,23 @@ def test_lookup_drafts_keep_the_target_distribution(six_token_model, head):
     counts, accepted = sample_first_three(six_token_model, draft, sampling, lookup=True, prompt=prompt)
     assert chi_square_ok(counts, joint)
     assert accepted > SAMPLES / 10  # lookup drafts were really accepted
+
+
+@pytest.mark.parametrize("draft", ["the target itself", "another model"])
+def test_draft_model_drafts_keep_the_target_distribution(six_token_model, draft):
+    """A draft model's greedy chains: the target itself (its argmax, accepted often) and a
+    model with other weights (drafts that are mostly wrong)."""
+    sampling = SETTINGS["temp 0.7, top-p 0.9, top-k 4, min-p 0.05"]
+    drafting = six_token_model
+    if draft == "another model":
+        mx.random.seed(8)
+        drafting = llama.Model(six_token_model.args)
+        mx.eval(drafting.parameters())
+    joint = exact_joint(six_token_model, sampling)
+    counts, accepted = sample_first_three(six_token_model, None, sampling,
+                                          drafter=lambda: DraftModelDrafter(drafting, lambda k: 1.0, 0.0, 3))
+    assert chi_square_ok(counts, joint)
+    assert accepted > (SAMPLES / 3 if draft == "the target itself" else 0)
 
 
 def test_a_biased_sampler_fails_the_check(six_token_model):

@@ -31,12 +31,13 @@ if TYPE_CHECKING:
     from ..trees import TreeSpec
 
 # The kinds of drafter, one module each: mlx_eagle.drafters.<kind>. A kind module defines
-#   NAME                         what --draft and the drafts: line call it
-#   recognizes(directory, config) -> bool   whether a --draft directory holds this kind
+#   NAME                         what the drafts: line calls it
+#   recognizes(path, config) -> bool   whether a --draft path holds this kind (config: its
+#                                config.json, None for a file)
 #   load(directory, model)       its weights for ``model``, as load_draft returns them
 #   accepts(draft) -> bool       whether a loaded draft (or an object the API is handed) is this kind's
 #   source(draft, model, settings) -> DraftSource   the drafter factory the plan keeps
-KINDS = ("eagle", "lookup")
+KINDS = ("eagle", "draft_model", "lookup")
 
 
 def kind_modules() -> List[ModuleType]:
@@ -89,11 +90,15 @@ class Proposal:
     tokens: mx.array  # [nodes] int32 target ids
 
     @staticmethod
-    def chain(tokens: Sequence[int]) -> "Proposal":
-        """``tokens`` in a row after the root."""
+    def chain(tokens: Union[Sequence[int], mx.array]) -> "Proposal":
+        """``tokens`` in a row after the root (a list, or an array still on the device)."""
+        count = len(tokens)
+        if isinstance(tokens, mx.array):
+            return Proposal(DraftTree([], list(range(-1, count - 1)), list(range(1, count + 1))),
+                            tokens.astype(mx.int32))
         tokens = [int(t) for t in tokens]
-        tree = DraftTree(tokens, list(range(-1, len(tokens) - 1)), list(range(1, len(tokens) + 1)))
-        return Proposal(tree, mx.array(tokens, dtype=mx.int32))
+        return Proposal(DraftTree(tokens, list(range(-1, count - 1)), list(range(1, count + 1))),
+                        mx.array(tokens, dtype=mx.int32))
 
     def host_tokens(self) -> List[int]:
         if len(self.tree.tokens) != len(self.tree):

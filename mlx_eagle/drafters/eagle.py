@@ -61,8 +61,10 @@ class EagleDrafter(Drafter):
         return Proposal(tree, proposal.tokens[:len(tree)])
 
 
-def recognizes(directory: Path, config: dict) -> bool:
+def recognizes(path: Path, config: Optional[dict]) -> bool:
     """An EAGLE head directory: one layer, as every EAGLE format has, or our own marks."""
+    if config is None:
+        return False
     architectures = config.get("architectures") or []
     return (config.get("family") in FAMILIES or "draft_vocab_size" in config
             or any(isinstance(a, str) and "eagle" in a.lower() for a in architectures)

@@ -21,9 +21,9 @@ from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import mlx.nn as nn
-import numpy as np
 
-from . import Budget, Drafter, DraftSettings, DraftSource, Outcome, Proposal
+from . import Budget, DraftSettings, DraftSource, Outcome, Proposal
+from .chains import ChainDrafter
 
 NAME = "lookup"
 
@@ -80,50 +80,21 @@ class LookupDraft:
     kind: int  # which acceptance history judges it: the match's length, and whether a copy goes on
 
 
-class LookupDrafter(Drafter):
-    """Proposes this round's lookup draft, as long as is expected to pay off.
-
-    ``cost(k)``: a target forward over k tokens, in plain decoding steps. The
-    probability that draft token j is accepted once tokens 1..j-1 were is estimated
-    from what this drafter saw accepted, shrunk towards the estimate for token j - 1
-    (deep positions start from what shallower ones show), separately for each kind of
-    draft: by the matched suffix's length, and by whether the last round's draft was
-    accepted whole (a copy under way goes on far more often than a new one starts).
-    """
-
-    PRIOR_RATE = 0.5  # first draft token of a match length never tried yet
-    PRIOR_WEIGHT = 2.0  # pseudo-observations behind each position's prior
+class LookupDrafter(ChainDrafter):
+    """Proposes this round's lookup draft, as long as is expected to pay off (see
+    ChainDrafter), judged separately for each kind of draft: by the matched suffix's
+    length, and by whether the last round's draft was accepted whole (a copy under way
+    goes on far more often than a new one starts)."""
 
     def __init__(self, cost: Callable[[int], float], max_tokens: int = 16, min_ngram: int = 1,
                  max_ngram: int = 4):
-        self.cost, self.max_tokens = cost, max_tokens
-        self._costs: Dict[int, np.ndarray] = {}  # verified -> cost of verifying it and 0..max_tokens more
+        super().__init__(cost, max_tokens, kinds=2 * (max_ngram + 1))
         self.index = ContextIndex(min_ngram, max_ngram)
-        self.tried = np.zeros((2 * (max_ngram + 1), max_tokens))  # by kind and position
-        self.accepted = np.zeros((2 * (max_ngram + 1), max_tokens))
         self.copying = False  # the last round's draft was accepted whole
         self._proposed = LookupDraft([], 0)  # this round's draft
 
     def kind(self, ngram: int) -> int:
         return ngram + (self.index.max_ngram + 1) * self.copying
-
-    def acceptance(self, kind: int) -> np.ndarray:
-        """P(draft token j accepted | tokens before it were), j = 1..max_tokens."""
-        rates = np.empty(self.max_tokens)
-        prior = self.PRIOR_RATE
-        for j in range(self.max_tokens):
-            prior = rates[j] = ((self.accepted[kind, j] + self.PRIOR_WEIGHT * prior)
-                                / (self.tried[kind, j] + self.PRIOR_WEIGHT))
-        return rates
-
-    def best_length(self, kind: int, limit: int, verified: int, expected: float) -> int:
-        """The draft length with the most expected tokens per unit of verification cost,
-        beside ``verified`` tokens already in the round that yield ``expected`` tokens."""
-        if verified not in self._costs:
-            self._costs[verified] = np.array([self.cost(verified + n) for n in range(self.max_tokens + 1)])
-        reach = np.cumprod(self.acceptance(kind)[:limit])
-        values = (expected + np.concatenate([[0.0], np.cumsum(reach)])) / self._costs[verified][:limit + 1]
-        return int(np.argmax(values))  # the shortest of equals: 0 (no draft) on a tie
 
     def propose(self, budget: Budget) -> Optional[Proposal]:
         """At most ``budget.room`` tokens to follow the committed ones; none where no match
@@ -139,10 +110,8 @@ class LookupDrafter(Drafter):
 
     def record(self, draft: LookupDraft, accepted: int) -> None:
         """How many leading tokens of ``draft`` the target accepted."""
-        proposed = len(draft.tokens)
-        self.tried[draft.kind, :min(accepted + 1, proposed)] += 1
-        self.accepted[draft.kind, :accepted] += 1
-        self.copying = accepted == proposed
+        self.record_chain(draft.kind, len(draft.tokens), accepted)
+        self.copying = accepted == len(draft.tokens)
 
     def observe(self, outcome: Outcome) -> None:
         if outcome.proposal is not None and len(outcome.proposal):
@@ -153,7 +122,7 @@ class LookupDrafter(Drafter):
             self.index.commit(outcome.new_tokens)
 
 
-def recognizes(directory: Path, config: dict) -> bool:
+def recognizes(path: Path, config: Optional[dict]) -> bool:
     return False  # drafts from the context need no files: --draft lookup
 
 

@@ -1,0 +1,53 @@
+"""Drafters of chains whose length is chosen each round: the expected accepted tokens,
+from what this drafter saw accepted, against what verifying (and drafting) them costs on
+this device. Where no length is expected to beat plain decoding, none is drafted."""
+
+from __future__ import annotations
+
+from typing import Callable, Dict
+
+import numpy as np
+
+from . import Drafter
+
+
+class ChainDrafter(Drafter):
+    """Sizes chains. ``cost(k)``: a target forward over k tokens, in plain decoding steps;
+    ``step_cost``: drafting one token, in the same units (0 for drafts that cost nothing).
+    The probability that draft token j is accepted once tokens 1..j-1 were is estimated
+    from what was accepted, shrunk towards the estimate for token j - 1 (deep positions
+    start from what shallower ones show), separately for each of ``kinds`` kinds of draft
+    (what a drafter tells apart, e.g. how a draft was found)."""
+
+    PRIOR_RATE = 0.5  # first draft token of a kind never tried yet
+    PRIOR_WEIGHT = 2.0  # pseudo-observations behind each position's prior
+
+    def __init__(self, cost: Callable[[int], float], max_tokens: int = 16, kinds: int = 1, step_cost: float = 0.0):
+        self.cost, self.max_tokens, self.step_cost = cost, max_tokens, step_cost
+        self._costs: Dict[int, np.ndarray] = {}  # verified -> cost of verifying it and 0..max_tokens more
+        self.tried = np.zeros((kinds, max_tokens))  # by kind and position
+        self.accepted = np.zeros((kinds, max_tokens))
+
+    def acceptance(self, kind: int) -> np.ndarray:
+        """P(draft token j accepted | tokens before it were), j = 1..max_tokens."""
+        rates = np.empty(self.max_tokens)
+        prior = self.PRIOR_RATE
+        for j in range(self.max_tokens):
+            prior = rates[j] = ((self.accepted[kind, j] + self.PRIOR_WEIGHT * prior)
+                                / (self.tried[kind, j] + self.PRIOR_WEIGHT))
+        return rates
+
+    def best_length(self, kind: int, limit: int, verified: int, expected: float) -> int:
+        """The draft length with the most expected tokens per unit of cost, beside
+        ``verified`` tokens already in the round that yield ``expected`` tokens."""
+        if verified not in self._costs:
+            self._costs[verified] = np.array([self.cost(verified + n) + self.step_cost * n
+                                              for n in range(self.max_tokens + 1)])
+        reach = np.cumprod(self.acceptance(kind)[:limit])
+        values = (expected + np.concatenate([[0.0], np.cumsum(reach)])) / self._costs[verified][:limit + 1]
+        return int(np.argmax(values))  # the shortest of equals: 0 (no draft) on a tie
+
+    def record_chain(self, kind: int, proposed: int, accepted: int) -> None:
+        """``accepted`` leading tokens of a ``proposed``-token chain of ``kind`` were accepted."""
+        self.tried[kind, :min(accepted + 1, proposed)] += 1
+        self.accepted[kind, :accepted] += 1
