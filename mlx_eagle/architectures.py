@@ -1,10 +1,13 @@
-"""The architectures the tree path drives: one record per mlx-lm model type, holding
-what target.py, the converters and the config checks need to know about it.
+"""The architectures this runtime knows: one record per mlx-lm model type, holding what
+target.py, the converters and the config checks need to know about it.
 
 Adding an architecture is one record here (and its tests, tests/test_targets.py): the
 mlx-lm module that builds it, the names its attention module gives its sizes, its
 feed-forward block, its Hugging Face class and, where llama.cpp writes it, its GGUF
-architecture. Every model mlx-lm loads drafts from the context without a record.
+architecture. Records marked ``driven=False`` (the hybrid and recurrent families) convert
+and load, and speculate with chains verified by the model's own forward pass, their
+recurrent state rolled back by rewind.py. Every model mlx-lm loads drafts from the context
+without a record.
 """
 
 from __future__ import annotations
@@ -26,7 +29,14 @@ class Architecture:
     feed_forward: str = "mlp"  # the decoder layer's MLP or mixture of experts
     gguf: Optional[str] = None  # llama.cpp's general.architecture, where the GGUF converter reads it
     gguf_permuted: bool = False  # llama.cpp reorders its Q and K rows for its RoPE layout
+    # llama.cpp's tensor names that mean something else here than in llama (GGUF name part -> ours)
+    gguf_names: Tuple[Tuple[str, str], ...] = ()
+    gguf_norm_shift: float = 0.0  # llama.cpp stores RMSNorm weights as w + shift for (1 + w) norms
     experts: bool = False  # a mixture of experts: GGUF files of it are refused (other formats convert)
+    embedding_scale: bool = False  # embeddings are multiplied by sqrt(hidden) (rounded to bfloat16, as mlx-lm does)
+    text_model: Optional[str] = None  # a multimodal wrapper: the attribute holding the text model, which is loaded
+    text_config: Optional[str] = None  # ... and the config.json key holding its config
+    driven: bool = True  # target.py drives its layers (trees, feature taps); False: chains through its own forward
 
 
 ARCHITECTURES: Dict[str, Architecture] = {record.model_type: record for record in (
@@ -39,9 +49,27 @@ ARCHITECTURES: Dict[str, Architecture] = {record.model_type: record for record i
                  "block_sparse_moe", experts=True),
     Architecture("gpt_oss", "gpt_oss", "GptOssForCausalLM", ("num_attention_heads", "num_key_value_heads", "sm_scale"),
                  gguf="gpt-oss", experts=True),
+    # Gemma 3: sliding-window and global layers (windows applied as masks), (1 + w) norms, a
+    # normed output per sublayer, scaled embeddings and query pre-scaling (the attention's scale).
+    Architecture("gemma3_text", "gemma3_text", "Gemma3ForCausalLM", gguf="gemma3", embedding_scale=True,
+                 gguf_names=(("post_attention_norm", "post_attention_layernorm"),
+                             ("ffn_norm", "pre_feedforward_layernorm"),
+                             ("post_ffw_norm", "post_feedforward_layernorm")),
+                 gguf_norm_shift=1.0),
+    Architecture("gemma3", "gemma3", "Gemma3ForConditionalGeneration", text_model="language_model",
+                 text_config="text_config"),
+    # Hybrid and recurrent families: Gated DeltaNet, Mamba 2, Mamba and short-convolution layers
+    # (with attention layers in most), their state rolled back by rewind.py.
+    *(Architecture(model_type, model_type, hf_class, driven=False) for model_type, hf_class in (
+        ("qwen3_next", "Qwen3NextForCausalLM"), ("qwen3_5", "Qwen3_5ForConditionalGeneration"),
+        ("qwen3_5_moe", "Qwen3_5MoeForConditionalGeneration"), ("nemotron_h", "NemotronHForCausalLM"),
+        ("granitemoehybrid", "GraniteMoeHybridForCausalLM"), ("falcon_h1", "FalconH1ForCausalLM"),
+        ("lfm2", "Lfm2ForCausalLM"), ("lfm2_moe", "Lfm2MoeForCausalLM"), ("mamba2", "Mamba2ForCausalLM"),
+        ("jamba", "JambaForCausalLM"), ("kimi_linear", "KimiLinearForCausalLM"))),
 )}
 
-SUPPORTED_MODEL_TYPES = tuple(ARCHITECTURES)
+SUPPORTED_MODEL_TYPES = tuple(ARCHITECTURES)  # what loads and converts
+DRIVEN_MODEL_TYPES = tuple(t for t, a in ARCHITECTURES.items() if a.driven and a.text_model is None)
 GGUF_ARCHITECTURES: Dict[str, Architecture] = {a.gguf: a for a in ARCHITECTURES.values() if a.gguf}
 
 
@@ -50,6 +78,18 @@ def architecture(model_type: Optional[str]) -> Architecture:
     if model_type not in ARCHITECTURES:
         raise UserError(f"model type {model_type!r} is not supported; supported are {', '.join(SUPPORTED_MODEL_TYPES)}")
     return ARCHITECTURES[model_type]
+
+
+def text_config(config: dict) -> dict:
+    """The config of the text model a config.json describes: itself, or the part a
+    multimodal wrapper nests (with the wrapper's vocabulary size where it gives one)."""
+    record = ARCHITECTURES.get(config.get("model_type"))
+    if record is None or record.text_config is None or not isinstance(config.get(record.text_config), dict):
+        return config
+    nested = dict(config[record.text_config])
+    if "vocab_size" in config:
+        nested["vocab_size"] = config["vocab_size"]
+    return nested
 
 
 def model_classes(model_type: str) -> Tuple[type, type]:

@@ -18,14 +18,16 @@ import statistics
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
 from .cli import TREE_HELP, add_model_arguments, blas_in_use, run_cli
 from .errors import UserError
 from .generate import chat_tokens, check_messages
-from .verify import Sampling
+
+if TYPE_CHECKING:
+    from .verify import Sampling
 
 # baseline: plain mlx-lm; default: what the commands do with the --draft and --tree given (by
 # default the model's own drafter and drafts from the context); eagle: the head alone;
@@ -357,6 +359,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     from .models import resolve_model
     from .plan import plan_drafts
     from .trees import parse_tree
+    from .verify import Sampling
 
     tree = parse_tree(args.tree) if args.tree != "auto" else "auto"
     prompts = read_prompts(args.prompts) if args.prompts else mtbench_suite()

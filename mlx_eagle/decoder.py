@@ -15,7 +15,10 @@ prepares the next round's tree then queues that work on the device before the
 round's tokens are handed out, so the device drafts while the host streams them. The
 host waits for the device once per round, for what the walk along the tree needs.
 A chain needs no tree mask: where target.py does not know the architecture, the
-model's own forward pass verifies it, so any mlx-lm model can decode this way.
+model's own forward pass verifies it, so any mlx-lm model can decode this way. A hybrid
+model's recurrent layers cannot cut their cache back (rewind.py): a round that rejects
+part of its chain restores the caches to before its forward pass, and the next round
+reads the accepted tokens again in front of its own chain ("unread" tokens).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from mlx_lm.models import cache as mlx_lm_cache
 
 from .drafters import Budget, Drafter, Outcome, TargetStates
 from .errors import UserError
+from .rewind import Rewind
 from .target import TargetOutput, check_target, drives, keep_cache_entries, lm_head, make_cache, target_forward, \
     tree_mask
 from .trees import MAX_TREE_NODES, DraftTree
@@ -45,6 +49,7 @@ class PromptCache:
     tokens: List[int] = field(default_factory=list)  # committed; the last (the root) is not in the target cache yet
     drafter: Optional[Drafter] = None  # made by a DraftPlan for this conversation
     plan_key: Tuple = ()  # that plan's key
+    unread: int = 0  # committed tokens before the root that the target cache does not hold yet (see rewind.py)
 
 
 def make_prompt_cache(model: nn.Module) -> PromptCache:
@@ -69,6 +74,8 @@ class Round:
 
 # The points of a round a phase hook hears about, in order (benchmarks time them).
 PHASES = ("drafted", "verified", "observed")
+# Past this many unread tokens a round drafts nothing, so that its forward pass catches up.
+MAX_UNREAD = 8
 
 
 class SpeculativeDecoder:
@@ -92,8 +99,8 @@ class SpeculativeDecoder:
         self.reused = 0  # prompt tokens the last prefill found already in the caches
         self.forwards = 0  # target forward passes, for tests and statistics
         self.root: Optional[int] = None
-        if not mlx_lm_cache.can_trim_prompt_cache(self.target_cache):
-            raise UserError("this model's cache cannot be rewound, which speculative decoding needs; use mlx_lm")
+        # Caches mlx-lm cannot cut back (recurrent layers) are rewound from snapshots.
+        self.rewind = None if mlx_lm_cache.can_trim_prompt_cache(self.target_cache) else Rewind(self.target_cache)
 
     @property
     def length(self) -> int:
@@ -120,12 +127,19 @@ class SpeculativeDecoder:
 
     def _reusable(self, prompt: List[int]) -> int:
         """How many leading prompt tokens the caches already hold, and the drafter's state
-        is still good for; the target's cache is cut back to that."""
+        is still good for; the target's cache is cut back to that (a recurrent state, which
+        cannot be, is read again from the start unless the prompt continues all it holds)."""
         common = common_prefix(self.state.tokens, prompt)
-        reuse = min(common, self.target_cache[0].offset, len(prompt) - 1)
+        held = len(self.state.tokens) - 1 - self.state.unread if self.state.tokens else 0
+        reuse = min(common, held, len(prompt) - 1)
         if self.drafter is not None:
             reuse = min(reuse, self.drafter.reusable(common))
-        keep_cache_entries(self.target_cache, reuse, [])
+        if self.rewind is None:
+            keep_cache_entries(self.target_cache, reuse, [])
+        elif reuse < held:
+            self.rewind.reset()
+            reuse = 0
+        self.state.unread = 0
         return reuse
 
     def prefill(self, prompt: List[int], chunk: int = 512) -> int:
@@ -156,14 +170,16 @@ class SpeculativeDecoder:
         self.state.tokens = tokens
         return self.root
 
-    def _verify(self, tree: DraftTree, tokens: mx.array) -> TargetOutput:
-        """The target's forward pass over [root, tree], appended to its cache."""
-        start = self.target_cache[0].offset
-        tokens = mx.concatenate([mx.array([self.root], dtype=mx.int32), tokens])
-        if tree.is_chain():  # a chain is just a longer causal block
-            return self._forward(tokens, start, "causal" if len(tree) else None)
-        if not self.drives_target:
+    def _verify(self, tree: DraftTree, tokens: mx.array, unread: List[int]) -> TargetOutput:
+        """The target's forward pass over [unread tokens, root, tree], appended to its cache;
+        the outputs from the root on."""
+        if not tree.is_chain() and not self.drives_target:
             raise UserError("a draft tree (not a chain) needs a target architecture target.py drives")
+        tokens = mx.concatenate([mx.array(unread + [self.root], dtype=mx.int32), tokens])
+        start = self.target_cache[0].offset if self.drives_target else None  # positions: where target.py drives
+        if tree.is_chain():  # a chain is just a longer causal block
+            out = self._forward(tokens, start, "causal" if tokens.size > 1 else None)
+            return out if not unread else TargetOutput(out.logits[len(unread):], None)
         positions = start + mx.array([0] + tree.depths)
         return self._forward(tokens, positions, tree_mask(start, tree.ancestor_matrix()))
 
@@ -171,16 +187,26 @@ class SpeculativeDecoder:
         """One round. ``room``: how many tokens past the root may still be produced.
         The host waits for the device once, in ``accept``."""
         committed, self.state.tokens = self.state.tokens, []  # an interrupted round leaves nothing certain
+        unread = committed[len(committed) - 1 - self.state.unread:-1]
         proposal = None
         if self.drafter is not None:
-            proposal = self.drafter.propose(Budget(room=room - 1, nodes=MAX_TREE_NODES))
+            nodes = MAX_TREE_NODES - len(unread) if len(unread) < MAX_UNREAD else 0
+            proposal = self.drafter.propose(Budget(room=room - 1, nodes=nodes, verified=1 + len(unread),
+                                                   chain=not self.drives_target))
         tree, tokens = (proposal.tree, proposal.tokens) if proposal else (DraftTree(), NO_TOKENS)
         self.on_phase("drafted")
-        start = self.target_cache[0].offset
-        out = self._verify(tree, tokens)
+        start = len(committed) - 1  # the root's position
+        snapshot = self.rewind.snapshot() if self.rewind is not None and len(tree) else None
+        out = self._verify(tree, tokens, unread)
         verdict = accept(tree, tokens, out.logits, self.sampling, self._next_key())
         kept = [0] + [n + 1 for n in verdict.path]
-        keep_cache_entries(self.target_cache, start, kept)
+        if self.rewind is None:
+            keep_cache_entries(self.target_cache, start, kept)
+        elif len(verdict.path) < len(tree):  # the state ran past a rejected draft: back to before this pass
+            self.rewind.restore(snapshot)
+            self.state.unread = len(unread) + len(kept)
+        else:
+            self.state.unread = 0
         self.on_phase("verified")
         new = verdict.tokens + [verdict.bonus]
         if self.drafter is not None:

@@ -67,11 +67,17 @@ def parameter_count(config: dict) -> int:
     return layers * (attention + 3 * hidden * config["intermediate_size"]) + config["vocab_size"] * hidden
 
 
-def check_model_config(config: dict, source, weight_bytes: Optional[int] = None) -> None:
+def check_model_config(config: dict, source, weight_bytes: Optional[int] = None, llama_shaped: bool = True) -> None:
     """One line for a config.json whose architecture cannot be meant: sizes that are not
     positive whole numbers in range, heads that do not divide, an unknown RoPE scaling,
     or (given ``weight_bytes``, what the weight files hold) more weights than the files
-    could possibly carry. Checked before anything is allocated."""
+    could possibly carry. Checked before anything is allocated. A config that is not
+    ``llama_shaped`` (a recurrent family's) has only the sizes it gives checked."""
+    if not llama_shaped:
+        for name, limit in ARCHITECTURE_LIMITS.items():
+            if name in config:
+                _whole(config, name, limit, source)
+        return
     for name, limit in ARCHITECTURE_LIMITS.items():
         _whole(config, name, limit, source)
     heads = config["num_attention_heads"]

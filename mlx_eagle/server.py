@@ -31,13 +31,15 @@ import uuid
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Dict, Iterator, List, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Sequence
 
 from .cli import add_model_arguments, run_cli
 from .errors import UserError
 from .errors import check_text
 from .generate import MAX_SEED, GenerationResponse, chat_tokens, check_messages
-from .session import Engine
+
+if TYPE_CHECKING:
+    from .session import Engine
 
 MAX_BODY_BYTES = 1 << 20
 IDLE_SECONDS = 60  # a client silent this long (reading or writing) is dropped
@@ -432,6 +434,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parser.add_argument("--quiet", action="store_true", help="no line per request")
     args = parser.parse_args(argv)
     from .generate import check_options
+    from .session import Engine
     from .trees import parse_tree
 
     # Everything that can be wrong with the arguments is said before the model loads.

@@ -1,13 +1,13 @@
 """What mlx-lm lacks for EAGLE, written once: attention with per-token positions and
 tree masks, the target's forward pass with feature taps, and KV-cache compaction.
 
-These drive the modules of an mlx-lm llama / mistral / qwen2 / qwen3 / qwen3_moe /
-mixtral / gpt_oss model directly (their weights, RoPE, experts and KV caches), since a
-model's own ``__call__`` only takes one position offset and builds its own causal mask.
-The architectures differ in a few names (heads, scale, the feed-forward block), in
-attention sinks (gpt_oss) and in sliding-window layers (gpt_oss), which here keep full
-caches and see their window through the mask, so that any branch of a tree can be cut
-out of the cache again.
+These drive the modules of an mlx-lm model of an architecture in architectures.py
+directly (their weights, RoPE, experts and KV caches), since a model's own ``__call__``
+only takes one position offset and builds its own causal mask. The architectures differ
+in a few names (heads, scale, the feed-forward block), in attention sinks (gpt_oss), in
+Gemma 3's normed sublayer outputs and scaled embeddings, and in sliding-window layers
+(gpt_oss, Gemma 3), which here keep full caches and see their window through the mask,
+so that any branch of a tree can be cut out of the cache again.
 """
 
 from __future__ import annotations
@@ -22,7 +22,9 @@ from mlx_lm.models import cache as mlx_lm_cache
 from mlx_lm.models.base import scaled_dot_product_attention
 from mlx_lm.models.cache import KVCache
 
-from .architectures import ARCHITECTURES, SUPPORTED_MODEL_TYPES
+from mlx_lm.models.gemma3_text import clip_residual
+
+from .architectures import ARCHITECTURES, DRIVEN_MODEL_TYPES
 from .errors import UserError
 
 ATTENTION_NAMES = tuple(dict.fromkeys(a.attention for a in ARCHITECTURES.values()))
@@ -73,7 +75,12 @@ def _project(attn: nn.Module, x: mx.array, positions: mx.array) -> Tuple[mx.arra
 def _finish(layer: nn.Module, residual: mx.array, attended: mx.array) -> mx.array:
     """The rest of a decoder layer after attention: output projection, residual, MLP."""
     batch, _, length, _ = attended.shape
-    h = residual + layer.self_attn.o_proj(attended.transpose(0, 2, 1, 3).reshape(batch, length, -1))
+    out = layer.self_attn.o_proj(attended.transpose(0, 2, 1, 3).reshape(batch, length, -1))
+    if "pre_feedforward_layernorm" in layer:  # Gemma 3: each sublayer's output is normed before its residual
+        h = clip_residual(residual, layer.post_attention_layernorm(out))
+        mlp = feed_forward(layer)(layer.pre_feedforward_layernorm(h))
+        return clip_residual(h, layer.post_feedforward_layernorm(mlp))
+    h = residual + out
     return h + feed_forward(layer)(layer.post_attention_layernorm(h))
 
 
@@ -128,16 +135,16 @@ class TargetOutput:
 def drives(model: nn.Module) -> bool:
     """Whether this module knows how to drive ``model``'s layers (tree masks, per-token
     positions, feature taps, compiled pieces)."""
-    return getattr(getattr(model, "args", None), "model_type", None) in SUPPORTED_MODEL_TYPES
+    return getattr(getattr(model, "args", None), "model_type", None) in DRIVEN_MODEL_TYPES
 
 
 def check_target(model: nn.Module) -> None:
     if not drives(model):
         model_type = getattr(getattr(model, "args", None), "model_type", None)
-        raise UserError(
-            f"EAGLE decoding supports {', '.join(SUPPORTED_MODEL_TYPES)} targets, not {model_type!r}; "
-            "use mlx_lm for this model"
-        )
+        record = ARCHITECTURES.get(model_type)
+        hint = (f"pass its text model (model.{record.text_model}), as mlx_eagle.load does" if record else
+                "drafts from the context (--draft lookup) work with it")
+        raise UserError(f"EAGLE decoding supports {', '.join(DRIVEN_MODEL_TYPES)} targets, not {model_type!r}; {hint}")
 
 
 def make_cache(model: nn.Module) -> List:
@@ -150,11 +157,20 @@ def make_cache(model: nn.Module) -> List:
 
 
 def layer_windows(model: nn.Module) -> List[Optional[int]]:
-    """Per layer, the attention window (None: the whole context)."""
+    """Per layer, the attention window (None: the whole context): gpt-oss names its layers'
+    kinds, Gemma 3's attention modules say whether they slide."""
     inner = model.model
-    if getattr(inner, "layer_types", None) is None:
-        return [None] * len(inner.layers)
-    return [inner.window_size if kind == "sliding_attention" else None for kind in inner.layer_types]
+    if getattr(inner, "layer_types", None) is not None:
+        return [inner.window_size if kind == "sliding_attention" else None for kind in inner.layer_types]
+    return [inner.window_size if getattr(layer.self_attn, "is_sliding", False) else None for layer in inner.layers]
+
+
+def embed(model: nn.Module, tokens: mx.array) -> mx.array:
+    """The target's input embeddings of ``tokens``, scaled where its architecture scales them."""
+    h = model.model.embed_tokens(tokens)
+    if ARCHITECTURES[model.args.model_type].embedding_scale:
+        h = h * mx.array(model.args.hidden_size ** 0.5, mx.bfloat16).astype(h.dtype)
+    return h
 
 
 def window_mask(mask: Mask, positions: Positions, cached: int, new: int, window: int) -> Mask:
@@ -214,7 +230,7 @@ def target_forward(
     otherwise the states entering those layers, concatenated (EAGLE-3).
     """
     inner = model.model
-    h = inner.embed_tokens(tokens)
+    h = embed(model, tokens)
     cached, new = cache[0].offset, tokens.shape[1]
     masks = {None: mask}  # per window size
     entering = {}

@@ -29,21 +29,21 @@ import statistics
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
-import mlx.nn as nn
 import numpy as np
 
-from .calibrate import TreeChoice, best_tree, save_acceptance, time_draft_step, tuned_tree_file, user_head_dir
-from .costs import Costs, device_key, median_ms, time_forwards
 from .cli import add_model_arguments, run_cli
 from .errors import UserError
 from .files import write_atomically
 from .generate import chat_tokens
-from .train.evaluate import calibration_pieces, measure_acceptance
-from .trees import RankPath, TreeSpec, parse_tree
-from .verify import Sampling
+
+if TYPE_CHECKING:  # imported where used, so that --help need not load MLX's model code
+    import mlx.nn as nn
+
+    from .costs import Costs
+    from .trees import RankPath
 
 VERIFY_SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64)
 
@@ -60,6 +60,8 @@ def confirm_speedup(model: nn.Module, tokenizer, head, paths: List[RankPath], pr
     returns (tree tokens/s, plain tokens/s), measured."""
     from .bench import mlx_lm_method, speculative_method
     from .plan import plan_drafts
+    from .trees import TreeSpec
+    from .verify import Sampling
 
     sampling = Sampling()  # greedy
     plan = plan_drafts(model, head, TreeSpec("static", paths, text="tuned"), lookup=False)
@@ -80,8 +82,12 @@ def measure_costs(model: nn.Module, tokenizer, head, context: int = 256, repeats
     """Time verification, a draft step, a round's remainder and plain decoding here."""
     from mlx_lm import stream_generate
 
+    from .calibrate import time_draft_step
+    from .costs import Costs, median_ms, time_forwards
     from .decoder import SpeculativeDecoder
     from .drafters.eagle import EagleDrafter
+    from .trees import parse_tree
+    from .verify import Sampling
 
     verify_ms = time_forwards(model, VERIFY_SIZES, context, repeats, head.taps(model.args.num_hidden_layers),
                               progress)
@@ -120,7 +126,10 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         raise UserError("--objective tau needs --out FILE (the tree kept for --tree auto is the fastest one)")
 
     from . import load
+    from .calibrate import TreeChoice, best_tree, save_acceptance, tuned_tree_file, user_head_dir
+    from .costs import device_key
     from .data import sharegpt_prompts
+    from .train.evaluate import calibration_pieces, measure_acceptance
 
     model, tokenizer, head = load(args.model, draft=args.draft)
     if head is None:

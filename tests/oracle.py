@@ -10,6 +10,8 @@ from typing import List, Sequence
 
 import mlx.core as mx
 
+from mlx_eagle import Drafter, Proposal
+
 
 class _TestHead:
     family = "test"
@@ -70,3 +72,22 @@ class FixedDraft(_TestHead):
 
     def logits(self, target, hidden):
         return mx.broadcast_to(self.scores, (*hidden.shape[:-1], self.scores.shape[0]))
+
+
+class ScriptedDrafter(Drafter):
+    """A drafter that knows the target's continuation ``sequence`` (prompt included) and
+    drafts chains of it with planned mistakes: the draft at every ``wrong_every``-th position
+    of the sequence is wrong, so chains are accepted part way, and some whole."""
+
+    def __init__(self, sequence: Sequence[int], vocab_size: int, length: int = 4, wrong_every: int = 5):
+        self.sequence, self.vocab_size, self.length, self.wrong_every = list(sequence), vocab_size, length, wrong_every
+        self.committed = 0
+
+    def observe(self, outcome):
+        self.committed = len(outcome.tokens)
+
+    def propose(self, budget):
+        start = self.committed  # the sequence's index of the token after the root
+        chain = self.sequence[start:start + min(self.length, budget.room, budget.nodes)]
+        chain = [(t + 1) % self.vocab_size if (start + j) % self.wrong_every == 0 else t for j, t in enumerate(chain)]
+        return Proposal.chain(chain) if chain else None

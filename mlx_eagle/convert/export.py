@@ -20,7 +20,6 @@ from typing import Dict, Optional, Sequence
 import mlx.core as mx
 
 from ..cli import run_cli
-from ..heads import read_head_weights
 
 from .target import DTYPES
 from .writer import write_atomically
@@ -63,6 +62,8 @@ def official_config(config: dict, dtype: mx.Dtype) -> dict:
 
 
 def export_head(head: Path, out: Path, dtype: Optional[str] = None, overwrite: bool = False) -> Path:
+    from ..heads import read_head_weights
+
     config, weights = read_head_weights(Path(head))
     weights = dequantized(weights, config)
     floats = [v.dtype for v in weights.values() if mx.issubdtype(v.dtype, mx.floating)]

@@ -56,7 +56,13 @@ _TENSOR_NAMES = [
 ]
 
 
-def hf_name(gguf_name: str) -> Optional[str]:
+def hf_name(gguf_name: str, renamed: Tuple[Tuple[str, str], ...] = ()) -> Optional[str]:
+    """Our name for a GGUF tensor; ``renamed``: an architecture's own meanings of llama.cpp's
+    block tensor names (its record's gguf_names)."""
+    for part, ours in renamed:
+        found = re.fullmatch(rf"blk\.(\d+)\.{part}\.weight", gguf_name)
+        if found:
+            return f"model.layers.{found.group(1)}.{ours}.weight"
     for pattern, replacement in _TENSOR_NAMES:
         if re.fullmatch(pattern, gguf_name):
             return re.sub(pattern, replacement, gguf_name)
@@ -112,8 +118,9 @@ def read_config(reader, path: Path) -> Dict[str, Any]:
         )
     if not isinstance(arch, str) or arch not in ARCHITECTURES:
         raise UserError(
-            f"{path}: architecture {arch!r} is not supported; supported are "
-            f"{', '.join(sorted(ARCHITECTURES))} (Mistral GGUFs use 'llama')"
+            f"{path}: GGUF architecture {arch!r} is not supported (from GGUF: "
+            f"{', '.join(sorted(ARCHITECTURES))}; Mistral GGUFs use 'llama'); pass the model's Hugging Face directory "
+            "to mlx_eagle.convert, or an MLX conversion of it to --model"
         )
     tokens = field(reader, "tokenizer.ggml.tokens") or []
     heads = number(reader, f"{arch}.attention.head_count")
@@ -138,6 +145,11 @@ def read_config(reader, path: Path) -> Dict[str, Any]:
     if arch == "llama":
         config["attention_bias"] = "blk.0.attn_q.bias" in {t.name for t in reader.tensors}
         config["mlp_bias"] = False
+    if arch == "gemma3":
+        config.update(_gemma3_config(reader, config))
+    eot = field(reader, "tokenizer.ggml.eot_token_id")  # chat models end a turn on it (Gemma's <end_of_turn>)
+    if isinstance(eot, int) and eot != config.get("eos_token_id"):
+        config["eos_token_id"] = [config["eos_token_id"], eot] if config.get("eos_token_id") is not None else eot
     rope_freqs = next((t for t in reader.tensors if t.name == ROPE_FREQS), None)
     if rope_freqs is not None:
         dims = number(reader, f"{arch}.rope.dimension_count", int, config["head_dim"])
@@ -147,6 +159,21 @@ def read_config(reader, path: Path) -> Dict[str, Any]:
     config = {k: v for k, v in config.items() if v is not None}
     check_model_config(config, path, path.stat().st_size)
     return config
+
+
+def _gemma3_config(reader, config: Dict[str, Any]) -> Dict[str, Any]:
+    """What llama.cpp fixes for Gemma 3 instead of writing it: local layers' RoPE base
+    10,000, a global layer every 6th, and the query scale 1/sqrt(head_dim), but
+    1/sqrt(hidden / heads) for the 27B (62 layers); and the window and RoPE scaling it writes."""
+    layers, heads, hidden = config["num_hidden_layers"], config["num_attention_heads"], config["hidden_size"]
+    extra = {"sliding_window": number(reader, "gemma3.attention.sliding_window", int, 512),
+             "sliding_window_pattern": 6, "rope_local_base_freq": 10000.0,
+             "query_pre_attn_scalar": hidden // heads if layers == 62 else config["head_dim"]}
+    factor = field(reader, "gemma3.rope.scaling.factor")
+    if factor is not None and float(factor) != 1.0:
+        kind = field(reader, "gemma3.rope.scaling.type", "linear")
+        extra["rope_scaling"] = {"rope_type": kind, "factor": float(factor)}
+    return extra
 
 
 # Llama 3.1+ GGUFs carry their RoPE scaling as one divisor per frequency (llama.cpp's
@@ -278,12 +305,12 @@ def dequantized(data: np.ndarray, qtype, shape: Tuple[int, ...]) -> mx.array:
 
 
 def read_tensors(reader, config: Dict[str, Any], path: Path) -> List[SourceTensor]:
-    permuted = architecture(config["model_type"]).gguf_permuted
+    record = architecture(config["model_type"])
     tensors = []
     for tensor in reader.tensors:
         if tensor.name == ROPE_FREQS:  # in the config's rope_scaling (see read_config)
             continue
-        name = hf_name(tensor.name)
+        name = hf_name(tensor.name, record.gguf_names)
         if name is None:
             raise UserError(f"{path}: unexpected tensor {tensor.name!r} for a {config['model_type']} model")
         qtype = tensor.tensor_type
@@ -294,19 +321,22 @@ def read_tensors(reader, config: Dict[str, Any], path: Path) -> List[SourceTenso
             )
         shape = tuple(int(n) for n in reversed(tensor.shape.tolist()))
         order = None
-        if permuted and re.search(r"self_attn\.(q|k)_proj", name):
+        if record.gguf_permuted and re.search(r"self_attn\.(q|k)_proj", name):
             heads = config["num_attention_heads"] if ".q_proj" in name else config["num_key_value_heads"]
             order = _unpermute_rows(heads, shape[0])
-        tensors.append(_source_tensor(name, tensor.data, qtype, shape, order))
+        shift = record.gguf_norm_shift if name.endswith("norm.weight") else 0.0
+        tensors.append(_source_tensor(name, tensor.data, qtype, shape, order, shift))
     return tensors
 
 
-def _source_tensor(name, data, qtype, shape, order) -> SourceTensor:
+def _source_tensor(name, data, qtype, shape, order, shift: float = 0.0) -> SourceTensor:
+    """``shift``: subtracted from the values (llama.cpp's +1 on (1 + w) norm weights)."""
     def rows_in_order(array):
         return array if order is None else array[mx.array(order)]
 
     def load() -> mx.array:
-        return rows_in_order(dequantized(data, qtype, shape))
+        values = rows_in_order(dequantized(data, qtype, shape))
+        return values - shift if shift else values
 
     def load_native() -> Optional[QuantizedWeight]:
         native = native_quantized(data, qtype, *shape)

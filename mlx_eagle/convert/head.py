@@ -18,7 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
-from typing import Dict, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Dict, Optional, Sequence, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -26,10 +26,12 @@ from mlx.utils import tree_flatten
 
 from ..cli import run_cli
 from ..errors import UserError, read_config
-from ..heads import Eagle1Head, Eagle3Head, HeadConfig, check_draft_vocabulary, check_fits, save_head
 
 from .target import DTYPES
 from .writer import write_atomically
+
+if TYPE_CHECKING:
+    from ..heads import HeadConfig
 
 _HUB_FILES = ["*.json", "*.safetensors", "*.bin"]
 
@@ -206,6 +208,8 @@ def published_layout(raw: dict, tensors: Dict[str, mx.array], source: str) -> Tu
 def head_config(raw: dict, family: str, tensors: Dict[str, mx.array], target: nn.Module,
                 official_code: bool = False) -> HeadConfig:
     """``official_code``: the checkpoint is in the official code's own layout (``midlayer``)."""
+    from ..heads import HeadConfig
+
     args = target.args
     hidden = raw.get("hidden_size")
     if hidden is None:
@@ -250,6 +254,8 @@ def _embedding_matches(own: mx.array, target: nn.Module) -> bool:
 
 def build_head(raw: dict, tensors: Dict[str, mx.array], target: nn.Module, source: str) -> nn.Module:
     """The head as an MLX module holding the checkpoint's tensors, checked against ``target``."""
+    from ..heads import Eagle1Head, Eagle3Head, check_draft_vocabulary, check_fits
+
     raw, tensors = published_layout(raw, tensors, source)
     family = raw.get("family") or detect_family(tensors)
     official_code = any(k.startswith("midlayer.") for k in tensors)
@@ -289,6 +295,8 @@ def build_head(raw: dict, tensors: Dict[str, mx.array], target: nn.Module, sourc
 
 def convert_head(src: str, out: Path, target: Optional[str] = None, q_bits: Optional[int] = None,
                  q_group_size: int = 64, dtype: Optional[str] = None, overwrite: bool = False) -> Path:
+    from ..heads import save_head
+
     from ..heads import load_head
     from ..models import TARGET_FILE, load_target, target_identity
 

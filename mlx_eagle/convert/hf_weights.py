@@ -9,7 +9,7 @@ from typing import Any, Dict, List, Optional
 import mlx.core as mx
 
 from ..errors import UserError, check_model_config, read_config as read_config_json
-from ..architectures import SUPPORTED_MODEL_TYPES as MODEL_TYPES, model_classes
+from ..architectures import ARCHITECTURES, SUPPORTED_MODEL_TYPES as MODEL_TYPES, model_classes, text_config
 
 from .tensors import SourceTensor
 
@@ -36,7 +36,9 @@ def read_config(path: Path) -> Dict[str, Any]:
     if not any((path / name).exists() for name in ("tokenizer.json", "tokenizer.model")):
         raise UserError(f"{path} has no tokenizer (tokenizer.json or tokenizer.model); copy it from the model's "
                         "repository")
-    check_model_config(config, path / "config.json", sum(f.stat().st_size for f in path.glob("*.safetensors")))
+    weight_bytes = sum(f.stat().st_size for f in path.glob("*.safetensors"))
+    check_model_config(text_config(config), path / "config.json", weight_bytes,
+                       llama_shaped=ARCHITECTURES[model_type].driven)
     return config
 
 

@@ -78,6 +78,7 @@ class Budget:
     nodes: int  # how many nodes it may add
     verified: int = 1  # tokens the round verifies already: the root and the nodes before this drafter's
     expected: float = 1.0  # tokens those are expected to yield (the bonus token included)
+    chain: bool = False  # the target verifies chains only (no tree path for its architecture)
 
 
 @dataclass

@@ -43,8 +43,9 @@ class Composite(Drafter):
         self._parts, self._nodes = [], []
         for index, drafter in enumerate(self.drafters):
             verified = budget.verified + (len(merged) if merged else 0)
-            part = drafter.propose(Budget(budget.room, budget.nodes - (verified - budget.verified), verified,
-                                          expected))
+            # Where only chains are verified, the first source's chain is the round's.
+            nodes = 0 if budget.chain and merged else budget.nodes - (verified - budget.verified)
+            part = drafter.propose(Budget(budget.room, nodes, verified, expected, budget.chain))
             self._parts.append(part)
             if part is None or not len(part):
                 self._nodes.append([])

@@ -62,13 +62,15 @@ class EagleDrafter(Drafter):
 
 
 def recognizes(path: Path, config: Optional[dict]) -> bool:
-    """An EAGLE head directory: one layer, as every EAGLE format has, or our own marks."""
+    """An EAGLE head directory: our own marks or an EAGLE architecture name, or one layer
+    and no tokenizer (every EAGLE format has one layer; a model has a tokenizer)."""
     if config is None:
         return False
     architectures = config.get("architectures") or []
+    tokenizer = any((path / name).exists() for name in ("tokenizer.json", "tokenizer.model"))
     return (config.get("family") in FAMILIES or "draft_vocab_size" in config
             or any(isinstance(a, str) and "eagle" in a.lower() for a in architectures)
-            or config.get("num_hidden_layers") == 1)
+            or (config.get("num_hidden_layers") == 1 and not tokenizer))
 
 
 def load(directory: Path, model: nn.Module) -> Head:

@@ -16,14 +16,24 @@ probabilities; step k's loss is weighted by --step-decay ** k. Data parallel:
 ``--prepare-only`` run (each process takes its share of every batch; gradients are averaged).
 """
 
-from .evaluate import acceptance_by_depth, calibration_pieces, measure_acceptance
-from .pieces import Piece, d2t_t2d, draft_vocabulary, make_batch, self_distilled_pieces, sharegpt_pieces
-from .recipe import TrainConfig, epoch_batches, learning_rate, padded_length
-from .store import StateStore
-from .trainer import Trainer, head_to_train, plot_curves
-from .ttt import TTTCache, eagle1_loss, eagle3_loss, shift, target_states, ttt_unroll
+import importlib
 
-__all__ = ["Piece", "StateStore", "TTTCache", "TrainConfig", "Trainer", "acceptance_by_depth", "calibration_pieces",
-           "d2t_t2d", "draft_vocabulary", "eagle1_loss", "eagle3_loss", "epoch_batches", "head_to_train",
-           "learning_rate", "make_batch", "measure_acceptance", "padded_length", "plot_curves",
-           "self_distilled_pieces", "shift", "sharegpt_pieces", "target_states", "ttt_unroll"]
+# Imported on first use, so that the command's --help need not load MLX's model code.
+_EXPORTS = {
+    "acceptance_by_depth": "evaluate", "calibration_pieces": "evaluate", "measure_acceptance": "evaluate",
+    "Piece": "pieces", "d2t_t2d": "pieces", "draft_vocabulary": "pieces", "make_batch": "pieces",
+    "self_distilled_pieces": "pieces", "sharegpt_pieces": "pieces",
+    "TrainConfig": "recipe", "epoch_batches": "recipe", "learning_rate": "recipe", "padded_length": "recipe",
+    "StateStore": "store", "Trainer": "trainer", "head_to_train": "trainer", "plot_curves": "trainer",
+    "steps_within": "trainer", "TTTCache": "ttt", "eagle1_loss": "ttt", "eagle3_loss": "ttt", "shift": "ttt",
+    "target_states": "ttt", "ttt_unroll": "ttt",
+}
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+    globals()[name] = value
+    return value

@@ -8,7 +8,6 @@ import math
 from dataclasses import dataclass
 from typing import List, Sequence
 
-import mlx.optimizers as optim
 import numpy as np
 
 from ..errors import UserError
@@ -55,6 +54,8 @@ class TrainConfig:
 
 
 def learning_rate(config: TrainConfig):
+    import mlx.optimizers as optim
+
     warmup = max(1, min(config.warmup, config.steps - 1))
     return optim.join_schedules(
         [optim.linear_schedule(config.lr / warmup, config.lr, warmup),

@@ -1,0 +1,154 @@
+"""Speculation on hybrid and recurrent models (rewind.py): for every family mlx-lm loads
+(tests/hybrids.py), greedy decoding with drafts that are accepted part way equals
+mlx_lm.generate_step token for token, so the recurrent state after each round is exactly
+the state after the accepted prefix; the same with a draft model; the test can fail
+(without the rollback the text changes); and a conversation keeps its cache across turns."""
+
+import mlx.core as mx
+import pytest
+from mlx_lm.generate import generate_step
+
+import hybrids
+from oracle import ScriptedDrafter
+from mlx_eagle.decoder import SpeculativeDecoder, make_prompt_cache
+from mlx_eagle.drafters.composite import Composite
+from mlx_eagle.drafters.draft_model import DraftModelDrafter
+from mlx_eagle.drafters.lookup import LookupDrafter
+from mlx_eagle.rewind import Rewind
+from mlx_eagle.verify import Sampling
+
+PROMPT = [5, 17, 33, 5, 17, 60, 2, 9, 41, 17, 5, 17, 33, 5, 17, 60, 2, 9]  # a pattern to copy
+COUNT = 60
+
+
+@pytest.fixture(scope="module", params=list(hybrids.FAMILIES))
+def family(request):
+    return request.param, hybrids.build(request.param)
+
+
+def reference(model, prompt=PROMPT, count=COUNT):
+    return [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=count)]
+
+
+def decode(model, drafter, prompt=PROMPT, count=COUNT, cache=None):
+    decoder = SpeculativeDecoder(model, drafter, Sampling(), cache=cache)
+    tokens = [decoder.prefill(prompt)]
+    while len(tokens) < count:
+        tokens += decoder.round(count - len(tokens)).tokens
+    return tokens[:count], decoder
+
+
+def test_drafts_accepted_part_way_are_rolled_back_losslessly(family):
+    """Chains that are accepted part way (a drafter that knows the continuation, with
+    planned mistakes), merged with context lookup."""
+    name, model = family
+    expected = reference(model)
+    drafter = Composite([ScriptedDrafter(PROMPT + expected, hybrids.VOCAB), LookupDrafter(lambda k: 1.0)])
+    tokens, decoder = decode(model, drafter)
+    assert tokens == expected, name
+    assert COUNT / decoder.forwards > 1.5, f"{name}: tau {COUNT / decoder.forwards:.2f}: drafts were accepted"
+    assert decoder.rewind is not None
+
+
+def test_lookup_alone_is_lossless(family):
+    name, model = family
+    tokens, _ = decode(model, LookupDrafter(lambda k: 1.0))
+    assert tokens == reference(model), name
+
+
+@pytest.mark.parametrize("name", ["qwen3_next", "nemotron_h", "lfm2"])
+def test_a_draft_model_merged_with_lookup_is_lossless(name):
+    model = hybrids.build(name)
+    draft = hybrids.build(name, seed=5)  # other weights: its drafts are mostly rejected, part way
+    drafter = Composite([DraftModelDrafter(draft, lambda k: 1.0, 0.0, max_tokens=4), LookupDrafter(lambda k: 1.0)])
+    tokens, _ = decode(model, drafter)
+    assert tokens == reference(model)
+
+
+@pytest.mark.parametrize("name", ["qwen3_next", "lfm2"])
+def test_without_the_rollback_the_text_changes(monkeypatch, name):
+    model = hybrids.build(name)
+    expected = reference(model)
+    monkeypatch.setattr(Rewind, "restore", lambda self, snapshot: None)
+    tokens, _ = decode(model, ScriptedDrafter(PROMPT + expected, hybrids.VOCAB))
+    assert tokens != expected
+
+
+def test_a_second_turn_reads_only_its_new_tokens():
+    model = hybrids.build("qwen3_5")
+    cache = make_prompt_cache(model)
+    first, decoder = decode(model, LookupDrafter(lambda k: 1.0), count=20, cache=cache)
+    turn = PROMPT + first[:-1] + [3, 4, 5, 6]  # the conversation so far, and a new message
+    tokens, decoder = decode(model, LookupDrafter(lambda k: 1.0), prompt=turn, count=20, cache=cache)
+    assert decoder.reused > len(PROMPT) + len(first) - 1 - 8  # all the cache held (less what was still unread)
+    assert tokens == reference(model, turn, 20)
+    # A prompt that leaves the conversation cannot cut a recurrent state back: read from the start.
+    other = [7, 7] + PROMPT
+    tokens, decoder = decode(model, LookupDrafter(lambda k: 1.0), prompt=other, count=10, cache=cache)
+    assert decoder.reused == 0 and tokens == reference(model, other, 10)
+
+
+def write_directory(root, family: str):
+    """A tiny ``family`` model as an MLX model directory (as mlx-community publishes them),
+    with a BPE tokenizer and a chat template."""
+    import json
+
+    from mlx.utils import tree_flatten
+
+    import synthetic
+
+    directory = root / family
+    directory.mkdir()
+    tokenizer = synthetic._bpe_tokenizer("qwen2")
+    tokenizer.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>", "chat_template": synthetic.CHATML}))
+    config = json.loads(json.dumps(hybrids.FAMILIES[family]))
+    (config.get("text_config") or config)["vocab_size"] = config["vocab_size"] = tokenizer.get_vocab_size()
+    (directory / "config.json").write_text(json.dumps(config))
+    model = hybrids.build(family, vocab_size=tokenizer.get_vocab_size())
+    mx.save_safetensors(str(directory / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    return directory
+
+
+@pytest.mark.parametrize("name", ["qwen3_next", "lfm2"])
+def test_the_command_drafts_on_a_hybrid_directory_and_conversion_keeps_it(tmp_path, name):
+    import subprocess
+    import sys
+
+    from mlx_eagle import load
+    from mlx_eagle.convert.target import convert_target
+
+    directory = write_directory(tmp_path, name)
+
+    def run(*args):
+        return subprocess.run([sys.executable, "-m", "mlx_eagle.generate", "--model", str(directory), "--prompt",
+                               "The quick brown fox. The quick brown fox. The quick", "--max-tokens", "30",
+                               "--verbose", *args], capture_output=True, text=True, timeout=300)
+
+    drafted, plain = run("--draft", "lookup"), run("--draft", "none")
+    assert drafted.returncode == 0 and plain.returncode == 0, drafted.stderr[-2000:] + plain.stderr[-2000:]
+    assert "drafts: context lookup" in drafted.stderr and drafted.stdout == plain.stdout
+    converted, _ = load(str(convert_target(directory, tmp_path / "converted", progress=False)))
+    original, _ = load(str(directory))
+    tokens = mx.array([[5, 17, 33, 5, 17, 60]])
+    assert mx.allclose(converted(tokens), original(tokens), atol=1e-5)
+
+
+def test_a_hybrid_gguf_is_refused_in_one_line(tmp_path):
+    import gguf
+    import numpy as np
+
+    from mlx_eagle.convert.target import convert_target
+    from mlx_eagle.errors import UserError
+
+    path = tmp_path / "nemotron.gguf"
+    writer = gguf.GGUFWriter(str(path), "nemotron_h")
+    writer.add_block_count(2)
+    writer.add_tensor("token_embd.weight", np.zeros((8, 4), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(UserError, match="'nemotron_h' is not supported .* Hugging Face directory"):
+        convert_target(path, tmp_path / "out", progress=False)
