@@ -74,6 +74,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--tokens-per-batch", type=int, default=2048)
     parser.add_argument("--only", nargs="*", help="these runs only")
+    parser.add_argument("--no-compile", action="store_true", help="train uncompiled (compiling costs minutes once)")
     parser.add_argument("--held-out", type=int, default=20, help="the --held-out of the --prepare-only run")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "recipe-ablations.json")
     args = parser.parse_args()
@@ -81,6 +82,7 @@ def main() -> None:
     common = ["--data", str(args.data), "--seq-len", str(args.seq_len), "--subset", str(args.subset),
               "--tokens-per-batch", str(args.tokens_per_batch), "--store-features", str(args.runs / "store"),
               "--checkpoint-every", "20", "--skip-eval", "--ttt-steps", "3", "--lr", "5e-4"]
+    common += ["--held-out", str(args.held_out)] + (["--no-compile"] if args.no_compile else [])
     for name, (flags, share) in RUNS.items():
         if args.only and name not in args.only:
             continue

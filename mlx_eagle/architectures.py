@@ -60,9 +60,11 @@ ARCHITECTURES: Dict[str, Architecture] = {record.model_type: record for record i
                  text_config="text_config"),
     # Hybrid and recurrent families: Gated DeltaNet, Mamba 2, Mamba and short-convolution layers
     # (with attention layers in most), their state rolled back by rewind.py.
+    *(Architecture(model_type, model_type, hf_class, driven=False, text_model="language_model",
+                   text_config="text_config") for model_type, hf_class in (
+        ("qwen3_5", "Qwen3_5ForConditionalGeneration"), ("qwen3_5_moe", "Qwen3_5MoeForConditionalGeneration"))),
     *(Architecture(model_type, model_type, hf_class, driven=False) for model_type, hf_class in (
-        ("qwen3_next", "Qwen3NextForCausalLM"), ("qwen3_5", "Qwen3_5ForConditionalGeneration"),
-        ("qwen3_5_moe", "Qwen3_5MoeForConditionalGeneration"), ("nemotron_h", "NemotronHForCausalLM"),
+        ("qwen3_next", "Qwen3NextForCausalLM"), ("nemotron_h", "NemotronHForCausalLM"),
         ("granitemoehybrid", "GraniteMoeHybridForCausalLM"), ("falcon_h1", "FalconH1ForCausalLM"),
         ("lfm2", "Lfm2ForCausalLM"), ("lfm2_moe", "Lfm2MoeForCausalLM"), ("mamba2", "Mamba2ForCausalLM"),
         ("jamba", "JambaForCausalLM"), ("kimi_linear", "KimiLinearForCausalLM"))),
@@ -78,6 +80,17 @@ def architecture(model_type: Optional[str]) -> Architecture:
     if model_type not in ARCHITECTURES:
         raise UserError(f"model type {model_type!r} is not supported; supported are {', '.join(SUPPORTED_MODEL_TYPES)}")
     return ARCHITECTURES[model_type]
+
+
+# What identifies a target for a shipped head: its architecture, not the name of the
+# directory it was loaded from (a converted GGUF, a Hugging Face folder and a Hub snapshot
+# of the same model are all named differently).
+IDENTITY_KEYS = ("model_type", "hidden_size", "num_hidden_layers", "intermediate_size", "num_attention_heads",
+                 "num_key_value_heads", "vocab_size", "rope_theta", "tie_word_embeddings")
+def target_identity(model) -> Dict[str, object]:
+    """The keys of a target's config that say which model it is."""
+    args = vars(model.args)
+    return {key: args.get(key) for key in IDENTITY_KEYS}
 
 
 def text_config(config: dict) -> dict:

@@ -30,9 +30,10 @@ if TYPE_CHECKING:
     from .verify import Sampling
 
 # baseline: plain mlx-lm; default: what the commands do with the --draft and --tree given (by
-# default the model's own drafter and drafts from the context); eagle: the head alone;
-# lookup: drafts from the context alone; eagle+lookup: both in one tree; draft-model: mlx-lm's.
-METHODS = ("baseline", "default", "eagle", "lookup", "eagle+lookup", "draft-model")
+# default the model's own drafter and drafts from the context and earlier replies);
+# default-no-history: the same without earlier replies; eagle: the head alone; lookup: drafts
+# from the context (and earlier replies) alone; eagle+lookup: both in one tree; draft-model: mlx-lm's.
+METHODS = ("baseline", "default", "default-no-history", "eagle", "lookup", "eagle+lookup", "draft-model")
 
 
 @dataclass
@@ -237,13 +238,44 @@ def run_bench(prompts: List[BenchPrompt], tokenizer, generators: Dict[str, Gener
         bar.set_postfix({n: f"{statistics.median(p['tokens_per_s'] for p in per_prompt[n]):.1f}t/s"
                          for n in names})
     methods = {n: summarize(per_prompt[n], rounds[n], peaks[n]) for n in names}
+    by_request = {}
+    if "baseline" in methods:
+        by_request = speedup_by_request(per_prompt)
     if "baseline" in methods:
         for name, summary in methods.items():
             summary["speedup"] = summary["tokens_per_s_overall"] / methods["baseline"]["tokens_per_s_overall"]
             summary["decode_speedup"] = summary["decode_tokens_per_s"] / methods["baseline"]["decode_tokens_per_s"]
             if greedy:
                 summary["identical"] = texts[name] == texts["baseline"]
-    return {"methods": methods, "prompts": per_prompt}
+    return {"methods": methods, "prompts": per_prompt, "by_request": by_request}
+
+
+def speedup_by_request(per_prompt: Dict[str, List[dict]]) -> Dict[str, Dict[str, List[float]]]:
+    """Per method and category, each request's speedup over baseline, in the order the
+    requests ran: where earlier replies are drafted from, later requests gain."""
+    result: Dict[str, Dict[str, List[float]]] = {}
+    for name, prompts in per_prompt.items():
+        if name == "baseline":
+            continue
+        for mine, base in zip(prompts, per_prompt["baseline"]):
+            result.setdefault(name, {}).setdefault(mine["category"], []).append(
+                mine["tokens_per_s"] / base["tokens_per_s"])
+    return result
+
+
+def print_by_request(results: dict) -> None:
+    """The first request's speedup against the later ones', per category."""
+    rows = [("method", "category", "request 1", "requests 2-4", "requests 5+")]
+    for name, categories in results.get("by_request", {}).items():
+        for category, speedups in categories.items():
+            if len(speedups) < 5:
+                continue
+            rows.append((name, category, f"{speedups[0]:.2f}x", f"{statistics.fmean(speedups[1:4]):.2f}x",
+                         f"{statistics.fmean(speedups[4:]):.2f}x"))
+    if len(rows) > 1:
+        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+        for row in rows:
+            print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)))
 
 
 def print_table(results: dict) -> None:
@@ -343,6 +375,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parser.add_argument("--tree", default="auto", help=TREE_HELP)
     parser.add_argument("--draft-model", help="small model for mlx-lm's draft-model speculative decoding")
     parser.add_argument("--num-draft-tokens", type=int, default=3)
+    parser.add_argument("--no-history", action="store_true", help="context drafts draft from the conversation "
+                        "alone (by default each method also drafts from its own earlier replies in this run)")
     parser.add_argument("--out", type=Path, help="write results as JSON here")
     parser.add_argument("--plot", type=Path, help="draw speedup and tau per category here (PNG)")
     parser.add_argument("--quiet", action="store_true")
@@ -357,6 +391,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     from . import load
     from .costs import weight_format
     from .models import resolve_model
+    from .drafters.history import History, model_identity
     from .plan import plan_drafts
     from .trees import parse_tree
     from .verify import Sampling
@@ -367,13 +402,19 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         prompt.turns = prompt.turns[: args.max_turns] if args.max_turns else prompt.turns
     prompts = prompts[: args.limit] if args.limit else prompts
     model, tokenizer, draft = load(args.model, draft=args.draft)
-    plans = {"default": plan_drafts(model, draft if args.draft != "none" else "none", tree),
-             "lookup": plan_drafts(model, "lookup", tree)}
+
+    def history():  # each method drafts from its own earlier replies, built up as its requests run
+        return False if args.no_history else History(model_identity(model))
+
+    chosen = draft if args.draft != "none" else "none"
+    plans = {"default": plan_drafts(model, chosen, tree, history=history()),
+             "default-no-history": plan_drafts(model, chosen, tree, history=False),
+             "lookup": plan_drafts(model, "lookup", tree, history=history())}
     if {"eagle", "eagle+lookup"} & set(methods):
         if draft is None:
             raise UserError("no EAGLE head for this model: pass --draft DIR (see python -m mlx_eagle.train)")
         plans["eagle"] = plan_drafts(model, draft, tree, lookup=False)
-        plans["eagle+lookup"] = plan_drafts(model, draft, tree, lookup=True)
+        plans["eagle+lookup"] = plan_drafts(model, draft, tree, lookup=True, history=history())
     sampling = Sampling(args.temp, args.top_p, args.min_p, args.top_k)
     generators: Dict[str, Generator] = {}
     for name in methods:
@@ -396,6 +437,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     )
     print_table(results)
     print_categories(results)
+    print_by_request(results)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(results, indent=2, default=str))

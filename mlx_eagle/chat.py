@@ -15,12 +15,13 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
-from .cli import add_model_arguments, run_cli
+from .cli import add_history_arguments, add_model_arguments, history_choice, run_cli
 from .errors import UserError
 
 COMMANDS = """commands:
   /help           this list
   /reset          forget the conversation (the system prompt stays)
+  /forget         forget the earlier replies drafts are also made from (and empty --history's file)
   /system TEXT    set the system prompt ('/system' alone clears it)
   /temp X         sampling temperature (0: greedy)
   /tree SPEC      draft tree: auto, chain:K, static:default, static:FILE, dynamic:..., none
@@ -99,6 +100,9 @@ def command(session, terminal: Terminal, text: str, state: dict) -> bool:
     elif name == "/reset":
         session.reset()
         terminal.say(terminal.dim("(conversation forgotten)"))
+    elif name == "/forget":
+        session.engine.clear_history()
+        terminal.say(terminal.dim("(earlier replies forgotten)"))
     elif name == "/system":
         session.system = argument or None
         terminal.say(terminal.dim(f"(system prompt {'set' if argument else 'cleared'})"))
@@ -161,6 +165,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--temp", type=float, default=0.0, help="sampling temperature (0: greedy)")
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--max-tokens", "-m", type=int, default=512, help="longest reply")
+    add_history_arguments(parser)
     parser.add_argument("--seed", type=int)
     parser.add_argument("--no-stats", action="store_true", help="hide the line after each reply")
     return parser
@@ -181,7 +186,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     terminal = Terminal()
     terminal.say(terminal.dim("loading..."))
     session = ChatSession(args.model, args.draft, system=args.system, tree=args.tree, temp=args.temp,
-                          top_p=args.top_p, max_tokens=args.max_tokens, seed=args.seed,
+                          top_p=args.top_p, max_tokens=args.max_tokens, seed=args.seed, history=history_choice(args),
                           on_notice=lambda text: terminal.say(terminal.dim(f"({text})")))
     engine = session.engine
     terminal.say(terminal.dim(f"{engine.name}, {engine.drafting}. /help for commands, Ctrl-D to leave."))

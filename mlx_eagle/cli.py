@@ -27,6 +27,21 @@ def add_model_arguments(parser: argparse.ArgumentParser, draft: bool = True, tre
         parser.add_argument("--tree", default="auto", help=TREE_HELP)
 
 
+def add_history_arguments(parser: argparse.ArgumentParser) -> None:
+    """--history FILE and --no-history, the same in every command that answers requests."""
+    group = parser.add_mutually_exclusive_group()
+    group.add_argument("--history", metavar="FILE", help="keep the replies that context drafts draft from in FILE "
+                       "(0600, capped at 4 MiB, shared safely between processes); default: in memory, this "
+                       "process only")
+    group.add_argument("--no-history", action="store_true", help="draft from the conversation alone, not from "
+                       "earlier replies")
+
+
+def history_choice(args: argparse.Namespace):
+    """What --history / --no-history ask for, as plan_drafts takes it."""
+    return False if args.no_history else (args.history or True)
+
+
 # Debian/Ubuntu, Fedora and Arch put OpenBLAS in one of these.
 _OPENBLAS_PATHS = (
     "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0",

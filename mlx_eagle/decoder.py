@@ -101,6 +101,7 @@ class SpeculativeDecoder:
         self.root: Optional[int] = None
         # Caches mlx-lm cannot cut back (recurrent layers) are rewound from snapshots.
         self.rewind = None if mlx_lm_cache.can_trim_prompt_cache(self.target_cache) else Rewind(self.target_cache)
+        self._last_round: Optional[Tuple[object, int, int]] = None  # (snapshot, tokens, unread) before it
 
     @property
     def length(self) -> int:
@@ -197,6 +198,7 @@ class SpeculativeDecoder:
         self.on_phase("drafted")
         start = len(committed) - 1  # the root's position
         snapshot = self.rewind.snapshot() if self.rewind is not None and len(tree) else None
+        self._last_round = (snapshot, len(committed), len(unread))
         out = self._verify(tree, tokens, unread)
         verdict = accept(tree, tokens, out.logits, self.sampling, self._next_key())
         kept = [0] + [n + 1 for n in verdict.path]
@@ -219,4 +221,22 @@ class SpeculativeDecoder:
         self.root = verdict.bonus
         self.state.tokens = committed + new
         return Round(tokens=new, drafted=len(tree))
+
+    def keep(self, count: int) -> None:
+        """Keep only the first ``count`` committed tokens (what was handed out: a round may
+        commit tokens past an end of sequence or a stop), so that the next turn's prompt,
+        which holds the reply as shown, continues what the caches hold."""
+        tokens = self.state.tokens
+        if not 0 < count < len(tokens):
+            return
+        if self.rewind is None:
+            keep_cache_entries(self.target_cache, count - 1, [])
+        elif self._last_round is not None and self._last_round[0] is not None and count >= self._last_round[1]:
+            snapshot, before, unread = self._last_round  # back to before the last round's forward pass
+            self.rewind.restore(snapshot)
+            self.state.unread = count - before + unread
+        else:  # the recurrent state cannot be cut back here: the next turn reads from the start
+            return
+        self.state.tokens = tokens[:count]
+        self.root = tokens[count - 1]
 

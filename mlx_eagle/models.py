@@ -14,6 +14,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .errors import UserError, check_model_config, read_config
+from .architectures import target_identity
 from .files import cache_dir
 from .hub import from_hub
 
@@ -119,17 +120,7 @@ def load_target(model: Optional[str] = None, tokenizer_config: Optional[Dict[str
     return loaded, tokenizer, path
 
 
-# What identifies a target for a shipped head: its architecture, not the name of the
-# directory it was loaded from (a converted GGUF, a Hugging Face folder and a Hub snapshot
-# of the same model are all named differently).
-IDENTITY_KEYS = ("model_type", "hidden_size", "num_hidden_layers", "intermediate_size", "num_attention_heads",
-                 "num_key_value_heads", "vocab_size", "rope_theta", "tie_word_embeddings")
 TARGET_FILE = "target.json"  # beside a shipped head: the identity of the model it drafts for
-
-
-def target_identity(model: nn.Module) -> Dict[str, Any]:
-    args = vars(model.args)
-    return {key: args.get(key) for key in IDENTITY_KEYS}
 
 
 def shipped_head_dir(model: nn.Module) -> Optional[Path]:

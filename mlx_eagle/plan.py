@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import List, Optional, Tuple, Union
+from typing import TYPE_CHECKING, List, Optional, Tuple, Union
 
 import mlx.nn as nn
 
@@ -27,6 +27,9 @@ from .drafters import Drafter, DraftSettings, DraftSource, kind_modules
 from .drafters.composite import Composite
 from .errors import UserError, read_config
 from .trees import TreeSpec
+
+if TYPE_CHECKING:
+    from .drafters.history import History
 
 WORDS = ("auto", "lookup", "none")
 
@@ -126,18 +129,35 @@ def _similar(given: str, word: str) -> bool:
     return difflib.SequenceMatcher(None, given.lower(), word).ratio() >= 0.7
 
 
+def history_of(model: nn.Module, history: Union[bool, str, Path, "History", None], key: str = ""):
+    """The earlier replies to draft from: True, this process's for ``model`` (and ``key``,
+    the server's model id); a path, the file's (loaded and saved); False or None, none."""
+    from .drafters.history import History, for_model, model_identity
+
+    if history is None or history is False:
+        return None
+    if history is True:
+        return for_model(model, key)
+    if isinstance(history, History):
+        return history
+    return History.open(Path(history), model_identity(model))
+
+
 def plan_drafts(model: nn.Module, draft: Union[str, Path, None, object] = "auto",
-                tree: Union[str, TreeSpec, None] = "auto", lookup: bool = True) -> DraftPlan:
+                tree: Union[str, TreeSpec, None] = "auto", lookup: bool = True,
+                history: Union[bool, str, Path, object, None] = True) -> DraftPlan:
     """The one policy: what drafts for ``model`` given the user's draft choice (see the
-    module's docstring), the head's ``tree`` and whether to draft from the context."""
+    module's docstring), the head's ``tree``, whether to draft from the context, and from
+    which ``history`` of earlier replies (see ``history_of``)."""
     if isinstance(draft, DraftPlan):
         return draft
     if draft == "none":
         lookup = False
+    history = history_of(model, history) if lookup else None
     key = (id(model), draft if isinstance(draft, (str, Path, type(None))) else id(draft),
-           tree.text if isinstance(tree, TreeSpec) else tree, lookup)
+           tree.text if isinstance(tree, TreeSpec) else tree, lookup, id(history))
     loaded = load_draft(draft, model)
-    settings = DraftSettings(model, tree)
+    settings = DraftSettings(model, tree, history)
     sources = []
     if isinstance(loaded, Drafter):
         sources.append(DraftSource(type(loaded).__name__, lambda: loaded))

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Sequence
 
-from .cli import add_model_arguments, run_cli
+from .cli import add_history_arguments, add_model_arguments, history_choice, run_cli
 from .errors import UserError
 from .errors import check_text
 from .generate import MAX_SEED, GenerationResponse, chat_tokens, check_messages
@@ -63,6 +63,7 @@ class Request:
     stream: bool
     include_usage: bool
     options: Dict[str, Any] = field(default_factory=dict)
+    model: str = ""  # the model id asked for: earlier replies are drafted from per id, never across ids
 
 
 def _number(body: dict, name: str, default: float, low: float, high: float) -> float:
@@ -134,8 +135,9 @@ def parse_request(body: Any, chat: bool, engine: Engine, default_max_tokens: int
                    top_p=_number(body, "top_p", 1.0, 0.0, 1.0), seed=seed, stop=stop)
     if options["top_p"] == 0.0:
         raise RequestError(400, "top_p must be above 0", "top_p")
+    model = body.get("model")
     return Request(ids=ids, chat=chat, stream=stream, include_usage=bool(stream_options.get("include_usage")),
-                   options=options)
+                   options=options, model=model if isinstance(model, str) else "")
 
 
 def usage(last: Optional[GenerationResponse], prompt_tokens: int) -> Dict[str, Any]:
@@ -290,7 +292,8 @@ class Handler(BaseHTTPRequestHandler):
     def _generate(self, request: Request) -> Iterator[GenerationResponse]:
         """The engine's responses until done or until the client goes away (which ends
         the loop, and so cancels the generation)."""
-        for response in self.server.engine.generate(request.ids, tree=self.server.tree, **request.options):
+        for response in self.server.engine.generate(request.ids, tree=self.server.tree, history_key=request.model,
+                                                    **request.options):
             yield response
             if self._client_gone():
                 self.client_left = self.close_connection = True
@@ -431,6 +434,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                         help="also serve requests addressed to this host name (repeatable); "
                              "by default only localhost and the listening address")
     parser.add_argument("--max-tokens", type=int, default=512, help="reply length when a request gives none")
+    add_history_arguments(parser)
     parser.add_argument("--quiet", action="store_true", help="no line per request")
     args = parser.parse_args(argv)
     from .generate import check_options
@@ -450,7 +454,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         reason = getattr(exc, "strerror", None) or str(exc)
         raise UserError(f"cannot listen on {args.host}:{args.port} ({reason}); pick another --port or --host") from None
     try:
-        server.engine = engine = Engine(args.model, args.draft, tree=args.tree)
+        server.engine = engine = Engine(args.model, args.draft, tree=args.tree, history=history_choice(args))
     except BaseException:
         server.server_close()
         raise

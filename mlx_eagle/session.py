@@ -26,7 +26,7 @@ from .decoder import make_prompt_cache
 from .errors import UserError
 from .generate import GenerationResponse, chat_tokens, check_messages, stream_generate
 from .models import DEFAULT_MODEL, load_target
-from .plan import DraftPlan, load_draft, plan_drafts
+from .plan import DraftPlan, history_of, load_draft, plan_drafts
 
 Message = Dict[str, str]
 
@@ -55,13 +55,15 @@ class Engine:
     others wait their turn in a queue."""
 
     def __init__(self, model: Optional[str] = None, draft: Optional[str] = "auto", loaded: Optional[tuple] = None,
-                 name: Optional[str] = None, tree: Any = "auto"):
+                 name: Optional[str] = None, tree: Any = "auto", history: Any = True):
         """``draft``: a drafter's directory, "auto" (the model's own drafter, if any),
         "lookup" (drafts from the context alone) or "none" (plain decoding); every choice
         but "none" also drafts from the context (see plan.py). ``loaded``: (model,
         tokenizer, drafter weights or None) already in memory,
         instead of loading ``model`` and ``draft``; ``name``: what to call the model
-        (default: its directory's); ``tree``: the head's tree when a generation names none."""
+        (default: its directory's); ``tree``: the head's tree when a generation names none;
+        ``history``: the earlier replies context drafts draft from (True: this engine's, in
+        memory; a path: kept in that file; False: none), kept apart per history key."""
         self._jobs: "queue.Queue" = queue.Queue()
         self._current: Optional[threading.Event] = None
         worker = threading.Thread(target=_work, args=(self._jobs,), name="mlx-eagle-engine", daemon=True)
@@ -76,7 +78,7 @@ class Engine:
         self.lookup = draft != "none"
         self.name = name or (path[0].name if path else DEFAULT_MODEL)
         self._plans: Dict[Any, DraftPlan] = {}
-        self.tree = tree
+        self.tree, self.history = tree, history
         self.cache = self._call(lambda: make_prompt_cache(self.model))
 
     @staticmethod
@@ -84,14 +86,20 @@ class Engine:
         target, tokenizer, path = load_target(model)
         return target, tokenizer, load_draft(draft, target), path
 
-    def plan(self, tree: Any = None) -> DraftPlan:
-        """What drafts with ``tree`` (a --tree spec; None: the engine's): planned once per
-        tree value, on the worker thread (planning may time this device's forwards)."""
+    def plan(self, tree: Any = None, history_key: str = "") -> DraftPlan:
+        """What drafts with ``tree`` (a --tree spec; None: the engine's), drafting from the
+        history kept for ``history_key`` (the server's requested model id): planned once per
+        pair, on the worker thread (planning may time this device's forwards)."""
         tree = self.tree if tree is None else tree
-        key = getattr(tree, "text", tree)
+        key = (getattr(tree, "text", tree), history_key)
         if key not in self._plans:
-            self._plans[key] = plan_drafts(self.model, self.head, tree, self.lookup)
+            history = history_of(self.model, self.history, history_key) if self.lookup else None
+            self._plans[key] = plan_drafts(self.model, self.head, tree, self.lookup, history)
         return self._plans[key]
+
+    def clear_history(self) -> None:
+        """Forget the earlier replies every plan drafts from (and empty their files)."""
+        self._call(lambda: [p.settings.history.clear() for p in self._plans.values() if p.settings.history])
 
     def _call(self, function: Callable[[], Any]) -> Any:
         """Run ``function`` on the worker and return its result (or raise its error)."""
@@ -126,13 +134,14 @@ class Engine:
         out: "queue.Queue" = queue.Queue()
         cancel = cancel if cancel is not None else threading.Event()
         tree = options.pop("tree", None)
+        history_key = options.pop("history_key", "")
 
         def job():
             self._current = cancel
             try:
                 if cancel.is_set():
                     return
-                for response in stream_generate(self.model, self.tokenizer, ids, draft=self.plan(tree),
+                for response in stream_generate(self.model, self.tokenizer, ids, draft=self.plan(tree, history_key),
                                                 prompt_cache=self.cache, **options):
                     out.put(response)
                     if cancel.is_set():
@@ -198,9 +207,9 @@ class ChatSession:
 
     def __init__(self, model: Optional[str] = None, draft: Optional[str] = "auto", *, system: Optional[str] = None,
                  tree: str = "auto", temp: float = 0.0, top_p: float = 1.0, max_tokens: int = 512,
-                 seed: Optional[int] = None, engine: Optional[Engine] = None,
+                 seed: Optional[int] = None, engine: Optional[Engine] = None, history: Any = True,
                  on_notice: Callable[[str], None] = lambda text: None):
-        self.engine = engine or Engine(model, draft, tree=tree)
+        self.engine = engine or Engine(model, draft, tree=tree, history=history)
         self.system, self.tree, self.temp, self.top_p = system, tree, temp, top_p
         self.max_tokens, self.seed, self.on_notice = max_tokens, seed, on_notice
         self.stats: Optional[TurnStats] = None

@@ -111,7 +111,9 @@ def measure_costs(model: nn.Module, tokenizer, head, context: int = 256, repeats
 def main(argv: Optional[Sequence[str]] = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m mlx_eagle.tune", description=__doc__.splitlines()[0])
     add_model_arguments(parser, tree=False)
-    parser.add_argument("--prompts", type=int, default=24, help="calibration prompts")
+    parser.add_argument("--prompts", type=int, default=24, help="calibration prompts (default: %(default)s)")
+    parser.add_argument("--confirm", type=int, default=6, help="further prompts the tree is checked on by decoding, "
+                        "against plain mlx-lm (default: %(default)s)")
     parser.add_argument("--max-tokens", type=int, default=128, help="answer tokens per calibration prompt")
     parser.add_argument("--max-nodes", type=int, default=64)
     parser.add_argument("--objective", choices=["speed", "tau"], default="speed",
@@ -120,6 +122,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parser.add_argument("--out", type=Path, help="where to write the tree (default: beside the head)")
     parser.add_argument("--quiet", action="store_true")
     args = parser.parse_args(argv)
+    if args.prompts < 1 or args.confirm < 1:
+        raise UserError("--prompts and --confirm must be 1 or more")
     if not 1 <= args.max_nodes <= 64:
         raise UserError("--max-nodes must be between 1 and 64")
     if args.objective == "tau" and args.out is None:
@@ -139,7 +143,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     # Calibration prompts from the end of ShareGPT (training reads it from the start), and
     # six before them to confirm the speed-up on: in neither training nor calibration.
     available = sharegpt_prompts()
-    prompts, confirmation = available[-args.prompts:], available[-args.prompts - 6:-args.prompts]
+    prompts, confirmation = available[-args.prompts:], available[-args.prompts - args.confirm:-args.prompts]
     pieces = calibration_pieces(model, tokenizer, prompts, args.max_tokens)
     acceptance = measure_acceptance(model, head, pieces)
     # what --tree auto builds trees from on devices nobody tuned

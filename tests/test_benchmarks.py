@@ -71,15 +71,21 @@ def test_train_speed(tmp_path):
     assert result["compiled"]["s_per_step"] > 0 and result["stored"]["s_per_step"] > 0
 
 
-@pytest.mark.slow  # the real model and ShareGPT
+@pytest.mark.slow  # the real model
 def test_recipe_ablations(tmp_path):
+    """On a data directory as --prepare-only writes it (here: 14 pieces of random tokens)."""
+    import numpy as np
+
+    from mlx_eagle.data import save_dialogues
+
     data, runs = tmp_path / "data", tmp_path / "runs"
-    prepare = subprocess.run([sys.executable, "-m", "mlx_eagle.train", "--out", tmp_path / "x", "--data", data,
-                              "--seq-len", "64", "--prompts", "12", "--held-out", "2", "--draft-vocab", "512",
-                              "--prepare-only", "--quiet"], capture_output=True, text=True, timeout=600, cwd=ROOT)
-    assert prepare.returncode == 0, prepare.stderr[-3000:]
+    data.mkdir()
+    rng = np.random.default_rng(0)
+    pieces = [(rng.integers(100, 5000, 64).astype(np.int32), np.arange(64) >= 24) for _ in range(14)]
+    save_dialogues(data / "dialogues-64-all-2.npz", pieces, ["Hello?", "Why?"])
     run("recipe_ablations.py", data, runs, "--seq-len", 64, "--subset", 6, "--steps", 2, "--tokens-per-batch", 128,
-        "--held-out-pieces", 2, "--held-out", 2, "--only", "reference", "--out", tmp_path / "ablations.json")
+        "--held-out-pieces", 2, "--held-out", 2, "--only", "reference", "--no-compile",
+        "--out", tmp_path / "ablations.json")
     result = json.loads((tmp_path / "ablations.json").read_text())
     assert len(result["runs"]["reference"]["held_out_agreement_by_depth"]) == 5
 
@@ -124,3 +130,15 @@ def test_rollback_cost(tmp_path):
         "--out", tmp_path / "rollback.json")
     result = json.loads((tmp_path / "rollback.json").read_text())
     assert set(result) == {"lfm2", "qwen3_next"} and result["lfm2"]["chain 8"]["replayed_tokens"] == 5
+
+
+def test_repetitive_prompts_are_the_rules(tmp_path):
+    run("repetitive_prompts.py", "--out", tmp_path / "repetitive.jsonl")
+    written = (tmp_path / "repetitive.jsonl").read_text()
+    assert written == (BENCHMARKS / "prompts" / "repetitive.jsonl").read_text() and len(written.splitlines()) == 80
+
+
+def test_history_size(tmp_path):
+    run("history_size.py", "--replies", 200, "--out", tmp_path / "history.json")
+    result = json.loads((tmp_path / "history.json").read_text())
+    assert result["tokens"] == 200 * 150 and result["bytes"] > 0

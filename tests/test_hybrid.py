@@ -152,3 +152,29 @@ def test_a_hybrid_gguf_is_refused_in_one_line(tmp_path):
     writer.close()
     with pytest.raises(UserError, match="'nemotron_h' is not supported .* Hugging Face directory"):
         convert_target(path, tmp_path / "out", progress=False)
+
+
+def test_a_conversation_on_a_hybrid_model_reads_only_each_new_turn(tmp_path):
+    """Turns through stream_generate with one prompt cache, as ChatSession runs them: each
+    turn's prompt is the conversation so far (the replies as they were handed out, though
+    the last round committed tokens past their end) and a new message; it reads only what
+    is new."""
+    from mlx_eagle import load, make_prompt_cache, stream_generate
+
+    model, tokenizer = load(str(write_directory(tmp_path, "qwen3_5")))
+    cache = make_prompt_cache(model)
+    conversation, reused = [5, 6, 7, 8, 9], []
+    for turn in range(3):
+        expected = reference(model, conversation, 12)
+        tokenizer._eos_token_ids = {expected[4]}  # the reply ends inside a drafted chain
+        expected = expected[:expected.index(expected[4]) + 1]
+        responses = list(stream_generate(model, tokenizer, conversation, max_tokens=12, prompt_cache=cache,
+                                         draft=ScriptedDrafter(conversation + reference(model, conversation, 12),
+                                                               model.args.vocab_size, length=8, wrong_every=50)))
+        assert [r.token for r in responses] == expected
+        assert cache.tokens == conversation + expected  # not what the last round committed past the end
+        reused.append((responses[-1].prompt_reused, len(conversation)))
+        conversation = conversation + expected + [10 + turn, 11 + turn]
+    assert reused[0][0] == 0
+    for (cached, _), (_, previous_prompt) in zip(reused[1:], reused):
+        assert cached >= previous_prompt, reused  # all of the last turn, at least

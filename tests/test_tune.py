@@ -219,3 +219,31 @@ def test_an_unwritable_cache_only_means_timing_again(tiny_target, tmp_path, monk
     monkeypatch.setenv("MLX_EAGLE_CACHE", str(blocked))
     costs = verify_costs(model)
     assert costs(1) == 1.0 and costs(16) >= 1.0 and blocked.read_text() == "not a directory"
+
+
+@pytest.mark.slow  # tunes the shipped head on the real model
+def test_tune_never_writes_into_the_package(smollm, tmp_path):
+    """tune on the shipped head writes its tree and acceptance to the user's cache (or
+    --out), and the package's own files stay byte for byte as shipped."""
+    import hashlib
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import mlx_eagle
+
+    shipped = Path(mlx_eagle.__file__).parent / "weights"
+
+    def digest():
+        return {str(p): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(shipped.rglob("*")) if p.is_file()}
+
+    before = digest()
+    env = dict(os.environ, MLX_EAGLE_CACHE=str(tmp_path / "cache"))
+    result = subprocess.run([sys.executable, "-m", "mlx_eagle.tune", "--prompts", "2", "--confirm", "1",
+                             "--max-tokens", "8", "--max-nodes", "4", "--quiet"], capture_output=True, text=True,
+                            timeout=900, env=env)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert digest() == before
+    written = list((tmp_path / "cache" / "heads").rglob("*.json"))
+    assert {p.name for p in written} >= {"acceptance.json"} and any(p.parent.name == "trees" for p in written)

@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     import mlx.nn as nn
 
     from ..costs import Costs
+    from .history import History
     from ..trees import TreeSpec
 
 # The kinds of drafter, one module each: mlx_eagle.drafters.<kind>. A kind module defines
@@ -50,6 +51,7 @@ class DraftSettings:
 
     model: "nn.Module"  # the target
     tree: Union[str, "TreeSpec", None] = "auto"  # the tree a head or a tree-drafting kind grows
+    history: Optional["History"] = None  # earlier replies to draft from (drafters/history.py)
 
     @property
     def costs(self) -> "Costs":
@@ -182,6 +184,9 @@ class Drafter:
 
     def observe(self, outcome: Outcome) -> None:
         """Learn what was committed (and what of this drafter's proposal was accepted)."""
+
+    def finish(self) -> None:
+        """The reply is over (the generation stopped): what was committed is final."""
 
     def reusable(self, common: int) -> int:
         """A new prompt shares its first ``common`` tokens with what was committed: how many

@@ -34,6 +34,10 @@ class Composite(Drafter):
         self._parts: List[Optional[Proposal]] = []
         self._nodes: List[List[int]] = []  # per source: its nodes' indices in the merged tree
 
+    def finish(self) -> None:
+        for drafter in self.drafters:
+            drafter.finish()
+
     def reusable(self, common: int) -> int:
         return min((d.reusable(common) for d in self.drafters), default=common)
 

@@ -1,10 +1,16 @@
-"""Drafts from the context (prompt-lookup decoding): no head, no training.
+"""Drafts from the context (prompt-lookup decoding) and from earlier replies (suffix
+decoding): no head, no training.
 
 Answers that fix, rewrite or reformat text copy long spans of the prompt, of
 earlier turns or of themselves. The committed tokens' longest recent suffix (n
 tokens, from ``max_ngram`` down to ``min_ngram``) is looked up among everything
 committed so far, and the tokens that followed its most recent occurrence are the
-draft. Verification keeps the output the target's own whatever is drafted.
+draft. Desktop tools and agents also ask the same kind of thing again and again: the
+replies of earlier requests to the same model are kept in a ``History`` (per model, in
+memory, optionally on disk), and where the end of the text matches them longer than it
+matches the conversation, the draft is a tree of their most frequent continuations,
+each node scored by its count ratio (suffix decoding, arXiv 2411.04975). Verification
+keeps the output the target's own whatever is drafted.
 
 How many tokens to draft is decided each round: the draft's expected accepted
 tokens, from this conversation's own acceptance history per match length and
@@ -16,14 +22,18 @@ target states, so it drafts for any model mlx-lm loads whose cache can be rewoun
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
+import mlx.core as mx
 import mlx.nn as nn
 
+from ..trees import DraftTree
 from . import Budget, DraftSettings, DraftSource, Outcome, Proposal
 from .chains import ChainDrafter
+from .history import History
 
 NAME = "lookup"
 
@@ -63,6 +73,14 @@ class ContextIndex:
                 return n, position
         return 0, -1
 
+    def match_length(self, position: int, limit: int) -> int:
+        """How many tokens before ``position`` equal the context's last ones (at most ``limit``)."""
+        tokens, end, length = self.tokens, len(self.tokens), 0
+        while length < limit and position - length - 1 >= 0 and end - length - 1 > position - length - 1 \
+                and tokens[position - length - 1] == tokens[end - length - 1]:
+            length += 1
+        return length
+
     def continuation(self, position: int, count: int) -> List[int]:
         """``count`` tokens from ``position`` on. Where the copy reaches the end of the
         context it repeats with the match's period (a repeated line goes on repeating)."""
@@ -80,18 +98,55 @@ class LookupDraft:
     kind: int  # which acceptance history judges it: the match's length, and whether a copy goes on
 
 
+def continuation_tree(continuations: Sequence[Sequence[int]], nodes: int,
+                      min_probability: float = 0.1) -> Tuple[DraftTree, List[float]]:
+    """The most frequent continuations as a tree of at most ``nodes`` nodes: each node's
+    probability is its count over its parent's, times its parent's; nodes are taken best
+    first while their probability is at least ``min_probability``. Nodes come parents first."""
+    trie: Dict[Tuple[int, ...], int] = {}
+    for continuation in continuations:
+        for depth in range(1, len(continuation) + 1):
+            prefix = tuple(int(t) for t in continuation[:depth])
+            trie[prefix] = trie.get(prefix, 0) + 1
+    children: Dict[Tuple[int, ...], List[Tuple[int, ...]]] = {}
+    for prefix in trie:
+        children.setdefault(prefix[:-1], []).append(prefix)
+    total = len(continuations)
+    heap = [(-trie[c] / total, c) for c in children.get((), [])]
+    heapq.heapify(heap)
+    tree, probabilities, placed = DraftTree(), [], {(): -1}
+    while heap and len(tree) < nodes:
+        negative, prefix = heapq.heappop(heap)
+        if -negative < min_probability:
+            break
+        placed[prefix] = tree.add(prefix[-1], placed[prefix[:-1]])
+        probabilities.append(-negative)
+        for child in children.get(prefix, []):
+            heapq.heappush(heap, (negative * trie[child] / trie[prefix], child))
+    return tree, probabilities
+
+
 class LookupDrafter(ChainDrafter):
     """Proposes this round's lookup draft, as long as is expected to pay off (see
     ChainDrafter), judged separately for each kind of draft: by the matched suffix's
     length, and by whether the last round's draft was accepted whole (a copy under way
-    goes on far more often than a new one starts)."""
+    goes on far more often than a new one starts). With a ``history``, drafts from earlier
+    replies where they match the end of the text longer than the conversation does."""
+
+    MAX_MATCH = 32  # tokens a match is followed back
 
     def __init__(self, cost: Callable[[int], float], max_tokens: int = 16, min_ngram: int = 1,
-                 max_ngram: int = 4):
-        super().__init__(cost, max_tokens, kinds=2 * (max_ngram + 1))
+                 max_ngram: int = 4, history: Optional[History] = None):
+        super().__init__(cost, max_tokens, kinds=2 * (max_ngram + 1) + 1)
         self.index = ContextIndex(min_ngram, max_ngram)
+        self.history = history
         self.copying = False  # the last round's draft was accepted whole
         self._proposed = LookupDraft([], 0)  # this round's draft
+        self._history_yield = 1.0  # accepted over expected tokens of history drafts so far
+        self._expected = 0.0  # what this round's history draft was expected to yield
+        self._reply_start: Optional[int] = None  # where this request's reply begins in index.tokens
+
+    HISTORY_KIND = -1  # the last row of the acceptance tables
 
     def kind(self, ngram: int) -> int:
         return ngram + (self.index.max_ngram + 1) * self.copying
@@ -104,12 +159,47 @@ class LookupDrafter(ChainDrafter):
         kind = self.kind(ngram)
         self.copying = False  # until a draft is accepted whole
         limit = min(budget.room, budget.nodes, self.max_tokens)
+        if self.history is not None and limit >= 1:
+            conversation = self.index.match_length(position, self.MAX_MATCH) if ngram else 0
+            drafted = self._from_history(budget, limit, conversation)
+            if drafted is not None:
+                return drafted
         length = self.best_length(kind, limit, budget.verified, budget.expected) if ngram and limit >= 1 else 0
         self._proposed = LookupDraft(self.index.continuation(position, length), kind)
         return Proposal.chain(self._proposed.tokens) if length else None
 
+    def _from_history(self, budget: Budget, limit: int, conversation: int) -> Optional[Proposal]:
+        """A tree of earlier replies' continuations, where they match longer than the
+        conversation: as deep as the match is long (up to ``limit``), as many nodes as
+        their expected yield pays for on this device."""
+        matched, continuations = self.history.match(self.index.tokens, self.MAX_MATCH, limit)
+        if matched <= conversation or not continuations:
+            return None
+        depth = min(limit, matched)
+        tree, probabilities = continuation_tree([c[:depth] for c in continuations],
+                                                1 if budget.chain else budget.nodes)
+        expected, count = budget.expected, 0
+        for probability in probabilities:  # nodes come best first: keep them while each pays
+            value = probability * self._history_yield
+            if (expected + value) / self.cost(budget.verified + count + 1) <= expected / self.cost(budget.verified
+                                                                                                   + count):
+                break
+            expected, count = expected + value, count + 1
+        if not count:
+            return None
+        tree = DraftTree(tree.tokens[:count], tree.parents[:count], tree.depths[:count])  # a prefix is a tree
+        if budget.chain and not tree.is_chain():
+            return None
+        self._proposed = LookupDraft(list(tree.tokens), self.HISTORY_KIND)
+        self._expected = expected - budget.expected
+        return Proposal(tree, mx.array(tree.tokens, dtype=mx.int32))
+
     def record(self, draft: LookupDraft, accepted: int) -> None:
         """How many leading tokens of ``draft`` the target accepted."""
+        if draft.kind == self.HISTORY_KIND:
+            self._history_yield += 0.2 * (min(1.0, accepted / max(self._expected, 1e-6)) - self._history_yield)
+            self._history_yield = min(1.0, max(0.1, self._history_yield))
+            return
         self.record_chain(draft.kind, len(draft.tokens), accepted)
         self.copying = accepted == len(draft.tokens)
 
@@ -117,9 +207,17 @@ class LookupDrafter(ChainDrafter):
         if outcome.proposal is not None and len(outcome.proposal):
             self.record(self._proposed, outcome.accepted)
         if outcome.from_prompt:
+            self.finish()  # a new request: the last one's reply is final
             self.index.reset(outcome.tokens)
+            self._reply_start = len(outcome.tokens) - 1
         else:
             self.index.commit(outcome.new_tokens)
+
+    def finish(self) -> None:
+        """The reply is over: it joins the history that later requests draft from."""
+        if self.history is not None and self._reply_start is not None:
+            self.history.add(self.index.tokens[self._reply_start:])
+        self._reply_start = None
 
 
 def recognizes(path: Path, config: Optional[dict]) -> bool:
@@ -131,5 +229,6 @@ def accepts(draft: object) -> bool:
 
 
 def source(draft: object, model: nn.Module, settings: DraftSettings) -> DraftSource:
-    costs = settings.costs
-    return DraftSource("context lookup", lambda: LookupDrafter(costs))
+    costs, history = settings.costs, settings.history
+    name = "context lookup" + (" (with earlier replies)" if history is not None else "")
+    return DraftSource(name, lambda: LookupDrafter(costs, history=history))

@@ -137,6 +137,7 @@ def stream_generate(
     seed: Optional[int] = None,
     stop: Optional[Sequence[str]] = None,
     prompt_cache: Optional["PromptCache"] = None,
+    history: Union[bool, str, None, object] = True,
 ) -> Generator[GenerationResponse, None, None]:
     """Yield the continuation of ``prompt`` token by token.
 
@@ -154,7 +155,9 @@ def stream_generate(
     the same tokens when greedy (temp 0), the same distribution when sampling.
     ``prompt_cache`` (``make_prompt_cache``): keep it across the turns of a conversation
     and pass the whole conversation each time; the part the cache already holds is not
-    read again. Stopping the iteration between tokens leaves it usable.
+    read again. Stopping the iteration between tokens leaves it usable. ``history``: the
+    earlier replies context drafts also draft from (True: this process's for this model;
+    a path: a file kept across processes; False: none); a plan says this itself.
     """
     from ..decoder import SpeculativeDecoder, make_prompt_cache
     from ..plan import plan_drafts
@@ -168,7 +171,7 @@ def stream_generate(
     limit = _context_length(model)
     if limit is not None and len(ids) >= limit:
         raise UserError(f"the prompt is {len(ids)} tokens; the model's context holds {limit}. Shorten it")
-    plan = plan_drafts(model, draft, tree, lookup)
+    plan = plan_drafts(model, draft, tree, lookup, history)
     cache = prompt_cache if prompt_cache is not None else make_prompt_cache(model)
     if cache.plan_key != plan.key:  # a conversation keeps its drafters (and their caches) while its plan holds
         cache.drafter, cache.plan_key = plan.drafter(), plan.key
@@ -178,49 +181,55 @@ def stream_generate(
     detokenizer = tokenizer.detokenizer
     detokenizer.reset()
 
-    tic = time.perf_counter()
-    round_tokens = [decoder.prefill(ids)]
-    prompt_tps = (len(ids) - decoder.reused) / (time.perf_counter() - tic)
-    tic = time.perf_counter()
-    generated, produced, rounds, accepted = 0, 0, 0, 0
-    from_draft = [False]
-    while True:
-        for token, drafted in zip(round_tokens, from_draft):
-            generated += 1
-            finish = None
-            if token in eos:
-                finish = "stop"
-            else:
-                detokenizer.add_token(token)
-            if finish is None and generated >= max_tokens:
-                finish = "length"
-            if finish is None and limit is not None and len(ids) + generated >= limit:
-                finish = "length"
-            if finish is not None:
-                detokenizer.finalize()
-            segment, stopped = stops.feed(detokenizer.text, final=finish is not None)
-            if stopped:
-                finish = "stop"
-            elapsed = time.perf_counter() - tic
-            yield GenerationResponse(
-                text=segment, token=token, from_draft=drafted, prompt_tokens=len(ids),
-                prompt_tps=prompt_tps, generation_tokens=generated,
-                generation_tps=generated / elapsed if elapsed > 0 else 0.0,
-                peak_memory=mx.get_peak_memory() / 1e9, finish_reason=finish,
-                accepted=accepted, mean_accepted=produced / rounds if rounds else 0.0,
-                target_forwards=decoder.forwards, prompt_reused=decoder.reused,
-            )
-            if finish is not None:
-                return
-        room = max_tokens - generated
-        if limit is not None:
-            room = min(room, limit - decoder.length)
-        result = decoder.round(room)
-        round_tokens = result.tokens
-        rounds += 1
-        produced += len(result.tokens)
-        accepted = len(result.tokens) - 1
-        from_draft = [True] * accepted + [False]
+    generated = 0
+    try:
+        tic = time.perf_counter()
+        round_tokens = [decoder.prefill(ids)]
+        prompt_tps = (len(ids) - decoder.reused) / (time.perf_counter() - tic)
+        tic = time.perf_counter()
+        generated, produced, rounds, accepted = 0, 0, 0, 0
+        from_draft = [False]
+        while True:
+            for token, drafted in zip(round_tokens, from_draft):
+                generated += 1
+                finish = None
+                if token in eos:
+                    finish = "stop"
+                else:
+                    detokenizer.add_token(token)
+                if finish is None and generated >= max_tokens:
+                    finish = "length"
+                if finish is None and limit is not None and len(ids) + generated >= limit:
+                    finish = "length"
+                if finish is not None:
+                    detokenizer.finalize()
+                segment, stopped = stops.feed(detokenizer.text, final=finish is not None)
+                if stopped:
+                    finish = "stop"
+                elapsed = time.perf_counter() - tic
+                yield GenerationResponse(
+                    text=segment, token=token, from_draft=drafted, prompt_tokens=len(ids),
+                    prompt_tps=prompt_tps, generation_tokens=generated,
+                    generation_tps=generated / elapsed if elapsed > 0 else 0.0,
+                    peak_memory=mx.get_peak_memory() / 1e9, finish_reason=finish,
+                    accepted=accepted, mean_accepted=produced / rounds if rounds else 0.0,
+                    target_forwards=decoder.forwards, prompt_reused=decoder.reused,
+                )
+                if finish is not None:
+                    return
+            room = max_tokens - generated
+            if limit is not None:
+                room = min(room, limit - decoder.length)
+            result = decoder.round(room)
+            round_tokens = result.tokens
+            rounds += 1
+            produced += len(result.tokens)
+            accepted = len(result.tokens) - 1
+            from_draft = [True] * accepted + [False]
+    finally:  # the reply is final, however it ended: the caches hold what was shown, drafters keep it
+        decoder.keep(len(ids) + generated)
+        if cache.drafter is not None:
+            cache.drafter.finish()
 
 
 def generate(model: nn.Module, tokenizer, prompt: Union[str, List[int]], verbose: bool = False,

@@ -9,7 +9,7 @@ import argparse
 import sys
 from typing import List, Optional, Sequence
 
-from ..cli import add_model_arguments, blas_in_use, run_cli
+from ..cli import add_history_arguments, add_model_arguments, blas_in_use, history_choice, run_cli
 from ..errors import UserError, check_text
 from . import chat_tokens, check_options
 
@@ -20,7 +20,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--no-lookup", action="store_true", help="no drafts from the context, the head's alone")
     parser.add_argument("--prompt", "-p", default="Hello!", help="the user message; '-' reads standard input")
     parser.add_argument("--system", help="a system prompt")
-    parser.add_argument("--max-tokens", "-m", type=int, default=256)
+    parser.add_argument("--max-tokens", "-m", type=int, default=256, help="longest reply (default: %(default)s)")
+    add_history_arguments(parser)
     parser.add_argument("--temp", type=float, default=0.0, help="sampling temperature (0: greedy)")
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--top-k", type=int, default=0)
@@ -67,7 +68,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     if args.verbose:
         print(f"device: {mx.default_device()}, BLAS: {blas_in_use()}", file=sys.stderr)
     model, tokenizer = load(args.model)
-    plan = plan_drafts(model, args.draft, tree, lookup=not args.no_lookup)
+    plan = plan_drafts(model, args.draft, tree, lookup=not args.no_lookup, history=history_choice(args))
     for source in plan.sources:
         if source.make is None and source.note:  # a drafter that decided not to draft here says why
             print(f"{'drafting from the context alone' if plan.active else 'decoding plainly'}: {source.note}",
