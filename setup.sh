@@ -13,6 +13,12 @@ if [ "$(uname -s)" = Linux ] && ! ls /usr/lib/*/openblas-pthread/libopenblas.so.
 fi
 
 [ -x .venv/bin/python ] || python3 -m venv .venv
+# An activated shell (and the Python API in it) gets the fast BLAS too: preloaded for the process.
+openblas=$(ls /usr/lib/*/openblas-pthread/libopenblas.so.0 2>/dev/null | head -n 1 || true)
+if [ -n "$openblas" ] && ! grep -q "mlx-eagle: OpenBLAS" .venv/bin/activate; then
+  printf '\n# mlx-eagle: OpenBLAS for MLX float32 matmuls on Linux (see README)\nexport LD_PRELOAD="%s${LD_PRELOAD:+:$LD_PRELOAD}"\n' \
+    "$openblas" >> .venv/bin/activate
+fi
 .venv/bin/python -m pip install -q --upgrade pip 2>/dev/null
 extras="test"
 [ "$(uname -s)" = Linux ] && extras="cpu,test"

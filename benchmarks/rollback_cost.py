@@ -63,7 +63,16 @@ def costs(model, vocab: int, repeats: int, context: int = 64) -> dict:
     for chain in CHAINS:
         replayed = chain // 2 + 1  # the root and the accepted half
         snapshot_ms = timed(lambda: rewind.restore(rewind.snapshot()), repeats)
-        marginal = timed(forward(chain + 1 + replayed), repeats) - timed(forward(chain + 1), repeats)
+        with_replay, without = forward(chain + 1 + replayed), forward(chain + 1)
+        with_replay(), without()  # warm-up
+        differences = []
+        for _ in range(repeats):  # alternating, so that drift hits both alike
+            tic = time.perf_counter()
+            with_replay()
+            middle = time.perf_counter()
+            without()
+            differences.append(1000 * ((middle - tic) - (time.perf_counter() - middle)))
+        marginal = statistics.median(differences)
         total = snapshot_ms + max(marginal, 0.0)
         row[f"chain {chain}"] = {"replayed_tokens": replayed, "snapshot_and_restore_ms": snapshot_ms,
                                  "replay_ms": marginal, "rollback_ms": total, "of_a_plain_step": total / plain}
@@ -72,7 +81,7 @@ def costs(model, vocab: int, repeats: int, context: int = 64) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=21)
     parser.add_argument("--families", nargs="*", help="only these (default: all, and the 1B Qwen3.5)")
     parser.add_argument("--no-1b", action="store_true", help="leave out the 1B-scale Qwen3.5")
     parser.add_argument("--out", type=Path, default=HERE / "results" / "rollback-cost.json")
@@ -88,7 +97,7 @@ def main() -> None:
         module = importlib.import_module("mlx_lm.models.qwen3_5")
         model = module.Model(module.ModelArgs.from_dict(ONE_B))
         mx.eval(model.parameters())
-        results["qwen3_5 ~1B (random weights)"] = costs(model, 151936, args.repeats)
+        results["qwen3_5 ~1B (random weights)"] = costs(model, 151936, min(args.repeats, 7))
     print(f"{'family':32} {'plain ms':>9} " + " ".join(f"{'chain ' + str(c):>16}" for c in CHAINS))
     for family, row in results.items():
         cells = [f"{row[f'chain {c}']['rollback_ms']:6.2f} ({row[f'chain {c}']['of_a_plain_step']:4.0%})"

@@ -152,7 +152,8 @@ def mlx_lm_method(model, tokenizer, max_tokens: int, sampling: Sampling, seed: O
     from mlx_lm.sample_utils import make_sampler
 
     def run(ids: List[int]) -> Answer:
-        sampler = make_sampler(sampling.temp, top_p=sampling.top_p, min_p=sampling.min_p, top_k=sampling.top_k)
+        sampler = make_sampler(0.0 if sampling.greedy else sampling.temp, top_p=sampling.top_p, min_p=sampling.min_p,
+                               top_k=sampling.top_k)
         if seed is not None:
             mx.random.seed(seed)
         extra = {"draft_model": draft_model, "num_draft_tokens": num_draft_tokens} if draft_model is not None else {}
@@ -426,7 +427,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
             draft_model, _ = load(args.draft_model)
             generators[name] = mlx_lm_method(model, tokenizer, args.max_tokens, sampling, args.seed, draft_model,
                                              args.num_draft_tokens)
-    results = run_bench(prompts, tokenizer, generators, greedy=args.temp == 0, progress=not args.quiet)
+    results = run_bench(prompts, tokenizer, generators, greedy=sampling.greedy, progress=not args.quiet)
     results.update(
         machine=machine(), model=str(resolve_model(args.model)), weights=weight_format(model),
         head=str(getattr(draft, "directory", None)) if draft is not None else None, tree=args.tree,

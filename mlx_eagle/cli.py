@@ -11,7 +11,8 @@ from typing import Callable, NoReturn, Optional, Sequence
 from .errors import UserError
 
 
-DRAFT_HELP = ("EAGLE head directory, or 'lookup' (drafts from the context alone, for any mlx-lm model), or "
+DRAFT_HELP = ("a drafter: an EAGLE head directory, or a draft model (a model directory, .gguf file or Hugging Face "
+              "repo id with the model's tokenizer); or 'lookup' (drafts from the context alone, any mlx-lm model), or "
               "'none' (plain decoding); default (auto): the model's shipped head, if any, and drafts from the context")
 TREE_HELP = ("draft tree: auto (tuned for this device, see mlx_eagle.tune), chain:K, static:default, static:FILE, "
              "dynamic:topk=8,depth=5,tokens=32, none")

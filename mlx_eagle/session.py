@@ -66,6 +66,7 @@ class Engine:
         memory; a path: kept in that file; False: none), kept apart per history key."""
         self._jobs: "queue.Queue" = queue.Queue()
         self._current: Optional[threading.Event] = None
+        self._closed = False
         worker = threading.Thread(target=_work, args=(self._jobs,), name="mlx-eagle-engine", daemon=True)
         worker.start()
         # also when the engine is collected, or at exit without close()
@@ -103,6 +104,7 @@ class Engine:
 
     def _call(self, function: Callable[[], Any]) -> Any:
         """Run ``function`` on the worker and return its result (or raise its error)."""
+        self._check_open()
         box: "queue.Queue" = queue.Queue()
 
         def job():
@@ -116,6 +118,10 @@ class Engine:
         if not ok:
             raise value
         return value
+
+    def _check_open(self) -> None:
+        if self._closed:  # its worker is gone: a job would wait for ever
+            raise RuntimeError("this engine is closed; make a new Engine")
 
     @property
     def drafting(self) -> str:
@@ -131,6 +137,7 @@ class Engine:
         """Stream the continuation of ``ids``; ``options`` as for stream_generate.
         Leaving the loop early, setting ``cancel`` (also before it starts: it then never
         runs) or ``Engine.cancel()`` stops the generation within a round."""
+        self._check_open()
         out: "queue.Queue" = queue.Queue()
         cancel = cancel if cancel is not None else threading.Event()
         tree = options.pop("tree", None)
@@ -174,7 +181,9 @@ class Engine:
         self._call(lambda: setattr(self, "cache", make_prompt_cache(self.model)))
 
     def close(self) -> None:
+        """Stop the generation in progress and the worker; later calls raise RuntimeError."""
         self.cancel()
+        self._closed = True
         self._stop()
 
 
@@ -214,7 +223,10 @@ class ChatSession:
         self.max_tokens, self.seed, self.on_notice = max_tokens, seed, on_notice
         self.stats: Optional[TurnStats] = None
         self._history: List[Message] = []
-        self._busy = threading.Lock()
+        # Re-entrant: a reply suspended in this very thread (its generator not yet exhausted)
+        # holds it, and reset() from the same thread must not wait for it for ever.
+        self._busy = threading.RLock()
+        self._epoch = 0  # bumped by reset(): a reply begun before it does not join the new history
         # One per reply asked for and not yet finished: set, it stops or never starts. Weak:
         # a reply that is never iterated leaves nothing behind.
         self._cancels: "weakref.WeakSet[threading.Event]" = weakref.WeakSet()
@@ -246,6 +258,7 @@ class ChatSession:
         self.cancel()
         with self._busy:
             self._history = []
+            self._epoch += 1
 
     def cancel(self) -> None:
         """Stop this session's reply (another session's on the same engine runs on)."""
@@ -285,6 +298,7 @@ class ChatSession:
         if not self._busy.acquire(blocking=False):
             raise RuntimeError("a reply is already in progress; cancel it or wait for it")
         try:
+            epoch = self._epoch
             message = check_messages([{"role": "user", "content": text}], "message")[0]
             ids = self._fit(message)
             reply, last = "", None
@@ -294,7 +308,7 @@ class ChatSession:
                     reply += last.text
                     yield last
             finally:
-                if last is not None:
+                if last is not None and epoch == self._epoch:
                     self._history += [message, {"role": "assistant", "content": reply}]
                     self.stats = TurnStats(
                         tokens=last.generation_tokens, tokens_per_s=last.generation_tps, tau=last.mean_accepted,

@@ -24,6 +24,13 @@ from .errors import UserError
 from .trees import DraftTree
 
 
+# Settings too small to compute decode greedily, their limit: 1/temp would overflow float32
+# below about 3e-39 (and lose all precision well before), and a top-p this small keeps the
+# most likely token alone.
+MIN_TEMPERATURE = 1e-4
+MIN_TOP_P = 1e-6
+
+
 @dataclass
 class Sampling:
     temp: float = 0.0
@@ -48,7 +55,8 @@ class Sampling:
 
     @property
     def greedy(self) -> bool:
-        return self.temp == 0
+        """Greedy decoding: temp 0, or settings too small to compute (see MIN_TEMPERATURE)."""
+        return self.temp < MIN_TEMPERATURE or self.top_p < MIN_TOP_P
 
     def probabilities(self, logits: mx.array) -> mx.array:
         """The distribution mlx-lm's make_sampler(temp, top_p, min_p, top_k=...) samples from."""

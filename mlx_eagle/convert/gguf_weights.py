@@ -69,6 +69,66 @@ def hf_name(gguf_name: str, renamed: Tuple[Tuple[str, str], ...] = ()) -> Option
     return None
 
 
+# GGUF value types: fixed sizes in bytes (8: a string, 9: an array).
+_GGUF_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+
+
+def check_gguf_layout(path: Path) -> None:
+    """Walk a GGUF file's header, metadata and tensor index, checking every count and
+    length it declares against the bytes the file has, before gguf.GGUFReader (which
+    believes them: a 69-byte file declaring an array of 10**12 values made it allocate
+    without bound). One line for the first that cannot fit."""
+    import struct
+
+    size = path.stat().st_size
+    with open(path, "rb") as file:
+        def read(count: int) -> bytes:
+            if count < 0 or file.tell() + count > size:
+                raise UserError(f"{path} declares {count:,} bytes at offset {file.tell():,} of a {size:,}-byte file; "
+                                "it is damaged or truncated")
+            return file.read(count)
+
+        def number(fmt: str) -> int:
+            return struct.unpack("<" + fmt, read(struct.calcsize(fmt)))[0]
+
+        def skip_value(kind: int, depth: int = 0) -> None:
+            if kind in _GGUF_SIZES:
+                read(_GGUF_SIZES[kind])
+            elif kind == 8:
+                read(number("Q"))
+            elif kind == 9 and depth < 4:
+                element, count = number("I"), number("Q")
+                if element in _GGUF_SIZES:
+                    read(count * _GGUF_SIZES[element])  # checked against the file before anything is read
+                elif element in (8, 9):
+                    if count > (size - file.tell()) // 8:
+                        raise UserError(f"{path} declares an array of {count:,} values that its {size:,} bytes "
+                                        "cannot hold; it is damaged")
+                    for _ in range(count):
+                        skip_value(element, depth + 1)
+                else:
+                    raise UserError(f"{path} holds a metadata array of unknown type {element}; it is damaged")
+            else:
+                raise UserError(f"{path} holds metadata of unknown type {kind}; it is damaged")
+
+        read(4)
+        version = number("I")
+        counts = "I" if version == 1 else "Q"
+        tensors, fields = number(counts), number(counts)
+        if tensors > size // 24 or fields > size // 12:
+            raise UserError(f"{path} declares {tensors:,} tensors and {fields:,} metadata fields, more than its "
+                            f"{size:,} bytes can hold; it is damaged")
+        for _ in range(fields):
+            read(number("Q"))  # the key
+            skip_value(number("I"))
+        for _ in range(tensors):
+            read(number("Q"))  # the name
+            dims = number("I")
+            if dims > 8:
+                raise UserError(f"{path} declares a tensor of {dims} dimensions; it is damaged")
+            read(8 * dims + 12)
+
+
 def open_gguf(path: Path) -> "gguf.GGUFReader":
     """Open a GGUF file, turning every way it can be broken into one UserError."""
     try:
@@ -78,6 +138,7 @@ def open_gguf(path: Path) -> "gguf.GGUFReader":
         raise UserError(f"cannot read {path}: {exc.strerror}") from exc
     if magic != b"GGUF":
         raise UserError(f"{path} is not a GGUF file (its first bytes are {magic!r}, not b'GGUF')")
+    check_gguf_layout(path)
     try:
         reader = gguf.GGUFReader(path)
     except Exception as exc:

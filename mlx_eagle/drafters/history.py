@@ -30,8 +30,8 @@ from ..files import write_atomically
 
 FORMAT = "mlx-eagle history 1"
 FILE_OVERHEAD = 1024  # bytes of a history file that are not its tokens (the archive, the header)
-# At most this many tokens held in memory: about 95 MB with the index (benchmarks/history_size.py:
-# 94 bytes a token), some 7,000 replies of 150 tokens.
+# At most this many tokens held in memory: about 85 MB with the index (benchmarks/history_size.py:
+# 84 bytes a token over 10,000 replies), some 7,000 replies of 150 tokens.
 MAX_TOKENS = 1_000_000
 MAX_FILE_BYTES = 4 << 20  # a history file's cap: about a million tokens
 
