@@ -24,6 +24,7 @@ import mlx.core as mx
 
 from .cli import TREE_HELP, add_model_arguments, blas_in_use, run_cli
 from .errors import UserError
+from .files import write_atomically
 from .generate import chat_tokens, check_messages
 
 if TYPE_CHECKING:
@@ -441,7 +442,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     print_by_request(results)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(results, indent=2, default=str))
+        write_atomically(args.out, json.dumps(results, indent=2, default=str))
         print(f"wrote {args.out}")
     if args.plot:
         plot(results, args.plot)

@@ -17,6 +17,7 @@ from typing import Optional, Sequence
 
 from .cli import add_history_arguments, add_model_arguments, history_choice, run_cli
 from .errors import UserError
+from .files import write_atomically
 
 COMMANDS = """commands:
   /help           this list
@@ -81,9 +82,7 @@ class Terminal:
 def save_conversation(session, path: Path) -> None:
     """The conversation as JSON, all of it or nothing (written beside, then renamed)."""
     data = {"model": session.engine.name, "system": session.system, "messages": session.history}
-    partial = path.with_name(f".{path.name}.partial")
-    partial.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n")
-    os.replace(partial, path)
+    write_atomically(path, json.dumps(data, indent=2, ensure_ascii=False) + "\n")
 
 
 def command(session, terminal: Terminal, text: str, state: dict) -> bool:

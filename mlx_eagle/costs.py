@@ -28,7 +28,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from .cli import REFERENCE_BLAS, blas_in_use, openblas_loaded
-from .files import cache_dir, read_json, write_json
+from .files import cache_dir, read_json, writable, write_json
 
 CALIBRATION_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 32)
 
@@ -236,7 +236,10 @@ def verify_costs(model: nn.Module) -> Costs:
         except ValueError as exc:
             print(f"warning: timing again: the calibration {path} is unusable ({exc})", file=sys.stderr)
     if curve is None:
-        print(f"timing this device's forward passes once ({device_key(model)})", file=sys.stderr)
+        kept = writable(path.parent)
+        print(f"timing this device's forward passes {'once' if kept else 'for this run'} ({device_key(model)})"
+              + ("" if kept else f"; {path.parent} is not writable: set MLX_EAGLE_CACHE to a writable directory "
+                                 "to time once"), file=sys.stderr)
         for _ in range(3):
             timed = time_forwards(model)
             try:
@@ -244,9 +247,9 @@ def verify_costs(model: nn.Module) -> Costs:
                 break
             except ValueError:
                 curve = timed  # kept if every attempt is disturbed: the best this machine gives now
-        if not write_json(path, {"device": device_key(model), "verify_ms": curve}):
-            print(f"note: could not keep the timing in {path.parent} (set MLX_EAGLE_CACHE to a writable "
-                  "directory to time once)", file=sys.stderr)
+        if kept and not write_json(path, {"device": device_key(model), "verify_ms": curve}):
+            print(f"note: could not keep the timing in {path.parent} (full?); set MLX_EAGLE_CACHE to a writable "
+                  "directory to time once", file=sys.stderr)
     costs = Costs(curve)
     _CURVES[(id(model), path)] = (weakref.ref(model), costs)
     return costs

@@ -15,6 +15,7 @@ from typing import Iterator, List, Optional, Sequence, Tuple
 import numpy as np
 
 from .errors import UserError
+from .files import write_npz
 
 _SHAREGPT_FILE = "data/ShareGPT_V3_unfiltered_cleaned_split.json"
 _MTBENCH_FILE = "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
@@ -89,9 +90,7 @@ def save_shard(path: Path, sequences: Sequence[Tuple[List[int], List[int]]]) -> 
     tokens = np.array([t for p, a in sequences for t in p + a], dtype=np.int32)
     prompt_lengths = np.array([len(p) for p, _ in sequences], dtype=np.int32)
     answer_lengths = np.array([len(a) for _, a in sequences], dtype=np.int32)
-    partial = path.with_suffix(".partial.npz")
-    np.savez_compressed(partial, tokens=tokens, prompt_lengths=prompt_lengths, answer_lengths=answer_lengths)
-    partial.replace(path)
+    write_npz(path, compressed=True, tokens=tokens, prompt_lengths=prompt_lengths, answer_lengths=answer_lengths)
 
 
 def load_shards(directory: Path) -> List[Tuple[np.ndarray, int]]:
@@ -187,12 +186,10 @@ def dialogue_tokens(tokenizer, messages: Sequence[dict], max_tokens: int) -> Lis
 
 def save_dialogues(path: Path, pieces: Sequence[Tuple[np.ndarray, np.ndarray]], held_out: Sequence[str]) -> None:
     """Tokenized dialogues (and the held-out prompts kept out of them), written atomically."""
-    partial = path.with_suffix(".partial.npz")
-    np.savez_compressed(partial, tokens=np.concatenate([t for t, _ in pieces]),
-                        answer=np.concatenate([a for _, a in pieces]),
-                        lengths=np.array([len(t) for t, _ in pieces], dtype=np.int32),
-                        held_out=np.array(list(held_out), dtype=str))
-    partial.replace(path)
+    write_npz(path, compressed=True, tokens=np.concatenate([t for t, _ in pieces]),
+              answer=np.concatenate([a for _, a in pieces]),
+              lengths=np.array([len(t) for t, _ in pieces], dtype=np.int32),
+              held_out=np.array(list(held_out), dtype=str))
 
 
 def load_dialogues(path: Path) -> Tuple[List[Tuple[np.ndarray, np.ndarray]], List[str]]:

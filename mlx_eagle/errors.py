@@ -30,6 +30,18 @@ def read_config(directory: Path, what: str) -> dict:
     return config
 
 
+def safetensors_bytes(directory: Path) -> int:
+    """What a model directory's .safetensors files hold, in bytes, or one line when it has
+    none (a PyTorch .bin alone is not read for models: unpickling can run code)."""
+    files = list(Path(directory).glob("*.safetensors"))
+    if not files:
+        has_bin = any(Path(directory).glob("*.bin"))
+        raise UserError(f"{directory} has no .safetensors weights" + (
+            " (its PyTorch .bin checkpoint is not read, for safety: save it as safetensors with transformers' "
+            "save_pretrained(safe_serialization=True))" if has_bin else "; copy them from the model's repository"))
+    return sum(f.stat().st_size for f in files)
+
+
 def check_text(text: str, what: str) -> str:
     """``text`` if it can be encoded (no lone surrogates, which undecodable input and
     some JSON escapes produce), else one line naming ``what``."""

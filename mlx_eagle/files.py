@@ -1,15 +1,22 @@
-"""Small files the program writes and reads back (caches, tuned trees, records), written
-once: whole or not at all, and read with limits, so that a full disk, a kill or a
-damaged file never leaves a half-written file or reaches the user as a traceback."""
+"""Every file and directory the program writes, written whole or not at all (a temporary
+sibling, flushed to disk, renamed into place), and the small files it reads back, read
+with limits: a full disk, a kill or a damaged file never leaves a half-written file, and
+never reaches the user as a traceback."""
 
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import os
+import shutil
 import tempfile
 from pathlib import Path
-from typing import Any, Union
+from typing import Any, Callable, Union
+
+import numpy as np
+
+from .errors import UserError
 
 MAX_JSON_BYTES = 1 << 20  # every JSON file here is a few kilobytes
 
@@ -41,6 +48,103 @@ def write_atomically(path: Path, data: Union[bytes, str], mode: int = 0o644) -> 
         with contextlib.suppress(OSError):
             os.unlink(staging)
         raise
+
+
+def write_npz(path: Path, compressed: bool = False, **arrays: np.ndarray) -> None:
+    """numpy arrays as an .npz at ``path``, atomically (a truncated archive would fail every
+    later run that reads it)."""
+    buffer = io.BytesIO()
+    (np.savez_compressed if compressed else np.savez)(buffer, **arrays)
+    write_atomically(path, buffer.getvalue())
+
+
+def disk_error(exc: BaseException, path: Path) -> UserError:
+    """One line for a write that failed (a full disk, a read-only directory)."""
+    return UserError(f"writing {path} failed ({getattr(exc, 'strerror', None) or exc}); the previous file is kept. "
+                     "Free some space or choose another directory")
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's, and alive
+        return True
+    return True
+
+
+def remove_leftovers(out: Path) -> None:
+    """Remove staging directories for ``out`` left by runs that were killed (SIGKILL or a
+    power cut leave no chance to clean up): those whose process is gone."""
+    for leftover in out.parent.glob(f".{out.name}.*.partial"):
+        pid = leftover.name[len(out.name) + 2:].split(".", 1)[0]
+        if pid.isdigit() and not _process_alive(int(pid)):
+            shutil.rmtree(leftover, ignore_errors=True)
+
+
+def _sync_tree(directory: Path) -> None:
+    for file in directory.rglob("*"):
+        if file.is_file():
+            with open(file, "rb") as handle:
+                os.fsync(handle.fileno())
+
+
+def retired(out: Path) -> Path:
+    """Where replace_directory keeps the previous ``out`` while it swaps the new one in: a
+    kill between its two renames leaves the old directory here, whole."""
+    return out.parent / f".{out.name}.old"
+
+
+def replace_directory(out: Path, fill: Callable[[Path], None], overwrite: bool = False) -> Path:
+    """Have ``fill`` write a temporary sibling of ``out`` (and check it), flush it to disk,
+    then rename it into place: ``out`` is all of it or nothing, also when ``fill`` fails or
+    is interrupted (SIGTERM too: commands turn it into an exit that runs this cleanup)."""
+    out = Path(out).absolute()
+    if out.exists() and not overwrite:
+        raise UserError(f"{out} already exists; choose another output directory or pass --overwrite")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        remove_leftovers(out)
+        # The process id in the name tells a later run whether this one is still at work.
+        staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.{os.getpid()}.", suffix=".partial", dir=out.parent))
+        umask = os.umask(0)
+        os.umask(umask)
+        staging.chmod(0o777 & ~umask)  # as mkdir would make it, not mkdtemp's private 0700
+    except OSError as exc:
+        raise UserError(f"cannot write to {out.parent} ({exc.strerror}); choose a writable output directory") from exc
+    try:
+        fill(staging)
+        _sync_tree(staging)
+        old = retired(out)
+        shutil.rmtree(old, ignore_errors=True)
+        if out.exists():
+            os.replace(out, old)
+        os.replace(staging, out)
+        shutil.rmtree(old, ignore_errors=True)
+    except BaseException as exc:
+        shutil.rmtree(staging, ignore_errors=True)
+        if is_write_failure(exc):  # a full disk, a vanished directory...
+            kept = "the previous one is kept" if out.exists() or retired(out).exists() else "nothing was left behind"
+            raise UserError(f"writing {out} failed ({getattr(exc, 'strerror', None) or exc}); {kept}. "
+                            "Free some space or choose another output directory") from None
+        raise
+    return out
+
+
+def is_write_failure(exc: BaseException) -> bool:
+    """A write that the disk refused: an OSError, or MLX's RuntimeError for a safetensors
+    file it could not write ("[write] Unable to write N bytes to file.")."""
+    return isinstance(exc, OSError) or (isinstance(exc, RuntimeError) and str(exc).startswith("[write]"))
+
+
+def writable(directory: Path) -> bool:
+    """Whether files can be made in ``directory`` (made first if it is not there)."""
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        return False
+    return os.access(directory, os.W_OK)
 
 
 def write_json(path: Path, record: Any) -> bool:

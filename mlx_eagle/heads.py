@@ -264,28 +264,109 @@ def read_head_weights(path: Path) -> Tuple[dict, Dict[str, mx.array]]:
     return raw, weights
 
 
+_SIZES = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "vocab_size",
+          "max_position_embeddings")
+_OPTIONAL_SIZES = ("head_dim", "draft_vocab_size", "target_hidden_size")
+_FLAGS = ("bias", "attention_bias", "norm_before_residual", "norm_before_fc")
+QUANTIZATIONS = {"bits": (2, 3, 4, 5, 6, 8), "group_size": (32, 64, 128)}  # what MLX's quantized matmul takes
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_head_config(raw: dict, file: Path) -> HeadConfig:
+    """A head's config.json as a HeadConfig, every field of the right type and range, or
+    one line naming the first one that is not."""
+    def bad(name: str, wanted: str) -> UserError:
+        return UserError(f"{file}: {name} is {raw.get(name)!r}; it must be {wanted}")
+
+    missing = [n for n in _SIZES[:5] if n not in raw]
+    if missing:
+        raise UserError(f"{file} lacks {', '.join(missing)}; is this an EAGLE head's config.json?")
+    for name in _SIZES + _OPTIONAL_SIZES:
+        if name in raw and not (raw[name] is None and name in _OPTIONAL_SIZES) \
+                and not (_is_int(raw[name]) and 0 < raw[name] <= 1 << 24):
+            raise bad(name, "a positive integer")
+    for name in ("rms_norm_eps", "rope_theta"):
+        value = raw.get(name, 1.0)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < 1e12:
+            raise bad(name, "a positive number")
+    for name in _FLAGS:
+        if not isinstance(raw.get(name, False), bool):
+            raise bad(name, "true or false")
+    if raw["num_attention_heads"] % raw["num_key_value_heads"]:
+        raise bad("num_key_value_heads", f"a divisor of num_attention_heads ({raw['num_attention_heads']})")
+    if raw.get("head_dim") is None and raw["hidden_size"] % raw["num_attention_heads"]:
+        raise bad("num_attention_heads", f"a divisor of hidden_size ({raw['hidden_size']}), or give head_dim")
+    taps = raw.get("taps")
+    if taps is not None and not (isinstance(taps, list) and taps and all(_is_int(t) and t >= 0 for t in taps)):
+        raise bad("taps", "a list of target layer numbers")
+    quantization = raw.get("quantization")
+    if quantization is not None and not (isinstance(quantization, dict) and all(
+            quantization.get(k) in allowed and _is_int(quantization.get(k)) for k, allowed in QUANTIZATIONS.items())):
+        raise bad("quantization", "an object with bits in 2, 3, 4, 5, 6, 8 and group_size in 32, 64, 128")
+    rope_scaling = raw.get("rope_scaling")
+    if rope_scaling is not None and not isinstance(rope_scaling, dict):
+        raise bad("rope_scaling", "an object or null")
+    known = set(HeadConfig.__dataclass_fields__) - {"extra"}
+    config = HeadConfig(**{k: v for k, v in raw.items() if k in known},
+                        extra={k: v for k, v in raw.items() if k not in known})
+    if rope_scaling is not None:
+        from mlx_lm.models.rope_utils import initialize_rope
+
+        dims = config.head_dim or config.hidden_size // config.num_attention_heads
+        try:
+            initialize_rope(dims, config.rope_theta, False, rope_scaling, config.max_position_embeddings)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise bad("rope_scaling", f"a rope scaling mlx-lm knows, with all its fields ({type(exc).__name__}: "
+                                      f"{exc})") from None
+    return config
+
+
+def _mismatch(path: Path, head: nn.Module, weights: Dict[str, mx.array], config: HeadConfig) -> Optional[str]:
+    """What is wrong between a head's weights and what its config.json builds, in one line
+    (None: they match)."""
+    expected = dict(tree_flatten(head.parameters()))
+    missing = sorted(set(expected) - set(weights))
+    unexpected = sorted(set(weights) - set(expected))
+    shapes = sorted(k for k in set(expected) & set(weights) if tuple(expected[k].shape) != tuple(weights[k].shape))
+    if not (missing or unexpected or shapes):
+        return None
+    if config.family == "eagle1" and any(k.startswith("midlayer.") for k in weights):
+        why = "the weights are an EAGLE-3 head's (midlayer.*): set \"family\": \"eagle3\" in config.json"
+    elif config.family == "eagle3" and any(k.startswith("layers.0.") for k in weights):
+        why = "the weights are an EAGLE-1/2 head's (layers.0.*): set \"family\": \"eagle1\" in config.json"
+    elif any(k.endswith(".scales") for k in unexpected):
+        why = "the weights are quantized but config.json has no \"quantization\" (bits, group_size)"
+    elif any(k.endswith(".scales") for k in missing):
+        why = "config.json says quantized but the weights are not: remove its \"quantization\""
+    else:
+        parts = [f"{len(missing)} missing (e.g. {missing[0]})" if missing else "",
+                 f"{len(unexpected)} not in the config (e.g. {unexpected[0]})" if unexpected else "",
+                 f"{len(shapes)} of other shapes (e.g. {shapes[0]}: {tuple(weights[shapes[0]].shape)} vs "
+                 f"{tuple(expected[shapes[0]].shape)})" if shapes else ""]
+        why = "tensors " + ", ".join(p for p in parts if p)
+    return f"{path}: the weights do not match its config.json: {why}"
+
+
 def load_head(path: Path, target: nn.Module) -> EagleHead:
     """Load a head directory (config.json + safetensors) and check it fits ``target``."""
     path = Path(path)
     raw, weights = read_head_weights(path)
-    known = set(HeadConfig.__dataclass_fields__) - {"extra"}
-    try:
-        config = HeadConfig(**{k: v for k, v in raw.items() if k in known},
-                            extra={k: v for k, v in raw.items() if k not in known})
-    except TypeError as exc:
-        raise UserError(f"{path / 'config.json'} lacks a field ({exc})") from exc
+    config = check_head_config(raw, path / "config.json")
     head = (Eagle3Head if config.family == "eagle3" else Eagle1Head)(config)
     if "embed_tokens.weight" in weights:
         head.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-    if "quantization" in config.extra:
+    if config.extra.get("quantization") is not None:
         q = config.extra["quantization"]
         nn.quantize(head, group_size=q["group_size"], bits=q["bits"],
                     class_predicate=lambda p, m: f"{p}.scales" in weights)
     check_fits(head, target, path)
-    try:
-        head.load_weights(list(weights.items()), strict=True)
-    except ValueError as exc:
-        raise UserError(f"{path}: weights do not match its config.json ({exc})") from exc
+    problem = _mismatch(path, head, weights, config)
+    if problem:
+        raise UserError(problem)
+    head.load_weights(list(weights.items()), strict=True)
     if mx.default_device() == mx.cpu:
         # As the target's weights are widened on a CPU: MLX's quantized matmuls there run
         # ~3x slower than float32 (a draft step of the 8-bit SmolLM2 head: 11.5 vs 3.4 ms).

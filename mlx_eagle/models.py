@@ -15,9 +15,9 @@ from typing import Any, Dict, Optional, Tuple
 import mlx.core as mx
 import mlx.nn as nn
 
-from .errors import UserError, check_model_config, read_config
+from .errors import UserError, check_model_config, read_config, safetensors_bytes
 from .architectures import target_identity
-from .files import cache_dir
+from .files import cache_dir, writable
 from .hub import from_hub
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
@@ -72,6 +72,9 @@ def converted_gguf(gguf: Path, name: Optional[str] = None, progress: bool = True
     out = cache_dir() / "models" / f"{name}-{dtype or 'native'}"
     if (out / "config.json").exists():
         return out
+    if not writable(out.parent):
+        raise UserError(f"cannot convert {gguf.name}: the cache {out.parent} is not writable; set MLX_EAGLE_CACHE "
+                        "to a writable directory")
     if progress:
         print(f"converting {gguf.name} into {out} (once)", file=sys.stderr)
     try:
@@ -121,8 +124,8 @@ def load_target(model: Optional[str] = None, tokenizer_config: Optional[Dict[str
                         "drafts for as --model")
     record = ARCHITECTURES.get(config.get("model_type"))
     if record is not None:  # configs whose sizes we know how to read
-        check_model_config(text_config(config), path / "config.json",
-                           sum(f.stat().st_size for f in path.glob("*.safetensors")), llama_shaped=record.driven)
+        check_model_config(text_config(config), path / "config.json", safetensors_bytes(path),
+                           llama_shaped=record.driven)
     try:
         loaded, tokenizer = mlx_lm_load(str(path), tokenizer_config=tokenizer_config or {})
     except (ValueError, FileNotFoundError, RuntimeError, OSError) as exc:

@@ -11,9 +11,18 @@ What it promises a local machine: requests whose Host header is not this machine
 name (or one given with --allow-host) get 403, so a web page cannot drive it through
 DNS rebinding; POST bodies must be application/json (415 otherwise; a page cannot send
 that cross-origin without the browser asking first) of at most 1 MiB (413); a client
-silent for 60 s is dropped; SIGTERM or Ctrl-C stops taking requests and cuts replies
-in flight, which end in a 503 error (or, streamed, an error event and no [DONE]), never
-in a reply that looks finished.
+silent for 60 s is dropped (a body that stops arriving gets 408); SIGTERM or Ctrl-C
+stops taking requests and cuts replies in flight, which end in a 503 error (or, streamed,
+an error event and no [DONE]), never in a reply that looks finished.
+
+A client that closes its sending side after the request (``nc -N``, shutdown(SHUT_WR))
+still gets its whole reply: a closed read side is not taken for a departed client. A
+client that has gone is found by the next write: a streamed reply writes every round; a
+plain reply to a client whose read side has closed starts at once and writes a space (JSON
+allows leading white space) every round, so a departed client cancels its generation
+within two rounds either way. Fields the server does not implement (logprobs, tools,
+response_format json, penalties, logit_bias) get a 400 naming the field, unless they ask
+for what it does anyway.
 """
 
 from __future__ import annotations
@@ -21,6 +30,7 @@ from __future__ import annotations
 import argparse
 import ipaddress
 import json
+import re
 import select
 import signal
 import socket
@@ -30,6 +40,7 @@ import time
 import uuid
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Sequence
 
@@ -46,6 +57,25 @@ IDLE_SECONDS = 60  # a client silent this long (reading or writing) is dropped
 LOCAL_HOSTS = ("localhost", "127.0.0.1", "::1")
 POST_ROUTES = {"/v1/chat/completions": True, "/chat/completions": True, "/v1/completions": False, "/completions": False}
 GET_ROUTES = ("/health", "/v1/models", "/models")
+CONTENT_LENGTH = re.compile(r"[0-9]{1,15}")  # ASCII digits only ("\xb2".isdigit() is True), and bounded
+# OpenAI fields this server does not implement, and the values that ask for nothing it lacks:
+# such a field with another value is refused (400 naming it), as other servers do, rather
+# than silently ignored.
+UNSUPPORTED = {
+    "logprobs": lambda v: v in (None, False, 0),
+    "top_logprobs": lambda v: v in (None, 0),
+    "tools": lambda v: v in (None, []),
+    "functions": lambda v: v in (None, []),
+    "tool_choice": lambda v: v in (None, "none", "auto"),
+    "function_call": lambda v: v in (None, "none", "auto"),
+    "response_format": lambda v: v is None or v == {"type": "text"},
+    "frequency_penalty": lambda v: v in (None, 0),
+    "presence_penalty": lambda v: v in (None, 0),
+    "logit_bias": lambda v: v in (None, {}),
+    "best_of": lambda v: v in (None, 1),
+    "echo": lambda v: v in (None, False),
+    "suffix": lambda v: v in (None, ""),
+}
 
 
 class RequestError(Exception):
@@ -100,6 +130,9 @@ def parse_request(body: Any, chat: bool, engine: Engine, default_max_tokens: int
     """Check a request body field by field; the first problem becomes a RequestError."""
     if not isinstance(body, dict):
         raise RequestError(400, "the request body must be a JSON object")
+    for name, asks_nothing in UNSUPPORTED.items():
+        if name in body and not _is_harmless(asks_nothing, body[name]):
+            raise RequestError(400, f"{name} is not supported by this server; leave it out", name, "unsupported_field")
     limit = engine.context_length or 1 << 30
     ids = chat_tokens(engine.tokenizer, _messages(body)) if chat else _prompt(body, engine.tokenizer)
     vocab = engine.model.args.vocab_size
@@ -140,6 +173,13 @@ def parse_request(body: Any, chat: bool, engine: Engine, default_max_tokens: int
                    options=options, model=model if isinstance(model, str) else "")
 
 
+def _is_harmless(asks_nothing, value: Any) -> bool:
+    try:
+        return bool(asks_nothing(value))
+    except TypeError:  # an unhashable value where a scalar was expected
+        return False
+
+
 def usage(last: Optional[GenerationResponse], prompt_tokens: int) -> Dict[str, Any]:
     completion = last.generation_tokens if last is not None else 0
     return {
@@ -157,9 +197,13 @@ def usage(last: Optional[GenerationResponse], prompt_tokens: int) -> Dict[str, A
 
 class Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
-    timeout = IDLE_SECONDS
     server: "Server"
-    client_left = False
+    read_closed = False  # the client has shut its sending side (it may still be reading)
+    heartbeat = False  # a plain reply's status line is out, spaces follow until its JSON
+
+    def setup(self) -> None:
+        self.timeout = self.server.idle_seconds
+        super().setup()
 
     def log_message(self, format: str, *args) -> None:  # noqa: A002 (the base class's name)
         if not self.server.quiet:
@@ -170,6 +214,16 @@ class Handler(BaseHTTPRequestHandler):
             super().handle_one_request()
         except (ConnectionError, TimeoutError):  # the client left or went silent: nothing to tell it
             self.close_connection = True
+
+    def send_error(self, code: int, message: Optional[str] = None, explain: Optional[str] = None) -> None:
+        """http.server's own refusals (a garbage request line, 431 headers too large, 414, 505)
+        in this server's JSON, not its HTML page."""
+        self.close_connection = True
+        # A request line it could not parse leaves http.server at HTTP/0.9, which has no
+        # status line; nobody speaks 0.9 any more, and the status is the answer.
+        self.request_version = "HTTP/1.0" if self.request_version == "HTTP/0.9" else self.request_version
+        phrase = HTTPStatus(code).phrase if code in HTTPStatus._value2member_map_ else "error"
+        self._send_error(RequestError(code, message or phrase), [("Connection", "close")])
 
     def _send_json(self, status: int, payload: Dict[str, Any], headers: Sequence[tuple] = ()) -> None:
         data = json.dumps(payload).encode()
@@ -247,12 +301,13 @@ class Handler(BaseHTTPRequestHandler):
                                     self.server.default_max_tokens)
             self.server.count("requests")
             with self.server.in_flight():
-                if request.stream:
-                    self._stream(request)
-                else:
-                    self._complete(request)
+                try:
+                    (self._stream if request.stream else self._complete)(request)
+                except (BrokenPipeError, ConnectionResetError):
+                    # The client left; leaving the loop has cancelled its generation.
+                    self.server.count("cancelled")
+                    raise
         except RequestError as error:
-            self.close_connection = self.close_connection or error.status in (411, 413)
             self._send_error(error)
         except UserError as error:
             self._send_error(RequestError(400, str(error)))
@@ -264,15 +319,31 @@ class Handler(BaseHTTPRequestHandler):
                                             "param": None, "code": None}})
 
     def _read_body(self) -> bytes:
-        length = self.headers.get("Content-Length")
-        if length is None or not length.isdigit():
+        """The body Content-Length declares. Any problem with it ends the connection too:
+        where the next request would start is not known."""
+        self.close_connection = True
+        header = self.headers.get("Content-Length")
+        if header is None:
             raise RequestError(411, "a Content-Length header is required")
-        if int(length) > self.server.max_body:
-            if int(length) <= 64 * self.server.max_body:  # read it, so the client hears the answer
-                for start in range(0, int(length), 1 << 16):
-                    self.rfile.read(min(1 << 16, int(length) - start))
-            raise RequestError(413, f"the request body is {length} bytes; at most {self.server.max_body} are accepted")
-        return self.rfile.read(int(length))
+        if not CONTENT_LENGTH.fullmatch(header.strip()):
+            raise RequestError(400, f"Content-Length must be a number of bytes, not {header[:20]!r}")
+        length = int(header)
+        try:
+            if length > self.server.max_body:
+                if length <= 64 * self.server.max_body:  # read it, so the client hears the answer
+                    for start in range(0, length, 1 << 16):
+                        self.rfile.read(min(1 << 16, length - start))
+                raise RequestError(413, f"the request body is {length} bytes; at most {self.server.max_body} "
+                                        "are accepted")
+            body = self.rfile.read(length)
+        except TimeoutError:
+            raise RequestError(408, f"the request body stopped arriving ({self.timeout:g} s without a byte); "
+                                    "send all of the bytes Content-Length declares") from None
+        if len(body) < length:
+            raise RequestError(400, f"the connection closed after {len(body)} of the {length} bytes "
+                                    "Content-Length declares")
+        self.close_connection = False
+        return body
 
     @staticmethod
     def _parse_json(raw: bytes) -> Any:
@@ -281,24 +352,23 @@ class Handler(BaseHTTPRequestHandler):
         except (ValueError, RecursionError) as exc:
             raise RequestError(400, f"the request body is not valid JSON ({type(exc).__name__})") from None
 
-    def _client_gone(self) -> bool:
-        """True once the client has closed its end (a readable socket with nothing to read)."""
+    def _read_side_closed(self) -> bool:
+        """True once the client has shut its sending side (a readable socket with nothing to
+        read). It may be waiting for the reply (``nc -N``), or gone: only a write tells."""
         try:
             readable, _, _ = select.select([self.connection], [], [], 0)
             return bool(readable) and self.connection.recv(1, socket.MSG_PEEK) == b""
         except (OSError, ValueError):
-            return True
+            raise ConnectionResetError("the connection failed") from None
 
     def _generate(self, request: Request) -> Iterator[GenerationResponse]:
-        """The engine's responses until done or until the client goes away (which ends
-        the loop, and so cancels the generation)."""
+        """The engine's responses; the caller's writes find a departed client (a broken pipe
+        ends the loop, and so cancels the generation)."""
         for response in self.server.engine.generate(request.ids, tree=self.server.tree, history_key=request.model,
                                                     **request.options):
             yield response
-            if self._client_gone():
-                self.client_left = self.close_connection = True
-                self.server.count("cancelled")
-                return
+            if not self.read_closed and self._read_side_closed():
+                self.read_closed = self.close_connection = True
 
     def _envelope(self, request: Request, kind: str) -> Dict[str, Any]:
         prefix = "chatcmpl" if request.chat else "cmpl"
@@ -312,15 +382,28 @@ class Handler(BaseHTTPRequestHandler):
             return None
         return RequestError(503, "the server is shutting down: the reply was cut off; send the request again")
 
+    def _beat(self) -> None:
+        """For a plain reply to a client whose read side has closed: the status line, then a
+        space each round, so that a client that has gone breaks the pipe (and so cancels)."""
+        if not self.heartbeat:
+            self.heartbeat = True
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Connection", "close")  # the body ends when the connection does
+            self.end_headers()
+        self.wfile.write(b" ")
+        self.wfile.flush()
+
     def _complete(self, request: Request) -> None:
         text, last = "", None
         for last in self._generate(request):
             text += last.text
-        if self.client_left:
-            return
+            if self.read_closed:
+                self._beat()
         error = self._cut_off(last)
         if error is not None:
-            self._send_error(error)
+            if not self.heartbeat:  # else the body stops short: not JSON, so never taken for a reply
+                self._send_error(error)
             return
         finish = last.finish_reason
         if request.chat:
@@ -331,7 +414,10 @@ class Handler(BaseHTTPRequestHandler):
             payload = self._envelope(request, "text_completion")
             payload["choices"] = [{"index": 0, "text": text, "finish_reason": finish, "logprobs": None}]
         payload["usage"] = usage(last, len(request.ids))
-        self._send_json(200, payload)
+        if self.heartbeat:
+            self.wfile.write(json.dumps(payload).encode())
+        else:
+            self._send_json(200, payload)
 
     def _stream(self, request: Request) -> None:
         envelope = self._envelope(request, "chat.completion.chunk" if request.chat else "text_completion")
@@ -367,9 +453,7 @@ class Handler(BaseHTTPRequestHandler):
             self.wfile.write(b"data: [DONE]\n\n")
             self.wfile.flush()
         except (BrokenPipeError, ConnectionResetError):
-            # The client left; leaving the loop has cancelled its generation.
-            if not self.client_left:
-                self.server.count("cancelled")
+            raise
         except Exception as error:  # the status line is out: report it in the stream
             self.log_error("error streaming %s: %r", self.path, error)
             event = json.dumps({"error": {"message": str(error), "type": "server_error"}})
@@ -380,12 +464,14 @@ class Server(ThreadingHTTPServer):
     daemon_threads = True
 
     def __init__(self, address, engine: Optional[Engine] = None, tree: str = "auto", default_max_tokens: int = 512,
-                 max_body: int = MAX_BODY_BYTES, quiet: bool = False, allow_hosts: Sequence[str] = ()):
+                 max_body: int = MAX_BODY_BYTES, quiet: bool = False, allow_hosts: Sequence[str] = (),
+                 idle_seconds: float = IDLE_SECONDS):
         """Binds ``address`` at once; ``engine`` may come later (load the model after
         the port is known to be free)."""
         super().__init__(address, Handler)
         self.engine, self.tree, self.default_max_tokens = engine, tree, default_max_tokens
         self.max_body, self.quiet, self.started = max_body, quiet, int(time.time())
+        self.idle_seconds = idle_seconds
         self.counts = {"requests": 0, "cancelled": 0}  # generations started; ended by a departed client
         self._counting = threading.Condition()
         self._serving = 0  # generations in flight
@@ -434,6 +520,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                         help="also serve requests addressed to this host name (repeatable); "
                              "by default only localhost and the listening address")
     parser.add_argument("--max-tokens", type=int, default=512, help="reply length when a request gives none")
+    parser.add_argument("--idle-seconds", type=float, default=IDLE_SECONDS,
+                        help=f"drop a client silent this long, reading or writing (default {IDLE_SECONDS})")
     add_history_arguments(parser)
     parser.add_argument("--quiet", action="store_true", help="no line per request")
     args = parser.parse_args(argv)
@@ -447,9 +535,11 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     if not 0 <= args.port <= 65535:
         raise UserError(f"--port {args.port} is not a port; give 1 to 65535, or 0 for any free one")
     check_options(args.max_tokens, None)
+    if not 0 < args.idle_seconds <= 86400:
+        raise UserError(f"--idle-seconds {args.idle_seconds:g} is out of range; give seconds above 0, up to 86400")
     try:
         server = Server((args.host, args.port), None, args.tree, args.max_tokens, quiet=args.quiet,
-                        allow_hosts=args.allow_host)
+                        allow_hosts=args.allow_host, idle_seconds=args.idle_seconds)
     except (OSError, OverflowError) as exc:
         reason = getattr(exc, "strerror", None) or str(exc)
         raise UserError(f"cannot listen on {args.host}:{args.port} ({reason}); pick another --port or --host") from None

@@ -159,3 +159,82 @@ def test_the_tree_file_reader(tmp_path):
         only_user_errors(lambda path: read_tree_file(str(path)), json.dumps(paths).encode(), tmp_path / "tree.json")
 
     run()
+
+
+HEAD_KEYS = ["hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "vocab_size",
+             "head_dim", "rms_norm_eps", "rope_theta", "rope_scaling", "taps", "draft_vocab_size", "quantization",
+             "family", "bias", "norm_before_fc", "target_hidden_size", "max_position_embeddings"]
+
+
+def test_the_head_config_checks(tmp_path):
+    """Random values for a real head's config.json fields: the head loads, or one UserError."""
+    from synthetic import build_model, target_config
+
+    from mlx_eagle.heads import load_head, new_head, save_head
+
+    model = build_model(target_config("qwen3"))
+    save_head(new_head(model, "eagle3", draft_vocab_size=64, seed=1), tmp_path)
+    valid = json.loads((tmp_path / "config.json").read_text())
+
+    @settings(FUZZ, max_examples=max(EXAMPLES // 4, 20))
+    @given(st.dictionaries(st.sampled_from(HEAD_KEYS), JSON, max_size=3))
+    def run(changes):
+        only_user_errors(lambda path: load_head(path.parent, model),
+                         json.dumps(dict(valid, **changes)).encode(), tmp_path / "config.json")
+
+    run()
+
+
+@st.composite
+def gguf_declaring(draw) -> bytes:
+    """A GGUF header and metadata built from parts, each count and length drawn up to 2**64
+    (not only mutations of a small valid file): arrays, strings, keys and tensor counts that
+    claim far more than the file holds."""
+    import struct
+
+    huge = st.one_of(st.integers(0, 16), st.integers(0, 2 ** 64 - 1), st.sampled_from([2 ** 31, 2 ** 32, 10 ** 12]))
+    fields = []
+    for _ in range(draw(st.integers(0, 3))):
+        key = draw(st.binary(max_size=6))
+        kind = draw(st.integers(0, 13))
+        field = struct.pack("<Q", draw(huge) if draw(st.booleans()) else len(key)) + key + struct.pack("<I", kind)
+        if kind == 8:  # a string: its length
+            field += struct.pack("<Q", draw(huge))
+        elif kind == 9:  # an array: its item type and count
+            field += struct.pack("<IQ", draw(st.integers(0, 13)), draw(huge))
+        fields.append(field + draw(st.binary(max_size=16)))
+    header = b"GGUF" + struct.pack("<IQQ", 3, draw(huge), draw(huge) if draw(st.booleans()) else len(fields))
+    return header + b"".join(fields) + draw(st.binary(max_size=32))
+
+
+def test_gguf_headers_declaring_huge_counts(tmp_path):
+    @FUZZ
+    @given(gguf_declaring())
+    def run(data):
+        only_user_errors(read_gguf, data, tmp_path / "model.gguf")
+
+    run()
+
+
+def test_the_cache_and_head_side_json_readers(tmp_path):
+    """Random JSON as a calibration curve, an acceptance table and a tuned tree record
+    (wrong types, missing keys, deep nesting, ranks of any size): each is read, or refused
+    with a ValueError the caller turns into "timing again" / "ignored", nothing else."""
+    from mlx_eagle.calibrate import _acceptance_table, _read_tree_record
+    from mlx_eagle.costs import check_curve
+
+    deep = {"verify_ms": {"1": [[[[[[1.0]]]]]]}, "paths": [[10 ** 12]], "acceptance_by_depth_and_rank": [[-1]]}
+
+    @FUZZ
+    @given(st.one_of(JSON, st.dictionaries(st.sampled_from(["verify_ms", "paths", "expected_tau", "why",
+                                                             "acceptance_by_depth_and_rank", "device"]),
+                                           JSON | st.just(deep["verify_ms"]) | st.just(deep["paths"]), max_size=4)))
+    def run(record):
+        (tmp_path / "record.json").write_text(json.dumps(record))
+        for read in (check_curve, _acceptance_table, lambda r: _read_tree_record(tmp_path / "record.json")):
+            try:
+                read(record)
+            except (ValueError, UserError):
+                pass
+
+    run()

@@ -116,3 +116,102 @@ def test_the_commands_refuse_the_69_byte_gguf_in_one_line(tmp_path):
         lines = [line for line in result.stderr.splitlines() if line.strip()]
         assert result.returncode == 1 and lines[-1].startswith("error: ") and "damaged" in lines[-1], result.stderr
         assert not (tmp_path / "out").exists()
+
+
+@pytest.fixture(scope="module")
+def head_dir(tmp_path_factory):
+    """A random EAGLE-3 head for a tiny Qwen3 target, saved in the official layout."""
+    from synthetic import build_model, target_config
+
+    from mlx_eagle.heads import new_head, save_head
+
+    model = build_model(target_config("qwen3"))
+    path = tmp_path_factory.mktemp("head") / "eagle3"
+    save_head(new_head(model, "eagle3", draft_vocab_size=64, seed=1), path)
+    return model, path
+
+
+BAD_HEAD_CONFIGS = {  # the nine of the tour, and their kin
+    "num_attention_heads 0": {"num_attention_heads": 0},
+    "intermediate_size -1": {"intermediate_size": -1},
+    "taps a string": {"taps": "abc"},
+    "hidden_size a string": {"hidden_size": "576"},
+    "eps a string": {"rms_norm_eps": "1e-5"},
+    "theta a string": {"rope_theta": "10000"},
+    "quantization 5": {"quantization": 5},
+    "3 bits in groups of 7": {"quantization": {"bits": 3, "group_size": 7}},
+    "llama3 rope scaling without its fields": {"rope_scaling": {"type": "llama3"}},
+    "heads that do not divide": {"num_key_value_heads": 3},
+    "a flag that is a string": {"norm_before_fc": "yes"},
+    "no vocabulary": {"vocab_size": None},
+    "quantized weights, no quantization": "quantize",
+    "EAGLE-3 weights called eagle1": {"family": "eagle1"},
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_HEAD_CONFIGS))
+def test_a_bad_head_config_gets_one_line_naming_the_field(head_dir, tmp_path, case):
+    import json
+    import shutil
+
+    import mlx.nn as nn
+    from mlx.utils import tree_flatten
+
+    from mlx_eagle.errors import UserError
+    from mlx_eagle.heads import load_head
+
+    model, source = head_dir
+    path = tmp_path / "head"
+    shutil.copytree(source, path)
+    config = json.loads((path / "config.json").read_text())
+    change = BAD_HEAD_CONFIGS[case]
+    if change == "quantize":  # quantized weights with config.json left as it was
+        head = load_head(source, model)
+        nn.quantize(head, group_size=32, bits=4, class_predicate=lambda p, m: isinstance(m, nn.Linear))
+        mx.save_safetensors(str(path / "model.safetensors"), dict(tree_flatten(head.parameters())))
+        named = "quantization"
+    else:
+        config.update(change)
+        (path / "config.json").write_text(json.dumps(config))
+        named = next(iter(change)) if case != "EAGLE-3 weights called eagle1" else "eagle3"
+    with pytest.raises(UserError) as error:
+        load_head(path, model)
+    message = str(error.value)
+    assert "\n" not in message and len(message) < 400 and named in message, message
+
+
+def test_a_read_only_cache_is_named_with_the_fix(tmp_path, capsys, monkeypatch):
+    """A cache that cannot be written: the GGUF conversion says so naming MLX_EAGLE_CACHE, and
+    the timing says once that it is kept for this run only (not "once" on every run)."""
+    import os
+    from synthetic import build_model, target_config
+
+    from mlx_eagle.costs import verify_costs
+    from mlx_eagle.errors import UserError
+    from mlx_eagle.models import converted_gguf
+
+    if os.geteuid() == 0:  # root writes anywhere: a file where the cache directory should be
+        (tmp_path / "cache").write_text("")
+    else:
+        (tmp_path / "cache").mkdir(mode=0o500)
+    monkeypatch.setenv("MLX_EAGLE_CACHE", str(tmp_path / "cache"))
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF" + bytes(60))
+    with pytest.raises(UserError, match="not writable; set MLX_EAGLE_CACHE"):
+        converted_gguf(gguf, progress=False)
+    verify_costs(build_model(target_config("qwen3")))
+    said = capsys.readouterr().err
+    assert "for this run" in said and "MLX_EAGLE_CACHE" in said and "passes once" not in said
+
+
+def test_a_directory_with_only_a_pytorch_bin_says_so(tmp_path):
+    import json
+
+    from mlx_eagle.errors import UserError
+    from mlx_eagle.models import load_target
+    from synthetic import target_config
+
+    (tmp_path / "config.json").write_text(json.dumps(target_config("qwen3")))
+    (tmp_path / "pytorch_model.bin").write_bytes(b"x" * 1000)
+    with pytest.raises(UserError, match="no .safetensors weights .*PyTorch .bin"):
+        load_target(str(tmp_path))

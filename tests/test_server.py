@@ -158,6 +158,19 @@ MALFORMED = [
     ("DELETE", "/v1/models", b"", 405),
     ("OPTIONS", "/v1/chat/completions", b"", 405),
     ("GET", "/v1/models/some-other-model", b"", 404),
+    # Fields the server does not implement: a 400 naming the field, never a silent 200.
+    ("POST", "/v1/chat/completions", json.dumps({"messages": QUESTION, "logprobs": True}).encode(), 400),
+    ("POST", "/v1/chat/completions", json.dumps({"messages": QUESTION, "top_logprobs": 3}).encode(), 400),
+    ("POST", "/v1/chat/completions", json.dumps({"messages": QUESTION, "tools": [
+        {"type": "function", "function": {"name": "f"}}]}).encode(), 400),
+    ("POST", "/v1/chat/completions", json.dumps({"messages": QUESTION, "tool_choice": "required"}).encode(), 400),
+    ("POST", "/v1/chat/completions", json.dumps({"messages": QUESTION,
+                                                 "response_format": {"type": "json_object"}}).encode(), 400),
+    ("POST", "/v1/chat/completions", json.dumps({"messages": QUESTION, "presence_penalty": 1.0}).encode(), 400),
+    ("POST", "/v1/chat/completions", json.dumps({"messages": QUESTION, "logit_bias": {"5": 100}}).encode(), 400),
+    ("POST", "/v1/completions", json.dumps({"prompt": "x", "logprobs": 2}).encode(), 400),
+    ("POST", "/v1/completions", json.dumps({"prompt": "x", "echo": True}).encode(), 400),
+    ("POST", "/v1/chat/completions", json.dumps({"messages": QUESTION, "tools": [{"unhashable": []}]}).encode(), 400),
 ]
 
 
@@ -166,6 +179,14 @@ def test_malformed_requests_get_4xx_and_the_server_keeps_serving(server):
         got, payload = raw(server, method, path, body, *headers)
         assert got == status, (method, path, body[:80], payload)
         assert payload["error"]["message"], payload
+        if payload["error"]["code"] == "unsupported_field":
+            field = payload["error"]["param"]
+            assert field in body.decode() and field in payload["error"]["message"]
+    # The same fields asking for nothing the server lacks are served.
+    harmless = {"logprobs": False, "tools": [], "tool_choice": "none", "response_format": {"type": "text"},
+                "presence_penalty": 0, "frequency_penalty": 0.0, "logit_bias": {}}
+    assert raw(server, "POST", "/v1/chat/completions", json.dumps(dict(messages=QUESTION, max_tokens=2,
+                                                                       **harmless)).encode())[0] == 200
     connection = http.client.HTTPConnection(*server, timeout=60)
     connection.request("HEAD", "/health")
     response = connection.getresponse()
@@ -202,3 +223,103 @@ def test_a_shutdown_cuts_replies_in_flight_with_an_error_not_a_finish():
     assert response.status == 503 and "shutting down" in json.loads(response.read())["error"]["message"]
     _, stderr = process.communicate(timeout=60)
     assert process.returncode == 0, stderr
+
+
+def exchange(address, data: bytes, half_close: bool = True, timeout: float = 120) -> bytes:
+    """Send raw bytes (then shut the sending side, as ``nc -N`` does) and read to EOF."""
+    import socket
+
+    with socket.create_connection(address, timeout=timeout) as connection:
+        connection.sendall(data)
+        if half_close:
+            connection.shutdown(socket.SHUT_WR)
+        received = b""
+        while chunk := connection.recv(65536):
+            received += chunk
+    return received
+
+
+def http_post(path: str, body: dict, extra: bytes = b"") -> bytes:
+    data = json.dumps(body).encode()
+    return (f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(data)}\r\n").encode() + extra + b"\r\n" + data
+
+
+def status_and_body(received: bytes):
+    head, _, body = received.partition(b"\r\n\r\n")
+    return int(head.split()[1]), body
+
+
+@pytest.fixture(scope="module")
+def impatient_server():
+    """A server that drops a silent client after 2 s, drafting from the context alone."""
+    process, address = start_server("--draft", "none", "--idle-seconds", "2")
+    yield address
+    process.terminate()
+    process.communicate(timeout=30)
+
+
+def test_a_client_that_half_closes_still_gets_its_whole_reply(impatient_server, smollm):
+    expected = plain_text(smollm, chat_tokens(smollm[1], QUESTION), 24)
+    status, body = status_and_body(exchange(impatient_server, http_post(
+        "/v1/chat/completions", {"messages": QUESTION, "max_tokens": 24})))
+    assert status == 200 and json.loads(body)["choices"][0]["message"]["content"] == expected
+    status, body = status_and_body(exchange(impatient_server, http_post(
+        "/v1/chat/completions", {"messages": QUESTION, "max_tokens": 24, "stream": True})))
+    events = [line[6:] for line in body.decode().splitlines() if line.startswith("data: ")]
+    assert status == 200 and events[-1] == "[DONE]"
+    assert "".join(json.loads(e)["choices"][0]["delta"].get("content", "") for e in events[:-1]) == expected
+
+
+def test_a_client_that_closes_before_a_plain_reply_cancels_it(impatient_server):
+    import socket
+
+    before = raw(impatient_server, "GET", "/health")[1]["cancelled"]
+    connection = socket.create_connection(impatient_server)
+    connection.sendall(http_post("/v1/chat/completions", {"messages": [
+        {"role": "user", "content": "Write a very long story about a dragon."}], "max_tokens": 2000}))
+    connection.close()
+    deadline = time.monotonic() + 120
+    while raw(impatient_server, "GET", "/health")[1]["cancelled"] == before:
+        assert time.monotonic() < deadline, "the generation went on without its client"
+        time.sleep(0.2)
+
+
+ODD_REQUESTS = {
+    "a Content-Length of superscript two": (b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\n"
+                                            b"Content-Type: application/json\r\nContent-Length: \xb2\r\n\r\n{}", 400),
+    "a Content-Length of 4,400 digits": (b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Length: "
+                                         + b"9" * 4400 + b"\r\n\r\n{}", 400),
+    "a negative Content-Length": (b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Length: -5\r\n\r\n",
+                                  400),
+    "a body cut short": (b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: 1000\r\n\r\n" + b" " * 70, 400),
+    "a garbage request line": (b"\x00\x01 hello there\r\n\r\n", 400),
+    "a header line of 70,000 bytes": (b"GET /health HTTP/1.1\r\nHost: localhost\r\nX: " + b"a" * 70_000 + b"\r\n\r\n",
+                                      431),
+    "200 headers": (b"GET /health HTTP/1.1\r\nHost: localhost\r\n" + b"X: y\r\n" * 200 + b"\r\n", 431),
+    "HTTP/3.0": (b"GET /health HTTP/3.0\r\nHost: localhost\r\n\r\n", 505),
+}
+
+
+@pytest.mark.parametrize("case", list(ODD_REQUESTS))
+def test_odd_requests_get_a_json_4xx(impatient_server, case):
+    data, status = ODD_REQUESTS[case]
+    got, body = status_and_body(exchange(impatient_server, data))
+    assert got == status and json.loads(body)["error"]["message"], body[:200]
+
+
+def test_a_body_that_stops_arriving_gets_408_not_500(impatient_server):
+    import socket
+
+    with socket.create_connection(impatient_server, timeout=30) as connection:
+        connection.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+                           b"Content-Length: 1000\r\n\r\n" + b" " * 70)  # then silence, the socket left open
+        tic = time.monotonic()
+        received = b""
+        while chunk := connection.recv(65536):
+            received += chunk
+    got, body = status_and_body(received)
+    assert got == 408 and "stopped arriving" in json.loads(body)["error"]["message"]
+    assert time.monotonic() - tic < 20
+    assert raw(impatient_server, "GET", "/health")[0] == 200

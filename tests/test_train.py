@@ -183,9 +183,11 @@ def test_each_recipe_lever_changes_training_and_stays_deterministic(training_set
 
 
 def test_a_kill_in_the_middle_of_saving_a_checkpoint_loses_nothing(training_setup, tmp_path):
-    """Killed between the save's two renames (only checkpoint.old left) with a half-written
-    checkpoint.partial beside it: the run resumes from the old one, reaches the same
-    weights, and its log holds every step once."""
+    """Killed between the save's two renames (only the retired checkpoint left) with a
+    half-written staging directory beside it: the run resumes from the old one, reaches the
+    same weights, and its log holds every step once."""
+    from mlx_eagle.files import retired
+
     def trainer(work):
         return ten_step_trainer(training_setup, work)
 
@@ -193,9 +195,10 @@ def test_a_kill_in_the_middle_of_saving_a_checkpoint_loses_nothing(training_setu
     straight.run()
     work = tmp_path / "killed"
     trainer(work).run(stop_after=9)  # its last checkpoint is step 8; steps 1..9 are logged
-    (work / "checkpoint").replace(work / "checkpoint.old")
-    (work / "checkpoint.partial").mkdir()
-    (work / "checkpoint.partial" / "head.safetensors").write_bytes(b"half")
+    (work / "checkpoint").replace(retired(work / "checkpoint"))
+    staging = work / ".checkpoint.999999999.x.partial"  # a process that is gone
+    staging.mkdir()
+    (staging / "head.safetensors").write_bytes(b"half")
     with open(work / "log.jsonl", "a") as log:
         log.write('{"step": 10, "lo')  # a line cut by the kill
     resumed = trainer(work)
@@ -205,7 +208,7 @@ def test_a_kill_in_the_middle_of_saving_a_checkpoint_loses_nothing(training_setu
         assert mx.allclose(a, b, atol=1e-6), name
     steps = [json.loads(line)["step"] for line in (work / "log.jsonl").read_text().splitlines()]
     assert steps == list(range(1, 11))
-    assert sorted(p.name for p in work.iterdir() if p.name.startswith("checkpoint")) == ["checkpoint"]
+    assert sorted(p.name for p in work.iterdir() if "checkpoint" in p.name) == ["checkpoint"]
 
 
 def test_sharegpt_reader_survives_the_truncated_file():
@@ -362,3 +365,55 @@ def test_train_command_stores_the_states_once_and_reuses_them(tmp_path, capsys):
     assert load_head(tmp_path / "second", model).family == "eagle3"
     meta = json.loads((tmp_path / "states" / "meta.json").read_text())
     assert (tmp_path / "states" / "states.f16").stat().st_size == meta["tokens"] * sum(meta["widths"]) * 2
+
+
+@pytest.fixture
+def disk_of(monkeypatch):
+    """A disk with ``n`` bytes left per file, as a full disk refuses writes: RLIMIT_FSIZE
+    (with SIGXFSZ ignored, the write fails with EFBIG), restored afterwards."""
+    import resource
+    import signal
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    previous = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+
+    def limit(n):
+        resource.setrlimit(resource.RLIMIT_FSIZE, (n, hard))
+    yield limit
+    resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    signal.signal(signal.SIGXFSZ, previous)
+
+
+def test_a_full_disk_keeps_the_last_checkpoint_and_says_so_in_one_line(training_setup, tmp_path, disk_of):
+    import resource
+
+    from mlx_eagle.errors import UserError
+
+    work = tmp_path / "work"
+    trainer = ten_step_trainer(training_setup, work)
+    trainer.run(stop_after=4)  # checkpoint at step 4
+    saved = {p.name: p.read_bytes() for p in (work / "checkpoint").iterdir()}
+    disk_of(64 << 10)
+    with pytest.raises(UserError, match="failed .*previous one is kept"):
+        trainer.run(stop_after=8)  # its checkpoint at step 8 does not fit
+    disk_of(256)
+    with pytest.raises(UserError, match="log.jsonl failed"):
+        ten_step_trainer(training_setup, work)  # resuming rewrites the log: on the still-full disk, one line
+    disk_of(resource.RLIM_INFINITY)
+    assert {p.name: p.read_bytes() for p in (work / "checkpoint").iterdir()} == saved
+    assert sorted(p.name for p in work.iterdir()) == ["checkpoint", "log.jsonl"]  # nothing half-written
+    assert ten_step_trainer(training_setup, work).step == 4
+
+
+def test_a_full_disk_never_leaves_a_truncated_vocabulary(tmp_path, disk_of):
+    import resource
+
+    from mlx_eagle.files import write_npz
+
+    path = tmp_path / "vocab-self-8192.npz"
+    write_npz(path, used=np.arange(10))
+    disk_of(4096)
+    with pytest.raises(OSError):
+        write_npz(path, used=np.arange(100_000))
+    disk_of(resource.RLIM_INFINITY)
+    assert list(np.load(path)["used"]) == list(range(10)) and [p.name for p in tmp_path.iterdir()] == [path.name]

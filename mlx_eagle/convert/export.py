@@ -22,7 +22,7 @@ import mlx.core as mx
 from ..cli import run_cli
 
 from .target import DTYPES
-from .writer import write_atomically
+from ..files import replace_directory
 
 
 def dequantized(weights: Dict[str, mx.array], config: dict) -> Dict[str, mx.array]:
@@ -80,7 +80,7 @@ def export_head(head: Path, out: Path, dtype: Optional[str] = None, overwrite: b
         mx.save_safetensors(str(staging / "model.safetensors"), weights, metadata={"format": "pt"})
         (staging / "config.json").write_text(json.dumps(official_config(config, target_dtype), indent=2))
 
-    return write_atomically(out, fill, overwrite)
+    return replace_directory(out, fill, overwrite)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:

@@ -28,7 +28,7 @@ from ..cli import run_cli
 from ..errors import UserError, read_config
 
 from .target import DTYPES
-from .writer import write_atomically
+from ..files import replace_directory
 
 if TYPE_CHECKING:
     from ..heads import HeadConfig
@@ -315,7 +315,7 @@ def convert_head(src: str, out: Path, target: Optional[str] = None, q_bits: Opti
         (staging / TARGET_FILE).write_text(json.dumps(target_identity(model), indent=1) + "\n")
         load_head(staging, model)  # what was written loads and fits
 
-    return write_atomically(out, fill, overwrite)
+    return replace_directory(out, fill, overwrite)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:

@@ -8,7 +8,7 @@ from typing import Any, Dict, List, Optional
 
 import mlx.core as mx
 
-from ..errors import UserError, check_model_config, read_config as read_config_json
+from ..errors import UserError, check_model_config, read_config as read_config_json, safetensors_bytes
 from ..architectures import ARCHITECTURES, SUPPORTED_MODEL_TYPES as MODEL_TYPES, model_classes, text_config
 
 from .tensors import SourceTensor
@@ -36,8 +36,7 @@ def read_config(path: Path) -> Dict[str, Any]:
     if not any((path / name).exists() for name in ("tokenizer.json", "tokenizer.model")):
         raise UserError(f"{path} has no tokenizer (tokenizer.json or tokenizer.model); copy it from the model's "
                         "repository")
-    weight_bytes = sum(f.stat().st_size for f in path.glob("*.safetensors"))
-    check_model_config(text_config(config), path / "config.json", weight_bytes,
+    check_model_config(text_config(config), path / "config.json", safetensors_bytes(path),
                        llama_shaped=ARCHITECTURES[model_type].driven)
     return config
 

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,7 +13,7 @@ import mlx.core as mx
 from tqdm import tqdm
 
 from ..errors import UserError
-
+from ..files import replace_directory
 from .tensors import QuantizedWeight, SourceTensor
 
 _SHARD_BYTES = 2 << 30
@@ -63,60 +61,6 @@ def _module_path(name: str) -> str:
     return name.rsplit(".", 1)[0]
 
 
-def _process_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's, and alive
-        return True
-    return True
-
-
-def remove_leftovers(out: Path) -> None:
-    """Remove staging directories for ``out`` left by runs that were killed (SIGKILL or a
-    power cut leave no chance to clean up): those whose process is gone."""
-    for leftover in out.parent.glob(f".{out.name}.*.partial"):
-        pid = leftover.name[len(out.name) + 2:].split(".", 1)[0]
-        if pid.isdigit() and not _process_alive(int(pid)):
-            shutil.rmtree(leftover, ignore_errors=True)
-
-
-def write_atomically(out: Path, fill: Callable[[Path], None], overwrite: bool = False) -> Path:
-    """Have ``fill`` write a temporary sibling of ``out`` (and check it), then rename it into
-    place: ``out`` is all of it or nothing, also when ``fill`` fails or is interrupted
-    (SIGTERM too: commands turn it into an exit that runs this cleanup)."""
-    out = Path(out).absolute()
-    if out.exists() and not overwrite:
-        raise UserError(f"{out} already exists; choose another output directory or pass --overwrite")
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        remove_leftovers(out)
-        # The process id in the name tells a later run whether this one is still at work.
-        staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.{os.getpid()}.", suffix=".partial", dir=out.parent))
-        umask = os.umask(0)
-        os.umask(umask)
-        staging.chmod(0o777 & ~umask)  # as mkdir would make it, not mkdtemp's private 0700
-    except OSError as exc:
-        raise UserError(f"cannot write to {out.parent} ({exc.strerror}); choose a writable output directory") from exc
-    try:
-        fill(staging)
-        if out.exists():
-            retired = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".old", dir=out.parent))
-            os.replace(out, retired / "model")
-            os.replace(staging, out)
-            shutil.rmtree(retired, ignore_errors=True)
-        else:
-            os.replace(staging, out)
-    except BaseException as exc:
-        shutil.rmtree(staging, ignore_errors=True)
-        if isinstance(exc, OSError):  # a full disk, a vanished directory...
-            raise UserError(f"writing {out} failed ({exc.strerror or exc}); nothing was left behind. "
-                            "Free some space or choose another output directory") from None
-        raise
-    return out
-
-
 def write_model_dir(
     out: Path,
     config: Dict[str, Any],
@@ -134,7 +78,7 @@ def write_model_dir(
         _write(staging, config, tensors, save_tokenizer, fmt, float_dtype, progress)
         _check_loads(staging)
 
-    return write_atomically(out, fill, overwrite)
+    return replace_directory(out, fill, overwrite)
 
 
 def _write(staging, config, tensors, save_tokenizer, fmt, float_dtype, progress) -> None:

@@ -77,7 +77,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     from .evaluate import acceptance_by_depth
     from .pieces import d2t_t2d, draft_vocabulary, self_distilled_pieces, sharegpt_pieces
     from .store import StateStore
-    from ..files import write_atomically
+    from ..files import replace_directory, write_atomically, write_npz
     from .trainer import Trainer, head_to_train, plot_curves, steps_within
 
     # What is wrong with the arguments is said before the model loads.
@@ -121,7 +121,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     if not vocab_path.exists():
         used = draft_vocabulary(pieces, model.args.vocab_size, args.draft_vocab)
         d2t, t2d = d2t_t2d(used, model.args.vocab_size)
-        np.savez(vocab_path, used=used, d2t=d2t, t2d=t2d)
+        write_npz(vocab_path, used=used, d2t=d2t, t2d=t2d)
     if args.subset:
         chosen = np.random.default_rng(config.seed).permutation(len(pieces))[: args.subset]
         pieces = [pieces[i] for i in sorted(chosen)]
@@ -146,9 +146,12 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         return
 
     def write_head() -> None:
-        save_head(head, args.out, dtype=getattr(mx, args.save_dtype))
-        # Whom it drafts for, so that shipped in mlx_eagle/weights/ it is found by --draft auto.
-        write_atomically(args.out / TARGET_FILE, json.dumps(target_identity(model), indent=1) + "\n")
+        def fill(staging: Path) -> None:
+            save_head(head, staging, dtype=getattr(mx, args.save_dtype))
+            # Whom it drafts for, so that shipped in mlx_eagle/weights/ it is found by --draft auto.
+            (staging / TARGET_FILE).write_text(json.dumps(target_identity(model), indent=1) + "\n")
+
+        replace_directory(args.out, fill, overwrite=True)
 
     def make_trainer(run_config: TrainConfig, run_work: Path) -> Trainer:
         return Trainer(model, head, pieces, run_config, run_work, used=vocab["used"], progress=progress, store=store)

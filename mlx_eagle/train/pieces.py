@@ -13,6 +13,7 @@ import mlx.nn as nn
 import numpy as np
 
 from ..errors import UserError
+from ..files import write_atomically
 from ..features import self_distill
 
 
@@ -88,6 +89,7 @@ def self_distilled_pieces(model: nn.Module, tokenizer, root: Path, prompts: int,
     if done["prompts"] < prompts:
         shards = self_distill(model, tokenizer, every[done["prompts"]:prompts], data, first_shard=done["shards"],
                               max_answer_tokens=max_answer_tokens, progress=progress)
-        marker.write_text(json.dumps({"prompts": prompts, "shards": shards, "max_answer_tokens": max_answer_tokens}))
+        write_atomically(marker, json.dumps({"prompts": prompts, "shards": shards,
+                                             "max_answer_tokens": max_answer_tokens}))
     pieces = [(tokens, np.arange(len(tokens)) >= prompt_length) for tokens, prompt_length in load_shards(data)]
     return pieces, every[prompts:]

@@ -13,6 +13,7 @@ import mlx.nn as nn
 import numpy as np
 
 from ..errors import UserError
+from ..files import write_atomically
 from ..models import target_identity
 from .pieces import Piece, make_batch
 from .recipe import padded_length
@@ -96,9 +97,8 @@ class StateStore:
                 self.states[self.starts[i]:self.starts[i + 1]] = states[row, :len(self.tokens[i])]
             self.states.flush()
             done += len(chosen)
-            staging = self.path / "filled.partial"
-            staging.write_text(json.dumps({"pieces": done}))
-            staging.replace(self.path / "filled.json")  # only once the states it counts are on disk
+            # Only once the states it counts are on disk.
+            write_atomically(self.path / "filled.json", json.dumps({"pieces": done}))
             tokens = sum(len(self.tokens[i]) for i in chosen)
             computed += tokens
             bar.update(tokens)

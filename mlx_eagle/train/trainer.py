@@ -18,6 +18,7 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
+from ..files import disk_error, replace_directory, retired, write_atomically
 from ..target import lm_head_rows
 from .pieces import Piece, d2t_t2d, make_batch
 from .recipe import TrainConfig, epoch_batches, learning_rate, padded_length
@@ -198,8 +199,11 @@ class Trainer:
                 entry = {"step": self.step, "loss": total, "step_losses": losses, "step_accuracy": accuracies,
                          "lr": float(self.optimizer.learning_rate), "tokens": tokens,
                          "tokens_per_s": tokens / (time.perf_counter() - tic)}
-                log.write(json.dumps(entry) + "\n")
-                log.flush()
+                try:
+                    log.write(json.dumps(entry) + "\n")
+                    log.flush()
+                except OSError as exc:
+                    raise disk_error(exc, self.work / "log.jsonl") from None
             bar.update(1)
             bar.set_postfix(loss=f"{total:.3f}", acc="/".join(f"{a:.2f}" for a in accuracies))
             if self.step % config.checkpoint_every == 0 or self.step == config.steps:
@@ -209,27 +213,23 @@ class Trainer:
             log.close()
 
     def save_checkpoint(self) -> None:
-        """Write the checkpoint beside the last one and swap them by renames, so that a
-        kill at any moment leaves a complete checkpoint: ``checkpoint`` or, between the
-        two renames, ``checkpoint.old``."""
+        """Write the checkpoint beside the last one and swap them by renames (files.py), so
+        that a kill at any moment leaves a complete checkpoint, and a full disk leaves the
+        last one and one line."""
         if not self.main:
             return
-        directory, staging, old = (self.work / name for name in ("checkpoint", "checkpoint.partial", "checkpoint.old"))
-        shutil.rmtree(staging, ignore_errors=True)  # a save that was killed
-        staging.mkdir(parents=True)
-        mx.save_safetensors(str(staging / "head.safetensors"), dict(tree_flatten(self.head.parameters())))
-        mx.save_safetensors(str(staging / "optimizer.safetensors"), dict(tree_flatten(self.optimizer.state)))
-        (staging / "state.json").write_text(json.dumps({"step": self.step, "config": asdict(self.config)}))
-        if (directory / "state.json").exists():
-            shutil.rmtree(old, ignore_errors=True)
-            directory.replace(old)
-        staging.replace(directory)
-        shutil.rmtree(old, ignore_errors=True)
+
+        def fill(staging: Path) -> None:
+            mx.save_safetensors(str(staging / "head.safetensors"), dict(tree_flatten(self.head.parameters())))
+            mx.save_safetensors(str(staging / "optimizer.safetensors"), dict(tree_flatten(self.optimizer.state)))
+            (staging / "state.json").write_text(json.dumps({"step": self.step, "config": asdict(self.config)}))
+
+        replace_directory(self.work / "checkpoint", fill, overwrite=True)
 
     def _resume(self) -> None:
         directory = self.work / "checkpoint"
         if not (directory / "state.json").exists():
-            directory = self.work / "checkpoint.old"  # killed between a save's two renames
+            directory = retired(directory)  # killed between a save's two renames
             if not (directory / "state.json").exists():
                 return
         state = json.loads((directory / "state.json").read_text())
@@ -246,9 +246,10 @@ class Trainer:
         if not self.main or not log.exists():
             return
         kept = [line for line in log.read_text().splitlines() if line.strip() and _logged_step(line) <= self.step]
-        staging = log.with_name("log.jsonl.partial")
-        staging.write_text("".join(line + "\n" for line in kept))
-        staging.replace(log)
+        try:
+            write_atomically(log, "".join(line + "\n" for line in kept))
+        except OSError as exc:
+            raise disk_error(exc, log) from None
 
 
 def _logged_step(line: str) -> int:
