@@ -10,7 +10,6 @@ table, and with --plot draws speedup and tau per category.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
@@ -22,7 +21,7 @@ from typing import TYPE_CHECKING, Callable, Dict, Iterable, List, Optional, Sequ
 
 import mlx.core as mx
 
-from .cli import TREE_HELP, add_model_arguments, blas_in_use, run_cli
+from .cli import TREE_HELP, add_model_arguments, add_sampling_arguments, blas_in_use, new_parser, run_cli
 from .errors import UserError
 from .files import write_atomically
 from .generate import chat_tokens, check_messages
@@ -211,7 +210,7 @@ def summarize(per_prompt: List[dict], rounds: List[int], peak_memory: float) -> 
 def run_bench(prompts: List[BenchPrompt], tokenizer, generators: Dict[str, Generator], greedy: bool,
               progress: bool = True) -> dict:
     """Every prompt through every method, methods rotating per prompt."""
-    from tqdm import tqdm
+    from .progress import progress_bar
 
     names = list(generators)
     for name in names:  # warm-up: compile paths and fill allocator caches
@@ -220,7 +219,7 @@ def run_bench(prompts: List[BenchPrompt], tokenizer, generators: Dict[str, Gener
     rounds: Dict[str, List[int]] = {n: [] for n in names}
     peaks = {n: 0.0 for n in names}
     texts: Dict[str, List[List[int]]] = {n: [] for n in names}
-    bar = tqdm(prompts, unit="prompt", desc="bench", disable=not progress)
+    bar = progress_bar(prompts, unit="prompt", desc="bench", disable=not progress)
     for index, prompt in enumerate(bar):
         for name in names[index % len(names):] + names[:index % len(names)]:
             mx.reset_peak_memory()
@@ -359,29 +358,28 @@ def plot(results: dict, out: Path) -> None:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m mlx_eagle.bench", description=__doc__.splitlines()[0])
+    parser = new_parser("mlx_eagle.bench", __doc__)
     add_model_arguments(parser, tree=False)
     source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--prompts", type=Path, help="JSONL prompt file")
-    source.add_argument("--suite", choices=["mt-bench"])
+    source.add_argument("--prompts", type=Path, help="a JSONL file: one object a line with \"turns\" (a list of "
+                        "user messages) and optionally \"category\"")
+    source.add_argument("--suite", choices=["mt-bench"], help="a bundled prompt set: MT-bench's 80 questions")
     parser.add_argument("--max-turns", type=int, help="ask at most this many turns of each prompt")
     parser.add_argument("--limit", type=int, help="only the first N prompts")
     parser.add_argument("--max-tokens", type=int, default=128, help="new tokens per turn")
-    parser.add_argument("--temp", type=float, default=0.0)
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--min-p", type=float, default=0.0)
-    parser.add_argument("--top-k", type=int, default=0)
-    parser.add_argument("--seed", type=int, default=0)
+    add_sampling_arguments(parser, seed=0)
     parser.add_argument("--methods", default="baseline,default",
-                        help=f"comma-separated: {', '.join(METHODS)} (default: %(default)s)")
+                        help=f"comma-separated: {', '.join(METHODS)}; default is what the commands do with no "
+                             "flags, baseline plain mlx-lm")
     parser.add_argument("--tree", default="auto", help=TREE_HELP)
     parser.add_argument("--draft-model", help="small model for mlx-lm's draft-model speculative decoding")
-    parser.add_argument("--num-draft-tokens", type=int, default=3)
+    parser.add_argument("--num-draft-tokens", type=int, default=3, help="draft tokens a round for mlx-lm's "
+                        "draft-model method")
     parser.add_argument("--no-history", action="store_true", help="context drafts draft from the conversation "
                         "alone (by default each method also drafts from its own earlier replies in this run)")
     parser.add_argument("--out", type=Path, help="write results as JSON here")
     parser.add_argument("--plot", type=Path, help="draw speedup and tau per category here (PNG)")
-    parser.add_argument("--quiet", action="store_true")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
 
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]

@@ -24,7 +24,7 @@ from . import costs as device_costs
 from .costs import Costs, device_key, median_ms, model_digest
 from .errors import UserError
 from .files import cache_dir, read_json, write_json
-from .trees import DEFAULT_STATIC, MAX_RANK, RankPath, TreeSpec, check_paths, parse_tree
+from .trees import DEFAULT_STATIC, MAX_RANK, RankPath, TreeSpec, check_paths, node_count, parse_tree
 
 @dataclass
 class TreeChoice:
@@ -206,7 +206,7 @@ def calibrated_tree(model: nn.Module, head) -> Tuple[TreeSpec, str]:
         paths, why = [], (f"calibrated for {key} ({source}): no tree is expected to beat plain decoding by "
                           f"{CALIBRATED_MARGIN - 1:.0%} (best {gain:.2f}x)")
     else:
-        paths, why = choice.paths, (f"calibrated for {key} ({source}): {len(choice.paths)} nodes, expected tau "
+        paths, why = choice.paths, (f"calibrated for {key} ({source}): {node_count(len(choice.paths))}, expected tau "
                                     f"{choice.expected_tau:.2f}, {gain:.2f}x plain")
     print(f"tree auto: {why}", file=sys.stderr)
     if path is not None:
@@ -216,7 +216,9 @@ def calibrated_tree(model: nn.Module, head) -> Tuple[TreeSpec, str]:
 
 
 def _calibrated_spec(paths: List[RankPath]) -> TreeSpec:
-    return TreeSpec("static", paths, text=f"auto (calibrated: {len(paths)} nodes)") if paths else parse_tree("none")
+    if not paths:
+        return parse_tree("none")
+    return TreeSpec("static", paths, text=f"auto (calibrated: {node_count(len(paths))})")
 
 
 def tree_file(head_dir: Path, key: str) -> Path:
@@ -258,7 +260,7 @@ def auto_tree(model: nn.Module, head) -> Tuple[TreeSpec, str]:
             return parse_tree("none"), f"tuned for {key}: plain decoding is faster here ({detail})"
         spec = TreeSpec("static", tuned["paths"], text=f"auto ({path})")
         tau = _number(tuned, "expected_tau")
-        return spec, f"tuned for {key}: {len(spec.paths)} nodes" + (f", expected tau {tau:.2f}" if tau else "")
+        return spec, f"tuned for {key}: {node_count(len(spec.paths))}" + (f", expected tau {tau:.2f}" if tau else "")
     blocker = device_costs.cpu_blocker(model)
     if blocker is not None:
         return parse_tree("none"), (f"{blocker}: verifying k tokens costs about k times one on a CPU, so "

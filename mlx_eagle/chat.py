@@ -15,9 +15,9 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
-from .cli import add_history_arguments, add_model_arguments, history_choice, run_cli
+from .cli import add_history_arguments, add_model_arguments, add_sampling_arguments, history_choice, new_parser, run_cli
 from .errors import UserError
-from .files import write_atomically
+from .files import cache_dir, write_atomically
 
 COMMANDS = """commands:
   /help           this list
@@ -30,7 +30,11 @@ COMMANDS = """commands:
   /save FILE      write the conversation as JSON
   /quit           leave (Ctrl-D too)"""
 
-HISTORY_FILE = Path.home() / ".cache" / "mlx-eagle" / "chat_history"
+
+
+def history_file() -> Path:
+    """The lines typed at the prompt, kept between chats (in the user's cache)."""
+    return cache_dir() / "chat_history"
 
 
 class Terminal:
@@ -46,7 +50,7 @@ class Terminal:
         else:
             self.readline = readline
             try:
-                readline.read_history_file(HISTORY_FILE)
+                readline.read_history_file(history_file())
             except OSError:
                 pass
 
@@ -72,11 +76,14 @@ class Terminal:
 
     def save_history(self) -> None:
         if self.readline is not None:
+            path = history_file()
+            staging = path.with_name(f".{path.name}.{os.getpid()}.partial")
             try:
-                HISTORY_FILE.parent.mkdir(parents=True, exist_ok=True)
-                self.readline.write_history_file(HISTORY_FILE)
+                path.parent.mkdir(parents=True, exist_ok=True)
+                self.readline.write_history_file(str(staging))  # readline writes it; renamed whole, as files.py does
+                os.replace(staging, path)
             except OSError:
-                pass
+                staging.unlink(missing_ok=True)
 
 
 def save_conversation(session, path: Path) -> None:
@@ -158,14 +165,12 @@ def reply(session, terminal: Terminal, text: str, show_stats: bool) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m mlx_eagle.chat", description=__doc__.splitlines()[0])
+    parser = new_parser("mlx_eagle.chat", __doc__)
     add_model_arguments(parser)
     parser.add_argument("--system", help="a system prompt")
-    parser.add_argument("--temp", type=float, default=0.0, help="sampling temperature (0: greedy)")
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--max-tokens", "-m", type=int, default=512, help="longest reply")
+    add_sampling_arguments(parser, filters=False)
+    parser.add_argument("--max-tokens", "-m", type=int, default=512, help="longest reply, in tokens")
     add_history_arguments(parser)
-    parser.add_argument("--seed", type=int)
     parser.add_argument("--no-stats", action="store_true", help="hide the line after each reply")
     return parser
 

@@ -18,6 +18,37 @@ TREE_HELP = ("draft tree: auto (tuned for this device, see mlx_eagle.tune), chai
              "dynamic:topk=8,depth=5,tokens=32, none")
 
 
+class _Help(argparse.HelpFormatter):
+    """argparse's help with each flag's default appended where it has one worth saying."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if "default" in text or default in (None, False, argparse.SUPPRESS) or not action.option_strings:
+            return text
+        return f"{text} (default: %(default)s)"
+
+
+def new_parser(prog: str, doc: str) -> argparse.ArgumentParser:
+    """A command's parser: its description is the docstring's first paragraph, whole."""
+    description = " ".join(doc.strip().split("\n\n")[0].split())
+    return argparse.ArgumentParser(prog=f"python -m {prog}", description=description, formatter_class=_Help)
+
+
+def add_sampling_arguments(parser: argparse.ArgumentParser, seed: Optional[int] = None, filters: bool = True) -> None:
+    """--temp, --top-p (and --top-k, --min-p) and --seed, the same in every command that decodes."""
+    parser.add_argument("--temp", type=float, default=0.0, help="sampling temperature (0: greedy; below 1e-4 "
+                        "counts as greedy)")
+    parser.add_argument("--top-p", type=float, default=1.0, help="sample from the smallest set of tokens whose "
+                        "probability reaches P (1: all)")
+    if filters:
+        parser.add_argument("--top-k", type=int, default=0, help="sample from the K likeliest tokens (0: all)")
+        parser.add_argument("--min-p", type=float, default=0.0, help="drop tokens less likely than P times the "
+                            "likeliest (0: none)")
+    parser.add_argument("--seed", type=int, default=seed, help="random seed for sampling" +
+                        ("" if seed is not None else " (default: a fresh one)"))
+
+
 def add_model_arguments(parser: argparse.ArgumentParser, draft: bool = True, tree: bool = True) -> None:
     """--model, --draft and --tree, the same in every command."""
     parser.add_argument("--model", help="MLX or Hugging Face directory, .gguf file or Hugging Face repo id "
@@ -124,6 +155,9 @@ def run_cli(main: Callable[[Optional[Sequence[str]]], None], argv=None) -> NoRet
     try:
         main(argv)
     except UserError as error:
+        from .progress import close_bars
+
+        close_bars()  # the error starts a line of its own
         print(f"error: {error}", file=sys.stderr)
         sys.exit(1)
     except KeyboardInterrupt:

@@ -111,7 +111,7 @@ def time_forwards(model: nn.Module, sizes: Sequence[int] = CALIBRATION_SIZES, co
     forward. Distinct tokens, because an MoE verifying one repeated token touches fewer
     experts and would look cheaper than it is."""
     from mlx_lm.models.cache import trim_prompt_cache
-    from tqdm import tqdm
+    from .progress import progress_bar
 
     from .target import drives, make_cache, target_forward
 
@@ -131,7 +131,7 @@ def time_forwards(model: nn.Module, sizes: Sequence[int] = CALIBRATION_SIZES, co
         trim_prompt_cache(cache, size)
 
     timed = [median_ms(lambda size=size: verify(size), repeats)
-             for size in tqdm(sizes, desc="timing verification", disable=not progress, file=sys.stderr)]
+             for size in progress_bar(sizes, desc="timing verification", disable=not progress)]
     return dict(zip(sizes, non_decreasing(timed)))
 
 

@@ -42,6 +42,15 @@ def safetensors_bytes(directory: Path) -> int:
     return sum(f.stat().st_size for f in files)
 
 
+def did_you_mean(given: str, words) -> str:
+    """" (did you mean 'X'?)" for a typo of one of ``words`` (a letter more, less, different
+    or two swapped), else ""."""
+    import difflib
+
+    close = [w for w in words if difflib.SequenceMatcher(None, given.lower(), w).ratio() >= 0.7]
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
 def check_text(text: str, what: str) -> str:
     """``text`` if it can be encoded (no lone surrogates, which undecodable input and
     some JSON escapes produce), else one line naming ``what``."""

@@ -55,14 +55,14 @@ def self_distill(model: nn.Module, tokenizer, prompts: Sequence[str], data: Path
     longer than ``max_prompt_tokens`` are skipped (cutting one would cut off the chat
     template's generation prompt). Finished shards are skipped, so an interrupted run
     resumes where it stopped. Returns the number of the shard after the last."""
-    from tqdm import tqdm
+    from .progress import progress_bar
 
     data.mkdir(parents=True, exist_ok=True)
     encoded = [chat_tokens(tokenizer, [{"role": "user", "content": p}]) for p in prompts]
     encoded = sorted((ids for ids in encoded if len(ids) <= max_prompt_tokens), key=len)
     count = (len(encoded) + shard_size - 1) // shard_size
     todo = [i for i in range(count) if not shard_path(data, first_shard + i).exists()]
-    bar = tqdm(total=len(encoded), initial=(count - len(todo)) * shard_size, unit="answer",
+    bar = progress_bar(total=len(encoded), initial=(count - len(todo)) * shard_size, unit="answer",
                desc="self-distillation", disable=not progress)
     tokens_made = 0
     for i in todo:

@@ -61,14 +61,14 @@ def converted_gguf(gguf: Path, name: Optional[str] = None, progress: bool = True
     On a CPU the weights become float32, the only fast path there; on a GPU
     the file's own quantization is kept.
     """
-    from .convert.target import convert_target
+    from .convert.target import convert_target, fastest_dtype
 
     gguf = gguf.resolve()
     if name is None:
         stat = gguf.stat()
         digest = hashlib.sha256(f"{gguf}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
         name = f"{gguf.stem}-{digest}"
-    dtype = "float32" if runs_on_cpu() else None
+    dtype = fastest_dtype()
     out = cache_dir() / "models" / f"{name}-{dtype or 'native'}"
     if (out / "config.json").exists():
         return out

@@ -25,7 +25,7 @@ import mlx.nn as nn
 
 from .drafters import Drafter, DraftSettings, DraftSource, kind_modules
 from .drafters.composite import Composite
-from .errors import UserError, read_config
+from .errors import UserError, did_you_mean, read_config
 from .trees import TreeSpec
 
 if TYPE_CHECKING:
@@ -114,19 +114,10 @@ def load_draft(draft: Union[str, Path, None, object], model: nn.Module):
 
             path = from_hub(draft)
         if not path.exists():
-            close = [w for w in WORDS if _similar(str(draft), w)]
-            hint = f" (did you mean {close[0]!r}?)" if close else ""
-            raise UserError(f"draft {draft} does not exist{hint}; pass a drafter's directory, or one of "
-                            f"{', '.join(WORDS)}")
+            raise UserError(f"draft {draft} does not exist{did_you_mean(str(draft), WORDS)}; pass a drafter's "
+                            f"directory, or one of {', '.join(WORDS)}")
         return path_kind(path).load(path, model)
     return draft
-
-
-def _similar(given: str, word: str) -> bool:
-    """A typo of ``word``: one letter more, less or different, or two swapped."""
-    import difflib
-
-    return difflib.SequenceMatcher(None, given.lower(), word).ratio() >= 0.7
 
 
 def history_of(model: nn.Module, history: Union[bool, str, Path, "History", None], key: str = ""):

@@ -27,7 +27,6 @@ for what it does anyway.
 
 from __future__ import annotations
 
-import argparse
 import ipaddress
 import json
 import re
@@ -44,7 +43,7 @@ from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Sequence
 
-from .cli import add_history_arguments, add_model_arguments, history_choice, run_cli
+from .cli import add_history_arguments, add_model_arguments, history_choice, new_parser, run_cli
 from .errors import UserError
 from .errors import check_text
 from .generate import MAX_SEED, GenerationResponse, chat_tokens, check_messages
@@ -512,7 +511,7 @@ def _stop(signum, frame) -> None:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m mlx_eagle.server", description=__doc__.splitlines()[0])
+    parser = new_parser("mlx_eagle.server", __doc__)
     add_model_arguments(parser)
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: this machine only)")
     parser.add_argument("--port", type=int, default=8080, help="port (0: any free one)")
@@ -521,7 +520,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                              "by default only localhost and the listening address")
     parser.add_argument("--max-tokens", type=int, default=512, help="reply length when a request gives none")
     parser.add_argument("--idle-seconds", type=float, default=IDLE_SECONDS,
-                        help=f"drop a client silent this long, reading or writing (default {IDLE_SECONDS})")
+                        help="drop a client silent this long, reading or writing")
     add_history_arguments(parser)
     parser.add_argument("--quiet", action="store_true", help="no line per request")
     args = parser.parse_args(argv)

@@ -16,7 +16,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import mlx.core as mx
 import numpy as np
 
-from .errors import UserError
+from .errors import UserError, did_you_mean
 from .target import keep_cache_entries, tree_mask
 
 RankPath = Tuple[int, ...]
@@ -46,6 +46,10 @@ class TreeSpec:
     @property
     def max_nodes(self) -> int:
         return self.tokens if self.kind == "dynamic" else len(self.paths)
+
+
+def node_count(count: int) -> str:
+    return f"{count} node{'' if count == 1 else 's'}"
 
 
 def chain(length: int) -> List[RankPath]:
@@ -140,7 +144,8 @@ def parse_tree(spec: str) -> TreeSpec:
         raise
     except (ValueError, SyntaxError) as exc:
         raise UserError(f"malformed tree {spec!r} ({exc}); {usage}") from None
-    raise UserError(f"malformed tree {spec!r}; {usage}")
+    hint = did_you_mean(kind, ("auto", "chain", "static", "dynamic", "none"))
+    raise UserError(f"malformed tree {spec!r}{hint}; {usage}")
 
 
 @dataclass

@@ -23,7 +23,6 @@ never inside the head's own directory, which may be a shipped one), and ``--tree
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import time
@@ -34,7 +33,7 @@ from typing import TYPE_CHECKING, List, Optional, Sequence, Tuple
 import mlx.core as mx
 import numpy as np
 
-from .cli import add_model_arguments, run_cli
+from .cli import add_model_arguments, new_parser, run_cli
 from .errors import UserError
 from .files import write_atomically
 from .generate import chat_tokens
@@ -109,18 +108,19 @@ def measure_costs(model: nn.Module, tokenizer, head, context: int = 256, repeats
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m mlx_eagle.tune", description=__doc__.splitlines()[0])
+    parser = new_parser("mlx_eagle.tune", __doc__)
     add_model_arguments(parser, tree=False)
-    parser.add_argument("--prompts", type=int, default=24, help="calibration prompts (default: %(default)s)")
+    parser.add_argument("--prompts", type=int, default=24, help="calibration prompts")
     parser.add_argument("--confirm", type=int, default=6, help="further prompts the tree is checked on by decoding, "
-                        "against plain mlx-lm (default: %(default)s)")
+                        "against plain mlx-lm")
     parser.add_argument("--max-tokens", type=int, default=128, help="answer tokens per calibration prompt")
-    parser.add_argument("--max-nodes", type=int, default=64)
+    parser.add_argument("--max-nodes", type=int, default=64, help="largest tree considered")
     parser.add_argument("--objective", choices=["speed", "tau"], default="speed",
                         help="speed: most tokens/s on this device (saved for --tree auto); "
                              "tau: most tokens per target forward within --max-nodes (written to --out only)")
-    parser.add_argument("--out", type=Path, help="where to write the tree (default: beside the head)")
-    parser.add_argument("--quiet", action="store_true")
+    parser.add_argument("--out", type=Path, help="also write the tree here (it is always kept for --tree auto in "
+                        "the user's cache, never in the head's directory)")
+    parser.add_argument("--quiet", action="store_true", help="no progress bars")
     args = parser.parse_args(argv)
     if args.prompts < 1 or args.confirm < 1:
         raise UserError("--prompts and --confirm must be 1 or more")
@@ -172,7 +172,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     depth1 = ", ".join(f"{p:.2f}" for p in acceptance[:, 0])
     print(f"acceptance of the top draft by depth: {depth1}")
     if choice.paths:
-        print(f"tree: {len(choice.paths)} nodes, depth {max(len(p) for p in choice.paths)}, expected tau "
+        from .trees import node_count
+
+        print(f"tree: {node_count(len(choice.paths))}, depth {max(len(p) for p in choice.paths)}, expected tau "
               f"{choice.expected_tau:.2f}" + (f", {choice.expected_tokens_per_s:.1f} tokens/s vs "
                                                f"{choice.plain_tokens_per_s:.1f} plain" if costs else ""))
     elif measured is None:

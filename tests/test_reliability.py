@@ -215,3 +215,21 @@ def test_a_directory_with_only_a_pytorch_bin_says_so(tmp_path):
     (tmp_path / "pytorch_model.bin").write_bytes(b"x" * 1000)
     with pytest.raises(UserError, match="no .safetensors weights .*PyTorch .bin"):
         load_target(str(tmp_path))
+
+
+def test_the_chat_prompt_history_lives_in_the_cache_it_is_told(tmp_path, monkeypatch):
+    from mlx_eagle.chat import history_file
+
+    monkeypatch.setenv("MLX_EAGLE_CACHE", str(tmp_path))
+    assert history_file() == tmp_path / "chat_history"
+
+
+def test_progress_in_a_log_is_whole_lines():
+    import io
+
+    from mlx_eagle.progress import progress_bar
+
+    log = io.StringIO()
+    for _ in progress_bar(range(3), desc="converting", file=log):
+        pass
+    assert "\r" not in log.getvalue() and log.getvalue().splitlines()[-1].startswith("converting: 100%")

@@ -12,14 +12,13 @@ Quantized heads are dequantized: the official formats hold plain floats.
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 from typing import Dict, Optional, Sequence
 
 import mlx.core as mx
 
-from ..cli import run_cli
+from ..cli import new_parser, run_cli
 
 from .target import DTYPES
 from ..files import replace_directory
@@ -84,11 +83,11 @@ def export_head(head: Path, out: Path, dtype: Optional[str] = None, overwrite: b
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m mlx_eagle.convert.export", description=__doc__.splitlines()[0])
+    parser = new_parser("mlx_eagle.convert.export", __doc__)
     parser.add_argument("head", type=Path, help="an MLX head directory (ours, or converted)")
     parser.add_argument("out", type=Path, help="the directory to write in the official layout")
     parser.add_argument("--dtype", choices=list(DTYPES), help="float type (default: the head's)")
-    parser.add_argument("--overwrite", action="store_true")
+    parser.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
     args = parser.parse_args(argv)
     print(f"wrote {export_head(args.head, args.out, args.dtype, args.overwrite)}")
 

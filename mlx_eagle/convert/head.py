@@ -15,7 +15,6 @@ value) and the output is written atomically, then loaded once to prove it works.
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Dict, Optional, Sequence, Tuple
@@ -24,7 +23,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from ..cli import run_cli
+from ..cli import new_parser, run_cli
 from ..errors import UserError, read_config
 
 from .target import DTYPES
@@ -74,13 +73,13 @@ def _weight_files(path: Path) -> Sequence[Path]:
 
 def read_checkpoint(path: Path) -> Tuple[dict, Dict[str, mx.array]]:
     """config.json and every tensor, read without running pickled code."""
-    from tqdm import tqdm
+    from ..progress import progress_bar
 
     from .torch_pickle import load_torch_bin
 
     config = read_config(path, "an EAGLE head checkpoint")
     tensors: Dict[str, mx.array] = {}
-    for file in tqdm(_weight_files(path), desc="reading head", unit="file", leave=False):
+    for file in progress_bar(_weight_files(path), desc="reading head", unit="file", leave=False):
         if file.suffix == ".bin":
             tensors.update({k: mx.array(v) for k, v in load_torch_bin(file).items()})
             continue
@@ -319,14 +318,15 @@ def convert_head(src: str, out: Path, target: Optional[str] = None, q_bits: Opti
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m mlx_eagle.convert.head", description=__doc__.splitlines()[0])
+    parser = new_parser("mlx_eagle.convert.head", __doc__)
     parser.add_argument("src", help="head checkpoint directory or Hugging Face repo id")
     parser.add_argument("out", type=Path, help="the MLX head directory to write")
     parser.add_argument("--target", help="the target it drafts for, as --model takes it (default: SmolLM2)")
     parser.add_argument("--q-bits", type=int, choices=[4, 8], help="quantize the head's linear layers")
-    parser.add_argument("--q-group-size", type=int, choices=[32, 64, 128], default=64)
+    parser.add_argument("--q-group-size", type=int, choices=[32, 64, 128], default=64,
+                        help="values per quantization group, with --q-bits")
     parser.add_argument("--dtype", choices=list(DTYPES), help="float type of the weights (default: as published)")
-    parser.add_argument("--overwrite", action="store_true")
+    parser.add_argument("--overwrite", action="store_true", help="replace OUT if it exists")
     args = parser.parse_args(argv)
     out = convert_head(args.src, args.out, args.target, args.q_bits, args.q_group_size, args.dtype, args.overwrite)
     print(f"wrote {out}")

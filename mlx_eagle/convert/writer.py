@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional
 
 import mlx.core as mx
-from tqdm import tqdm
+from ..progress import progress_bar
 
 from ..errors import UserError
 from ..files import replace_directory
@@ -86,7 +86,7 @@ def _write(staging, config, tensors, save_tokenizer, fmt, float_dtype, progress)
     shard_keys: List[List[str]] = []
     shard_bytes = 0
     quantized: Dict[str, Dict[str, int]] = {}
-    for tensor in tqdm(tensors, desc="converting", unit="tensor", disable=not progress, leave=False):
+    for tensor in progress_bar(tensors, desc="converting", unit="tensor", disable=not progress, leave=False):
         value = convert_tensor(tensor, fmt, float_dtype)
         if isinstance(value, QuantizedWeight):
             path = _module_path(tensor.name)

@@ -9,24 +9,21 @@ import argparse
 import sys
 from typing import List, Optional, Sequence
 
-from ..cli import add_history_arguments, add_model_arguments, blas_in_use, history_choice, run_cli
+from ..cli import (add_history_arguments, add_model_arguments, add_sampling_arguments, blas_in_use, history_choice,
+                   new_parser, run_cli)
 from ..errors import UserError, check_text
 from . import chat_tokens, check_options
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m mlx_eagle.generate", description=__doc__.splitlines()[0])
+    parser = new_parser("mlx_eagle.generate", __doc__)
     add_model_arguments(parser)
     parser.add_argument("--no-lookup", action="store_true", help="no drafts from the context, the head's alone")
     parser.add_argument("--prompt", "-p", default="Hello!", help="the user message; '-' reads standard input")
     parser.add_argument("--system", help="a system prompt")
-    parser.add_argument("--max-tokens", "-m", type=int, default=256, help="longest reply (default: %(default)s)")
+    parser.add_argument("--max-tokens", "-m", type=int, default=256, help="longest reply, in tokens")
     add_history_arguments(parser)
-    parser.add_argument("--temp", type=float, default=0.0, help="sampling temperature (0: greedy)")
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--top-k", type=int, default=0)
-    parser.add_argument("--min-p", type=float, default=0.0)
-    parser.add_argument("--seed", type=int, help="random seed for sampling")
+    add_sampling_arguments(parser)
     parser.add_argument("--stop", action="append", help="stop when this text appears (repeatable)")
     parser.add_argument("--no-chat-template", action="store_true", help="send the prompt as raw text")
     parser.add_argument("--verbose", action="store_true", help="report tau, speed, memory and the BLAS in use")

@@ -5,7 +5,6 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
@@ -13,21 +12,40 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Optional, Sequence
 
-from ..cli import add_model_arguments, run_cli
+from ..cli import add_model_arguments, new_parser, run_cli
 from ..errors import UserError
 from .recipe import TrainConfig
 
 
+RECIPE_HELP = {  # TrainConfig's numbers, as flags
+    "steps": "optimizer steps",
+    "tokens_per_batch": "tokens in one micro-batch (rows times padded length)",
+    "grad_accum": "micro-batches per optimizer step",
+    "seq_len": "longest piece, in tokens (longer dialogues are cut)",
+    "warmup": "steps of linear learning-rate warm-up, then cosine decay",
+    "ttt_steps": "training-time test: draft steps unrolled per position (EAGLE-3)",
+    "checkpoint_every": "steps between checkpoints (a killed run resumes from the last)",
+    "seed": "seed for the head's initial weights and the batch order",
+    "pad_multiple": "batch lengths are rounded up to this, so compiled steps see few shapes",
+    "lr": "peak learning rate (AdamW)",
+    "weight_decay": "AdamW weight decay",
+    "clip": "gradient norm clip",
+    "step_decay": "weight of unrolled step k's loss is this to the power k",
+    "feature_noise": "uniform noise in (-X, X) on the target's states, as EAGLE-1 trains",
+}
+
+
 def main(argv: Optional[Sequence[str]] = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m mlx_eagle.train", description=__doc__.splitlines()[0])
+    parser = new_parser("mlx_eagle.train", __doc__)
     parser.add_argument("--out", required=True, type=Path, help="the head directory to write")
     add_model_arguments(parser, draft=False, tree=False)
     parser.add_argument("--work", type=Path, help="checkpoints, log and curves (default: OUT.work)")
     parser.add_argument("--data", type=Path, help="tokenized data and vocabularies, shareable between runs "
                         "(default: --work)")
-    parser.add_argument("--family", choices=["eagle3", "eagle1"], default="eagle3")
+    parser.add_argument("--family", choices=["eagle3", "eagle1"], default="eagle3", help="EAGLE-3 (three tapped "
+                        "states, its own draft vocabulary) or EAGLE-1/2 (the last state, the target's LM head)")
     parser.add_argument("--answers", choices=["sharegpt", "self"], default="sharegpt",
-                        help="ShareGPT's own answers, every turn of every dialogue (default), or first prompts "
+                        help="ShareGPT's own answers, every turn of every dialogue, or first prompts "
                         "answered by the target itself (self-distillation)")
     parser.add_argument("--prompts", type=int, help="dialogues (sharegpt; default all) or prompts (self; "
                         "default 2000) to train on")
@@ -35,11 +53,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parser.add_argument("--max-answer-tokens", type=int, default=256, help="self-distilled answers' length")
     parser.add_argument("--draft-vocab", type=int, default=8192, help="EAGLE-3 draft vocabulary size")
     defaults = TrainConfig()
-    for name in ("steps", "tokens_per_batch", "grad_accum", "seq_len", "warmup", "ttt_steps", "checkpoint_every",
-                 "seed", "pad_multiple"):
-        parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(defaults, name))
-    for name in ("lr", "weight_decay", "clip", "step_decay", "feature_noise"):
-        parser.add_argument(f"--{name.replace('_', '-')}", type=float, default=getattr(defaults, name))
+    for name, what in RECIPE_HELP.items():
+        parser.add_argument(f"--{name.replace('_', '-')}", type=type(getattr(defaults, name)),
+                            default=getattr(defaults, name), help=what)
     parser.add_argument("--mask-outside-draft", action="store_true", help="positions whose target choice is "
                         "no draft token do not count in the loss")
     parser.add_argument("--train-embeddings", action="store_true", help="train an embedding of the head's own "

@@ -55,7 +55,7 @@ def sharegpt_pieces(tokenizer, root: Path, seq_len: int, dialogues: Optional[int
     """ShareGPT's dialogues with their own answers, every assistant turn in its context,
     tokenized once into ``root`` (resumed from there); the last ``held_out`` dialogues are
     kept out, their first prompts returned for measuring acceptance."""
-    from tqdm import tqdm
+    from ..progress import progress_bar
 
     from ..data import dialogue_tokens, load_dialogues, save_dialogues, sharegpt_dialogues
 
@@ -64,7 +64,7 @@ def sharegpt_pieces(tokenizer, root: Path, seq_len: int, dialogues: Optional[int
         root.mkdir(parents=True, exist_ok=True)
         every = list(sharegpt_dialogues())
         train, kept = every[: len(every) - held_out], every[len(every) - held_out:]
-        pieces = [piece for dialogue in tqdm(train[:dialogues], desc="tokenizing ShareGPT", unit="dialogue",
+        pieces = [piece for dialogue in progress_bar(train[:dialogues], desc="tokenizing ShareGPT", unit="dialogue",
                                              disable=not progress)
                   for piece in dialogue_tokens(tokenizer, dialogue, seq_len)]
         save_dialogues(path, pieces, [dialogue[0]["content"] for dialogue in kept])

@@ -77,12 +77,12 @@ class StateStore:
     def fill(self, tokens_per_batch: int, progress: bool = True) -> float:
         """Compute what is missing, longest pieces first, packed by tokens so that little is
         padding; returns the target's tokens/s (0.0 when nothing was missing)."""
-        from tqdm import tqdm
+        from ..progress import progress_bar
 
         order = sorted(range(len(self.tokens)), key=lambda i: -len(self.tokens[i]))
         done = self._filled()
-        bar = tqdm(total=self.meta["tokens"], initial=sum(len(self.tokens[i]) for i in order[:done]), unit="token",
-                   desc="target states", disable=not progress)
+        bar = progress_bar(total=self.meta["tokens"], initial=sum(len(self.tokens[i]) for i in order[:done]),
+                           unit="token", desc="target states", disable=not progress)
         tic, computed = time.perf_counter(), 0
         while done < len(order):
             length = padded_length(len(self.tokens[order[done]]), 16)

@@ -184,10 +184,10 @@ class Trainer:
 
     def run(self, stop_after: Optional[int] = None) -> None:
         """Train to ``config.steps``, or only up to step ``stop_after``."""
-        from tqdm import tqdm
+        from ..progress import progress_bar
 
         config = self.config
-        bar = tqdm(total=config.steps, initial=self.step, unit="step", desc=f"training {config.family}",
+        bar = progress_bar(total=config.steps, initial=self.step, unit="step", desc=f"training {config.family}",
                    disable=not self.progress)
         log = open(self.work / "log.jsonl", "a") if self.main else None
         tic, tokens = time.perf_counter(), 0
