@@ -210,3 +210,47 @@ def test_importing_the_generate_command_keeps_the_generate_function():
 
     importlib.import_module("mlx_eagle.generate.__main__")  # the command, as python -m and the corpus tests load it
     assert callable(mlx_eagle.generate) and mlx_eagle.generate.__module__ == "mlx_eagle.generate"
+
+
+def _proposals(model, head, prompt, max_tokens, cost):
+    """The decoder's rounds with ``head`` drafting the default static tree held to ``cost``:
+    the tokens, and in how many rounds the head proposed."""
+    from mlx_eagle.decoder import SpeculativeDecoder
+    from mlx_eagle.drafters.eagle import EagleDrafter
+    from mlx_eagle.trees import parse_tree
+    from mlx_eagle.verify import Sampling
+
+    drafter = EagleDrafter(head, model, parse_tree("static:default"), cost)
+    proposed, original = [], drafter.propose
+    drafter.propose = lambda budget: (lambda p: proposed.append(p is not None) or p)(original(budget))
+    decoder = SpeculativeDecoder(model, drafter, Sampling(), seed=0)
+    tokens = [decoder.prefill(prompt)]
+    while len(tokens) < max_tokens:
+        tokens += decoder.round(max_tokens - len(tokens)).tokens
+    return tokens[:max_tokens], proposed
+
+
+def test_a_head_whose_tree_does_not_pay_drafts_only_probes(smollm):
+    """On a curve where verifying a tree costs nearly nothing (a GPU's), a random head (no
+    acceptance recorded, none measured) is held back after its warm-up to one probe round
+    in 16, while the shipped head keeps drafting; both stay lossless."""
+    from mlx_lm.generate import generate_step
+
+    from mlx_eagle.drafters.eagle import EagleDrafter
+    from mlx_eagle.generate import chat_tokens
+    from mlx_eagle.heads import new_head
+    from mlx_eagle.models import shipped_head_dir
+
+    model, tokenizer = smollm
+    prompt = chat_tokens(tokenizer, [{"role": "user", "content": "Tell me about the history of Paris."}])
+    expected = [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=120)]
+
+    def gpu(k):
+        return 1.0 + 0.02 * (k - 1)
+
+    tokens, proposed = _proposals(model, new_head(model, "eagle3", draft_vocab_size=512, seed=3), prompt, 120, gpu)
+    assert tokens == expected
+    later = proposed[EagleDrafter.WARMUP + 1:]
+    assert len(later) > 40 and sum(later) <= len(later) // EagleDrafter.PROBE + 2, proposed
+    tokens, proposed = _proposals(model, load_head(shipped_head_dir(model), model), prompt, 120, gpu)
+    assert tokens == expected and sum(proposed) >= 0.9 * len(proposed)

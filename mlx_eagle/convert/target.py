@@ -94,14 +94,14 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     if args.q_group_size and not args.q_bits:
         parser.error("--q-group-size needs --q-bits")
     dtype = args.dtype or (None if args.q_bits else fastest_dtype())
-    if mx.default_device() == mx.cpu:
-        print("on a CPU float32 weights are the fast path: " + (
-            f"{args.q_bits}-bit weights run ~3x slower here and verifying k tokens costs ~k plain steps, so "
-            "speculation cannot pay off" if args.q_bits else f"writing {dtype}" + (
-                "" if dtype == "float32" else f"; {dtype} runs ~40x slower than float32 here")), file=sys.stderr)
     out = convert_target(args.src, args.out, args.q_bits, args.q_group_size, dtype, args.overwrite,
                          progress=not args.quiet)
     print(f"wrote {out}")
+    if mx.default_device() == mx.cpu:  # said once it worked: an error stays one line
+        print("on a CPU float32 weights are the fast path: " + (
+            f"{args.q_bits}-bit weights run ~3x slower here and verifying k tokens costs ~k plain steps, so "
+            "speculation cannot pay off" if args.q_bits else f"wrote {dtype}" + (
+                "" if dtype == "float32" else f"; {dtype} runs ~40x slower than float32 here")), file=sys.stderr)
 
 
 def cli() -> None:

@@ -10,7 +10,7 @@ committed tokens: each round it reads the accepted tokens with the target's fres
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -26,15 +26,30 @@ NAME = "eagle"
 
 class EagleDrafter(Drafter):
     """An EAGLE head (EAGLE-1/2/3, or any object with the ``Head`` interface) drafting a
-    ``tree`` each round."""
+    ``tree`` each round.
 
-    def __init__(self, head: Head, target: nn.Module, tree: TreeSpec):
+    With ``cost`` (a forward over k tokens in plain steps: the device's curve), the tree is
+    held to what it measurably buys: once ``WARMUP`` rounds show its accepted tokens not
+    paying for the nodes it adds, it drafts only every ``PROBE``-th round (to notice a
+    change of topic), so a head whose recorded acceptance was wrong, or that has none,
+    costs at most a probe round in ``PROBE`` on any device."""
+
+    WARMUP = 8  # rounds measured before the tree may be held back
+    PROBE = 16  # while held back, one round in this many drafts
+    MEMORY = 0.9  # weight of the past in the running means (about the last 10 rounds)
+
+    def __init__(self, head: Head, target: nn.Module, tree: TreeSpec, cost: Optional[Callable[[int], float]] = None):
         check_target(target)
-        self.head, self.target = head, target
+        self.head, self.target, self.cost = head, target, cost
         self.taps = tuple(head.taps(target.args.num_hidden_layers) or ())
         self.grower = TreeDrafter(head, target, tree)
         self.cache = [KVCache()]  # the head's, for committed tokens only
         self.queued: Optional[Proposal] = None  # the next round's tree, grown on the device
+        self.rounds = 0  # rounds its tree was verified in
+        self.accepted = 0.0  # running mean of its nodes accepted a round
+        self.nodes = 0.0  # running mean of the nodes it added a round
+        self.held = 0  # rounds held back since the last probe (0: drafting)
+        self.probing = False  # this round's tree is a probe while held back
 
     def reusable(self, common: int) -> int:
         # The head's entry at t pairs feature t with token t + 1: still good only where
@@ -45,16 +60,40 @@ class EagleDrafter(Drafter):
         """Read the committed (feature, next token) pairs and grow the next round's tree,
         queued on the device; its tokens stay there."""
         keep_cache_entries(self.cache, outcome.start, [])
+        if outcome.proposal is not None:
+            # A probe's outcome weighs more: while held back, it is all there is to go on.
+            weight = 0.0 if not self.rounds else 0.5 if self.probing else self.MEMORY
+            self.accepted = weight * self.accepted + (1 - weight) * outcome.accepted
+            self.nodes = weight * self.nodes + (1 - weight) * len(outcome.proposal.tree)
+            self.rounds += 1
         tokens = mx.array(outcome.new_tokens)
         features = outcome.states.read(self.taps)
         out = self.head.step(self.target, self.head.project(features)[None], tokens[None], self.cache,
                              self.cache[0].offset, "causal" if tokens.size > 1 else None)
+        if 0 < self.held < self.PROBE - 1:
+            return  # held back next round too: no tree to grow
         tree, tree_tokens = self.grower.draft(out[:, -1], self.cache, self.cache[0].offset - 1)
         mx.async_eval(tree_tokens)
         self.queued = Proposal(tree, tree_tokens)
 
+    def pays(self, budget: Budget) -> bool:
+        """Whether the tree, as measured so far, yields more tokens per unit of verify cost
+        than the round without it (the other drafters' nodes, ``budget``)."""
+        if self.cost is None or self.rounds < self.WARMUP:
+            return True
+        without = budget.expected / self.cost(budget.verified)
+        return (budget.expected + self.accepted) / self.cost(budget.verified + round(self.nodes)) > without
+
     def propose(self, budget: Budget) -> Optional[Proposal]:
         proposal, self.queued = self.queued, None
+        if proposal is None:  # none was grown: held back (or nothing read yet)
+            self.held += 1 if self.held else 0
+            return None
+        self.probing = self.held >= self.PROBE - 1
+        if not self.probing and not self.pays(budget):
+            self.held += 1
+            return None
+        self.held = 0
         if proposal is None or max(proposal.tree.depths, default=0) <= budget.room:
             return proposal
         tree = proposal.tree.shallower(budget.room)  # near the end of the reply or the context
@@ -95,12 +134,13 @@ def source(head: Head, model: nn.Module, settings: DraftSettings) -> DraftSource
     from ..calibrate import auto_tree
     from ..trees import parse_tree
 
-    tree, why = settings.tree, None
+    tree, why, cost = settings.tree, None, None
     if tree is None or tree == "auto":
         tree, why = auto_tree(model, head)
+        cost = settings.costs  # a tree chosen for the user is held to what it measurably buys
     elif isinstance(tree, str):
         tree = parse_tree(tree)
     family = getattr(head, "family", "draft")
     if tree.kind == "none":
         return DraftSource(f"{family} head", None, why or "tree none")
-    return DraftSource(f"{family} head, tree {tree.text}", lambda: EagleDrafter(head, model, tree), why, head)
+    return DraftSource(f"{family} head, tree {tree.text}", lambda: EagleDrafter(head, model, tree, cost), why, head)
