@@ -145,6 +145,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         pieces = pieces + self_distilled_pieces(model, tokenizer, root, args.mix_self, 0, args.max_answer_tokens,
                                                 progress)[0]
     vocab = np.load(vocab_path)
+    print(f"data: {len(pieces)} pieces, {sum(int(a.sum()) for _, a in pieces):,} answer tokens, {len(held_out)} "
+          f"held-out prompts, draft vocabulary {vocab_path.name} (in {root}), {time.monotonic() - started:.0f} s",
+          file=sys.stderr)
     head = head_to_train(model, config.family, vocab["used"], config.seed, config.train_embeddings, args.init)
     store = None
     if args.store_features:
@@ -157,8 +160,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         if speed:
             print(f"target states: {store.meta['tokens']:,} tokens in {args.store_features}, {speed:.0f} tokens/s")
     if args.prepare_only:
-        print(f"prepared {len(pieces)} pieces ({sum(int(a.sum()) for _, a in pieces):,} answer tokens) and the draft "
-              f"vocabulary {vocab_path.name} in {root}", file=sys.stderr)
+        print("prepared: train with the same --data/--work to use it", file=sys.stderr)
         return
 
     def write_head() -> None:
@@ -180,6 +182,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         raise UserError(f"the checkpoint in {work} was trained with another draft vocabulary than {vocab_path}; "
                         "pass a new --work")
     chunk = max(1, config.steps // 6) if args.time_budget is not None else config.steps
+    tic, first = time.monotonic(), trainer.step
     while trainer.step < config.steps:
         trainer.run(stop_after=min(config.steps, trainer.step + chunk))
         if world.rank() == 0 and trainer.step < config.steps:
@@ -188,10 +191,13 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         return
     write_head()
     plot_curves(work / "log.jsonl", work / "curves.png")
+    print(f"trained steps {first + 1}-{trainer.step} in {time.monotonic() - tic:.0f} s; wrote {args.out}, curves in "
+          f"{work / 'curves.png'}", file=sys.stderr)
     if args.skip_eval:
         return
+    tic = time.monotonic()
     # Measured on the head as written (saved dtype), as users will load it.
-    result = acceptance_by_depth(model, tokenizer, load_head(args.out, model), held_out)
+    result = acceptance_by_depth(model, tokenizer, load_head(args.out, model), held_out, progress=progress)
     result.update(answers=args.answers, steps=config.steps,
                   tokens=int(sum(int(answer[:config.seq_len].sum()) for _, answer in pieces)))
     write_atomically(work / "eval.json", json.dumps(result, indent=2))
@@ -199,10 +205,11 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     from ..calibrate import save_acceptance
     from .evaluate import calibration_pieces, measure_acceptance
 
-    table = measure_acceptance(model, head, calibration_pieces(model, tokenizer, held_out, 128))
+    answers = calibration_pieces(model, tokenizer, held_out, 128, progress)
+    table = measure_acceptance(model, head, answers, progress=progress)
     save_acceptance(args.out, table, f"python -m mlx_eagle.train, {len(held_out)} held-out ShareGPT prompts")
-    print(f"wrote {args.out}; held-out tau {result['tau']:.2f}, acceptance by depth "
-          + " ".join(f"{r:.2f}" for r in result["acceptance_by_depth"]))
+    print(f"evaluated in {time.monotonic() - tic:.0f} s: held-out tau {result['tau']:.2f}, acceptance by depth "
+          + " ".join(f"{r:.2f}" for r in result["acceptance_by_depth"]) + f"; wrote {args.out}")
 
 
 def cli() -> None:

@@ -11,12 +11,13 @@ import mlx.nn as nn
 import numpy as np
 
 from ..generate import chat_tokens
+from ..progress import progress_bar
 from .pieces import make_batch
 from .ttt import shift, target_states, ttt_unroll
 
 
 def acceptance_by_depth(target, tokenizer, head, prompts: Sequence[str], depth: int = 6,
-                        max_tokens: int = 128) -> Dict[str, object]:
+                        max_tokens: int = 128, progress: bool = False) -> Dict[str, object]:
     """Greedy decoding with a chain of ``depth`` on held-out prompts: how often the
     draft token at each depth is accepted once all before it were, and tau."""
     from ..decoder import SpeculativeDecoder
@@ -25,7 +26,7 @@ def acceptance_by_depth(target, tokenizer, head, prompts: Sequence[str], depth: 
     from ..verify import Sampling
 
     reached, accepted, produced, rounds = np.zeros(depth), np.zeros(depth), 0, 0
-    for prompt in prompts:
+    for prompt in progress_bar(prompts, desc="held-out tau", unit="prompt", disable=not progress):
         ids = chat_tokens(tokenizer, [{"role": "user", "content": prompt}])
         decoder = SpeculativeDecoder(target, EagleDrafter(head, target, parse_tree(f"chain:{depth}")), Sampling())
         decoder.prefill(ids)
@@ -42,14 +43,15 @@ def acceptance_by_depth(target, tokenizer, head, prompts: Sequence[str], depth: 
     return {"tau": produced / max(rounds, 1), "acceptance_by_depth": rates, "rounds": rounds}
 
 
-def calibration_pieces(model: nn.Module, tokenizer, prompts: Sequence[str], max_tokens: int) -> List[tuple]:
+def calibration_pieces(model: nn.Module, tokenizer, prompts: Sequence[str], max_tokens: int,
+                       progress: bool = False) -> List[tuple]:
     """The target's greedy answers to ``prompts``, as (token ids, answer) pieces."""
     from ..features import greedy_batch
 
     ids = [chat_tokens(tokenizer, [{"role": "user", "content": p}]) for p in prompts]
     ids = sorted((i for i in ids if len(i) <= 256), key=len)
     pieces = []
-    for start in range(0, len(ids), 16):
+    for start in progress_bar(range(0, len(ids), 16), desc="held-out answers", unit="batch", disable=not progress):
         batch = ids[start:start + 16]
         for prompt, tokens in zip(batch, greedy_batch(model, batch, max_tokens, tokenizer.eos_token_ids)):
             pieces.append((tokens, np.arange(len(tokens)) >= len(prompt)))
@@ -57,7 +59,7 @@ def calibration_pieces(model: nn.Module, tokenizer, prompts: Sequence[str], max_
 
 
 def measure_acceptance(model: nn.Module, head, pieces: Sequence[tuple], depths: int = 8,
-                       ranks: int = 8) -> np.ndarray:
+                       ranks: int = 8, progress: bool = False) -> np.ndarray:
     """p[d][r]: how often the target's token is the head's rank-r draft at depth d + 1,
     given the path to it is right (the head unrolled as in training-time test)."""
     hits = np.zeros((depths, ranks))
@@ -68,7 +70,8 @@ def measure_acceptance(model: nn.Module, head, pieces: Sequence[tuple], depths: 
         lookup = mx.full((model.args.vocab_size,), -1, dtype=mx.int32)
         lookup[head.target_ids(mx.arange(draft_size))] = mx.arange(draft_size, dtype=mx.int32)
     taps = head.taps(model.args.num_hidden_layers)
-    for start in range(0, len(pieces), 4):
+    for start in progress_bar(range(0, len(pieces), 4), desc="acceptance by rank", unit="batch",
+                              disable=not progress):
         batch = make_batch(pieces[start:start + 4])
         tokens, index = batch["tokens"], batch["index"]
         position = index % tokens.shape[1]
