@@ -90,7 +90,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
 
     from ..heads import load_head, save_head
     from ..models import TARGET_FILE, load, target_identity
-    from .evaluate import acceptance_by_depth
+    from ..calibrate import save_acceptance
+    from .evaluate import calibration_pieces, chain_estimate, measure_acceptance
     from .pieces import d2t_t2d, draft_vocabulary, self_distilled_pieces, sharegpt_pieces
     from .store import StateStore
     from ..files import replace_directory, write_atomically, write_npz
@@ -197,16 +198,14 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         return
     tic = time.monotonic()
     # Measured on the head as written (saved dtype), as users will load it.
-    result = acceptance_by_depth(model, tokenizer, load_head(args.out, model), held_out, progress=progress)
+    written = load_head(args.out, model)
+    answers = calibration_pieces(model, tokenizer, held_out, 128, progress)
+    table = measure_acceptance(model, written, answers, progress=progress)
+    result = chain_estimate(table)
     result.update(answers=args.answers, steps=config.steps,
                   tokens=int(sum(int(answer[:config.seq_len].sum()) for _, answer in pieces)))
     write_atomically(work / "eval.json", json.dumps(result, indent=2))
     # Acceptance by (depth, rank), beside the head: --tree auto builds its tree from it on any device.
-    from ..calibrate import save_acceptance
-    from .evaluate import calibration_pieces, measure_acceptance
-
-    answers = calibration_pieces(model, tokenizer, held_out, 128, progress)
-    table = measure_acceptance(model, head, answers, progress=progress)
     save_acceptance(args.out, table, f"python -m mlx_eagle.train, {len(held_out)} held-out ShareGPT prompts")
     print(f"evaluated in {time.monotonic() - tic:.0f} s: held-out tau {result['tau']:.2f}, acceptance by depth "
           + " ".join(f"{r:.2f}" for r in result["acceptance_by_depth"]) + f"; wrote {args.out}")

