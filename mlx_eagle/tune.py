@@ -109,7 +109,9 @@ def measure_costs(model: nn.Module, tokenizer, head, context: int = 256, repeats
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
     parser = new_parser("mlx_eagle.tune", __doc__)
-    add_model_arguments(parser, tree=False)
+    add_model_arguments(parser, draft=False, tree=False)
+    parser.add_argument("--draft", default="auto", help="the EAGLE head directory to tune a tree for (default: "
+                        "the head shipped for the model)")
     parser.add_argument("--prompts", type=int, default=24, help="calibration prompts")
     parser.add_argument("--confirm", type=int, default=6, help="further prompts the tree is checked on by decoding, "
                         "against plain mlx-lm")
@@ -132,12 +134,19 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     from . import load
     from .calibrate import TreeChoice, best_tree, save_acceptance, tuned_tree_file, user_head_dir
     from .costs import device_key
+    from .drafters import eagle
     from .data import sharegpt_prompts
     from .train.evaluate import calibration_pieces, measure_acceptance
 
+    if args.draft in ("lookup", "none"):
+        raise UserError(f"--draft {args.draft} drafts no tree; tune builds trees for EAGLE heads: pass a head's "
+                        "directory, or leave --draft out for the model's shipped head")
     model, tokenizer, head = load(args.model, draft=args.draft)
     if head is None:
         raise UserError("no EAGLE head for this model: pass --draft DIR")
+    if not eagle.accepts(head):
+        raise UserError(f"--draft {args.draft} is a draft model, not an EAGLE head: tune builds trees for heads "
+                        "(a draft model sizes its chains as it decodes); pass it to generate or bench --draft")
     head_dir = head.directory
     progress = not args.quiet
     # Calibration prompts from the end of ShareGPT (training reads it from the start), and

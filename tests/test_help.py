@@ -114,3 +114,11 @@ def test_a_draft_typo_gets_a_suggestion(typo, meant, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(UserError, match=f"did you mean '{meant}'"):
         load_draft(typo, None)
+
+
+@pytest.mark.parametrize("word", ["lookup", "none"])
+def test_tune_refuses_a_draft_that_has_no_tree_in_one_line(word):
+    result = subprocess.run([sys.executable, "-m", "mlx_eagle.tune", "--draft", word], capture_output=True, text=True,
+                            timeout=120, env=dict(os.environ, MLX_EAGLE_NO_OPENBLAS="1"))
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 1 and len(lines) == 1 and "tune builds trees for EAGLE heads" in lines[0], result.stderr
