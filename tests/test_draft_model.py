@@ -111,3 +111,18 @@ def test_the_command_takes_a_gguf_draft_model_and_says_so(smollm_gguf):
     assert drafted.returncode == 0 and plain.returncode == 0, drafted.stderr[-2000:] + plain.stderr[-2000:]
     assert "drafts: draft model SmolLM2-135M-Instruct.Q4_1.gguf + context lookup" in drafted.stderr
     assert drafted.stdout == plain.stdout
+
+
+def test_runner_up_leaves_stand_where_the_curve_pays_for_them():
+    """On a flat curve (a GPU's) the draft model's second choices join the chain as leaves,
+    and some are accepted where the chain token was not; on a curve where each verified
+    token costs a third of a step (a CPU's) a chain that is always accepted stands alone.
+    Both decode exactly as mlx-lm."""
+    target = tiny(0)
+    expected = reference(target, PROMPT, 64)
+    flat = DraftModelDrafter(tiny(1), lambda k: 1.0, 0.0, max_tokens=4)
+    tokens, _ = decode(target, flat, PROMPT, 64)
+    assert tokens == expected and flat.runner_up_tried.sum() > 0 and flat.runner_up_taken.sum() > 0
+    steep = DraftModelDrafter(target, lambda k: 1.0 + 0.3 * (k - 1), 0.0, max_tokens=4)
+    tokens, decoder = decode(target, steep, PROMPT, 64)
+    assert tokens == expected and steep.runner_up_tried.sum() == 0 and decoder.forwards < 64 // 3  # chains drafted

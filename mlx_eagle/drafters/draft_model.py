@@ -5,9 +5,13 @@ Each round the draft model reads what was committed since its cache last agreed 
 the target (its cache is cut back to the accepted prefix, as a KV cache can be), then
 drafts greedily, one token per forward, as many tokens as are expected to pay off: the
 chain's measured acceptance by position against what verifying it costs on this device
-plus what drafting it costs (a draft step, timed once, in target steps). Drafts are the
-draft model's argmax, so verification (greedy, or rejection sampling with q = 1) keeps
-the output exactly the target's.
+plus what drafting it costs (a draft step, timed once, in target steps). Beside each chain
+token its runner-up (the draft model's second choice at that depth, from the same forward)
+may stand as a leaf, where it is expected to pay for its place in the verification: its
+measured acceptance where the chain token was refused, against the cost curve (on a CPU,
+where each verified token costs, rarely; on a flat curve, often). Drafts are fixed tokens,
+so verification (greedy, or rejection sampling over the tree) keeps the output exactly
+the target's.
 """
 
 from __future__ import annotations
@@ -15,13 +19,16 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, List, Optional
+from typing import Any, List, Optional, Tuple
+
+import numpy as np
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 
 from ..errors import UserError
+from ..trees import DraftTree
 from . import Budget, DraftSettings, DraftSource, Outcome, Proposal
 from .chains import ChainDrafter
 
@@ -47,8 +54,11 @@ def _common(a: List[int], b: List[int]) -> int:
 
 
 class DraftModelDrafter(ChainDrafter):
-    """Chains drafted by ``model``. Kinds of draft (ChainDrafter): whether the last
-    round's chain was accepted whole."""
+    """Chains drafted by ``model``, with runner-up leaves where they pay. Kinds of draft
+    (ChainDrafter): whether the last round's chain was accepted whole."""
+
+    RUNNER_UP_PRIOR = 0.2  # P(runner-up accepted | chain token refused) before any is seen
+    RUNNER_UP_WEIGHT = 2.0
 
     def __init__(self, model: nn.Module, cost, step_cost: float, max_tokens: int = 16):
         super().__init__(cost, max_tokens, kinds=2, step_cost=step_cost)
@@ -58,6 +68,9 @@ class DraftModelDrafter(ChainDrafter):
         self.committed: List[int] = []  # what the target committed, the root last
         self.whole = False  # the last chain was accepted whole
         self._kind = 0
+        self._layout: List[Tuple[int, bool]] = []  # per proposed node: (depth, is a runner-up)
+        self.runner_up_tried = np.zeros(max_tokens)  # by depth: chain token refused, a runner-up there
+        self.runner_up_taken = np.zeros(max_tokens)  # ... and the runner-up accepted
 
     def _read(self, tokens: List[int]) -> Optional[mx.array]:
         """Bring the cache to hold ``tokens``: cut it back to where it agrees with them, then
@@ -73,9 +86,14 @@ class DraftModelDrafter(ChainDrafter):
     def observe(self, outcome: Outcome) -> None:
         if outcome.proposal is not None and len(outcome.proposal):
             proposed = outcome.proposal.host_tokens()
-            self.record_chain(self._kind, len(proposed), outcome.accepted)
-            self.whole = outcome.accepted == len(proposed)
-            self.held = self.committed + proposed[:-1]  # what drafting left in the cache
+            chain = [t for t, (_, runner_up) in zip(proposed, self._layout) if not runner_up]
+            taken = sum(1 for i in outcome.path if not self._layout[i][1])  # chain tokens accepted
+            self.record_chain(self._kind, len(chain), taken)
+            self.whole = taken == len(chain)
+            if any(depth == taken + 1 and runner_up for depth, runner_up in self._layout):
+                self.runner_up_tried[taken] += 1
+                self.runner_up_taken[taken] += bool(outcome.path) and self._layout[outcome.path[-1]][1]
+            self.held = self.committed + chain[:-1]  # what drafting left in the cache
         self.committed = list(outcome.tokens)
         if outcome.from_prompt:  # read the prompt now, as the target just did, not in the first round
             self._read(self.committed[:-1])
@@ -90,14 +108,41 @@ class DraftModelDrafter(ChainDrafter):
         logits = self._read(self.committed)
         if logits is None:  # nothing new since the last round: cannot happen between observes
             return None
-        token = mx.argmax(logits)  # the root's successor
-        drafted = [token]
-        for _ in range(length - 1):
-            token = mx.argmax(self.model(token.reshape(1, 1), cache=self.cache)[0, -1])
+        leaves = self.runner_up_depths(length, min(budget.nodes, self.max_tokens) - length, budget)
+        drafted, tree, chain_node = [], DraftTree(), -1
+        self._layout = []
+        for depth in range(1, length + 1):
+            if depth > 1:  # the draft model reads the chain token before
+                logits = self.model(drafted[chain_node].reshape(1, 1), cache=self.cache)[0, -1]
+            parent, token = chain_node, mx.argmax(logits)
+            chain_node = tree.add(0, parent)
             drafted.append(token)
-        tokens = mx.stack(drafted)
+            self._layout.append((depth, False))
+            if depth in leaves:  # the runner-up, a leaf beside the chain token
+                tree.add(0, parent)
+                drafted.append(mx.argmax(mx.where(mx.arange(logits.shape[-1]) == token, -mx.inf, logits)))
+                self._layout.append((depth, True))
+        tree.tokens = []  # on the device until read
+        tokens = mx.stack(drafted).astype(mx.int32)
         mx.async_eval(tokens)
-        return Proposal.chain(tokens)
+        return Proposal(tree, tokens)
+
+    def runner_up_depths(self, length: int, room: int, budget: Budget) -> set:
+        """The depths whose runner-up is expected to pay for its place beside a ``length``
+        chain: best first, while the round's expected tokens per unit of verify cost grow."""
+        chain = np.cumprod(self.acceptance(self._kind)[:length])
+        reach = np.concatenate([[1.0], chain[:-1]])  # the chain token at depth d is reached
+        taken = ((self.runner_up_taken[:length] + self.RUNNER_UP_WEIGHT * self.RUNNER_UP_PRIOR)
+                 / (self.runner_up_tried[:length] + self.RUNNER_UP_WEIGHT))
+        gains = reach * (1 - self.acceptance(self._kind)[:length]) * taken
+        expected, nodes, chosen = budget.expected + chain.sum(), budget.verified + length, set()
+        for depth in np.argsort(-gains)[:max(room, 0)]:
+            value = (expected + gains[depth]) / (self.cost(nodes + 1) + self.step_cost * length)
+            if value <= expected / (self.cost(nodes) + self.step_cost * length):
+                break
+            expected, nodes = expected + gains[depth], nodes + 1
+            chosen.add(int(depth) + 1)
+        return chosen
 
 
 def recognizes(path: Path, config: Optional[dict]) -> bool:
