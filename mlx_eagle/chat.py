@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 from pathlib import Path
 from typing import Optional, Sequence
@@ -177,6 +178,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
     args = build_parser().parse_args(argv)
+    # Ctrl-C stops a reply: the app's own key, also when it was started with SIGINT ignored
+    # (a background job of a non-interactive shell inherits that, and Python then keeps it).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     from .generate import check_options
     from .session import ChatSession
     from .trees import parse_tree

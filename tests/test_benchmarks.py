@@ -142,3 +142,9 @@ def test_history_size(tmp_path):
     run("history_size.py", "--replies", 200, "--out", tmp_path / "history.json")
     result = json.loads((tmp_path / "history.json").read_text())
     assert result["tokens"] == 200 * 150 and result["bytes"] > 0
+
+
+def test_history_overhead(tmp_path):
+    run("history_overhead.py", "--limit", 2, "--max-tokens", 8, "--out", tmp_path / "overhead.json")
+    result = json.loads((tmp_path / "overhead.json").read_text())
+    assert result["identical"] and set(result["methods"]) == {"history", "no history"}
