@@ -108,7 +108,8 @@ class DraftModelDrafter(ChainDrafter):
         logits = self._read(self.committed)
         if logits is None:  # nothing new since the last round: cannot happen between observes
             return None
-        leaves = self.runner_up_depths(length, min(budget.nodes, self.max_tokens) - length, budget)
+        leaves = set() if budget.chain else \
+            self.runner_up_depths(length, min(budget.nodes, self.max_tokens) - length, budget)
         drafted, tree, chain_node = [], DraftTree(), -1
         self._layout = []
         for depth in range(1, length + 1):
