@@ -131,11 +131,12 @@ class DraftModelDrafter(ChainDrafter):
     def runner_up_depths(self, length: int, room: int, budget: Budget) -> set:
         """The depths whose runner-up is expected to pay for its place beside a ``length``
         chain: best first, while the round's expected tokens per unit of verify cost grow."""
-        chain = np.cumprod(self.acceptance(self._kind)[:length])
+        rates = self.acceptance(self._kind)[:length]
+        chain = np.cumprod(rates)
         reach = np.concatenate([[1.0], chain[:-1]])  # the chain token at depth d is reached
         taken = ((self.runner_up_taken[:length] + self.RUNNER_UP_WEIGHT * self.RUNNER_UP_PRIOR)
                  / (self.runner_up_tried[:length] + self.RUNNER_UP_WEIGHT))
-        gains = reach * (1 - self.acceptance(self._kind)[:length]) * taken
+        gains = reach * (1 - rates) * taken
         expected, nodes, chosen = budget.expected + chain.sum(), budget.verified + length, set()
         for depth in np.argsort(-gains)[:max(room, 0)]:
             value = (expected + gains[depth]) / (self.cost(nodes + 1) + self.step_cost * length)

@@ -87,7 +87,8 @@ class EagleDrafter(Drafter):
     def propose(self, budget: Budget) -> Optional[Proposal]:
         proposal, self.queued = self.queued, None
         if proposal is None:  # none was grown: held back (or nothing read yet)
-            self.held += 1 if self.held else 0
+            if self.held:
+                self.held += 1
             return None
         self.probing = self.held >= self.PROBE - 1
         if not self.probing and not self.pays(budget):
