@@ -73,6 +73,10 @@ ARCHITECTURES: Dict[str, Architecture] = {record.model_type: record for record i
 SUPPORTED_MODEL_TYPES = tuple(ARCHITECTURES)  # what loads and converts
 DRIVEN_MODEL_TYPES = tuple(t for t, a in ARCHITECTURES.items() if a.driven and a.text_model is None)
 GGUF_ARCHITECTURES: Dict[str, Architecture] = {a.gguf: a for a in ARCHITECTURES.values() if a.gguf}
+# The hybrid and recurrent models, as the decoder sees them: the text model of a multimodal
+# wrapper is mlx-lm's "<wrapper>_text".
+HYBRID_MODEL_TYPES = tuple(name for t, a in ARCHITECTURES.items() if not a.driven
+                           for name in ((t, f"{t}_text") if a.text_model else (t,)))
 
 
 def architecture(model_type: Optional[str]) -> Architecture:

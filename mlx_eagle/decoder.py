@@ -15,7 +15,8 @@ prepares the next round's tree then queues that work on the device before the
 round's tokens are handed out, so the device drafts while the host streams them. The
 host waits for the device once per round, for what the walk along the tree needs.
 A chain needs no tree mask: where target.py does not know the architecture, the
-model's own forward pass verifies it, so any mlx-lm model can decode this way. A hybrid
+model's own forward pass verifies it, so any mlx-lm model can decode this way (an EAGLE-3
+head reads the states entering its taps on the way: target.tapped_forward). A hybrid
 model's recurrent layers cannot cut their cache back (rewind.py): a round that rejects
 part of its chain restores the caches to before its forward pass, and the next round
 reads the accepted tokens again in front of its own chain ("unread" tokens).
@@ -33,8 +34,8 @@ from mlx_lm.models import cache as mlx_lm_cache
 from .drafters import Budget, Drafter, Outcome, TargetStates
 from .errors import UserError
 from .rewind import Rewind
-from .target import TargetOutput, check_target, drives, keep_cache_entries, lm_head, make_cache, target_forward, \
-    tree_mask
+from .target import TargetOutput, check_target, drives, keep_cache_entries, lm_head, make_cache, tapped_forward, \
+    target_forward, tree_mask
 from .trees import MAX_TREE_NODES, DraftTree
 from .verify import Sampling, accept, sample
 
@@ -85,8 +86,8 @@ class SpeculativeDecoder:
         """``drafter``: what drafts each round (None: plain decoding through the same loop).
         ``on_phase``: called with each of PHASES as a round passes it."""
         self.reads_states = drafter is not None and drafter.taps is not None
-        if self.reads_states:  # target states need the layers driven directly
-            check_target(target)
+        if self.reads_states:
+            check_target(target, drafter.taps)
         # Verifying through target.py's compiled pieces where it knows the architecture;
         # any other mlx-lm model verifies chains through its own forward pass.
         self.drives_target = drives(target)
@@ -122,6 +123,9 @@ class SpeculativeDecoder:
     def _forward(self, tokens: mx.array, positions, mask) -> TargetOutput:
         self.forwards += 1
         if not self.drives_target:  # only chains, starting where the cache ends: the model's own forward pass
+            if self.taps:
+                out = tapped_forward(self.target, tokens[None], self.target_cache, self.taps)
+                return TargetOutput(logits=out.logits[0], features=out.features[0])
             return TargetOutput(logits=self.target(tokens[None], cache=self.target_cache)[0], features=None)
         out = target_forward(self.target, tokens[None], self.target_cache, positions, mask, self.taps or None)
         return TargetOutput(logits=out.logits[0], features=out.features[0], hidden=out.hidden[0])
@@ -156,15 +160,24 @@ class SpeculativeDecoder:
                 mx.eval([layer_cache.state for layer_cache in self.target_cache])
             self.root = self._choose(self._forward(mx.array(prompt[-1:]), len(prompt) - 1, None).logits[-1])
         else:
-            features, hidden = [], []
-            for start in range(self.reused, len(prompt), chunk):
-                block = prompt[start:start + chunk]
+            blocks = [prompt[start:start + chunk] for start in range(self.reused, len(prompt), chunk)]
+            if not self.drives_target and len(blocks[-1]) > 1:
+                # The model's own forward pass computes logits for every token: the last one alone.
+                blocks[-1:] = [blocks[-1][:-1], blocks[-1][-1:]]
+            features, hidden, start = [], [], self.reused
+            for block in blocks:
                 out = self._forward(mx.array(block), start, "causal" if len(block) > 1 else None)
                 features.append(out.features)
                 hidden.append(out.hidden)
-                mx.eval(out.features, out.hidden)  # the prompt's own logits are never needed: only the last
-            self.root = self._choose(lm_head(self.target, out.hidden[-1]))
-            states = TargetStates(mx.concatenate(features), mx.concatenate(hidden), self.taps)
+                # The prompt's own logits are never needed: only the last.
+                mx.eval(out.features, out.hidden if self.drives_target else [c.state for c in self.target_cache])
+                start += len(block)
+            if self.drives_target:
+                self.root = self._choose(lm_head(self.target, out.hidden[-1]))
+            else:
+                self.root = self._choose(out.logits[-1])
+            states = TargetStates(mx.concatenate(features), mx.concatenate(hidden) if self.drives_target else None,
+                                  self.taps)
         tokens = list(prompt) + [self.root]
         if self.drafter is not None:
             self.drafter.observe(Outcome(tokens, self.reused, states, from_prompt=True))
@@ -180,7 +193,9 @@ class SpeculativeDecoder:
         start = self.target_cache[0].offset if self.drives_target else None  # positions: where target.py drives
         if tree.is_chain():  # a chain is just a longer causal block
             out = self._forward(tokens, start, "causal" if tokens.size > 1 else None)
-            return out if not unread else TargetOutput(out.logits[len(unread):], None)
+            if not unread:
+                return out
+            return TargetOutput(out.logits[len(unread):], out.features[len(unread):] if self.taps else None)
         positions = start + mx.array([0] + tree.depths)
         return self._forward(tokens, positions, tree_mask(start, tree.ancestor_matrix()))
 

@@ -21,7 +21,8 @@ from mlx_lm.models import llama
 from mlx_lm.utils import dequantize_model
 
 from .errors import UserError, read_config
-from .target import Mask, Positions, compiled_piece, default_taps, layer_block, lm_head
+from .target import Mask, Positions, compiled_piece, compute_dtype, default_taps, embedding_layer, layer_block, \
+    layer_count, lm_head
 
 FAMILIES = ("eagle1", "eagle3")
 
@@ -99,7 +100,7 @@ class Eagle3Layer(nn.Module):
 def embed(head: nn.Module, target: nn.Module, tokens: mx.array) -> mx.array:
     """Token embeddings: the head's own when its checkpoint has one that differs from the
     target's, else the target's."""
-    return (head.embed_tokens if "embed_tokens" in head else target.model.embed_tokens)(tokens)
+    return (head.embed_tokens if "embed_tokens" in head else embedding_layer(target))(tokens)
 
 
 class Eagle1Head(nn.Module):
@@ -206,21 +207,23 @@ def new_head(target: nn.Module, family: str, draft_vocab_size: Optional[int] = N
     config = HeadConfig(
         family=family, hidden_size=args.hidden_size, intermediate_size=args.intermediate_size,
         num_attention_heads=args.num_attention_heads, num_key_value_heads=args.num_key_value_heads,
-        vocab_size=args.vocab_size, head_dim=getattr(args, "head_dim", None), rms_norm_eps=args.rms_norm_eps,
+        vocab_size=args.vocab_size, head_dim=getattr(args, "head_dim", None),
+        rms_norm_eps=next(getattr(args, name) for name in ("rms_norm_eps", "norm_eps", "layer_norm_epsilon")
+                          if hasattr(args, name)),
         rope_theta=getattr(args, "rope_theta", 10000.0),
         max_position_embeddings=getattr(args, "max_position_embeddings", 8192),
     )
     if family == "eagle3":
         config.target_hidden_size = args.hidden_size
         config.draft_vocab_size = draft_vocab_size or args.vocab_size
-        config.taps = list(default_taps(args.num_hidden_layers))
+        config.taps = list(default_taps(layer_count(target)))
     mx.random.seed(seed)
     head = (Eagle1Head if family == "eagle1" else Eagle3Head)(config)
     if family == "eagle3" and config.draft_vocab_size < args.vocab_size:
         # Any sorted subset of the target vocabulary will do for a fresh head.
         used = mx.sort(mx.random.permutation(args.vocab_size)[: config.draft_vocab_size])
         head.d2t = (used - mx.arange(config.draft_vocab_size)).astype(mx.int64)
-    head.set_dtype(target.model.norm.weight.dtype)
+    head.set_dtype(compute_dtype(target))
     check_fits(head, target, "a new head")
     mx.eval(head.parameters())
     return head
@@ -371,7 +374,7 @@ def load_head(path: Path, target: nn.Module) -> EagleHead:
         # As the target's weights are widened on a CPU: MLX's quantized matmuls there run
         # ~3x slower than float32 (a draft step of the 8-bit SmolLM2 head: 11.5 vs 3.4 ms).
         dequantize_model(head)
-    head.set_dtype(target.model.norm.weight.dtype, predicate=lambda d: mx.issubdtype(d, mx.floating))
+    head.set_dtype(compute_dtype(target), predicate=lambda d: mx.issubdtype(d, mx.floating))
     if config.family == "eagle3":
         check_draft_vocabulary(head.d2t, target.args.vocab_size, path)
     mx.eval(head.parameters())
@@ -403,8 +406,9 @@ def check_fits(head: EagleHead, target: nn.Module, path) -> None:
         problems.append(f"width {config.hidden_size} vs the target's embeddings of {args.hidden_size}, "
                         "and no embedding of its own")
     if config.family == "eagle3":
-        bad = [t for t in head.taps(args.num_hidden_layers) if not 0 <= t < args.num_hidden_layers]
+        layers = layer_count(target)
+        bad = [t for t in head.taps(layers) if not 0 <= t < layers]
         if bad:
-            problems.append(f"feature taps {bad} outside the target's {args.num_hidden_layers} layers")
+            problems.append(f"feature taps {bad} outside the target's {layers} layers")
     if problems:
         raise UserError(f"draft head {path} does not fit this target: {'; '.join(problems)}")

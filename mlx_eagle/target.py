@@ -7,7 +7,9 @@ only takes one position offset and builds its own causal mask. The architectures
 in a few names (heads, scale, the feed-forward block), in attention sinks (gpt_oss), in
 Gemma 3's normed sublayer outputs and scaled embeddings, and in sliding-window layers
 (gpt_oss, Gemma 3), which here keep full caches and see their window through the mask,
-so that any branch of a tree can be cut out of the cache again.
+so that any branch of a tree can be cut out of the cache again. The hybrid families run
+their own forward passes, which verify chains; ``tapped_forward`` records the states
+entering their layers on the way, for EAGLE-3 heads.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from mlx_lm.models.cache import KVCache
 
 from mlx_lm.models.gemma3_text import clip_residual
 
-from .architectures import ARCHITECTURES, DRIVEN_MODEL_TYPES
+from .architectures import ARCHITECTURES, DRIVEN_MODEL_TYPES, HYBRID_MODEL_TYPES
 from .errors import UserError
 
 ATTENTION_NAMES = tuple(dict.fromkeys(a.attention for a in ARCHITECTURES.values()))
@@ -138,13 +140,77 @@ def drives(model: nn.Module) -> bool:
     return getattr(getattr(model, "args", None), "model_type", None) in DRIVEN_MODEL_TYPES
 
 
-def check_target(model: nn.Module) -> None:
-    if not drives(model):
-        model_type = getattr(getattr(model, "args", None), "model_type", None)
-        record = ARCHITECTURES.get(model_type)
-        hint = (f"pass its text model (model.{record.text_model}), as mlx_eagle.load does" if record else
-                "drafts from the context (--draft lookup) work with it")
-        raise UserError(f"EAGLE decoding supports {', '.join(DRIVEN_MODEL_TYPES)} targets, not {model_type!r}; {hint}")
+def check_target(model: nn.Module, taps: Optional[Sequence[int]] = None) -> None:
+    """That a drafter reading the target states at ``taps`` can read them from ``model``:
+    any state where target.py drives its layers; on the hybrid families, whose own
+    forward pass verifies chains, the states entering layers (EAGLE-3's taps), not the
+    post-norm last state (EAGLE-1/2's), which their forward passes do not expose."""
+    if drives(model):
+        return
+    model_type = getattr(getattr(model, "args", None), "model_type", None)
+    if model_type in HYBRID_MODEL_TYPES:
+        if taps:
+            return
+        raise UserError(f"EAGLE-1/2 heads read the post-norm last state, which {model_type!r} models do not expose "
+                        "here; EAGLE-3 heads and drafts from the context work with them")
+    record = ARCHITECTURES.get(model_type)
+    hint = (f"pass its text model (model.{record.text_model}), as mlx_eagle.load does" if record else
+            "drafts from the context (--draft lookup) work with it")
+    raise UserError(f"EAGLE decoding supports {', '.join(DRIVEN_MODEL_TYPES)} targets, not {model_type!r}; {hint}")
+
+
+def inner_model(model: nn.Module) -> nn.Module:
+    """The module holding an mlx-lm model's embedding and decoder layers (``model.model``;
+    ``model.backbone`` for Mamba 2 and Nemotron-H)."""
+    return model["model"] if "model" in model else model["backbone"]
+
+
+def layer_count(model: nn.Module) -> int:
+    return len(inner_model(model).layers)
+
+
+def embedding_layer(model: nn.Module) -> nn.Module:
+    """The target's token embedding, unscaled (what an EAGLE head embeds its tokens with)."""
+    inner = inner_model(model)
+    return inner["embed_tokens"] if "embed_tokens" in inner else inner["embeddings"]
+
+
+def compute_dtype(model: nn.Module) -> mx.Dtype:
+    """The floating-point type the target computes in (its embedding's, quantized or not)."""
+    layer = embedding_layer(model)
+    return layer["scales"].dtype if "scales" in layer else layer.weight.dtype
+
+
+class _Tap:
+    """A decoder layer that records the state entering it, then runs as itself."""
+
+    def __init__(self, layer: nn.Module, states: dict, index: int):
+        self._layer, self._states, self._index = layer, states, index
+
+    def __call__(self, x: mx.array, *args, **kwargs) -> mx.array:
+        self._states[self._index] = x
+        return self._layer(x, *args, **kwargs)
+
+    def __getattr__(self, name: str):  # what the model's loop asks of its layers (kinds, flags)
+        return getattr(self._layer, name)
+
+
+def tapped_forward(model: nn.Module, tokens: mx.array, cache: List, taps: Sequence[int]) -> TargetOutput:
+    """The model's own forward pass over ``tokens`` [batch, n] (appended to ``cache``, from
+    where it ends), with the states entering ``taps`` recorded on the way: EAGLE-3's
+    features from a model whose layers target.py does not drive (the hybrid families,
+    each with its own recurrent masks and caches). Only logits that are read get computed."""
+    layers = inner_model(model).layers
+    states: dict = {}
+    originals = {index: layers[index] for index in taps}
+    try:
+        for index, layer in originals.items():
+            layers[index] = _Tap(layer, states, index)
+        logits = model(tokens, cache=cache)
+    finally:
+        for index, layer in originals.items():
+            layers[index] = layer
+    return TargetOutput(logits=logits, features=mx.concatenate([states[i] for i in taps], axis=-1))
 
 
 def make_cache(model: nn.Module) -> List:
@@ -167,7 +233,7 @@ def layer_windows(model: nn.Module) -> List[Optional[int]]:
 
 def embed(model: nn.Module, tokens: mx.array) -> mx.array:
     """The target's input embeddings of ``tokens``, scaled where its architecture scales them."""
-    h = model.model.embed_tokens(tokens)
+    h = embedding_layer(model)(tokens)
     if ARCHITECTURES[model.args.model_type].embedding_scale:
         h = h * mx.array(model.args.hidden_size ** 0.5, mx.bfloat16).astype(h.dtype)
     return h

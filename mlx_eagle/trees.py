@@ -48,6 +48,15 @@ class TreeSpec:
         return self.tokens if self.kind == "dynamic" else len(self.paths)
 
 
+def chain_of(spec: TreeSpec) -> TreeSpec:
+    """What a target that verifies chains only (the hybrid families) can draft of ``spec``:
+    a chain as deep as the tree, each depth's best token."""
+    if spec.kind == "none" or (spec.kind == "static" and spec.paths == chain(len(spec.paths))):
+        return spec
+    depth = spec.depth if spec.kind == "dynamic" else max(len(path) for path in spec.paths)
+    return TreeSpec("static", chain(depth), text=f"chain:{depth} (of {spec.text}: this model verifies chains)")
+
+
 def node_count(count: int) -> str:
     return f"{count} node{'' if count == 1 else 's'}"
 

@@ -178,3 +178,89 @@ def test_a_conversation_on_a_hybrid_model_reads_only_each_new_turn(tmp_path):
     assert reused[0][0] == 0
     for (cached, _), (_, previous_prompt) in zip(reused[1:], reused):
         assert cached >= previous_prompt, reused  # all of the last turn, at least
+
+
+# The families an EAGLE-3 head can be shaped for (Mamba 2 has no attention sizes to take;
+# the tiny Kimi Linear has too few layers for the default taps).
+HEAD_FAMILIES = [name for name in hybrids.FAMILIES if name not in ("mamba2", "kimi_linear")]
+
+
+def text_model(model):
+    """What mlx_eagle.load hands the decoder: a multimodal wrapper's text model."""
+    return model["language_model"] if "language_model" in model else model
+
+
+class _StatesRecorder(ScriptedDrafter):
+    """Scripted chains (accepted part way, so rolled back) that read the target's states at
+    ``taps`` and keep what each outcome delivered."""
+
+    def __init__(self, sequence, vocab_size, taps):
+        super().__init__(sequence, vocab_size)
+        self.taps, self.read = tuple(taps), {}
+
+    def observe(self, outcome):
+        super().observe(outcome)
+        states = outcome.states.read(self.taps)
+        for row, position in enumerate(range(outcome.start, len(outcome.tokens) - 1)):
+            self.read[position] = states[row]
+
+
+@pytest.mark.parametrize("name", ["qwen3_next", "nemotron_h", "lfm2"])
+def test_the_states_read_from_a_hybrid_are_those_of_the_committed_text(name):
+    """What a drafter reads each round (from verify passes that ran past rejected drafts and
+    were rolled back, the accepted tokens read again) equals one forward pass over the
+    committed text: the features an EAGLE-3 head drafts from are exact."""
+    from mlx_eagle.target import tapped_forward
+
+    model = hybrids.build(name)
+    expected = reference(model)
+    taps = (1, 3) if name != "nemotron_h" else (1, 2)
+    drafter = _StatesRecorder(PROMPT + expected, hybrids.VOCAB, taps)
+    tokens, decoder = decode(model, drafter)
+    assert tokens == expected and COUNT / decoder.forwards > 1.5
+    committed = PROMPT + tokens
+    whole = tapped_forward(model, mx.array([committed]), make_prompt_cache(model).target, taps).features[0]
+    positions = sorted(drafter.read)
+    assert positions == list(range(len(positions))) and len(positions) >= len(PROMPT) + COUNT - 8
+    read = mx.stack([drafter.read[p] for p in positions])
+    difference = mx.abs(read - whole[:len(positions)]).max().item()
+    assert difference < 1e-3 * mx.abs(whole).max().item(), (name, difference)
+
+
+@pytest.mark.parametrize("name", HEAD_FAMILIES)
+def test_an_eagle3_head_drafts_chains_on_a_hybrid_losslessly(name):
+    """A random EAGLE-3 head (its chains rejected, rolled back each round), merged with
+    lookup: the text of plain decoding."""
+    from mlx_eagle.drafters.eagle import EagleDrafter
+    from mlx_eagle.heads import new_head
+    from mlx_eagle.trees import parse_tree
+
+    model = text_model(hybrids.build(name))
+    drafter = EagleDrafter(new_head(model, "eagle3", seed=1), model, parse_tree("chain:3"))
+    proposed = []
+    propose = drafter.propose
+    drafter.propose = lambda budget: proposed.append(propose(budget)) or proposed[-1]
+    tokens, decoder = decode(model, Composite([drafter, LookupDrafter(lambda k: 1.0)]), count=24)
+    assert tokens == reference(model, count=24), name
+    assert sum(1 for p in proposed if p is not None and len(p)) >= 10
+
+
+def test_a_tree_asked_of_a_hybrid_is_drafted_as_its_chain():
+    from mlx_eagle.drafters import DraftSettings
+    from mlx_eagle.drafters.eagle import source
+    from mlx_eagle.heads import new_head
+
+    model = text_model(hybrids.build("qwen3_5"))
+    made = source(new_head(model, "eagle3"), model, DraftSettings(model, "static:default")).make()
+    assert made.grower.spec.paths == [(0,) * d for d in range(1, 6)]
+
+
+def test_an_eagle1_head_on_a_hybrid_is_refused_in_one_line():
+    from mlx_eagle.drafters.eagle import EagleDrafter
+    from mlx_eagle.errors import UserError
+    from mlx_eagle.heads import new_head
+    from mlx_eagle.trees import parse_tree
+
+    model = hybrids.build("qwen3_next")
+    with pytest.raises(UserError, match="EAGLE-1/2 heads read the post-norm last state.*EAGLE-3 heads"):
+        EagleDrafter(new_head(model, "eagle1"), model, parse_tree("chain:3"))

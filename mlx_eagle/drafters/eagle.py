@@ -17,7 +17,7 @@ import mlx.nn as nn
 from mlx_lm.models.cache import KVCache
 
 from ..heads import FAMILIES, Head, load_head
-from ..target import check_target, keep_cache_entries
+from ..target import check_target, drives, keep_cache_entries, layer_count
 from ..trees import TreeDrafter, TreeSpec
 from . import Budget, Drafter, DraftSettings, DraftSource, Outcome, Proposal
 
@@ -39,9 +39,9 @@ class EagleDrafter(Drafter):
     MEMORY = 0.9  # weight of the past in the running means (about the last 10 rounds)
 
     def __init__(self, head: Head, target: nn.Module, tree: TreeSpec, cost: Optional[Callable[[int], float]] = None):
-        check_target(target)
+        self.taps = tuple(head.taps(layer_count(target)) or ())
+        check_target(target, self.taps)
         self.head, self.target, self.cost = head, target, cost
-        self.taps = tuple(head.taps(target.args.num_hidden_layers) or ())
         self.grower = TreeDrafter(head, target, tree)
         self.cache = [KVCache()]  # the head's, for committed tokens only
         self.queued: Optional[Proposal] = None  # the next round's tree, grown on the device
@@ -133,7 +133,7 @@ def source(head: Head, model: nn.Module, settings: DraftSettings) -> DraftSource
     """The head drafting the tree ``settings.tree`` names (``auto``: tuned or calibrated for
     this device; none where it is expected to lose)."""
     from ..calibrate import auto_tree
-    from ..trees import parse_tree
+    from ..trees import chain_of, parse_tree
 
     tree, why, cost = settings.tree, None, None
     if tree is None or tree == "auto":
@@ -141,6 +141,8 @@ def source(head: Head, model: nn.Module, settings: DraftSettings) -> DraftSource
         cost = settings.costs  # a tree chosen for the user is held to what it measurably buys
     elif isinstance(tree, str):
         tree = parse_tree(tree)
+    if not drives(model):
+        tree = chain_of(tree)
     family = getattr(head, "family", "draft")
     if tree.kind == "none":
         return DraftSource(f"{family} head", None, why or "tree none")
