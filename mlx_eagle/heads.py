@@ -255,7 +255,13 @@ def read_head_weights(path: Path) -> Tuple[dict, Dict[str, mx.array]]:
     raw.setdefault("family", "eagle3" if raw.get("draft_vocab_size") else "eagle1")
     if raw["family"] not in FAMILIES:
         raise UserError(f"{path}: unknown head family {raw['family']!r}")
-    files = sorted(path.glob("*.safetensors"))
+    return raw, read_safetensors(path)
+
+
+def read_safetensors(path: Path) -> Dict[str, mx.array]:
+    """Every tensor of a drafter directory's .safetensors files, or one line saying there
+    are none or which is damaged."""
+    files = sorted(Path(path).glob("*.safetensors"))
     if not files:
         raise UserError(f"{path} has no .safetensors weights")
     weights = {}
@@ -264,7 +270,7 @@ def read_head_weights(path: Path) -> Tuple[dict, Dict[str, mx.array]]:
             weights.update(mx.load(str(file)))
         except Exception as exc:
             raise UserError(f"{file} is damaged or truncated ({exc})") from exc
-    return raw, weights
+    return weights
 
 
 _SIZES = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "vocab_size",

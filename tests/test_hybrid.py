@@ -264,3 +264,34 @@ def test_an_eagle1_head_on_a_hybrid_is_refused_in_one_line():
     model = hybrids.build("qwen3_next")
     with pytest.raises(UserError, match="EAGLE-1/2 heads read the post-norm last state.*EAGLE-3 heads"):
         EagleDrafter(new_head(model, "eagle1"), model, parse_tree("chain:3"))
+
+
+def test_a_published_eagle3_head_converts_for_a_hybrid_and_the_command_drafts_with_it(tmp_path):
+    """An EAGLE-3 head in the official layout, for a Qwen3.5 directory (a multimodal wrapper
+    whose text model is hybrid): converted against it, and `generate` drafts with it as
+    chains, the text that of plain decoding."""
+    import subprocess
+    import sys
+
+    import numpy as np
+
+    from test_convert_head import DRAFT_VOCAB, HEAD, official_tensors, write_checkpoint
+    from mlx_eagle.convert.head import convert_head
+
+    directory = write_directory(tmp_path, "qwen3_5")
+    embed = np.array(mx.load(str(directory / "model.safetensors"))["language_model.model.embed_tokens.weight"])
+    config = dict(HEAD, vocab_size=embed.shape[0], draft_vocab_size=DRAFT_VOCAB, target_hidden_size=64,
+                  architectures=["LlamaForCausalLMEagle3"])
+    write_checkpoint(tmp_path / "published", official_tensors("eagle3", embed, np.random.default_rng(0)), config,
+                     "safetensors")
+    head = convert_head(str(tmp_path / "published"), tmp_path / "head", target=str(directory))
+
+    def run(*args):
+        return subprocess.run([sys.executable, "-m", "mlx_eagle.generate", "--model", str(directory), "--prompt",
+                               "The quick brown fox. The quick brown fox. The quick", "--max-tokens", "24",
+                               "--verbose", *args], capture_output=True, text=True, timeout=300)
+
+    drafted, plain = run("--draft", str(head), "--tree", "static:default"), run("--draft", "none")
+    assert drafted.returncode == 0 and plain.returncode == 0, drafted.stderr[-2000:] + plain.stderr[-2000:]
+    assert "drafts: eagle3 head, tree chain:5 (of static:default" in drafted.stderr, drafted.stderr[-2000:]
+    assert drafted.stdout == plain.stdout

@@ -38,7 +38,7 @@ if TYPE_CHECKING:
 #   load(directory, model)       its weights for ``model``, as load_draft returns them
 #   accepts(draft) -> bool       whether a loaded draft (or an object the API is handed) is this kind's
 #   source(draft, model, settings) -> DraftSource   the drafter factory the plan keeps
-KINDS = ("eagle", "draft_model", "lookup")
+KINDS = ("dflash", "eagle", "draft_model", "lookup")  # the first that recognizes a path takes it
 
 
 def kind_modules() -> List[ModuleType]:

@@ -1,0 +1,351 @@
+"""DFlash block drafters (arXiv 2602.06036; the z-lab checkpoint layout): a few decoder
+layers with no embedding or LM head of their own that read the target's states at some
+of its layers, fused into one context vector per position, and predict a whole block
+[root, mask, ..., mask] in one forward pass: one pass drafts up to ``block_size - 1``
+tokens, where an EAGLE head needs one pass per depth.
+
+Each layer's queries come from the block only; its keys and values are those of the
+context (projected from the fused states, cached across rounds: the committed tokens'
+states never change) followed by the block's own (never cached), and the block attends
+to all of them, itself bidirectionally. The block's output at position i is the draft for
+the token at root + i. Each round the drafter reads the states the target just committed,
+drafts the next block at once, and keeps each position's best few tokens on the device.
+From them a round proposes a chain as long as is expected to pay on this device's cost
+curve (measured acceptance by position, ChainDrafter), and, where the target verifies
+trees, the next-best paths by summed log-probability (DDTree) while each is expected to
+pay for its place. Drafts are fixed tokens, so verification keeps the target's text
+exactly, greedy or sampled.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Tuple
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx_lm.models.cache import KVCache
+from mlx_lm.models.rope_utils import initialize_rope
+
+from ..errors import UserError
+from ..target import compute_dtype, embed, keep_cache_entries, layer_count, lm_head, rotate
+from ..trees import DraftTree
+from . import Budget, DraftSettings, DraftSource, Outcome, Proposal
+from .chains import ChainDrafter
+
+NAME = "dflash"
+TOP_K = 4  # tokens kept per block position: the tree's ranks
+
+
+@dataclass
+class DFlashConfig:
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    rms_norm_eps: float
+    block_size: int
+    target_layer_ids: Tuple[int, ...]  # the target layers whose outputs are fused
+    mask_token_id: int
+    rope_theta: float = 10000.0
+    rope_scaling: Optional[dict] = None
+    max_position_embeddings: int = 32768
+    layer_types: Tuple[str, ...] = ()
+    sliding_window: Optional[int] = None
+    is_causal: Optional[bool] = None  # within the block; None: only sliding layers are (as z-lab's code)
+    extra: Dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def taps(self) -> Tuple[int, ...]:
+        """Layer ``i``'s output is the state entering layer ``i + 1``: target.py's taps."""
+        return tuple(i + 1 for i in self.target_layer_ids)
+
+
+def _number(raw: dict, name: str, kind: type, low: float, high: float, source: Path, default: Any = None):
+    value = raw.get(name, default)
+    if value is None or isinstance(value, bool) or not isinstance(value, (int, float)) or \
+            (kind is int and value != int(value)) or not low <= value <= high:
+        raise UserError(f"{source}: {name} must be {'an integer' if kind is int else 'a number'} from {low} to {high}, "
+                        f"not {value!r}")
+    return kind(value)
+
+
+def read_config(raw: dict, source: Path) -> DFlashConfig:
+    """The checkpoint's config.json, checked: one line for the first thing that is wrong."""
+    dflash = raw.get("dflash_config")
+    if not isinstance(dflash, dict):
+        raise UserError(f"{source}: no dflash_config (mask_token_id, target_layer_ids); not a DFlash checkpoint")
+    if any(name in dflash or name in raw for name in ("conv_kernel_size", "selector_rank")) or \
+            "DFlash2DraftModel" in (raw.get("architectures") or []):
+        raise UserError(f"{source}: a DFlash2 checkpoint (convolution kernels and a candidate selector) is not "
+                        "supported yet; use a DFlash (z-lab) checkpoint")
+    ids = dflash.get("target_layer_ids")
+    if not isinstance(ids, list) or not ids or not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i
+                                                       for i in ids):
+        raise UserError(f"{source}: dflash_config.target_layer_ids must be a list of layer numbers, not {ids!r}")
+    layers = _number(raw, "num_hidden_layers", int, 1, 64, source)
+    types = tuple(raw.get("layer_types") or ("full_attention",) * layers)
+    if len(types) != layers or set(types) - {"full_attention", "sliding_attention"}:
+        raise UserError(f"{source}: layer_types must name full_attention or sliding_attention for each of the "
+                        f"{layers} layers")
+    window = raw.get("sliding_window") if "sliding_attention" in types else None
+    if "sliding_attention" in types:
+        window = _number(raw, "sliding_window", int, 1, 1 << 24, source)
+    hidden = _number(raw, "hidden_size", int, 1, 1 << 16, source)
+    heads = _number(raw, "num_attention_heads", int, 1, 1024, source)
+    causal = raw.get("is_causal")
+    return DFlashConfig(
+        hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+        num_key_value_heads=_number(raw, "num_key_value_heads", int, 1, heads, source, heads),
+        head_dim=_number(raw, "head_dim", int, 1, 1024, source, hidden // heads),
+        intermediate_size=_number(raw, "intermediate_size", int, 1, 1 << 18, source),
+        vocab_size=_number(raw, "vocab_size", int, 1, 1 << 22, source),
+        rms_norm_eps=_number(raw, "rms_norm_eps", float, 0, 1, source, 1e-6),
+        block_size=_number(dflash, "block_size", int, 2, 64, source, raw.get("block_size", 16)),
+        target_layer_ids=tuple(ids), mask_token_id=_number(dflash, "mask_token_id", int, 0, 1 << 22, source),
+        rope_theta=_number(raw, "rope_theta", float, 1, 1e12, source, 10000.0),
+        rope_scaling=raw.get("rope_scaling") if isinstance(raw.get("rope_scaling"), dict) else None,
+        max_position_embeddings=_number(raw, "max_position_embeddings", int, 1, 1 << 24, source, 32768),
+        layer_types=types, sliding_window=window, is_causal=causal if isinstance(causal, bool) else None,
+    )
+
+
+class DFlashAttention(nn.Module):
+    def __init__(self, config: DFlashConfig, sliding: bool):
+        super().__init__()
+        self.n_heads, self.n_kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.scale = config.head_dim ** -0.5
+        self.window = config.sliding_window if sliding else None
+        self.causal = sliding if config.is_causal is None else config.is_causal
+        width = config.head_dim
+        self.q_proj = nn.Linear(config.hidden_size, self.n_heads * width, bias=False)
+        self.k_proj = nn.Linear(config.hidden_size, self.n_kv_heads * width, bias=False)
+        self.v_proj = nn.Linear(config.hidden_size, self.n_kv_heads * width, bias=False)
+        self.o_proj = nn.Linear(self.n_heads * width, config.hidden_size, bias=False)
+        self.q_norm = nn.RMSNorm(width, eps=config.rms_norm_eps)
+        self.k_norm = nn.RMSNorm(width, eps=config.rms_norm_eps)
+        self.rope = initialize_rope(width, config.rope_theta, False, config.rope_scaling,
+                                    config.max_position_embeddings)
+
+    def keys_values(self, x: mx.array, start: int) -> Tuple[mx.array, mx.array]:
+        """Rotated keys and values of ``x`` [1, n, hidden] at positions start..start + n - 1."""
+        batch, length, _ = x.shape
+        keys = self.k_norm(self.k_proj(x).reshape(batch, length, self.n_kv_heads, -1)).transpose(0, 2, 1, 3)
+        values = self.v_proj(x).reshape(batch, length, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        return rotate(self.rope, keys, mx.array(start)), values
+
+    def __call__(self, x: mx.array, context: KVCache, start: int) -> mx.array:
+        batch, length, _ = x.shape
+        queries = self.q_norm(self.q_proj(x).reshape(batch, length, self.n_heads, -1)).transpose(0, 2, 1, 3)
+        queries = rotate(self.rope, queries, mx.array(start))
+        keys, values = self.keys_values(x, start)
+        cached = context.offset
+        if cached:
+            keys = mx.concatenate([context.keys[..., :cached, :], keys], axis=2)
+            values = mx.concatenate([context.values[..., :cached, :], values], axis=2)
+        mask = None  # the block sees all the context and itself
+        if self.causal or self.window is not None:
+            query = start + mx.arange(length)[:, None]
+            key = mx.concatenate([mx.arange(cached), start + mx.arange(length)])[None]
+            mask = key <= query if self.causal else mx.ones((length, cached + length), dtype=mx.bool_)
+            if self.window is not None:
+                mask = mask & (query - key < self.window)
+        out = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=self.scale, mask=mask)
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(batch, length, -1))
+
+
+class DFlashMLP(nn.Module):
+    def __init__(self, hidden: int, intermediate: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DFlashLayer(nn.Module):
+    def __init__(self, config: DFlashConfig, sliding: bool):
+        super().__init__()
+        self.input_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.self_attn = DFlashAttention(config, sliding)
+        self.post_attention_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.mlp = DFlashMLP(config.hidden_size, config.intermediate_size)
+
+    def __call__(self, x: mx.array, context: KVCache, start: int) -> mx.array:
+        h = x + self.self_attn(self.input_layernorm(x), context, start)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class DFlashModel(nn.Module):
+    """The drafter's weights, under the z-lab checkpoint's names."""
+
+    def __init__(self, config: DFlashConfig, target_hidden: int):
+        super().__init__()
+        self.config = config
+        self.fc = nn.Linear(len(config.target_layer_ids) * target_hidden, config.hidden_size, bias=False)
+        self.hidden_norm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.layers = [DFlashLayer(config, kind == "sliding_attention") for kind in config.layer_types]
+        self.norm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def read_context(self, states: mx.array, cache: List[KVCache], start: int) -> None:
+        """Append the context keys and values of the target ``states`` [n, taps x hidden]
+        (the fused features at positions start..start + n - 1) to each layer's ``cache``."""
+        context = self.hidden_norm(self.fc(states[None]))
+        for layer, layer_cache in zip(self.layers, cache):
+            layer_cache.update_and_fetch(*layer.self_attn.keys_values(context, start))
+
+    def block_logits(self, target: nn.Module, tokens: mx.array, cache: List[KVCache], start: int) -> mx.array:
+        """Logits [block - 1, vocab] for the block ``tokens`` [block] (the root, then mask
+        tokens) at positions start.., after the cached context: the drafts for positions
+        start + 1 onwards."""
+        h = embed(target, tokens[None]).astype(self.fc.weight.dtype)
+        for layer, layer_cache in zip(self.layers, cache):
+            h = layer(h, layer_cache, start)
+        return lm_head(target, self.norm(h[:, 1:]))[0]
+
+
+class DFlashDrafter(ChainDrafter):
+    """A DFlash drafter proposing chains (or DDTree trees) from the block it drafted as
+    soon as the target committed its last tokens."""
+
+    def __init__(self, model: DFlashModel, target: nn.Module, cost, max_tokens: Optional[int] = None):
+        block = model.config.block_size
+        super().__init__(cost, min(block - 1, max_tokens or block - 1))
+        self.model, self.target = model, target
+        self.taps = model.config.taps
+        self.cache = [KVCache() for _ in model.layers]  # the context's keys and values, committed tokens only
+        self.block: Optional[Tuple[mx.array, mx.array]] = None  # per position: top tokens, their log-probabilities
+        self._chain = 0  # nodes of the last proposal's chain (the rest are DDTree branches)
+        self._layout: List[Tuple[int, ...]] = []  # per proposed node: its rank path
+
+    def reusable(self, common: int) -> int:
+        return min(self.cache[0].offset, max(common - 1, 0))
+
+    def observe(self, outcome: Outcome) -> None:
+        if outcome.proposal is not None and len(outcome.proposal):
+            taken = sum(1 for node in outcome.path if node < self._chain)
+            self.record_chain(0, self._chain, taken)
+        keep_cache_entries(self.cache, outcome.start, [])
+        self.model.read_context(outcome.states.read(self.taps), self.cache, outcome.start)
+        root = len(outcome.tokens) - 1  # the root's position
+        config = self.model.config
+        tokens = mx.array([outcome.tokens[-1]] + [config.mask_token_id] * (config.block_size - 1))
+        logprobs = nn.log_softmax(self.model.block_logits(self.target, tokens, self.cache, root).astype(mx.float32))
+        top = mx.argsort(-logprobs, axis=-1)[:, :TOP_K]
+        self.block = (top, mx.take_along_axis(logprobs, top, axis=-1))
+        mx.async_eval(*self.block)
+
+    def propose(self, budget: Budget) -> Optional[Proposal]:
+        limit = min(budget.room, budget.nodes, self.max_tokens)
+        length = self.best_length(0, limit, budget.verified, budget.expected) if limit >= 1 and self.block else 0
+        if not length:
+            return None
+        top, logprobs = (np.array(part) for part in self.block)
+        paths = [(0,) * depth for depth in range(1, length + 1)]
+        if not budget.chain:
+            paths += self.branches(logprobs, length, budget)
+        tree = DraftTree()
+        index = {(): -1}
+        for path in paths:  # parents before children: a path's prefix is already placed
+            index[path] = tree.add(int(top[len(path) - 1, path[-1]]), index[path[:-1]])
+        self._chain, self._layout = length, paths
+        return Proposal(tree, mx.array(tree.tokens, dtype=mx.int32))
+
+    def branches(self, logprobs: np.ndarray, length: int, budget: Budget) -> List[Tuple[int, ...]]:
+        """DDTree: beside the chain, rank paths best first by summed log-probability, each
+        kept while its probability under the drafter pays for its place in the
+        verification on this device's curve; no deeper than the chain."""
+        reach = np.cumprod(self.acceptance(0)[:length])
+        expected, nodes = budget.expected + reach.sum(), budget.verified + length
+        room = min(budget.nodes, 64) - length
+        heap = [(-logprobs[0, rank], (rank,)) for rank in range(1, logprobs.shape[1])]
+        heap += [(-logprobs[:depth, 0].sum() - logprobs[depth, rank], (0,) * depth + (rank,))
+                 for depth in range(1, length) for rank in range(1, logprobs.shape[1])]
+        heapq.heapify(heap)
+        chosen: List[Tuple[int, ...]] = []
+        while heap and len(chosen) < room:
+            negative, path = heapq.heappop(heap)
+            gain = float(np.exp(-negative))
+            if (expected + gain) / self.cost(nodes + 1) <= expected / self.cost(nodes):
+                break
+            chosen.append(path)
+            expected, nodes = expected + gain, nodes + 1
+            if len(path) < length:
+                for rank in range(logprobs.shape[1]):
+                    heapq.heappush(heap, (negative - logprobs[len(path), rank], path + (rank,)))
+        return chosen
+
+
+def recognizes(path: Path, config: Optional[dict]) -> bool:
+    """A DFlash checkpoint: its config has a dflash_config, or names a DFlash architecture."""
+    return config is not None and ("dflash_config" in config or any(
+        isinstance(a, str) and "dflash" in a.lower() for a in config.get("architectures") or []))
+
+
+def load(directory: Path, model: nn.Module) -> DFlashModel:
+    """The checkpoint in ``directory`` for the target ``model``, checked against it."""
+    from ..errors import read_config as read_json_config
+    from ..heads import read_safetensors
+
+    directory = Path(directory)
+    config = read_config(read_json_config(directory, "a DFlash checkpoint"), directory / "config.json")
+    check_fits(config, model, directory)
+    drafter = DFlashModel(config, model.args.hidden_size)
+    weights = read_safetensors(directory)
+    weights = {name[len("model."):] if name.startswith("model.") else name: value for name, value in weights.items()}
+    wanted = {name: value.shape for name, value in _flat(drafter)}
+    missing, extra = sorted(set(wanted) - set(weights)), sorted(set(weights) - set(wanted))
+    shapes = sorted(name for name in set(wanted) & set(weights) if tuple(weights[name].shape) != tuple(wanted[name]))
+    if missing or extra or shapes:
+        problem = ", ".join(f"{len(names)} {what} (e.g. {names[0]})" for names, what in
+                            ((missing, "missing"), (extra, "unexpected"), (shapes, "of another shape")) if names)
+        raise UserError(f"{directory}: the weights do not match its config.json: {problem}")
+    drafter.load_weights(list(weights.items()), strict=True)
+    drafter.set_dtype(compute_dtype(model))
+    mx.eval(drafter.parameters())
+    drafter.directory = directory
+    return drafter
+
+
+def _flat(module: nn.Module):
+    from mlx.utils import tree_flatten
+
+    return tree_flatten(module.parameters())
+
+
+def check_fits(config: DFlashConfig, model: nn.Module, source) -> None:
+    """One line naming what does not match between a DFlash checkpoint and its target."""
+    layers, vocab = layer_count(model), model.args.vocab_size
+    problems = []
+    if config.hidden_size != model.args.hidden_size:  # it embeds and reads out with the target's own layers
+        problems.append(f"hidden size {config.hidden_size} vs the target's {model.args.hidden_size}")
+    if config.vocab_size != vocab:
+        problems.append(f"vocabulary {config.vocab_size} vs the target's {vocab}")
+    if config.mask_token_id >= vocab:
+        problems.append(f"mask token {config.mask_token_id} outside the target's vocabulary of {vocab}")
+    bad = [i for i in config.target_layer_ids if not i + 1 < layers]
+    if bad:
+        problems.append(f"target_layer_ids {bad} not below the target's last layer ({layers} layers)")
+    if problems:
+        raise UserError(f"DFlash drafter {source} does not fit this target: {'; '.join(problems)}")
+
+
+def accepts(draft: object) -> bool:
+    return isinstance(draft, DFlashModel)
+
+
+def source(draft: DFlashModel, model: nn.Module, settings: DraftSettings) -> DraftSource:
+    from ..target import check_target
+
+    check_target(model, draft.config.taps)
+    costs = settings.costs
+    name = f"dflash {Path(getattr(draft, 'directory', 'drafter')).name}, block {draft.config.block_size}"
+    return DraftSource(name, lambda: DFlashDrafter(draft, model, costs), None, draft)

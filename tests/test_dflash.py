@@ -1,0 +1,231 @@
+"""DFlash block drafters (drafters/dflash.py): checkpoints written in the z-lab layout load,
+and the block's logits equal an independent numpy reference of the published forward
+pass (context keys cached across rounds); greedy decoding with a random drafter equals
+plain mlx-lm on tiny models and on the real SmolLM2, on chains and on DDTree trees,
+merged with lookup; bad checkpoints get one line. (Sampling: tests/test_sampling.py.)"""
+
+import json
+import subprocess
+import sys
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.generate import generate_step
+from mlx_lm.models import llama
+from mlx_lm.models.cache import KVCache
+
+from mlx_eagle.decoder import SpeculativeDecoder
+from mlx_eagle.drafters.composite import Composite
+from mlx_eagle.drafters.dflash import DFlashDrafter, load
+from mlx_eagle.drafters.lookup import LookupDrafter
+from mlx_eagle.errors import UserError
+from mlx_eagle.verify import Sampling
+
+PROMPT = [5, 17, 33, 5, 17, 60, 2, 9, 41, 17, 5, 17, 33]
+SMALL = {"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+         "intermediate_size": 96}
+
+
+def tiny_target(seed: int = 0, vocab: int = 97, hidden: int = 64) -> llama.Model:
+    mx.random.seed(seed)
+    model = llama.Model(llama.ModelArgs(model_type="llama", hidden_size=hidden, num_hidden_layers=6,
+                                        intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                                        rms_norm_eps=1e-5, vocab_size=vocab, max_position_embeddings=512,
+                                        tie_word_embeddings=False, rope_theta=10000.0))
+    mx.eval(model.parameters())
+    return model
+
+
+def dflash_tensors(config: dict, target_hidden: int, rng) -> dict:
+    """Random tensors under the z-lab checkpoint's names, float32 numpy."""
+    def w(*shape):
+        return (0.2 * rng.standard_normal(shape)).astype(np.float32)
+
+    hidden, heads, kv, dim = config["hidden_size"], config["num_attention_heads"], config["num_key_value_heads"], \
+        config["head_dim"]
+    inter, taps = config["intermediate_size"], len(config["dflash_config"]["target_layer_ids"])
+    tensors = {"fc.weight": w(hidden, taps * target_hidden), "hidden_norm.weight": 1 + w(hidden),
+               "norm.weight": 1 + w(hidden)}
+    for i in range(config["num_hidden_layers"]):
+        p = f"layers.{i}."
+        tensors.update({
+            p + "input_layernorm.weight": 1 + w(hidden), p + "post_attention_layernorm.weight": 1 + w(hidden),
+            p + "self_attn.q_proj.weight": w(heads * dim, hidden), p + "self_attn.k_proj.weight": w(kv * dim, hidden),
+            p + "self_attn.v_proj.weight": w(kv * dim, hidden), p + "self_attn.o_proj.weight": w(hidden, heads * dim),
+            p + "self_attn.q_norm.weight": 1 + w(dim), p + "self_attn.k_norm.weight": 1 + w(dim),
+            p + "mlp.gate_proj.weight": w(inter, hidden), p + "mlp.up_proj.weight": w(inter, hidden),
+            p + "mlp.down_proj.weight": w(hidden, inter)})
+    return tensors
+
+
+def write_dflash(directory, target, layer_ids, block=8, mask=3, seed=0, sizes=SMALL, **changes):
+    """A DFlash checkpoint for ``target`` in the z-lab layout: config.json, model.safetensors."""
+    from safetensors.numpy import save_file
+
+    args = target.args
+    config = dict(sizes, architectures=["DFlashDraftModel"], model_type="qwen3", hidden_size=args.hidden_size,
+                  vocab_size=args.vocab_size, rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=4096,
+                  block_size=block, num_target_layers=args.num_hidden_layers,
+                  dflash_config={"mask_token_id": mask, "target_layer_ids": list(layer_ids)})
+    config.update(changes)
+    tensors = dflash_tensors(config, args.hidden_size, np.random.default_rng(seed))
+    directory.mkdir(parents=True)
+    (directory / "config.json").write_text(json.dumps(config))
+    save_file(tensors, str(directory / "model.safetensors"))
+    return config, tensors
+
+
+# An independent reference, in numpy, of the published forward pass.
+def rms(x, w, eps=1e-6):
+    return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * w
+
+
+def rope(x, positions, theta=10000.0):
+    """x [n, heads, dim] rotated at ``positions`` (rotate-half, as Qwen3 and Llama)."""
+    half = x.shape[-1] // 2
+    angles = positions[:, None] * theta ** (-np.arange(half) / half)
+    cos, sin = np.cos(angles)[:, None], np.sin(angles)[:, None]
+    x1, x2 = x[..., :half], x[..., half:]
+    return np.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1)
+
+
+def reference_block_logits(t, config, states, block_tokens, embed, head):
+    heads, kv, dim = config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]
+    context = rms(states @ t["fc.weight"].T, t["hidden_norm.weight"])
+    n, length = len(context), len(block_tokens)
+    h = embed[block_tokens]
+    block_positions, context_positions = np.arange(n, n + length), np.arange(n)
+    for i in range(config["num_hidden_layers"]):
+        p = f"layers.{i}."
+        x = rms(h, t[p + "input_layernorm.weight"])
+
+        def keys_values(source, positions):
+            keys = rms((source @ t[p + "self_attn.k_proj.weight"].T).reshape(len(source), kv, dim),
+                       t[p + "self_attn.k_norm.weight"])
+            return rope(keys, positions), (source @ t[p + "self_attn.v_proj.weight"].T).reshape(len(source), kv, dim)
+
+        q = rope(rms((x @ t[p + "self_attn.q_proj.weight"].T).reshape(length, heads, dim),
+                     t[p + "self_attn.q_norm.weight"]), block_positions)
+        (kc, vc), (kb, vb) = keys_values(context, context_positions), keys_values(x, block_positions)
+        keys = np.repeat(np.concatenate([kc, kb]), heads // kv, axis=1)
+        values = np.repeat(np.concatenate([vc, vb]), heads // kv, axis=1)
+        scores = np.einsum("qhd,khd->hqk", q, keys) / np.sqrt(dim)
+        weights = np.exp(scores - scores.max(-1, keepdims=True))
+        weights /= weights.sum(-1, keepdims=True)
+        out = np.einsum("hqk,khd->qhd", weights, values).reshape(length, heads * dim)
+        h = h + out @ t[p + "self_attn.o_proj.weight"].T
+        x = rms(h, t[p + "post_attention_layernorm.weight"])
+        gate = x @ t[p + "mlp.gate_proj.weight"].T
+        h = h + ((gate / (1 + np.exp(-gate))) * (x @ t[p + "mlp.up_proj.weight"].T)) @ t[p + "mlp.down_proj.weight"].T
+    return rms(h, t["norm.weight"])[1:] @ head.T
+
+
+def test_the_block_logits_equal_the_numpy_reference(tmp_path):
+    """Context read in two rounds (its keys cached), then a block: as one reference pass."""
+    target = tiny_target()
+    config, tensors = write_dflash(tmp_path / "dflash", target, [1, 3])
+    drafter = load(tmp_path / "dflash", target)
+    rng = np.random.default_rng(1)
+    states = rng.standard_normal((9, 2 * 64)).astype(np.float32)
+    block = [41] + [3] * 7
+    cache = [KVCache() for _ in drafter.layers]
+    drafter.read_context(mx.array(states[:6]), cache, 0)
+    drafter.read_context(mx.array(states[6:]), cache, 6)
+    got = np.array(drafter.block_logits(target, mx.array(block), cache, 9))
+    expected = reference_block_logits(tensors, config, states, block, np.array(target.model.embed_tokens.weight),
+                                      np.array(target.lm_head.weight))
+    assert got.shape == (7, 97)
+    assert np.abs(got - expected).max() < 1e-4 * max(1.0, np.abs(expected).max())
+    assert drafter.config.taps == (2, 4)  # layer i's output is the state entering layer i + 1
+
+
+def reference(model, prompt, count):
+    return [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=count)]
+
+
+def decode(model, drafter, prompt, count):
+    decoder = SpeculativeDecoder(model, drafter, Sampling())
+    tokens = [decoder.prefill(prompt)]
+    while len(tokens) < count:
+        tokens += decoder.round(count - len(tokens)).tokens
+    return tokens[:count], decoder
+
+
+@pytest.mark.parametrize("curve", ["flat: deep chains and wide trees", "steep: short chains"])
+@pytest.mark.parametrize("lookup", [False, True])
+def test_greedy_decoding_with_a_random_drafter_equals_mlx_lm(tmp_path, curve, lookup):
+    target = tiny_target()
+    write_dflash(tmp_path / "dflash", target, [1, 3])
+    cost = (lambda k: 1.0) if curve.startswith("flat") else (lambda k: 1.0 + 0.1 * (k - 1))
+    drafter = DFlashDrafter(load(tmp_path / "dflash", target), target, cost)
+    trees = []
+    propose = drafter.propose
+    drafter.propose = lambda budget: trees.append(propose(budget)) or trees[-1]
+    merged = Composite([drafter, LookupDrafter(lambda k: 1.0)]) if lookup else drafter
+    tokens, decoder = decode(target, merged, PROMPT, 40)
+    assert tokens == reference(target, PROMPT, 40)
+    drafted = [t for t in trees if t is not None]
+    assert drafted, "the drafter proposed"
+    if curve.startswith("flat"):
+        assert any(not t.tree.is_chain() for t in drafted), "DDTree branches stood beside the chain"
+
+
+def test_smollm2_decodes_losslessly_with_a_random_drafter(smollm, tmp_path):
+    """The real model with a random DFlash drafter reading three of its layers, as a chain
+    and as a tree, merged with lookup: the text of plain decoding."""
+    model, tokenizer = smollm
+    sizes = {"num_hidden_layers": 1, "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64,
+             "intermediate_size": 256}
+    write_dflash(tmp_path / "dflash", model, [1, 14, 26], block=16, mask=0, sizes=sizes)
+    drafter = load(tmp_path / "dflash", model)
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": "Repeat: the cat sat on the mat. The cat sat"}],
+                                        add_generation_prompt=True)
+    expected = reference(model, ids, 32)
+    for cost in (lambda k: 1.0, lambda k: 1.0 + 0.05 * (k - 1)):
+        merged = Composite([DFlashDrafter(drafter, model, cost), LookupDrafter(lambda k: 1.0)])
+        tokens, _ = decode(model, merged, ids, 32)
+        assert tokens == expected[:len(tokens)]
+
+
+def test_the_command_drafts_with_a_dflash_directory_and_says_so(smollm, tmp_path):
+    model, _ = smollm
+    sizes = {"num_hidden_layers": 1, "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64,
+             "intermediate_size": 256}
+    write_dflash(tmp_path / "dflash", model, [1, 14, 26], block=16, mask=0, sizes=sizes)
+
+    def run(*args):
+        return subprocess.run([sys.executable, "-m", "mlx_eagle.generate", "--prompt", "Count: 1, 2, 3, 4,",
+                               "--max-tokens", "16", "--verbose", *args], capture_output=True, text=True, timeout=600)
+
+    drafted, plain = run("--draft", str(tmp_path / "dflash")), run("--draft", "none")
+    assert drafted.returncode == 0, drafted.stderr[-2000:]
+    assert "drafts: dflash dflash, block 16 + context lookup" in drafted.stderr, drafted.stderr[-1500:]
+    assert drafted.stdout == plain.stdout
+
+
+BAD = [
+    ({"dflash_config": None}, "no dflash_config"),
+    ({"dflash_config": {"mask_token_id": 3, "target_layer_ids": [1, 9]}}, r"target_layer_ids \[9\] not below"),
+    ({"dflash_config": {"mask_token_id": 500, "target_layer_ids": [1, 3]}}, "mask token 500 outside"),
+    ({"dflash_config": {"mask_token_id": 3, "target_layer_ids": "1,3"}}, "must be a list of layer numbers"),
+    ({"vocab_size": 50}, "vocabulary 50 vs the target's 97"),
+    ({"hidden_size": 32}, "hidden size 32 vs the target's 64"),
+    ({"conv_kernel_size": 4, "architectures": ["DFlash2DraftModel"]}, "DFlash2 checkpoint .* not supported"),
+    ({"layer_types": ["full_attention", "linear"]}, "layer_types must name"),
+    ({"num_hidden_layers": 3}, r"weights do not match its config.json: 11 missing \(e.g. layers.2"),
+]
+
+
+@pytest.mark.parametrize("change, message", BAD, ids=[m for _, m in BAD])
+def test_a_bad_checkpoint_gets_one_line(tmp_path, change, message):
+    target = tiny_target()
+    directory = tmp_path / "dflash"
+    config, tensors = write_dflash(directory, target, [1, 3])
+    config.update(change)
+    if config.get("dflash_config") is None:
+        config.pop("dflash_config")
+    (directory / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UserError, match=message) as caught:
+        load(directory, target)
+    assert "\n" not in str(caught.value) and len(str(caught.value)) < 400
