@@ -151,6 +151,27 @@ def test_hybrid_models_keep_the_target_distribution(family):
     assert accepted > SAMPLES / 10
 
 
+@pytest.mark.parametrize("curve", ["flat: DDTree trees", "steep: chains"])
+def test_dflash_drafts_keep_the_target_distribution(six_token_model, tmp_path, curve):
+    """A random DFlash drafter's blocks, as chains and as DDTree trees (its drafts accepted
+    now and then over six tokens), verified by the rejection walk."""
+    from test_dflash import write_dflash
+    from mlx_eagle.drafters.dflash import DFlashDrafter, load
+
+    sizes = {"num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
+             "intermediate_size": 64}
+    # Seed 5: its first draft is one the target often samples here, so drafts are accepted.
+    write_dflash(tmp_path / "dflash", six_token_model, [0], block=4, mask=5, sizes=sizes, seed=5)
+    drafting = load(tmp_path / "dflash", six_token_model)
+    cost = (lambda k: 1.0) if curve.startswith("flat") else (lambda k: 1.0 + 0.2 * (k - 1))
+    sampling = SETTINGS["temp 0.7, top-p 0.9, top-k 4, min-p 0.05"]
+    joint = exact_joint(six_token_model, sampling)
+    counts, accepted = sample_first_three(six_token_model, None, sampling,
+                                          drafter=lambda: DFlashDrafter(drafting, six_token_model, cost))
+    assert chi_square_ok(counts, joint)
+    assert accepted > SAMPLES / 10  # drafts were accepted: the walk was tested
+
+
 def test_drafts_from_earlier_replies_keep_the_target_distribution(six_token_model):
     """A history of replies that begin like this prompt: its continuation trees are
     drafted (trees, not chains) and accepted often, and the tokens stay the target's."""
