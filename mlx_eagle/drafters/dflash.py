@@ -27,6 +27,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
+from mlx.utils import tree_flatten
 from mlx_lm.models.cache import KVCache
 from mlx_lm.models.rope_utils import initialize_rope
 
@@ -133,31 +134,35 @@ class DFlashAttention(nn.Module):
         self.rope = initialize_rope(width, config.rope_theta, False, config.rope_scaling,
                                     config.max_position_embeddings)
 
-    def keys_values(self, x: mx.array, start: int) -> Tuple[mx.array, mx.array]:
-        """Rotated keys and values of ``x`` [1, n, hidden] at positions start..start + n - 1."""
+    def keys_values(self, x: mx.array, positions: mx.array) -> Tuple[mx.array, mx.array]:
+        """Rotated keys and values of ``x`` [1, n, hidden] at ``positions`` (a scalar: the
+        first of n in a row; or one per token)."""
         batch, length, _ = x.shape
         keys = self.k_norm(self.k_proj(x).reshape(batch, length, self.n_kv_heads, -1)).transpose(0, 2, 1, 3)
         values = self.v_proj(x).reshape(batch, length, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
-        return rotate(self.rope, keys, mx.array(start)), values
+        return rotate(self.rope, keys, positions), values
 
-    def __call__(self, x: mx.array, context: KVCache, start: int) -> mx.array:
+    def __call__(self, x: mx.array, context: Tuple[mx.array, mx.array], positions: mx.array,
+                 mask: Optional[mx.array]) -> mx.array:
+        """The block ``x`` attending to the ``context`` keys and values and to itself."""
         batch, length, _ = x.shape
         queries = self.q_norm(self.q_proj(x).reshape(batch, length, self.n_heads, -1)).transpose(0, 2, 1, 3)
-        queries = rotate(self.rope, queries, mx.array(start))
-        keys, values = self.keys_values(x, start)
-        cached = context.offset
-        if cached:
-            keys = mx.concatenate([context.keys[..., :cached, :], keys], axis=2)
-            values = mx.concatenate([context.values[..., :cached, :], values], axis=2)
-        mask = None  # the block sees all the context and itself
-        if self.causal or self.window is not None:
-            query = start + mx.arange(length)[:, None]
-            key = mx.concatenate([mx.arange(cached), start + mx.arange(length)])[None]
-            mask = key <= query if self.causal else mx.ones((length, cached + length), dtype=mx.bool_)
-            if self.window is not None:
-                mask = mask & (query - key < self.window)
+        queries = rotate(self.rope, queries, positions)
+        keys, values = self.keys_values(x, positions)
+        keys = mx.concatenate([context[0], keys], axis=2)
+        values = mx.concatenate([context[1], values], axis=2)
         out = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=self.scale, mask=mask)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(batch, length, -1))
+
+    def block_mask(self, cached: int, start: int, length: int) -> Optional[mx.array]:
+        """Where a block at positions start.. after ``cached`` context entries may look:
+        everywhere, unless the layer slides or is causal within the block."""
+        if not self.causal and self.window is None:
+            return None
+        query = start + mx.arange(length)[:, None]
+        key = mx.concatenate([mx.arange(cached), start + mx.arange(length)])[None]
+        mask = key <= query if self.causal else mx.ones((length, cached + length), dtype=mx.bool_)
+        return mask & (query - key < self.window) if self.window is not None else mask
 
 
 class DFlashMLP(nn.Module):
@@ -179,8 +184,9 @@ class DFlashLayer(nn.Module):
         self.post_attention_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.mlp = DFlashMLP(config.hidden_size, config.intermediate_size)
 
-    def __call__(self, x: mx.array, context: KVCache, start: int) -> mx.array:
-        h = x + self.self_attn(self.input_layernorm(x), context, start)
+    def __call__(self, x: mx.array, context: Tuple[mx.array, mx.array], positions: mx.array,
+                 mask: Optional[mx.array]) -> mx.array:
+        h = x + self.self_attn(self.input_layernorm(x), context, positions, mask)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -195,20 +201,30 @@ class DFlashModel(nn.Module):
         self.layers = [DFlashLayer(config, kind == "sliding_attention") for kind in config.layer_types]
         self.norm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
+    def taps(self, num_target_layers: int) -> Tuple[int, ...]:
+        return self.config.taps
+
+    def context(self, states: mx.array) -> mx.array:
+        """The fused context vectors of the target's ``states`` [..., taps x hidden]."""
+        return self.hidden_norm(self.fc(states))
+
     def read_context(self, states: mx.array, cache: List[KVCache], start: int) -> None:
         """Append the context keys and values of the target ``states`` [n, taps x hidden]
-        (the fused features at positions start..start + n - 1) to each layer's ``cache``."""
-        context = self.hidden_norm(self.fc(states[None]))
+        (at positions start..start + n - 1) to each layer's ``cache``."""
+        context = self.context(states[None])
         for layer, layer_cache in zip(self.layers, cache):
-            layer_cache.update_and_fetch(*layer.self_attn.keys_values(context, start))
+            layer_cache.update_and_fetch(*layer.self_attn.keys_values(context, mx.array(start)))
 
     def block_logits(self, target: nn.Module, tokens: mx.array, cache: List[KVCache], start: int) -> mx.array:
         """Logits [block - 1, vocab] for the block ``tokens`` [block] (the root, then mask
         tokens) at positions start.., after the cached context: the drafts for positions
         start + 1 onwards."""
         h = embed(target, tokens[None]).astype(self.fc.weight.dtype)
+        cached = cache[0].offset
         for layer, layer_cache in zip(self.layers, cache):
-            h = layer(h, layer_cache, start)
+            context = (layer_cache.keys[..., :cached, :], layer_cache.values[..., :cached, :]) if cached else \
+                (mx.zeros((1, layer.self_attn.n_kv_heads, 0, layer.self_attn.q_norm.weight.shape[0]), h.dtype),) * 2
+            h = layer(h, context, mx.array(start), layer.self_attn.block_mask(cached, start, h.shape[1]))
         return lm_head(target, self.norm(h[:, 1:]))[0]
 
 
@@ -216,10 +232,12 @@ class DFlashDrafter(ChainDrafter):
     """A DFlash drafter proposing chains (or DDTree trees) from the block it drafted as
     soon as the target committed its last tokens."""
 
-    def __init__(self, model: DFlashModel, target: nn.Module, cost, max_tokens: Optional[int] = None):
+    def __init__(self, model: DFlashModel, target: nn.Module, cost, max_tokens: Optional[int] = None,
+                 trees: bool = True):
+        """``trees``: DDTree branches beside the chain where the target verifies trees."""
         block = model.config.block_size
         super().__init__(cost, min(block - 1, max_tokens or block - 1))
-        self.model, self.target = model, target
+        self.model, self.target, self.trees = model, target, trees
         self.taps = model.config.taps
         self.cache = [KVCache() for _ in model.layers]  # the context's keys and values, committed tokens only
         self.block: Optional[Tuple[mx.array, mx.array]] = None  # per position: top tokens, their log-probabilities
@@ -250,7 +268,7 @@ class DFlashDrafter(ChainDrafter):
             return None
         top, logprobs = (np.array(part) for part in self.block)
         paths = [(0,) * depth for depth in range(1, length + 1)]
-        if not budget.chain:
+        if self.trees and not budget.chain:
             paths += self.branches(logprobs, length, budget)
         tree = DraftTree()
         index = {(): -1}
@@ -301,7 +319,7 @@ def load(directory: Path, model: nn.Module) -> DFlashModel:
     drafter = DFlashModel(config, model.args.hidden_size)
     weights = read_safetensors(directory)
     weights = {name[len("model."):] if name.startswith("model.") else name: value for name, value in weights.items()}
-    wanted = {name: value.shape for name, value in _flat(drafter)}
+    wanted = {name: value.shape for name, value in tree_flatten(drafter.parameters())}
     missing, extra = sorted(set(wanted) - set(weights)), sorted(set(weights) - set(wanted))
     shapes = sorted(name for name in set(wanted) & set(weights) if tuple(weights[name].shape) != tuple(wanted[name]))
     if missing or extra or shapes:
@@ -313,12 +331,6 @@ def load(directory: Path, model: nn.Module) -> DFlashModel:
     mx.eval(drafter.parameters())
     drafter.directory = directory
     return drafter
-
-
-def _flat(module: nn.Module):
-    from mlx.utils import tree_flatten
-
-    return tree_flatten(module.parameters())
 
 
 def check_fits(config: DFlashConfig, model: nn.Module, source) -> None:
@@ -349,3 +361,56 @@ def source(draft: DFlashModel, model: nn.Module, settings: DraftSettings) -> Dra
     costs = settings.costs
     name = f"dflash {Path(getattr(draft, 'directory', 'drafter')).name}, block {draft.config.block_size}"
     return DraftSource(name, lambda: DFlashDrafter(draft, model, costs), None, draft)
+
+
+def published_layer_ids(num_layers: int, count: int = 5) -> List[int]:
+    """The target layers a new drafter reads, as the published drafters choose them:
+    ``count`` spread from layer 1 to layer N - 3 (Qwen3-8B's 36 layers: 1, 9, 17, 25, 33)."""
+    count = max(1, min(count, num_layers - 3))
+    return sorted({round(1 + i * (num_layers - 4) / max(count - 1, 1)) for i in range(count)})
+
+
+def new_dflash(target: nn.Module, layers: int = 5, block_size: int = 16, mask_token_id: int = 0,
+               seed: int = 0) -> DFlashModel:
+    """A randomly initialised drafter shaped for ``target`` (for training, and for tests)."""
+    args = target.args
+    heads = args.num_attention_heads
+    config = DFlashConfig(
+        hidden_size=args.hidden_size, num_hidden_layers=layers, num_attention_heads=heads,
+        num_key_value_heads=getattr(args, "num_key_value_heads", None) or heads,
+        head_dim=getattr(args, "head_dim", None) or args.hidden_size // heads,
+        intermediate_size=args.intermediate_size, vocab_size=args.vocab_size,
+        rms_norm_eps=getattr(args, "rms_norm_eps", 1e-6), block_size=block_size,
+        target_layer_ids=tuple(published_layer_ids(layer_count(target))), mask_token_id=mask_token_id,
+        rope_theta=getattr(args, "rope_theta", 10000.0), layer_types=("full_attention",) * layers)
+    check_fits(config, target, "a new drafter")
+    mx.random.seed(seed)
+    model = DFlashModel(config, args.hidden_size)
+    mx.eval(model.parameters())
+    return model
+
+
+def save_dflash(model: DFlashModel, path: Path, dtype: Optional[mx.Dtype] = None) -> None:
+    """Write config.json and model.safetensors in the z-lab layout (``dtype``: the weights')."""
+    import json
+
+    config = model.config
+    raw = {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_size": config.hidden_size,
+           "num_hidden_layers": config.num_hidden_layers, "num_attention_heads": config.num_attention_heads,
+           "num_key_value_heads": config.num_key_value_heads, "head_dim": config.head_dim,
+           "intermediate_size": config.intermediate_size, "vocab_size": config.vocab_size,
+           "rms_norm_eps": config.rms_norm_eps, "rope_theta": config.rope_theta,
+           "max_position_embeddings": config.max_position_embeddings, "block_size": config.block_size,
+           "layer_types": list(config.layer_types), "tie_word_embeddings": False,
+           "dflash_config": {"mask_token_id": config.mask_token_id, "target_layer_ids": list(config.target_layer_ids)}}
+    if config.sliding_window is not None:
+        raw["sliding_window"] = config.sliding_window
+    if config.rope_scaling is not None:
+        raw["rope_scaling"] = config.rope_scaling
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(raw, indent=2))
+    weights = dict(tree_flatten(model.parameters()))
+    if dtype is not None:
+        weights = {k: v.astype(dtype) for k, v in weights.items()}
+    mx.save_safetensors(str(path / "model.safetensors"), weights)

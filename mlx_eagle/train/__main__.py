@@ -32,6 +32,9 @@ RECIPE_HELP = {  # TrainConfig's numbers, as flags
     "clip": "gradient norm clip",
     "step_decay": "weight of unrolled step k's loss is this to the power k",
     "feature_noise": "uniform noise in (-X, X) on the target's states, as EAGLE-1 trains",
+    "block_size": "DFlash: tokens a block holds (the root and block-size - 1 drafts)",
+    "anchors": "DFlash: blocks trained per sequence, at random positions redrawn every step",
+    "dflash_layers": "DFlash: the drafter's decoder layers",
 }
 
 
@@ -42,8 +45,11 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parser.add_argument("--work", type=Path, help="checkpoints, log and curves (default: OUT.work)")
     parser.add_argument("--data", type=Path, help="tokenized data and vocabularies, shareable between runs "
                         "(default: --work)")
-    parser.add_argument("--family", choices=["eagle3", "eagle1"], default="eagle3", help="EAGLE-3 (three tapped "
-                        "states, its own draft vocabulary) or EAGLE-1/2 (the last state, the target's LM head)")
+    parser.add_argument("--family", choices=["eagle3", "eagle1", "dflash"], default="eagle3", help="EAGLE-3 (three "
+                        "tapped states, its own draft vocabulary), EAGLE-1/2 (the last state, the target's LM head) "
+                        "or a DFlash block drafter (five tapped states; one pass drafts a block)")
+    parser.add_argument("--mask-token", type=int, help="DFlash: the token id that fills a block after its root "
+                        "(default: the tokenizer's unknown token, else 0)")
     parser.add_argument("--answers", choices=["sharegpt", "self"], default="sharegpt",
                         help="ShareGPT's own answers, every turn of every dialogue, or first prompts "
                         "answered by the target itself (self-distillation)")
@@ -91,11 +97,12 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     from ..heads import load_head, save_head
     from ..models import TARGET_FILE, load, target_identity
     from ..calibrate import save_acceptance
-    from .evaluate import calibration_pieces, chain_estimate, measure_acceptance
+    from ..drafters.dflash import load as load_dflash, save_dflash
+    from .evaluate import calibration_pieces, chain_estimate, dflash_tau, measure_acceptance
     from .pieces import d2t_t2d, draft_vocabulary, self_distilled_pieces, sharegpt_pieces
     from .store import StateStore
     from ..files import replace_directory, write_atomically, write_npz
-    from .trainer import Trainer, head_to_train, plot_curves, steps_within
+    from .trainer import Trainer, dflash_to_train, head_to_train, plot_curves, steps_within
 
     # What is wrong with the arguments is said before the model loads.
     config = TrainConfig(family=args.family, **{k: getattr(args, k) for k in asdict(defaults) if k != "family"})
@@ -149,7 +156,14 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     print(f"data: {len(pieces)} pieces, {sum(int(a.sum()) for _, a in pieces):,} answer tokens, {len(held_out)} "
           f"held-out prompts, draft vocabulary {vocab_path.name} (in {root}), {time.monotonic() - started:.0f} s",
           file=sys.stderr)
-    head = head_to_train(model, config.family, vocab["used"], config.seed, config.train_embeddings, args.init)
+    mask_token = args.mask_token if args.mask_token is not None else (tokenizer.unk_token_id or 0)
+
+    def fresh_head():
+        if config.family == "dflash":
+            return dflash_to_train(model, config, mask_token, args.init)
+        return head_to_train(model, config.family, vocab["used"], config.seed, config.train_embeddings, args.init)
+
+    head = fresh_head()
     store = None
     if args.store_features:
         store = StateStore(args.store_features, model, pieces, head.taps(model.args.num_hidden_layers),
@@ -166,7 +180,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
 
     def write_head() -> None:
         def fill(staging: Path) -> None:
-            save_head(head, staging, dtype=getattr(mx, args.save_dtype))
+            (save_dflash if config.family == "dflash" else save_head)(head, staging, dtype=getattr(mx, args.save_dtype))
             # Whom it drafts for, so that shipped in mlx_eagle/weights/ it is found by --draft auto.
             (staging / TARGET_FILE).write_text(json.dumps(target_identity(model), indent=1) + "\n")
 
@@ -177,7 +191,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
 
     if args.time_budget is not None:
         config = steps_within(make_trainer, config, args.time_budget - (time.monotonic() - started), work)
-        head = head_to_train(model, config.family, vocab["used"], config.seed, config.train_embeddings, args.init)
+        head = fresh_head()
     trainer = make_trainer(config, work)
     if config.family == "eagle3" and not np.array_equal(np.array(head.d2t), vocab["d2t"]):
         raise UserError(f"the checkpoint in {work} was trained with another draft vocabulary than {vocab_path}; "
@@ -197,6 +211,13 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     if args.skip_eval:
         return
     tic = time.monotonic()
+    if config.family == "dflash":  # decoded: a block's drafts depend on the whole block, not a path to them
+        result = dflash_tau(model, load_dflash(args.out, model), tokenizer, held_out, 64, progress)
+        write_atomically(work / "eval.json", json.dumps(result, indent=2))
+        print(f"evaluated in {time.monotonic() - tic:.0f} s: held-out tau {result['tau']:.2f} on chains of "
+              f"{config.block_size - 1}, acceptance by block position "
+              + " ".join(f"{r:.2f}" for r in result["acceptance_by_position"]) + f"; wrote {args.out}")
+        return
     # Measured on the head as written (saved dtype), as users will load it.
     written = load_head(args.out, model)
     answers = calibration_pieces(model, tokenizer, held_out, 128, progress)

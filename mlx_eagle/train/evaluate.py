@@ -73,3 +73,27 @@ def measure_acceptance(model: nn.Module, head, pieces: Sequence[tuple], depths: 
             for r in range(ranks):
                 hits[step, r] += ((rank == r) & valid).sum()
     return hits / np.maximum(totals, 1)[:, None]
+
+
+def dflash_tau(model: nn.Module, drafter, tokenizer, prompts: Sequence[str], max_tokens: int,
+               progress: bool = False) -> Dict[str, object]:
+    """A DFlash drafter's tau on chains of block - 1 drafts (as a flat cost curve sizes
+    them), greedy, over the held-out prompts, and its acceptance by block position."""
+    from ..decoder import SpeculativeDecoder
+    from ..drafters.dflash import DFlashDrafter
+    from ..verify import Sampling
+
+    generated = rounds = 0
+    tried = accepted = 0
+    for prompt in progress_bar(prompts, desc="held-out tau", unit="prompt", disable=not progress):
+        ids = chat_tokens(tokenizer, [{"role": "user", "content": prompt}])
+        chains = DFlashDrafter(drafter, model, lambda tokens: 1.0, trees=False)
+        decoder = SpeculativeDecoder(model, chains, Sampling())
+        tokens = [decoder.prefill(ids)]
+        while len(tokens) < max_tokens and tokens[-1] not in tokenizer.eos_token_ids:
+            tokens += decoder.round(max_tokens - len(tokens)).tokens
+            rounds += 1
+        generated += len(tokens) - 1
+        tried, accepted = tried + chains.tried[0], accepted + chains.accepted[0]
+    return {"tau": generated / max(rounds, 1), "acceptance_by_position": [float(a) for a in accepted / np.maximum(
+        tried, 1)], "rounds": rounds, "prompts": len(prompts)}

@@ -34,11 +34,16 @@ class TrainConfig:
     mask_outside_draft: bool = False  # positions whose target choice is outside the draft vocabulary do not count
     feature_noise: float = 0.0  # uniform noise in (-x, x) on the target's states, as EAGLE-1 trains
     train_embeddings: bool = False  # the head gets an embedding of its own (the target's to start), trained
+    # DFlash drafters (--family dflash):
+    block_size: int = 16  # tokens a block holds: the root and block_size - 1 drafts
+    anchors: int = 64  # blocks trained per sequence, at random positions redrawn each step
+    dflash_layers: int = 5  # the drafter's decoder layers (5 in the published drafters)
 
     def __post_init__(self) -> None:
         """One line naming a setting no run could train with."""
         at_least = {"steps": 1, "tokens_per_batch": 1, "grad_accum": 1, "seq_len": 2, "warmup": 0, "ttt_steps": 1,
-                    "checkpoint_every": 1, "seed": 0, "pad_multiple": 1}
+                    "checkpoint_every": 1, "seed": 0, "pad_multiple": 1, "block_size": 2, "anchors": 1,
+                    "dflash_layers": 1}
         for name, low in at_least.items():
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
@@ -49,6 +54,9 @@ class TrainConfig:
                     (name == "lr" and value == 0):
                 raise UserError(f"{name.replace('_', '-')} must be a finite number, 0 or more"
                                 f"{' (above 0)' if name == 'lr' else ''}, not {value!r}")
+        if self.block_size > 64 or self.dflash_layers > 64:
+            raise UserError(f"block-size and dflash-layers must be 64 or fewer, not {self.block_size} and "
+                            f"{self.dflash_layers}")
         if self.mask_outside_draft and self.family != "eagle3":
             raise UserError("mask-outside-draft is for EAGLE-3 heads, which draft from a draft vocabulary")
 

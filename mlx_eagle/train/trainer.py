@@ -19,10 +19,11 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
 from ..files import disk_error, replace_directory, retired, write_atomically
-from ..target import lm_head_rows
+from ..target import layer_count, lm_head_rows
 from .pieces import Piece, d2t_t2d, make_batch
 from .recipe import TrainConfig, epoch_batches, learning_rate, padded_length
 from .store import StateStore
+from .blocks import decay, dflash_loss
 from .ttt import eagle1_loss, eagle3_loss, target_states
 
 
@@ -62,6 +63,25 @@ def head_to_train(target, family: str, used: np.ndarray, seed: int = 0, train_em
     return head
 
 
+def dflash_to_train(target, config: TrainConfig, mask_token: int, init: Optional[Path] = None):
+    """A new DFlash drafter for training, in float32 (``init``: one this trainer wrote, to
+    start from)."""
+    from ..drafters.dflash import load, new_dflash
+
+    if init is not None:
+        model = load(init, target)
+        if model.config.block_size != config.block_size or model.config.num_hidden_layers != config.dflash_layers:
+            from ..errors import UserError
+
+            raise UserError(f"--init {init} has blocks of {model.config.block_size} and {model.config.num_hidden_layers}"
+                            f" layers; this run asks for {config.block_size} and {config.dflash_layers}")
+    else:
+        model = new_dflash(target, config.dflash_layers, config.block_size, mask_token, config.seed)
+    model.set_dtype(mx.float32)
+    mx.eval(model.parameters())
+    return model
+
+
 def steps_within(make_trainer, config: TrainConfig, seconds: float, work: Path, probe_steps: int = 10) -> TrainConfig:
     """``config`` with as many steps as fit in ``seconds``: a probe trainer (in
     work/probe, from the same start) times ``probe_steps`` steps, the median of the later
@@ -91,7 +111,7 @@ class Trainer:
         self.store = store
         self.used = mx.array(used if used is not None else [0])
         self.lengths = [min(len(t), config.seq_len) for t, _ in pieces]
-        self.taps = head.taps(target.args.num_hidden_layers)
+        self.taps = head.taps(layer_count(target))
         self._epochs: Dict[int, List[List[int]]] = {}
         work.mkdir(parents=True, exist_ok=True)
         self.group = mx.distributed.init()
@@ -131,7 +151,10 @@ class Trainer:
         if self.config.feature_noise:
             features = features + mx.random.uniform(-self.config.feature_noise, self.config.feature_noise,
                                                     features.shape, key=key).astype(features.dtype)
-        if self.config.family == "eagle3":
+        if self.config.family == "dflash":
+            total, losses, accuracies = dflash_loss(head, self.target, tokens, mask, features, last, key,
+                                                    self.config.anchors, decay(self.config.block_size))
+        elif self.config.family == "eagle3":
             total, losses, accuracies = eagle3_loss(head, self.target, tokens, mask, features, last, used,
                                                     self.config.ttt_steps, self.config.step_decay,
                                                     self.config.mask_outside_draft)
