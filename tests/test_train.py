@@ -417,3 +417,53 @@ def test_a_full_disk_never_leaves_a_truncated_vocabulary(tmp_path, disk_of):
         write_npz(path, used=np.arange(100_000))
     disk_of(resource.RLIM_INFINITY)
     assert list(np.load(path)["used"]) == list(range(10)) and [p.name for p in tmp_path.iterdir()] == [path.name]
+
+
+def dflash_trainer(training_setup, work, steps=10, lr=2e-3):
+    """The same DFlash run (blocks of 4, checkpoints every 4 steps) wherever ``work`` is."""
+    from mlx_eagle.train.trainer import dflash_to_train
+
+    model, pieces, _ = training_setup
+    config = TrainConfig(family="dflash", steps=steps, tokens_per_batch=128, grad_accum=2, lr=lr, warmup=3,
+                         checkpoint_every=4, block_size=4, anchors=6, dflash_layers=1)
+    return Trainer(model, dflash_to_train(model, config, mask_token=2), pieces, config, work, progress=False)
+
+
+def test_a_dflash_drafter_learns_deterministically_and_a_resumed_run_reaches_the_same_weights(training_setup,
+                                                                                              tmp_path):
+    losses = []
+    for attempt in range(2):
+        dflash_trainer(training_setup, tmp_path / f"run{attempt}", steps=30, lr=3e-3).run()
+        losses.append([json.loads(line)["loss"] for line in (tmp_path / f"run{attempt}" / "log.jsonl")
+                       .read_text().splitlines()])
+    assert losses[0] == losses[1]
+    assert np.mean(losses[0][-5:]) < 0.7 * np.mean(losses[0][:5])
+    straight = dflash_trainer(training_setup, tmp_path / "straight")
+    straight.run()
+    dflash_trainer(training_setup, tmp_path / "stopped").run(stop_after=9)  # its last checkpoint is step 8
+    resumed = dflash_trainer(training_setup, tmp_path / "stopped")
+    assert resumed.step == 8
+    resumed.run()
+    for (name, a), (_, b) in zip(tree_flatten(straight.head.parameters()), tree_flatten(resumed.head.parameters())):
+        assert mx.allclose(a, b, atol=1e-6), name
+
+
+def test_dflash_training_sees_each_block_as_drafting_does(training_setup):
+    """All blocks of a sequence in one masked pass give each block the logits the drafter
+    gives it while decoding, its context read from the cache."""
+    from mlx_lm.models.cache import KVCache
+
+    from mlx_eagle.drafters.dflash import new_dflash
+    from mlx_eagle.train.blocks import blocks_logits
+
+    model, pieces, _ = training_setup
+    drafter = new_dflash(model, layers=2, block_size=4, mask_token_id=2, seed=3)
+    tokens = mx.array(pieces[0][0])
+    features = target_states(model, tokens[None], drafter.taps(4))[0][0]
+    starts = mx.array([5, 11, 20])
+    together = blocks_logits(drafter, model, tokens, features, starts)
+    for index, anchor in enumerate(starts.tolist()):
+        cache = [KVCache() for _ in drafter.layers]
+        drafter.read_context(features[:anchor], cache, 0)
+        alone = drafter.block_logits(model, mx.array([int(tokens[anchor])] + [2] * 3), cache, anchor)
+        assert mx.allclose(together[index], alone, atol=1e-4), anchor

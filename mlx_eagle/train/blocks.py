@@ -45,32 +45,39 @@ def block_mask(anchors: mx.array, length: int, block: int, causal: bool) -> mx.a
     return mx.concatenate([context, same], axis=1)
 
 
+def blocks_logits(model: DFlashModel, target: nn.Module, tokens: mx.array, features: mx.array,
+                  starts: mx.array) -> mx.array:
+    """One sequence's blocks at the anchors ``starts`` in one pass: logits [anchors,
+    block - 1, vocab] for positions anchor + 1.., each block seeing the context before its
+    anchor, as it would drafting there (``tokens`` [length], ``features`` [length, taps x hidden])."""
+    config = model.config
+    block, length = config.block_size, tokens.shape[0]
+    positions = starts[:, None] + mx.arange(block)[None]
+    ids = mx.where(mx.arange(block)[None] == 0, tokens[starts][:, None], config.mask_token_id)
+    h = embed(target, ids.reshape(1, -1)).astype(mx.float32)
+    context = model.context(features[None].astype(mx.float32))
+    attend = block_mask(starts, length, block, bool(config.is_causal))
+    for layer in model.layers:
+        h = layer(h, layer.self_attn.keys_values(context, mx.array(0)), positions.reshape(-1), attend)
+    return lm_head(target, model.norm(h).reshape(starts.shape[0], block, -1)[:, 1:]).astype(mx.float32)
+
+
 def dflash_loss(model: DFlashModel, target: nn.Module, tokens: mx.array, mask: mx.array, features: mx.array,
                 last: mx.array, key: mx.array, anchors: int, gamma: float) -> Tuple[mx.array, List, List]:
     """The weighted cross-entropy against the target's distributions; returns (loss, [loss],
     accuracy by block position 1..block - 1). ``mask`` is make_batch's (position t counts
     for token t + 2), ``last`` the target's post-norm states (its distributions)."""
-    config = model.config
-    block, rows, length = config.block_size, tokens.shape[0], tokens.shape[1]
+    block, rows, length = model.config.block_size, tokens.shape[0], tokens.shape[1]
     answer = shift(mask, 2)  # token p is an answer's
     weights = mx.exp(-mx.arange(block - 1) / gamma)
-    causal = bool(config.is_causal)
     total, seen = 0.0, 0.0
     hits, counts = mx.zeros((block - 1,)), mx.zeros((block - 1,))
     for row, row_key in enumerate(mx.random.split(key, rows)):
         starts = anchors_of(answer[row], min(anchors, length), block, row_key)
-        positions = starts[:, None] + mx.arange(block)[None]  # [anchors, block]
-        labels = mx.minimum(positions[:, 1:], length - 1)
-        valid = (positions[:, 1:] < length) & answer[row][labels]
-        ids = mx.where(mx.arange(block)[None] == 0, tokens[row][starts][:, None], config.mask_token_id)
-        h = embed(target, ids.reshape(1, -1)).astype(mx.float32)
-        context = model.context(features[row:row + 1].astype(mx.float32))
-        attend = block_mask(starts, length, block, causal)
-        flat = positions.reshape(-1)
-        for layer in model.layers:
-            h = layer(h, layer.self_attn.keys_values(context, mx.array(0)), flat, attend)
-        hidden = model.norm(h).reshape(starts.shape[0], block, -1)[:, 1:]
-        logprobs = nn.log_softmax(lm_head(target, hidden).astype(mx.float32), axis=-1)
+        labels = starts[:, None] + mx.arange(1, block)[None]
+        valid = (labels < length) & answer[row][mx.minimum(labels, length - 1)]
+        labels = mx.minimum(labels, length - 1)
+        logprobs = nn.log_softmax(blocks_logits(model, target, tokens[row], features[row], starts), axis=-1)
         wanted_logits = lm_head(target, last[row][labels - 1].astype(mx.float32))
         cross_entropy = -(mx.softmax(wanted_logits, axis=-1) * logprobs).sum(-1)
         weight = weights[None] * valid
