@@ -31,9 +31,10 @@ if TYPE_CHECKING:
 
 # baseline: plain mlx-lm; default: what the commands do with the --draft and --tree given (by
 # default the model's own drafter and drafts from the context and earlier replies);
-# default-no-history: the same without earlier replies; eagle: the head alone; lookup: drafts
-# from the context (and earlier replies) alone; eagle+lookup: both in one tree; draft-model: mlx-lm's.
-METHODS = ("baseline", "default", "default-no-history", "eagle", "lookup", "eagle+lookup", "draft-model")
+# default-no-history: the same without earlier replies; drafter: the --draft drafter alone (a head, a
+# DFlash drafter or a draft model); lookup: drafts
+# from the context (and earlier replies) alone; drafter+lookup: both in one tree; draft-model: mlx-lm's.
+METHODS = ("baseline", "default", "default-no-history", "drafter", "lookup", "drafter+lookup", "draft-model")
 
 
 @dataclass
@@ -410,11 +411,12 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     plans = {"default": plan_drafts(model, chosen, tree, history=history()),
              "default-no-history": plan_drafts(model, chosen, tree, history=False),
              "lookup": plan_drafts(model, "lookup", tree, history=history())}
-    if {"eagle", "eagle+lookup"} & set(methods):
+    if {"drafter", "drafter+lookup"} & set(methods):
         if draft is None:
-            raise UserError("no EAGLE head for this model: pass --draft DIR (see python -m mlx_eagle.train)")
-        plans["eagle"] = plan_drafts(model, draft, tree, lookup=False)
-        plans["eagle+lookup"] = plan_drafts(model, draft, tree, lookup=True, history=history())
+            raise UserError("no drafter for this model: pass --draft DIR (a head, a DFlash drafter or a draft model; "
+                            "see python -m mlx_eagle.train)")
+        plans["drafter"] = plan_drafts(model, draft, tree, lookup=False)
+        plans["drafter+lookup"] = plan_drafts(model, draft, tree, lookup=True, history=history())
     sampling = Sampling(args.temp, args.top_p, args.min_p, args.top_k)
     generators: Dict[str, Generator] = {}
     for name in methods:

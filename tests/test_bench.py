@@ -66,17 +66,17 @@ def test_a_short_run_writes_the_documented_json(tmp_path, smollm):
         '{"id": "two", "category": "chat", "turns": ["Say hi.", "Now say bye."]}',
     ])
     main(["--prompts", str(prompts), "--draft", str(tmp_path / "head"), "--max-tokens", "6",
-          "--methods", "baseline,eagle", "--out", str(tmp_path / "r.json"), "--plot", str(tmp_path / "r.png"),
+          "--methods", "baseline,drafter", "--out", str(tmp_path / "r.json"), "--plot", str(tmp_path / "r.png"),
           "--quiet"])
     results = json.loads((tmp_path / "r.json").read_text())
     assert set(results) >= {"methods", "prompts", "machine", "model", "head", "tree", "weights", "settings"}
     assert set(results["machine"]) >= {"platform", "device", "blas"}
-    for name in ("baseline", "eagle"):
+    for name in ("baseline", "drafter"):
         summary = results["methods"][name]
         assert set(summary) >= {"tokens_per_s_median", "tokens_per_s_mean", "total_tokens", "tau",
                                 "acceptance_by_depth", "peak_memory_gb", "speedup", "identical"}
         assert summary["identical"] is True  # greedy: every method's text is the baseline's
         assert [p["id"] for p in results["prompts"][name]] == ["one", "two"]
         assert {"category", "new_tokens", "seconds", "tau"} <= set(results["prompts"][name][0])
-    assert results["methods"]["eagle"]["tau"] >= 1.0 and results["methods"]["baseline"]["tau"] is None
+    assert results["methods"]["drafter"]["tau"] >= 1.0 and results["methods"]["baseline"]["tau"] is None
     assert (tmp_path / "r.png").stat().st_size > 0
