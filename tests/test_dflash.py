@@ -100,7 +100,7 @@ def reference_block_logits(t, config, states, block_tokens, embed, head):
         p = f"layers.{i}."
         x = rms(h, t[p + "input_layernorm.weight"])
 
-        def keys_values(source, positions):
+        def keys_values(source, positions, p=p):
             keys = rms((source @ t[p + "self_attn.k_proj.weight"].T).reshape(len(source), kv, dim),
                        t[p + "self_attn.k_norm.weight"])
             return rope(keys, positions), (source @ t[p + "self_attn.v_proj.weight"].T).reshape(len(source), kv, dim)

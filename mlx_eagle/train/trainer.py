@@ -70,11 +70,12 @@ def dflash_to_train(target, config: TrainConfig, mask_token: int, init: Optional
 
     if init is not None:
         model = load(init, target)
-        if model.config.block_size != config.block_size or model.config.num_hidden_layers != config.dflash_layers:
+        block, layers = model.config.block_size, model.config.num_hidden_layers
+        if (block, layers) != (config.block_size, config.dflash_layers):
             from ..errors import UserError
 
-            raise UserError(f"--init {init} has blocks of {model.config.block_size} and {model.config.num_hidden_layers}"
-                            f" layers; this run asks for {config.block_size} and {config.dflash_layers}")
+            raise UserError(f"--init {init} has blocks of {block} and {layers} layers; this run asks for "
+                            f"{config.block_size} and {config.dflash_layers}")
     else:
         model = new_dflash(target, config.dflash_layers, config.block_size, mask_token, config.seed)
     model.set_dtype(mx.float32)
