@@ -11,16 +11,14 @@ import sys
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx_lm.generate import generate_step
 from mlx_lm.models import llama
 from mlx_lm.models.cache import KVCache
 
-from mlx_eagle.decoder import SpeculativeDecoder
 from mlx_eagle.drafters.composite import Composite
 from mlx_eagle.drafters.dflash import DFlashDrafter, load
 from mlx_eagle.drafters.lookup import LookupDrafter
 from mlx_eagle.errors import UserError
-from mlx_eagle.verify import Sampling
+from test_draft_model import decode, reference
 
 PROMPT = [5, 17, 33, 5, 17, 60, 2, 9, 41, 17, 5, 17, 33]
 SMALL = {"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
@@ -138,18 +136,6 @@ def test_the_block_logits_equal_the_numpy_reference(tmp_path):
     assert got.shape == (7, 97)
     assert np.abs(got - expected).max() < 1e-4 * max(1.0, np.abs(expected).max())
     assert drafter.config.taps == (2, 4)  # layer i's output is the state entering layer i + 1
-
-
-def reference(model, prompt, count):
-    return [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=count)]
-
-
-def decode(model, drafter, prompt, count):
-    decoder = SpeculativeDecoder(model, drafter, Sampling())
-    tokens = [decoder.prefill(prompt)]
-    while len(tokens) < count:
-        tokens += decoder.round(count - len(tokens)).tokens
-    return tokens[:count], decoder
 
 
 @pytest.mark.parametrize("curve", ["flat: deep chains and wide trees", "steep: short chains"])
