@@ -215,3 +215,28 @@ def test_a_bad_checkpoint_gets_one_line(tmp_path, change, message):
     with pytest.raises(UserError, match=message) as caught:
         load(directory, target)
     assert "\n" not in str(caught.value) and len(str(caught.value)) < 400
+
+
+def test_the_converter_checks_casts_and_quantizes_a_dflash_checkpoint(smollm, tmp_path):
+    from mlx_eagle.convert.head import convert_head
+
+    model, _ = smollm
+    sizes = {"num_hidden_layers": 1, "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64,
+             "intermediate_size": 256}
+    write_dflash(tmp_path / "published", model, [1, 14, 26], block=16, mask=0, sizes=sizes)
+    quantized = convert_head(str(tmp_path / "published"), tmp_path / "q8", q_bits=8)
+    assert json.loads((quantized / "config.json").read_text())["quantization"] == {"group_size": 64, "bits": 8}
+    assert "layers.0.mlp.up_proj.scales" in mx.load(str(quantized / "model.safetensors"))
+    rng = np.random.default_rng(0)
+    states = mx.array(rng.standard_normal((6, 3 * 576)).astype(np.float32))
+    logits = []
+    for directory in (tmp_path / "published", quantized):
+        drafter = load(directory, model)
+        cache = [KVCache() for _ in drafter.layers]
+        drafter.read_context(states, cache, 0)
+        logits.append(np.array(drafter.block_logits(model, mx.array([42] + [0] * 15), cache, 6)))
+    assert np.abs(logits[0] - logits[1]).max() < 0.05 * np.abs(logits[0]).max()
+    with pytest.raises(UserError, match="vocabulary 97 vs the target's 49152"):
+        write_dflash(tmp_path / "other", tiny_target(), [1, 3])
+        convert_head(str(tmp_path / "other"), tmp_path / "out")
+    assert not (tmp_path / "out").exists()

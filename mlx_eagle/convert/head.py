@@ -1,4 +1,5 @@
-"""Convert a published EAGLE head (EAGLE-1/2 or EAGLE-3) into an MLX head directory.
+"""Convert a published EAGLE head (EAGLE-1/2 or EAGLE-3), or a DFlash block drafter, into an
+MLX drafter directory.
 
     python -m mlx_eagle.convert.head SRC OUT --target TARGET [--q-bits 8|4 [--q-group-size 64]] [--dtype float16]
 
@@ -10,7 +11,9 @@ norm-before-residual and input norm) or NVIDIA's Model Optimizer (``layers.0``, 
 ``eagle_config``, possibly the whole vocabulary and no d2t). Each is first brought to the
 official layout (``published_layout``); fused q/k/v and gate/up projections are split.
 The family comes from the tensors; the head is checked against TARGET (any --model
-value) and the output is written atomically, then loaded once to prove it works.
+value) and the output is written atomically, then loaded once to prove it works. A DFlash
+checkpoint (a config.json with dflash_config) is checked, cast and quantized the same way
+and written in its own (z-lab) layout.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from ..cli import new_parser, run_cli
+from ..drafters import dflash
 from ..errors import UserError, read_config
 
 from .target import DTYPES
@@ -302,6 +306,8 @@ def convert_head(src: str, out: Path, target: Optional[str] = None, q_bits: Opti
     path = _locate(src)  # a wrong SRC fails before the target is loaded
     raw, tensors = read_checkpoint(path)
     model, _, _ = load_target(target)
+    if dflash.recognizes(path, raw):
+        return _convert_dflash(raw, tensors, path, out, model, q_bits, q_group_size, dtype, overwrite)
     head = build_head(raw, tensors, model, str(path))
     if q_bits:
         nn.quantize(head, group_size=q_group_size, bits=q_bits,
@@ -313,6 +319,24 @@ def convert_head(src: str, out: Path, target: Optional[str] = None, q_bits: Opti
         # Whom it drafts for, so that shipped in mlx_eagle/weights/ it is found by --draft auto.
         (staging / TARGET_FILE).write_text(json.dumps(target_identity(model), indent=1) + "\n")
         load_head(staging, model)  # what was written loads and fits
+
+    return replace_directory(out, fill, overwrite)
+
+
+def _convert_dflash(raw: dict, tensors: Dict[str, mx.array], path: Path, out: Path, model: nn.Module,
+                    q_bits: Optional[int], q_group_size: int, dtype: Optional[str], overwrite: bool) -> Path:
+    """A DFlash checkpoint (drafters/dflash.py), checked against the target, cast and
+    optionally quantized, in the z-lab layout."""
+    drafter = dflash.build(raw, tensors, model, path / "config.json")
+    drafter.set_dtype(DTYPES[dtype] if dtype else mx.float32)
+    if q_bits:
+        nn.quantize(drafter, group_size=q_group_size, bits=q_bits,
+                    class_predicate=lambda p, m: isinstance(m, nn.Linear) and m.weight.shape[-1] % q_group_size == 0)
+        drafter.config.extra["quantization"] = {"group_size": q_group_size, "bits": q_bits}
+
+    def fill(staging: Path) -> None:
+        dflash.save_dflash(drafter, staging, dtype=DTYPES[dtype] if dtype else None)
+        dflash.load(staging, model)  # what was written loads and fits
 
     return replace_directory(out, fill, overwrite)
 

@@ -314,22 +314,43 @@ def load(directory: Path, model: nn.Module) -> DFlashModel:
     from ..heads import read_safetensors
 
     directory = Path(directory)
-    config = read_config(read_json_config(directory, "a DFlash checkpoint"), directory / "config.json")
-    check_fits(config, model, directory)
+    drafter = build(read_json_config(directory, "a DFlash checkpoint"), read_safetensors(directory), model,
+                    directory / "config.json")
+    drafter.directory = directory
+    return drafter
+
+
+def build(raw: dict, weights: Dict[str, mx.array], model: nn.Module, source) -> DFlashModel:
+    """The drafter holding a checkpoint's ``weights`` (its config.json: ``raw``), checked
+    against the target ``model``; a quantized one (``quantization`` in its config, as the
+    converter writes it) is widened on a CPU, as heads are."""
+    from mlx_lm.utils import dequantize_model
+
+    config = read_config(raw, source)
+    check_fits(config, model, Path(source).parent)
     drafter = DFlashModel(config, model.args.hidden_size)
-    weights = read_safetensors(directory)
     weights = {name[len("model."):] if name.startswith("model.") else name: value for name, value in weights.items()}
+    quantization = raw.get("quantization")
+    if quantization is not None:
+        if not isinstance(quantization, dict) or quantization.get("bits") not in (4, 8) or \
+                quantization.get("group_size") not in (32, 64, 128):
+            raise UserError(f"{source}: quantization must give bits (4 or 8) and group_size (32, 64 or 128), "
+                            f"not {quantization!r}")
+        nn.quantize(drafter, group_size=quantization["group_size"], bits=quantization["bits"],
+                    class_predicate=lambda path, module: f"{path}.scales" in weights)
+        config.extra["quantization"] = quantization
     wanted = {name: value.shape for name, value in tree_flatten(drafter.parameters())}
     missing, extra = sorted(set(wanted) - set(weights)), sorted(set(weights) - set(wanted))
     shapes = sorted(name for name in set(wanted) & set(weights) if tuple(weights[name].shape) != tuple(wanted[name]))
     if missing or extra or shapes:
         problem = ", ".join(f"{len(names)} {what} (e.g. {names[0]})" for names, what in
                             ((missing, "missing"), (extra, "unexpected"), (shapes, "of another shape")) if names)
-        raise UserError(f"{directory}: the weights do not match its config.json: {problem}")
+        raise UserError(f"{Path(source).parent}: the weights do not match its config.json: {problem}")
     drafter.load_weights(list(weights.items()), strict=True)
-    drafter.set_dtype(compute_dtype(model))
+    if mx.default_device() == mx.cpu:  # MLX's quantized matmuls are slower than float32 on a CPU
+        drafter = dequantize_model(drafter)
+    drafter.set_dtype(compute_dtype(model), predicate=lambda dtype: mx.issubdtype(dtype, mx.floating))
     mx.eval(drafter.parameters())
-    drafter.directory = directory
     return drafter
 
 
@@ -407,10 +428,12 @@ def save_dflash(model: DFlashModel, path: Path, dtype: Optional[mx.Dtype] = None
         raw["sliding_window"] = config.sliding_window
     if config.rope_scaling is not None:
         raw["rope_scaling"] = config.rope_scaling
+    if "quantization" in config.extra:
+        raw["quantization"] = config.extra["quantization"]
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(raw, indent=2))
     weights = dict(tree_flatten(model.parameters()))
-    if dtype is not None:
-        weights = {k: v.astype(dtype) for k, v in weights.items()}
+    if dtype is not None:  # scales and biases too; the packed integers stay as they are
+        weights = {k: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) else v for k, v in weights.items()}
     mx.save_safetensors(str(path / "model.safetensors"), weights)
