@@ -50,7 +50,11 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--only", nargs="*", help="smollm2, qwen-0.5b, qwen-1.5b")
     parser.add_argument("--out", type=Path, default=HERE / "results" / "scaling.json")
+    parser.add_argument("--table", action="store_true", help="print --out's results as a markdown table, and stop")
     args = parser.parse_args()
+    if args.table:
+        print(table(json.loads(args.out.read_text())))
+        return
     use_fast_blas()
     sys.path.insert(0, str(HERE))
     from qwen_models import MODELS, default_dir
@@ -81,6 +85,26 @@ def main() -> None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(results, indent=1) + "\n")
     print(f"wrote {args.out}")
+    print(table(results))
+
+
+def table(results: dict) -> str:
+    """The results as markdown: per target and prompt set, each method's speedup (decode
+    speedup), tau and peak memory, and the verify-cost curve."""
+    lines = ["| target | verify k = 2 / 4 / 8 / 16 / 32 (plain steps) | prompts | method | speedup (decode) | tau | "
+             "peak GB | identical |", "|---|---|---|---|---|---|---|---|"]
+    for name, row in results.items():
+        steps = {str(k): v for k, v in row["verify_steps"].items()}
+        curve = " / ".join(f"{steps[k]:.2f}" for k in ("2", "4", "8", "16", "32") if k in steps)
+        for prompts in ("edit", "mt-bench"):
+            for method, m in row.get(prompts, {}).items():
+                if method == "drafts":
+                    continue
+                tau = f"{m['tau']:.2f}" if m.get("tau") else "-"
+                lines.append(f"| {name} | {curve} | {prompts} | {method} | {m['speedup']:.2f}× "
+                             f"({m['decode_speedup']:.2f}×) | {tau} | {m['peak_memory_gb']:.2f} | {m['identical']} |")
+                name = curve = ""  # once per target
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
