@@ -32,6 +32,7 @@ class Architecture:
     # llama.cpp's tensor names that mean something else here than in llama (GGUF name part -> ours)
     gguf_names: Tuple[Tuple[str, str], ...] = ()
     gguf_norm_shift: float = 0.0  # llama.cpp stores RMSNorm weights as w + shift for (1 + w) norms
+    gguf_conv: Optional[str] = None  # the names of depthwise conv kernels llama.cpp stores squeezed to 2-D
     experts: bool = False  # a mixture of experts: GGUF files of it are refused (other formats convert)
     embedding_scale: bool = False  # embeddings are multiplied by sqrt(hidden) (rounded to bfloat16, as mlx-lm does)
     text_model: Optional[str] = None  # a multimodal wrapper: the attribute holding the text model, which is loaded
@@ -63,10 +64,17 @@ ARCHITECTURES: Dict[str, Architecture] = {record.model_type: record for record i
     *(Architecture(model_type, model_type, hf_class, driven=False, text_model="language_model",
                    text_config="text_config") for model_type, hf_class in (
         ("qwen3_5", "Qwen3_5ForConditionalGeneration"), ("qwen3_5_moe", "Qwen3_5MoeForConditionalGeneration"))),
+    # LFM2 GGUFs: llama.cpp's names for its blocks, and its conv kernels squeezed.
+    Architecture("lfm2", "lfm2", "Lfm2ForCausalLM", driven=False, gguf="lfm2", gguf_conv="conv.conv.weight",
+                 gguf_names=(("attn_norm", "operator_norm"), ("ffn_norm", "ffn_norm"), ("ffn_gate", "feed_forward.w1"),
+                             ("ffn_down", "feed_forward.w2"), ("ffn_up", "feed_forward.w3"),
+                             ("shortconv.conv", "conv.conv"), ("shortconv.in_proj", "conv.in_proj"),
+                             ("shortconv.out_proj", "conv.out_proj"), ("attn_output", "self_attn.out_proj"),
+                             ("attn_q_norm", "self_attn.q_layernorm"), ("attn_k_norm", "self_attn.k_layernorm"))),
     *(Architecture(model_type, model_type, hf_class, driven=False) for model_type, hf_class in (
         ("qwen3_next", "Qwen3NextForCausalLM"), ("nemotron_h", "NemotronHForCausalLM"),
         ("granitemoehybrid", "GraniteMoeHybridForCausalLM"), ("falcon_h1", "FalconH1ForCausalLM"),
-        ("lfm2", "Lfm2ForCausalLM"), ("lfm2_moe", "Lfm2MoeForCausalLM"), ("mamba2", "Mamba2ForCausalLM"),
+        ("lfm2_moe", "Lfm2MoeForCausalLM"), ("mamba2", "Mamba2ForCausalLM"),
         ("jamba", "JambaForCausalLM"), ("kimi_linear", "KimiLinearForCausalLM"))),
 )}
 

@@ -167,6 +167,23 @@ def gguf_name(name: str, gguf_arch: str = "llama") -> str:
     return f"blk.{layer}.{names[module]}.{kind}"
 
 
+def add_bpe_tokenizer(writer, tokenizer: Tokenizer, pre: str) -> None:
+    """A byte-level BPE tokenizer and the ChatML template in a GGUF's metadata, as llama.cpp writes them."""
+    data = json.loads(tokenizer.to_str())
+    vocab = data["model"]["vocab"]
+    tokens = sorted(vocab, key=vocab.get)
+    merges = [m if isinstance(m, str) else " ".join(m) for m in data["model"]["merges"]]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(pre)
+    writer.add_token_list(tokens)
+    writer.add_token_types([3 if t in SPECIALS else 1 for t in tokens])
+    writer.add_token_merges(merges)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_add_bos_token(False)
+    writer.add_chat_template(CHATML)
+
+
 def write_model(root: Path, arch: str, qtype=QT.F32, seed: int = 0, with_tokenizer: bool = True) -> Dict[str, Path]:
     """Write the same tiny model twice: as a Hugging Face directory and as a GGUF file."""
     model_type, gguf_arch, kind, pre = ARCHS[arch]
@@ -216,19 +233,7 @@ def write_model(root: Path, arch: str, qtype=QT.F32, seed: int = 0, with_tokeniz
         writer.add_tensor("rope_freqs.weight", llama_cpp_rope_freqs(config))
     if with_tokenizer:
         if kind == "bpe":
-            data = json.loads(tokenizer.to_str())
-            vocab = data["model"]["vocab"]
-            tokens = sorted(vocab, key=vocab.get)
-            merges = [m if isinstance(m, str) else " ".join(m) for m in data["model"]["merges"]]
-            writer.add_tokenizer_model("gpt2")
-            writer.add_tokenizer_pre(pre)
-            writer.add_token_list(tokens)
-            writer.add_token_types([3 if t in SPECIALS else 1 for t in tokens])
-            writer.add_token_merges(merges)
-            writer.add_bos_token_id(1)
-            writer.add_eos_token_id(2)
-            writer.add_add_bos_token(False)
-            writer.add_chat_template(CHATML)
+            add_bpe_tokenizer(writer, tokenizer, pre)
         else:
             writer.add_tokenizer_model("llama")
             writer.add_token_list([sp.id_to_piece(i) for i in range(vocab_size)])

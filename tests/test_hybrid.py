@@ -295,3 +295,50 @@ def test_a_published_eagle3_head_converts_for_a_hybrid_and_the_command_drafts_wi
     assert drafted.returncode == 0 and plain.returncode == 0, drafted.stderr[-2000:] + plain.stderr[-2000:]
     assert "drafts: eagle3 head, tree chain:5 (of static:default" in drafted.stderr, drafted.stderr[-2000:]
     assert drafted.stdout == plain.stdout
+
+
+def test_an_lfm2_gguf_converts_to_the_same_model(tmp_path):
+    """LFM2 written as llama.cpp's convert_hf_to_gguf writes it (gguf's own tensor names,
+    the conv kernels squeezed to 2-D, key/value heads per layer with 0 for the convolution
+    layers): converted, its logits are the model's, and it drafts losslessly with lookup."""
+    import gguf
+    import numpy as np
+    from mlx.utils import tree_flatten
+
+    import synthetic
+    from mlx_eagle import load
+    from mlx_eagle.convert.target import convert_target
+
+    tokenizer = synthetic._bpe_tokenizer("qwen2")
+    config = hybrids.FAMILIES["lfm2"]
+    model = hybrids.build("lfm2", vocab_size=tokenizer.get_vocab_size())
+    names = gguf.TensorNameMap(gguf.MODEL_ARCH.LFM2, config["num_hidden_layers"])
+    path = tmp_path / "lfm2.gguf"
+    writer = gguf.GGUFWriter(str(path), "lfm2")
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_feed_forward_length(config["block_ff_dim"])
+    writer.add_head_count(config["num_attention_heads"])
+    writer.add_head_count_kv([config["num_key_value_heads"] if kind == "full_attention" else 0
+                              for kind in config["layer_types"]])
+    writer.add_rope_freq_base(config["rope_theta"])
+    writer.add_layer_norm_rms_eps(config["norm_eps"])
+    writer.add_vocab_size(tokenizer.get_vocab_size())
+    writer.add_shortconv_l_cache(config["conv_L_cache"])
+    synthetic.add_bpe_tokenizer(writer, tokenizer, "qwen2")
+    for name, value in tree_flatten(model.parameters()):
+        value = np.array(value)
+        if name.endswith("conv.conv.weight"):  # MLX [C, L, 1]; Hugging Face [C, 1, L], squeezed by llama.cpp
+            value = value[..., 0]
+        base, _, kind = name.rpartition(".")
+        writer.add_tensor(f"{names.get_name(base)}.{kind}", value)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    converted, _ = load(str(convert_target(path, tmp_path / "converted", progress=False)))
+    tokens = mx.array([PROMPT])
+    assert mx.allclose(converted(tokens), model(tokens), atol=1e-4)
+    decoded, _ = decode(converted, LookupDrafter(lambda k: 1.0))
+    assert decoded == reference(model)

@@ -40,6 +40,7 @@ SUPPORTED_TYPES = FLOAT_TYPES | set(NATIVE_BITS) | set(REQUANTIZE_BITS)
 
 _TENSOR_NAMES = [
     (r"token_embd\.weight", "model.embed_tokens.weight"),
+    (r"token_embd_norm\.weight", "model.embedding_norm.weight"),  # LFM2's final norm
     (r"output_norm\.weight", "model.norm.weight"),
     (r"output\.weight", "lm_head.weight"),
     (r"blk\.(\d+)\.attn_norm\.(weight)", r"model.layers.\1.input_layernorm.\2"),
@@ -60,9 +61,9 @@ def hf_name(gguf_name: str, renamed: Tuple[Tuple[str, str], ...] = ()) -> Option
     """Our name for a GGUF tensor; ``renamed``: an architecture's own meanings of llama.cpp's
     block tensor names (its record's gguf_names)."""
     for part, ours in renamed:
-        found = re.fullmatch(rf"blk\.(\d+)\.{part}\.weight", gguf_name)
+        found = re.fullmatch(rf"blk\.(\d+)\.{re.escape(part)}\.(weight|bias)", gguf_name)
         if found:
-            return f"model.layers.{found.group(1)}.{ours}.weight"
+            return f"model.layers.{found.group(1)}.{ours}.{found.group(2)}"
     for pattern, replacement in _TENSOR_NAMES:
         if re.fullmatch(pattern, gguf_name):
             return re.sub(pattern, replacement, gguf_name)
@@ -193,7 +194,9 @@ def read_config(reader, path: Path) -> Dict[str, Any]:
         "intermediate_size": number(reader, f"{arch}.feed_forward_length"),
         "num_hidden_layers": number(reader, f"{arch}.block_count"),
         "num_attention_heads": heads,
-        "num_key_value_heads": number(reader, f"{arch}.attention.head_count_kv", int, heads),
+        # (LFM2 writes one per layer: _lfm2_config)
+        "num_key_value_heads": None if arch == "lfm2" else number(reader, f"{arch}.attention.head_count_kv", int,
+                                                                  heads),
         "head_dim": number(reader, f"{arch}.attention.key_length", int, hidden // max(heads, 1)),
         "rms_norm_eps": number(reader, f"{arch}.attention.layer_norm_rms_epsilon", float, 1e-6),
         "rope_theta": number(reader, f"{arch}.rope.freq_base", float, 10000.0),
@@ -208,6 +211,8 @@ def read_config(reader, path: Path) -> Dict[str, Any]:
         config["mlp_bias"] = False
     if arch == "gemma3":
         config.update(_gemma3_config(reader, config))
+    if arch == "lfm2":
+        config.update(_lfm2_config(reader, config))
     eot = field(reader, "tokenizer.ggml.eot_token_id")  # chat models end a turn on it (Gemma's <end_of_turn>)
     if isinstance(eot, int) and eot != config.get("eos_token_id"):
         config["eos_token_id"] = [config["eos_token_id"], eot] if config.get("eos_token_id") is not None else eot
@@ -220,6 +225,21 @@ def read_config(reader, path: Path) -> Dict[str, Any]:
     config = {k: v for k, v in config.items() if v is not None}
     check_model_config(config, path, path.stat().st_size)
     return config
+
+
+def _lfm2_config(reader, config: Dict[str, Any]) -> Dict[str, Any]:
+    """LFM2's own settings: llama.cpp writes key/value heads per layer (0: a short
+    convolution), the convolution's cache length and the feed-forward width it computed."""
+    per_layer = field(reader, "lfm2.attention.head_count_kv")
+    if not isinstance(per_layer, list) or len(per_layer) != config["num_hidden_layers"]:
+        raise UserError("the GGUF file's lfm2.attention.head_count_kv is not one number per layer; it is damaged")
+    return {"num_key_value_heads": max(int(k) for k in per_layer) or config["num_attention_heads"],
+            "layer_types": ["full_attention" if int(k) else "conv" for k in per_layer],
+            "norm_eps": number(reader, "lfm2.attention.layer_norm_rms_epsilon", float, 1e-5),
+            "conv_L_cache": number(reader, "lfm2.shortconv.l_cache"), "block_dim": config["hidden_size"],
+            "block_ff_dim": config["intermediate_size"], "block_auto_adjust_ff_dim": False, "block_multiple_of": 256,
+            "block_ffn_dim_multiplier": 1.0,
+            "conv_bias": "blk.0.shortconv.conv.bias" in {t.name for t in reader.tensors}}
 
 
 def _gemma3_config(reader, config: Dict[str, Any]) -> Dict[str, Any]:
@@ -381,6 +401,8 @@ def read_tensors(reader, config: Dict[str, Any], path: Path) -> List[SourceTenso
                 f"supported are {', '.join(sorted(t.name for t in SUPPORTED_TYPES))}"
             )
         shape = tuple(int(n) for n in reversed(tensor.shape.tolist()))
+        if record.gguf_conv and name.endswith(record.gguf_conv) and len(shape) == 2:
+            shape = shape + (1,)  # MLX's depthwise conv1d kernel: [channels, width, 1]
         order = None
         if record.gguf_permuted and re.search(r"self_attn\.(q|k)_proj", name):
             heads = config["num_attention_heads"] if ".q_proj" in name else config["num_key_value_heads"]
