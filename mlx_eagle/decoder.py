@@ -123,10 +123,10 @@ class SpeculativeDecoder:
     def _forward(self, tokens: mx.array, positions, mask) -> TargetOutput:
         self.forwards += 1
         if not self.drives_target:  # only chains, starting where the cache ends: the model's own forward pass
-            if self.taps:
-                out = tapped_forward(self.target, tokens[None], self.target_cache, self.taps)
-                return TargetOutput(logits=out.logits[0], features=out.features[0])
-            return TargetOutput(logits=self.target(tokens[None], cache=self.target_cache)[0], features=None)
+            if not self.reads_states:
+                return TargetOutput(logits=self.target(tokens[None], cache=self.target_cache)[0], features=None)
+            out = tapped_forward(self.target, tokens[None], self.target_cache, self.taps)
+            return TargetOutput(logits=out.logits[0], features=out.features[0], hidden=out.hidden[0])
         out = target_forward(self.target, tokens[None], self.target_cache, positions, mask, self.taps or None)
         return TargetOutput(logits=out.logits[0], features=out.features[0], hidden=out.hidden[0])
 
@@ -169,15 +169,13 @@ class SpeculativeDecoder:
                 out = self._forward(mx.array(block), start, "causal" if len(block) > 1 else None)
                 features.append(out.features)
                 hidden.append(out.hidden)
-                # The prompt's own logits are never needed: only the last.
-                mx.eval(out.features, out.hidden if self.drives_target else [c.state for c in self.target_cache])
+                # The prompt's own logits are never needed: only the last. (A recurrent state is
+                # computed apart from the outputs: evaluated too, so the graph does not grow.)
+                mx.eval(out.features, out.hidden, [] if self.drives_target else [c.state for c in self.target_cache])
                 start += len(block)
-            if self.drives_target:
-                self.root = self._choose(lm_head(self.target, out.hidden[-1]))
-            else:
-                self.root = self._choose(out.logits[-1])
-            states = TargetStates(mx.concatenate(features), mx.concatenate(hidden) if self.drives_target else None,
-                                  self.taps)
+            # (For a model's own forward pass, its LM head: models scale their logits their own ways.)
+            self.root = self._choose(lm_head(self.target, out.hidden[-1]) if self.drives_target else out.logits[-1])
+            states = TargetStates(mx.concatenate(features), mx.concatenate(hidden), self.taps)
         tokens = list(prompt) + [self.root]
         if self.drafter is not None:
             self.drafter.observe(Outcome(tokens, self.reused, states, from_prompt=True))
@@ -195,7 +193,8 @@ class SpeculativeDecoder:
             out = self._forward(tokens, start, "causal" if tokens.size > 1 else None)
             if not unread:
                 return out
-            return TargetOutput(out.logits[len(unread):], out.features[len(unread):] if self.taps else None)
+            return TargetOutput(out.logits[len(unread):], out.features[len(unread):] if self.reads_states else None,
+                                out.hidden[len(unread):] if self.reads_states else None)
         positions = start + mx.array([0] + tree.depths)
         return self._forward(tokens, positions, tree_mask(start, tree.ancestor_matrix()))
 

@@ -142,17 +142,13 @@ def drives(model: nn.Module) -> bool:
 
 def check_target(model: nn.Module, taps: Optional[Sequence[int]] = None) -> None:
     """That a drafter reading the target states at ``taps`` can read them from ``model``:
-    any state where target.py drives its layers; on the hybrid families, whose own
-    forward pass verifies chains, the states entering layers (EAGLE-3's taps), not the
-    post-norm last state (EAGLE-1/2's), which their forward passes do not expose."""
+    where target.py drives its layers, or on the hybrid families, whose own forward pass
+    verifies chains and records the states (tapped_forward)."""
     if drives(model):
         return
     model_type = getattr(getattr(model, "args", None), "model_type", None)
-    if model_type in HYBRID_MODEL_TYPES:
-        if taps:
-            return
-        raise UserError(f"EAGLE-1/2 heads read the post-norm last state, which {model_type!r} models do not expose "
-                        "here; EAGLE-3 heads and drafts from the context work with them")
+    if model_type in HYBRID_MODEL_TYPES and any(name in inner_model(model) for name in FINAL_NORMS):
+        return  # their own forward pass, its states recorded on the way (tapped_forward)
     record = ARCHITECTURES.get(model_type)
     hint = (f"pass its text model (model.{record.text_model}), as mlx_eagle.load does" if record else
             "drafts from the context (--draft lookup) work with it")
@@ -181,36 +177,49 @@ def compute_dtype(model: nn.Module) -> mx.Dtype:
     return layer["scales"].dtype if "scales" in layer else layer.weight.dtype
 
 
-class _Tap:
-    """A decoder layer that records the state entering it, then runs as itself."""
+# What mlx-lm's models call the norm before their LM head (Qwen3-Next, Qwen3.5, Granite 4 and
+# Kimi Linear; Nemotron-H and Mamba 2; LFM2; Falcon-H1 and Jamba).
+FINAL_NORMS = ("norm", "norm_f", "embedding_norm", "final_layernorm")
 
-    def __init__(self, layer: nn.Module, states: dict, index: int):
-        self._layer, self._states, self._index = layer, states, index
+
+class _Tap:
+    """A module that records the state entering it (or, ``output``, leaving it), then runs
+    as itself."""
+
+    def __init__(self, module: nn.Module, states: dict, key, output: bool = False):
+        self._module, self._states, self._key, self._output = module, states, key, output
 
     def __call__(self, x: mx.array, *args, **kwargs) -> mx.array:
-        self._states[self._index] = x
-        return self._layer(x, *args, **kwargs)
+        out = self._module(x, *args, **kwargs)
+        self._states[self._key] = out if self._output else x
+        return out
 
     def __getattr__(self, name: str):  # what the model's loop asks of its layers (kinds, flags)
-        return getattr(self._layer, name)
+        return getattr(self._module, name)
 
 
 def tapped_forward(model: nn.Module, tokens: mx.array, cache: List, taps: Sequence[int]) -> TargetOutput:
     """The model's own forward pass over ``tokens`` [batch, n] (appended to ``cache``, from
-    where it ends), with the states entering ``taps`` recorded on the way: EAGLE-3's
-    features from a model whose layers target.py does not drive (the hybrid families,
-    each with its own recurrent masks and caches). Only logits that are read get computed."""
-    layers = inner_model(model).layers
+    where it ends), with the states entering ``taps`` and the post-norm last state recorded
+    on the way: what a drafter reads, from a model whose layers target.py does not drive
+    (the hybrid families, each with its own recurrent masks and caches). ``taps`` empty:
+    the features are the post-norm last state. Only logits that are read get computed."""
+    inner = inner_model(model)
+    layers, norm = inner.layers, next(name for name in FINAL_NORMS if name in inner)
     states: dict = {}
     originals = {index: layers[index] for index in taps}
+    final = inner[norm]
     try:
         for index, layer in originals.items():
             layers[index] = _Tap(layer, states, index)
+        inner[norm] = _Tap(final, states, "hidden", output=True)
         logits = model(tokens, cache=cache)
     finally:
         for index, layer in originals.items():
             layers[index] = layer
-    return TargetOutput(logits=logits, features=mx.concatenate([states[i] for i in taps], axis=-1))
+        inner[norm] = final
+    features = mx.concatenate([states[i] for i in taps], axis=-1) if taps else states["hidden"]
+    return TargetOutput(logits=logits, features=features, hidden=states["hidden"])
 
 
 def make_cache(model: nn.Module) -> List:

@@ -255,15 +255,33 @@ def test_a_tree_asked_of_a_hybrid_is_drafted_as_its_chain():
     assert made.grower.spec.paths == [(0,) * d for d in range(1, 6)]
 
 
-def test_an_eagle1_head_on_a_hybrid_is_refused_in_one_line():
+@pytest.mark.parametrize("name", ["qwen3_next", "nemotron_h", "lfm2", "jamba"])
+def test_an_eagle1_head_reads_the_post_norm_state_of_a_hybrid_losslessly(name):
+    """EAGLE-1/2 heads read the state leaving the model's final norm (each family names it
+    its own way), recorded on its own forward pass."""
     from mlx_eagle.drafters.eagle import EagleDrafter
-    from mlx_eagle.errors import UserError
     from mlx_eagle.heads import new_head
+    from mlx_eagle.target import tapped_forward
     from mlx_eagle.trees import parse_tree
 
+    model = hybrids.build(name)
+    out = tapped_forward(model, mx.array([PROMPT]), make_prompt_cache(model).target, ())
+    assert mx.allclose(out.logits, model(mx.array([PROMPT])), atol=1e-5)
+    assert out.features.shape == (1, len(PROMPT), model.args.hidden_size)
+    drafter = EagleDrafter(new_head(model, "eagle1", seed=2), model, parse_tree("chain:3"))
+    tokens, _ = decode(model, Composite([drafter, LookupDrafter(lambda k: 1.0)]), count=24)
+    assert tokens == reference(model, count=24), name
+
+
+def test_dflash_drafts_chains_on_a_hybrid_losslessly(tmp_path):
+    from test_dflash import write_dflash
+    from mlx_eagle.drafters.dflash import DFlashDrafter, load
+
     model = hybrids.build("qwen3_next")
-    with pytest.raises(UserError, match="EAGLE-1/2 heads read the post-norm last state.*EAGLE-3 heads"):
-        EagleDrafter(new_head(model, "eagle1"), model, parse_tree("chain:3"))
+    write_dflash(tmp_path / "dflash", model, [0, 1], block=6, mask=3)
+    drafter = DFlashDrafter(load(tmp_path / "dflash", model), model, lambda k: 1.0)
+    tokens, decoder = decode(model, Composite([drafter, LookupDrafter(lambda k: 1.0)]), count=30)
+    assert tokens == reference(model, count=30)
 
 
 def test_a_published_eagle3_head_converts_for_a_hybrid_and_the_command_drafts_with_it(tmp_path):
