@@ -132,6 +132,9 @@ def head_acceptance(head) -> Tuple[np.ndarray, str]:
             return _acceptance_table(read_json(file)), f"acceptance recorded in {file.name}"
         except ValueError as exc:
             print(f"warning: ignoring {file} ({exc})", file=sys.stderr)
+    published = getattr(head, "acceptance", None)  # what peers measure for a kind of drafter (drafters/mtp.py)
+    if published is not None:
+        return published, f"the acceptance reported for {head.family} drafters"
     return PRIOR_ACCEPTANCE, "no recorded acceptance, a cautious prior"
 
 

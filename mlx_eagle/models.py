@@ -133,6 +133,7 @@ def load_target(model: Optional[str] = None, tokenizer_config: Optional[Dict[str
         raise UserError(f"cannot load the model in {path} ({reason}); its files are damaged or incomplete") from None
     if record is not None and record.text_model is not None:
         loaded = getattr(loaded, record.text_model)
+    loaded.directory = path  # where its files are (a model's own drafter is read from them: drafters/mtp.py)
     if runs_on_cpu():
         warn_slow_blas()
         # MLX has no fast float16/bfloat16 kernels on CPU (~40x slower than

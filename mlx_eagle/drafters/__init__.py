@@ -38,7 +38,8 @@ if TYPE_CHECKING:
 #   load(directory, model)       its weights for ``model``, as load_draft returns them
 #   accepts(draft) -> bool       whether a loaded draft (or an object the API is handed) is this kind's
 #   source(draft, model, settings) -> DraftSource   the drafter factory the plan keeps
-KINDS = ("dflash", "eagle", "draft_model", "lookup")  # the first that recognizes a path takes it
+# The first that recognizes a path (or accepts a loaded draft, or ships for a model) takes it.
+KINDS = ("dflash", "mtp", "eagle", "draft_model", "lookup")
 
 
 def kind_modules() -> List[ModuleType]:

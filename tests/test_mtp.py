@@ -1,0 +1,140 @@
+"""A model's own MTP module as its drafter (drafters/mtp.py), for Qwen3-Next and Qwen3.5:
+its draft logits equal an independent numpy reference of the published step (and the
+reference with the concatenation swapped does not); raw Hugging Face tensors come out in
+mlx-lm's layout; greedy decoding with it, merged with lookup, equals mlx-lm; a model
+directory that holds one drafts with it by default, and the converter keeps it; partial
+MTP tensors get one line."""
+
+import subprocess
+import sys
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten
+from mlx_lm.models.cache import KVCache
+
+import hybrids
+from test_hybrid import decode, reference, text_model, write_directory
+from mlx_eagle.drafters.composite import Composite
+from mlx_eagle.drafters.eagle import EagleDrafter
+from mlx_eagle.drafters.lookup import LookupDrafter
+from mlx_eagle.drafters.mtp import MTPModule, module_for, sanitize_mtp
+from mlx_eagle.errors import UserError
+from mlx_eagle.target import inner_model
+from mlx_eagle.trees import parse_tree
+
+FAMILIES = ["qwen3_next", "qwen3_5"]
+
+
+def new_module(model, seed: int = 3) -> MTPModule:
+    """A random MTP module for ``model`` (a full-attention layer of its own kind)."""
+    layers = inner_model(model).layers
+    index = next(i for i, layer in enumerate(layers) if not layer.is_linear)
+    mx.random.seed(seed)
+    module = MTPModule(model, type(layers[index])(model.args, index))
+    mx.eval(module.parameters())
+    return module
+
+
+def mtp_tensors(module: MTPModule) -> dict:
+    return {f"mtp.{name}": value for name, value in tree_flatten(module.parameters())}
+
+
+def rms(x, w, eps):
+    return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * w
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_draft_logits_equal_the_published_step(family):
+    """fc(concat[norm(embedding of token t + 1), norm(hidden t)]) -> the layer -> norm ->
+    the target's LM head, against numpy (the decoder layer itself is mlx-lm's); the test
+    fails if the order of the concatenation is swapped."""
+    model = text_model(hybrids.build(family))
+    module = new_module(model)
+    rng = np.random.default_rng(0)
+    hidden = rng.standard_normal((1, 5, model.args.hidden_size)).astype(np.float32)
+    tokens = np.array([[5, 17, 33, 60, 2]])
+    got = np.array(module.logits(model, module.step(model, mx.array(hidden), mx.array(tokens), [KVCache()], 0,
+                                                    "causal")))
+    weights = {k: np.array(v) for k, v in tree_flatten(module.parameters())}
+    eps = model.args.rms_norm_eps
+    embedding = np.array(inner_model(model).embed_tokens.weight)[tokens]
+    head = np.array(model.lm_head.weight) if "lm_head" in model else np.array(inner_model(model).embed_tokens.weight)
+
+    def reference_logits(first, second):
+        x = np.concatenate([first, second], axis=-1) @ weights["fc.weight"].T
+        layer_out = np.array(module.layers[0](mx.array(x), mask="causal", cache=KVCache()))
+        return rms(layer_out, weights["norm.weight"], eps) @ head.T
+
+    normed_embedding = rms(embedding, weights["pre_fc_norm_embedding.weight"], eps)
+    normed_hidden = rms(hidden, weights["pre_fc_norm_hidden.weight"], eps)
+    expected = reference_logits(normed_embedding, normed_hidden)
+    assert np.abs(got - expected).max() < 1e-4 * max(1.0, np.abs(expected).max())
+    swapped = reference_logits(normed_hidden, normed_embedding)
+    assert np.abs(got - swapped).max() > 1e-2 * np.abs(expected).max()
+
+
+def test_raw_hugging_face_tensors_come_out_in_mlx_lms_layout():
+    """Published checkpoints store norms as offsets from 1 and experts one by one."""
+    model = hybrids.build("qwen3_next")
+    ours = mtp_tensors(new_module(model))
+    raw = {}
+    for name, value in ours.items():
+        if ".switch_mlp." in name:
+            for expert in range(value.shape[0]):
+                raw[name.replace("switch_mlp.", f"experts.{expert}.")] = value[expert]
+        elif value.ndim == 1:  # every vector of the module is a norm's weight
+            raw[name] = value - 1.0
+        else:
+            raw[name] = value
+    assert any(".experts.0." in name for name in raw)
+    back = sanitize_mtp(raw, raw=True)
+    assert set(back) == set(ours) and all(mx.allclose(back[k], ours[k], atol=1e-6) for k in ours)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_decoding_with_the_module_equals_mlx_lm(family):
+    model = text_model(hybrids.build(family))
+    drafter = EagleDrafter(module_for(model, mtp_tensors(new_module(model)), "test"), model, parse_tree("chain:3"))
+    tokens, _ = decode(model, Composite([drafter, LookupDrafter(lambda k: 1.0)]), count=30)
+    assert tokens == reference(model, count=30)
+
+
+def test_partial_mtp_tensors_get_one_line():
+    model = hybrids.build("qwen3_next")
+    tensors = mtp_tensors(new_module(model))
+    tensors.pop("mtp.fc.weight")
+    with pytest.raises(UserError, match=r"not a whole module for this model: 1 missing \(e.g. mtp.fc.weight\)"):
+        module_for(model, tensors, "ckpt")
+
+
+def test_a_directory_with_an_mtp_module_drafts_with_it_and_conversion_keeps_it(tmp_path):
+    """The module in the checkpoint (as published, beside the model's tensors): the
+    converter keeps it in mtp.safetensors, and `generate` drafts with it with no --draft."""
+    from mlx_eagle import load
+    from mlx_eagle.convert.target import convert_target
+    from mlx_eagle.plan import load_draft
+
+    directory = write_directory(tmp_path, "qwen3_next")
+    model, _ = load(str(directory))
+    weights = dict(mx.load(str(directory / "model.safetensors")))
+    module = new_module(model)
+    mx.save_safetensors(str(directory / "model.safetensors"), weights | mtp_tensors(module))
+    converted = convert_target(directory, tmp_path / "converted", progress=False)
+    assert (converted / "mtp.safetensors").exists()
+    target, _ = load(str(converted))
+    found = load_draft("auto", target)
+    assert isinstance(found, MTPModule)
+    kept = dict(tree_flatten(found.parameters()))
+    assert all(mx.allclose(kept[k], v, atol=1e-6) for k, v in tree_flatten(module.parameters()))
+
+    def run(*args):
+        return subprocess.run([sys.executable, "-m", "mlx_eagle.generate", "--model", str(converted), "--prompt",
+                               "The quick brown fox. The quick brown fox. The quick", "--max-tokens", "24",
+                               "--verbose", *args], capture_output=True, text=True, timeout=300)
+
+    drafted, plain = run("--tree", "chain:3"), run("--draft", "none")
+    assert drafted.returncode == 0 and plain.returncode == 0, drafted.stderr[-2000:]
+    assert "drafts: the model's MTP module, tree chain:3" in drafted.stderr, drafted.stderr[-1500:]
+    assert drafted.stdout == plain.stdout
