@@ -245,6 +245,23 @@ def save_head(head: EagleHead, path: Path, dtype: Optional[mx.Dtype] = None) -> 
     mx.save_safetensors(str(path / "model.safetensors"), weights)
 
 
+TARGET_FILE = "target.json"  # beside a shipped head: the identity of the model it drafts for
+
+
+def shipped_head_dir(model: nn.Module) -> Optional[Path]:
+    """The head shipped for ``model`` (in the package's weights/ folder), if any."""
+    from .architectures import target_identity
+
+    identity = target_identity(model)
+    for directory in sorted((Path(__file__).parent / "weights").glob("*")):
+        try:
+            if json.loads((directory / TARGET_FILE).read_text()) == identity:
+                return directory
+        except (OSError, ValueError):
+            continue
+    return None
+
+
 def read_head_weights(path: Path) -> Tuple[dict, Dict[str, mx.array]]:
     """A head directory's config.json (with its family) and tensors, or one clear line
     saying what is missing or damaged."""

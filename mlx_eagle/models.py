@@ -6,7 +6,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import importlib.util
-import json
 import os
 import sys
 from pathlib import Path
@@ -16,7 +15,6 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .errors import UserError, check_model_config, read_config, safetensors_bytes
-from .architectures import target_identity
 from .files import cache_dir, writable
 from .hub import from_hub
 
@@ -140,21 +138,6 @@ def load_target(model: Optional[str] = None, tokenizer_config: Optional[Dict[str
         # float32 there); quantized weights keep their bits, only scales widen.
         loaded.set_dtype(mx.float32, predicate=lambda dtype: dtype in (mx.float16, mx.bfloat16))
     return loaded, tokenizer, path
-
-
-TARGET_FILE = "target.json"  # beside a shipped head: the identity of the model it drafts for
-
-
-def shipped_head_dir(model: nn.Module) -> Optional[Path]:
-    """The head shipped for ``model`` (in the package's weights/ folder), if any."""
-    identity = target_identity(model)
-    for directory in sorted((Path(__file__).parent / "weights").glob("*")):
-        try:
-            if json.loads((directory / TARGET_FILE).read_text()) == identity:
-                return directory
-        except (OSError, ValueError):
-            continue
-    return None
 
 
 def load(path_or_hf_repo: Optional[str] = None, draft: Optional[str] = None,

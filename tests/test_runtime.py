@@ -191,7 +191,7 @@ def test_draft_auto_finds_the_shipped_head_by_the_models_identity_not_its_path(s
 
     from mlx_eagle.convert.target import convert_target
     from mlx_eagle import load
-    from mlx_eagle.models import shipped_head_dir
+    from mlx_eagle.heads import shipped_head_dir
     from synthetic import write_model
 
     snapshot = tmp_path / "models--HuggingFaceTB--SmolLM2-135M-Instruct" / "snapshots" / "0123abcd"
@@ -239,7 +239,7 @@ def test_a_head_whose_tree_does_not_pay_drafts_only_probes(smollm):
     from mlx_eagle.drafters.eagle import EagleDrafter
     from mlx_eagle.generate import chat_tokens
     from mlx_eagle.heads import new_head
-    from mlx_eagle.models import shipped_head_dir
+    from mlx_eagle.heads import shipped_head_dir
 
     model, tokenizer = smollm
     prompt = chat_tokens(tokenizer, [{"role": "user", "content": "Tell me about the history of Paris."}])

@@ -27,7 +27,6 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from ..cli import new_parser, run_cli
-from ..drafters import dflash
 from ..errors import UserError, read_config
 
 from .target import DTYPES
@@ -301,7 +300,10 @@ def convert_head(src: str, out: Path, target: Optional[str] = None, q_bits: Opti
     from ..heads import save_head
 
     from ..heads import load_head
-    from ..models import TARGET_FILE, load_target, target_identity
+    from ..heads import TARGET_FILE
+    from ..models import load_target, target_identity
+
+    from ..drafters import dflash
 
     path = _locate(src)  # a wrong SRC fails before the target is loaded
     raw, tensors = read_checkpoint(path)
@@ -327,6 +329,8 @@ def _convert_dflash(raw: dict, tensors: Dict[str, mx.array], path: Path, out: Pa
                     q_bits: Optional[int], q_group_size: int, dtype: Optional[str], overwrite: bool) -> Path:
     """A DFlash checkpoint (drafters/dflash.py), checked against the target, cast and
     optionally quantized, in the z-lab layout."""
+    from ..drafters import dflash
+
     drafter = dflash.build(raw, tensors, model, path / "config.json")
     drafter.set_dtype(DTYPES[dtype] if dtype else mx.float32)
     if q_bits:

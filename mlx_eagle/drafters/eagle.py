@@ -123,7 +123,7 @@ def accepts(draft: object) -> bool:
 
 def shipped(model: nn.Module) -> Optional[Head]:
     """The head shipped in this package for ``model``, if any."""
-    from ..models import shipped_head_dir
+    from ..heads import shipped_head_dir
 
     found = shipped_head_dir(model)
     return load_head(found, model) if found is not None else None

@@ -95,7 +95,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     import numpy as np
 
     from ..heads import load_head, save_head
-    from ..models import TARGET_FILE, load, target_identity
+    from ..heads import TARGET_FILE
+    from ..models import load, target_identity
     from ..calibrate import save_acceptance
     from ..drafters.dflash import load as load_dflash, save_dflash
     from .evaluate import calibration_pieces, chain_estimate, dflash_tau, measure_acceptance
