@@ -1,0 +1,76 @@
+"""A DFlash training run's tau against the tokens it has trained on, from its log.
+
+    python benchmarks/dflash_curve.py WORK/log.jsonl [--out benchmarks/results/dflash-curve]
+
+The log holds, per step, the drafter's agreement with the target at each block position
+on that step's blocks. A chain of block - 1 drafts is expected to yield
+tau = 1 + sum over k of a_1 ... a_k, taking the positions as independent (they are not:
+a right draft at position k is likelier after right ones before it, so this estimate is
+low), averaged over windows of 20 steps. Writes OUT.json and OUT.png; measured tau on
+held-out prompts (the trainer's eval.json) is added where given with --measured.
+"""
+
+import argparse
+import json
+from pathlib import Path
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+
+
+def cumulative_tokens(entries: list) -> list:
+    """Tokens trained on up to each step (a resumed run's log counts again from 0)."""
+    total, previous, out = 0, 0, []
+    for entry in entries:
+        total += entry["tokens"] - previous if entry["tokens"] > previous else entry["tokens"]
+        previous = entry["tokens"]
+        out.append(total)
+    return out
+
+
+def curve(entries: list, window: int = 20) -> list:
+    entries = [dict(e, tokens=t) for e, t in zip(entries, cumulative_tokens(entries))]
+    points = []
+    for start in range(0, len(entries) - window + 1, window):
+        part = entries[start:start + window]
+        accuracy = np.mean([e["step_accuracy"] for e in part], axis=0)
+        points.append({"step": part[-1]["step"], "tokens": part[-1]["tokens"],
+                       "tau_estimate": float(1 + np.cumprod(accuracy).sum()),
+                       "accuracy_by_position": [float(a) for a in accuracy]})
+    return points
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("log", type=Path)
+    parser.add_argument("--out", type=Path, default=HERE / "results" / "dflash-curve")
+    parser.add_argument("--measured", type=Path, help="the run's eval.json (held-out tau, decoded)")
+    args = parser.parse_args()
+    entries = [json.loads(line) for line in args.log.read_text().splitlines() if line.strip()]
+    points = curve(entries)
+    result = {"log": str(args.log), "points": points}
+    if args.measured:
+        result["measured"] = json.loads(args.measured.read_text())
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots(figsize=(6, 4))
+    axis.plot([p["tokens"] for p in points], [p["tau_estimate"] for p in points], marker="o", label="estimated")
+    if args.measured:
+        axis.scatter([cumulative_tokens(entries)[-1]], [result["measured"]["tau"]], color="red",
+                     label="measured, held out")
+    axis.set(xlabel="training tokens", ylabel="tau, chain of block - 1", title="DFlash drafter for SmolLM2 (CPU)")
+    axis.legend()
+    figure.tight_layout()
+    figure.savefig(args.out.with_suffix(".png"), dpi=110)
+    for p in points:
+        print(f"step {p['step']:5d}  tokens {p['tokens']:9,d}  tau estimate {p['tau_estimate']:.2f}")
+
+
+if __name__ == "__main__":
+    main()
