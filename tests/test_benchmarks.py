@@ -148,3 +148,21 @@ def test_history_overhead(tmp_path):
     run("history_overhead.py", "--limit", 2, "--max-tokens", 8, "--out", tmp_path / "overhead.json")
     result = json.loads((tmp_path / "overhead.json").read_text())
     assert result["identical"] and set(result["methods"]) == {"history", "no history"}
+
+
+def test_dflash_prediction(tmp_path):
+    out = run("dflash_prediction.py", "--out", tmp_path / "prediction.json").stdout
+    rows = json.loads((tmp_path / "prediction.json").read_text())
+    gpu = [r for r in rows if r["curve"].startswith("Apple")]
+    assert len(gpu) == 3 and all(1.0 < r["speedup"] < r["published_tau"] for r in gpu), out
+    assert all(0 < r["chain"] <= 15 for r in rows)
+
+
+def test_dflash_curve_reads_a_resumed_log(tmp_path):
+    log = tmp_path / "log.jsonl"
+    entries = [{"step": s, "tokens": (s % 30) * 100 + 100, "step_accuracy": [0.5, 0.25]} for s in range(1, 41)]
+    log.write_text("".join(json.dumps(e) + "\n" for e in entries))  # resumed at step 30: tokens count from 0
+    run("dflash_curve.py", log, "--out", tmp_path / "curve")
+    points = json.loads((tmp_path / "curve.json").read_text())["points"]
+    assert [p["step"] for p in points] == [20, 40] and points[1]["tokens"] == 4100
+    assert abs(points[0]["tau_estimate"] - (1 + 0.5 + 0.125)) < 1e-9 and (tmp_path / "curve.png").exists()
