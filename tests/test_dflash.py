@@ -240,3 +240,18 @@ def test_the_converter_checks_casts_and_quantizes_a_dflash_checkpoint(smollm, tm
         write_dflash(tmp_path / "other", tiny_target(), [1, 3])
         convert_head(str(tmp_path / "other"), tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def test_the_tree_setting_shapes_what_a_dflash_drafter_proposes(tmp_path):
+    from mlx_eagle.drafters import DraftSettings
+    from mlx_eagle.drafters.dflash import source
+
+    target = tiny_target()
+    write_dflash(tmp_path / "dflash", target, [1, 3])
+    drafter = load(tmp_path / "dflash", target)
+    assert source(drafter, target, DraftSettings(target, "none")).make is None
+    chains = source(drafter, target, DraftSettings(target, "chain:3"))
+    assert chains.name.endswith("chains of up to 3")
+    made = chains.make()
+    assert made.max_tokens == 3 and not made.trees
+    assert source(drafter, target, DraftSettings(target, "auto")).make().trees

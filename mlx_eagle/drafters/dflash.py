@@ -378,10 +378,19 @@ def accepts(draft: object) -> bool:
 def source(draft: DFlashModel, model: nn.Module, settings: DraftSettings) -> DraftSource:
     from ..target import check_target
 
+    from ..trees import TreeSpec, chain as chain_paths, parse_tree
+
     check_target(model, draft.config.taps)
-    costs = settings.costs
     name = f"dflash {Path(getattr(draft, 'directory', 'drafter')).name}, block {draft.config.block_size}"
-    return DraftSource(name, lambda: DFlashDrafter(draft, model, costs), None, draft)
+    tree = parse_tree(settings.tree) if isinstance(settings.tree, str) and settings.tree != "auto" else settings.tree
+    if isinstance(tree, TreeSpec) and tree.kind == "none":
+        return DraftSource(name, None, "tree none")
+    # --tree chain:K: chains of at most K drafts; any other tree: DDTree branches where they pay.
+    chain = isinstance(tree, TreeSpec) and tree.kind == "static" and tree.paths == chain_paths(len(tree.paths))
+    limit = len(tree.paths) if chain else None
+    costs = settings.costs
+    return DraftSource(name + (f", chains of up to {limit}" if chain else ""),
+                       lambda: DFlashDrafter(draft, model, costs, max_tokens=limit, trees=not chain), None, draft)
 
 
 def published_layer_ids(num_layers: int, count: int = 5) -> List[int]:
