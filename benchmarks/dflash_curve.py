@@ -6,8 +6,9 @@ The log holds, per step, the drafter's agreement with the target at each block p
 on that step's blocks. A chain of block - 1 drafts is expected to yield
 tau = 1 + sum over k of a_1 ... a_k, taking the positions as independent (they are not:
 a right draft at position k is likelier after right ones before it, so this estimate is
-low), averaged over windows of 20 steps. Writes OUT.json and OUT.png; measured tau on
-held-out prompts (the trainer's eval.json) is added where given with --measured.
+low), averaged over windows of 20 steps. Writes OUT.json and OUT.png; a measured tau is
+added: the trainer's held-out eval.json (--measured), or the run's latest checkpoint decoding
+the first MT-bench first turns (--checkpoint).
 """
 
 import argparse
@@ -41,17 +42,47 @@ def curve(entries: list, window: int = 20) -> list:
     return points
 
 
+def checkpoint_tau(directory: Path, model_path, mask_token, turns: int) -> dict:
+    """tau on chains of block - 1 over the first MT-bench first turns, 64 tokens each,
+    decoded with a training checkpoint's drafter (built as the trainer built it)."""
+    from mlx_eagle import load
+    from mlx_eagle.data import mtbench_questions
+    from mlx_eagle.train.evaluate import dflash_tau
+    from mlx_eagle.train.recipe import TrainConfig
+    from mlx_eagle.train.trainer import dflash_to_train
+
+    state = json.loads((directory / "state.json").read_text())
+    config = TrainConfig(**state["config"])
+    model, tokenizer = load(model_path)
+    drafter = dflash_to_train(model, config, mask_token if mask_token is not None else (tokenizer.unk_token_id or 0))
+    drafter.load_weights(str(directory / "head.safetensors"))
+    prompts = [q["turns"][0] for q in mtbench_questions()[:turns]]
+    return dict(dflash_tau(model, drafter, tokenizer, prompts, 64), step=state["step"])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("log", type=Path)
     parser.add_argument("--out", type=Path, default=HERE / "results" / "dflash-curve")
     parser.add_argument("--measured", type=Path, help="the run's eval.json (held-out tau, decoded)")
+    parser.add_argument("--checkpoint", action="store_true", help="also decode the first --turns MT-bench first "
+                        "turns with the run's latest checkpoint (beside the log) and report its tau")
+    parser.add_argument("--turns", type=int, default=10)
+    parser.add_argument("--model", help="the run's target (default: SmolLM2)")
+    parser.add_argument("--mask-token", type=int, help="the run's --mask-token, if it gave one")
     args = parser.parse_args()
+    if args.checkpoint:
+        from mlx_eagle.cli import use_fast_blas
+
+        use_fast_blas()  # (it may start this script again, with OpenBLAS preloaded)
     entries = [json.loads(line) for line in args.log.read_text().splitlines() if line.strip()]
     points = curve(entries)
     result = {"log": str(args.log), "points": points}
     if args.measured:
         result["measured"] = json.loads(args.measured.read_text())
+    if args.checkpoint:
+        result["measured"] = checkpoint_tau(args.log.parent / "checkpoint", args.model, args.mask_token, args.turns)
+        print(f"checkpoint at step {result['measured']['step']}: MT-bench tau {result['measured']['tau']:.2f}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
     import matplotlib
