@@ -42,7 +42,7 @@ def curve(entries: list, window: int = 20) -> list:
     return points
 
 
-def checkpoint_tau(directory: Path, model_path, mask_token, turns: int) -> dict:
+def checkpoint_tau(directory: Path, model_path, mask_token, turns: int, write=None) -> dict:
     """tau on chains of block - 1 over the first MT-bench first turns, 64 tokens each,
     decoded with a training checkpoint's drafter (built as the trainer built it)."""
     from mlx_eagle import load
@@ -56,6 +56,10 @@ def checkpoint_tau(directory: Path, model_path, mask_token, turns: int) -> dict:
     model, tokenizer = load(model_path)
     drafter = dflash_to_train(model, config, mask_token if mask_token is not None else (tokenizer.unk_token_id or 0))
     drafter.load_weights(str(directory / "head.safetensors"))
+    if write is not None:
+        from mlx_eagle.drafters.dflash import save_dflash
+
+        save_dflash(drafter, write)
     prompts = [q["turns"][0] for q in mtbench_questions()[:turns]]
     return dict(dflash_tau(model, drafter, tokenizer, prompts, 64), step=state["step"])
 
@@ -70,6 +74,8 @@ def main() -> None:
     parser.add_argument("--turns", type=int, default=10)
     parser.add_argument("--model", help="the run's target (default: SmolLM2)")
     parser.add_argument("--mask-token", type=int, help="the run's --mask-token, if it gave one")
+    parser.add_argument("--write", type=Path, help="with --checkpoint: also write its drafter there, in the z-lab "
+                        "layout (for --draft and the bench)")
     args = parser.parse_args()
     if args.checkpoint:
         from mlx_eagle.cli import use_fast_blas
@@ -81,7 +87,8 @@ def main() -> None:
     if args.measured:
         result["measured"] = json.loads(args.measured.read_text())
     if args.checkpoint:
-        result["measured"] = checkpoint_tau(args.log.parent / "checkpoint", args.model, args.mask_token, args.turns)
+        result["measured"] = checkpoint_tau(args.log.parent / "checkpoint", args.model, args.mask_token, args.turns,
+                                            args.write)
         print(f"checkpoint at step {result['measured']['step']}: MT-bench tau {result['measured']['tau']:.2f}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
