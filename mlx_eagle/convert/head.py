@@ -301,7 +301,8 @@ def convert_head(src: str, out: Path, target: Optional[str] = None, q_bits: Opti
 
     from ..heads import load_head
     from ..heads import TARGET_FILE
-    from ..models import load_target, target_identity
+    from ..architectures import target_identity
+    from ..models import load_target
 
     from ..drafters import dflash
 

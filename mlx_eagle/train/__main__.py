@@ -96,7 +96,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
 
     from ..heads import load_head, save_head
     from ..heads import TARGET_FILE
-    from ..models import load, target_identity
+    from ..architectures import target_identity
+    from ..models import load
     from ..calibrate import save_acceptance
     from ..drafters.dflash import load as load_dflash, save_dflash
     from .evaluate import calibration_pieces, chain_estimate, dflash_tau, measure_acceptance

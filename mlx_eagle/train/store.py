@@ -14,7 +14,7 @@ import numpy as np
 
 from ..errors import UserError
 from ..files import write_atomically
-from ..models import target_identity
+from ..architectures import target_identity
 from .pieces import Piece, make_batch
 from .recipe import padded_length
 from .ttt import target_states
