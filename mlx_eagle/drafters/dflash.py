@@ -230,7 +230,10 @@ class DFlashModel(nn.Module):
 
 class DFlashDrafter(ChainDrafter):
     """A DFlash drafter proposing chains (or DDTree trees) from the block it drafted as
-    soon as the target committed its last tokens."""
+    soon as the target committed its last tokens. Where its measured acceptance says no
+    draft pays, it drafts no block either, but one in ``PROBE`` rounds."""
+
+    PROBE = 16
 
     def __init__(self, model: DFlashModel, target: nn.Module, cost, max_tokens: Optional[int] = None,
                  trees: bool = True):
@@ -241,6 +244,7 @@ class DFlashDrafter(ChainDrafter):
         self.taps = model.config.taps
         self.cache = [KVCache() for _ in model.layers]  # the context's keys and values, committed tokens only
         self.block: Optional[Tuple[mx.array, mx.array]] = None  # per position: top tokens, their log-probabilities
+        self.rounds = 0  # outcomes observed
         self._chain = 0  # nodes of the last proposal's chain (the rest are DDTree branches)
         self._layout: List[Tuple[int, ...]] = []  # per proposed node: its rank path
 
@@ -253,12 +257,16 @@ class DFlashDrafter(ChainDrafter):
             self.record_chain(0, self._chain, taken)
         keep_cache_entries(self.cache, outcome.start, [])
         self.model.read_context(outcome.states.read(self.taps), self.cache, outcome.start)
+        self.block, self.rounds = None, self.rounds + 1
+        if self.best_length(0, self.max_tokens, 1, 1.0) == 0 and self.rounds % self.PROBE:
+            return  # no draft is expected to pay: no block either (but a probe now and then, to notice a change)
         root = len(outcome.tokens) - 1  # the root's position
         config = self.model.config
         tokens = mx.array([outcome.tokens[-1]] + [config.mask_token_id] * (config.block_size - 1))
         logprobs = nn.log_softmax(self.model.block_logits(self.target, tokens, self.cache, root).astype(mx.float32))
-        top = mx.argsort(-logprobs, axis=-1)[:, :TOP_K]
-        self.block = (top, mx.take_along_axis(logprobs, top, axis=-1))
+        best = mx.argpartition(-logprobs, kth=TOP_K - 1, axis=-1)[:, :TOP_K]
+        best = mx.take_along_axis(best, mx.argsort(-mx.take_along_axis(logprobs, best, axis=-1), axis=-1), axis=-1)
+        self.block = (best, mx.take_along_axis(logprobs, best, axis=-1))
         mx.async_eval(*self.block)
 
     def propose(self, budget: Budget) -> Optional[Proposal]:
