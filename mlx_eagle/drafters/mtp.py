@@ -104,16 +104,6 @@ class MTPModule(nn.Module):
         return draft_ids
 
 
-def _checkpoint(directory: Path) -> Dict[str, mx.array]:
-    weights = {}
-    for file in sorted(Path(directory).glob("*.safetensors")):
-        try:
-            weights.update(mx.load(str(file)))
-        except Exception as exc:
-            raise UserError(f"{file} is damaged or truncated ({exc}); download it again") from exc
-    return weights
-
-
 def module_for(model: nn.Module, weights: Dict[str, mx.array], source) -> Optional[MTPModule]:
     """The MTP module held in a checkpoint's ``weights`` for ``model`` (None: it holds none),
     or one line when its MTP tensors are partial or of another shape."""
@@ -163,7 +153,9 @@ def shipped(model: nn.Module) -> Optional[MTPModule]:
     directory = getattr(model, "directory", None)
     if directory is None or getattr(model.args, "model_type", None) not in MODEL_TYPES:
         return None
-    module = module_for(model, _checkpoint(directory), directory)
+    from ..heads import read_safetensors
+
+    module = module_for(model, read_safetensors(directory), directory)
     if module is not None:
         module.directory = Path(directory)
     return module
