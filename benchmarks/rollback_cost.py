@@ -1,15 +1,20 @@
 """What rolling back a hybrid model's recurrent state costs, per family (rewind.py).
 
-    python benchmarks/rollback_cost.py [--repeats 5] [--out benchmarks/results/rollback-cost.json]
+    python benchmarks/rollback_cost.py [--repeats 21] [--out benchmarks/results/rollback-cost.json]
 
-A round that rejects part of its chain restores the caches from a snapshot and reads the
-accepted tokens again in front of the next round's chain. So a rollback costs (1) taking
-and restoring the snapshot, and (2) the replayed tokens' share of the next forward pass:
-a forward over (replayed + next chain) tokens against one over the next chain alone. Both
-are timed here for chains of 1, 4, 8 and 16 whose first half is accepted (so half the
-chain plus the root is replayed), next to one plain step (a forward over one token), on
-the tiny models of every family (tests/hybrids.py) and on a random-weight Qwen3.5 of about
-1B parameters (width 1536, 28 layers, as Qwen3.5-0.8B/2B are shaped).
+Two ways, both timed here for chains of 1, 4, 8 and 16 whose first half is accepted (so
+the root and half the chain are kept), next to one plain step (a forward over one token),
+on the tiny models of every family (tests/hybrids.py) and on a random-weight Qwen3.5 of
+about 1B parameters (width 1536, 28 layers, as Qwen3.5-0.8B/2B are shaped):
+
+- replay (what the decoder does, but for Mamba 2 layers): the verify pass is recorded, and the kept states are
+  the conv inputs sliced and the recurrences run again over the kept steps. It costs the
+  recording's overhead on the pass plus the replay: a recorded pass and its rollback,
+  against the same pass unrecorded.
+- re-read (for Mamba 2 layers, and recurrent layers rewind.py does not know): restore a snapshot
+  and read the kept tokens again in front of the next chain. It costs the snapshot and
+  the kept tokens' share of the next pass: a forward over (kept + next chain) tokens
+  against one over the next chain alone.
 """
 
 import argparse
@@ -18,6 +23,8 @@ import json
 import statistics
 import sys
 import time
+from contextlib import nullcontext
+from typing import Optional
 from pathlib import Path
 
 import mlx.core as mx
@@ -46,36 +53,55 @@ def timed(run, repeats: int) -> float:
     return statistics.median(times)
 
 
+def paired(first, second, repeats: int) -> float:
+    """Median ms of ``first`` less ``second``, run alternately so that drift hits both alike."""
+    first(), second()  # warm-up
+    differences = []
+    for _ in range(repeats):
+        tic = time.perf_counter()
+        first()
+        middle = time.perf_counter()
+        second()
+        differences.append(1000 * ((middle - tic) - (time.perf_counter() - middle)))
+    return max(statistics.median(differences), 0.0)
+
+
 def costs(model, vocab: int, repeats: int, context: int = 64) -> dict:
     cache = make_prompt_cache(model)
     mx.eval(model(mx.arange(context)[None] % vocab, cache=cache))
-    rewind = Rewind(cache)
+    rewind, replays = Rewind(model, cache, replay=True), Rewind(model, cache).replays
     start = rewind.snapshot()
+
+    def state():
+        return [c.state for c in cache]
 
     def forward(count: int):
         def run():
-            mx.eval(model(mx.arange(count)[None] % vocab, cache=cache))
+            mx.eval(model(mx.arange(count)[None] % vocab, cache=cache), state())
+            rewind.restore(start)
+        return run
+
+    def then_next(count: int, kept: Optional[int]):
+        """A pass over ``count`` tokens, recorded and cut back to ``kept`` (None: neither),
+        then the next pass over as many: the replayed states are computed with it."""
+        def run():
+            with rewind.recording() if kept else nullcontext() as recorded:
+                model(mx.arange(count)[None] % vocab, cache=cache)
+            assert kept is None or rewind.keep(start, recorded, kept)
+            mx.eval(model(mx.arange(count)[None] % vocab, cache=cache), state())
             rewind.restore(start)
         return run
 
     plain = timed(forward(1), repeats)
-    row = {"plain_step_ms": plain}
+    row = {"plain_step_ms": plain, "decoder_rolls_back_by": "replay" if replays else "re-read"}
     for chain in CHAINS:
-        replayed = chain // 2 + 1  # the root and the accepted half
+        kept = chain // 2 + 1  # the root and the accepted half
+        replay = paired(then_next(chain + 1, kept), then_next(chain + 1, None), repeats)
         snapshot_ms = timed(lambda: rewind.restore(rewind.snapshot()), repeats)
-        with_replay, without = forward(chain + 1 + replayed), forward(chain + 1)
-        with_replay(), without()  # warm-up
-        differences = []
-        for _ in range(repeats):  # alternating, so that drift hits both alike
-            tic = time.perf_counter()
-            with_replay()
-            middle = time.perf_counter()
-            without()
-            differences.append(1000 * ((middle - tic) - (time.perf_counter() - middle)))
-        marginal = statistics.median(differences)
-        total = snapshot_ms + max(marginal, 0.0)
-        row[f"chain {chain}"] = {"replayed_tokens": replayed, "snapshot_and_restore_ms": snapshot_ms,
-                                 "replay_ms": marginal, "rollback_ms": total, "of_a_plain_step": total / plain}
+        reread = snapshot_ms + paired(forward(chain + 1 + kept), forward(chain + 1), repeats)
+        row[f"chain {chain}"] = {"kept_tokens": kept, "replay_ms": replay,
+                                 "replay_of_a_plain_step": replay / plain,
+                                 "reread_ms": reread, "reread_of_a_plain_step": reread / plain}
     return row
 
 
@@ -98,11 +124,13 @@ def main() -> None:
         model = module.Model(module.ModelArgs.from_dict(ONE_B))
         mx.eval(model.parameters())
         results["qwen3_5 ~1B (random weights)"] = costs(model, 151936, min(args.repeats, 7))
-    print(f"{'family':32} {'plain ms':>9} " + " ".join(f"{'chain ' + str(c):>16}" for c in CHAINS))
+    print(f"{'family':32} {'plain ms':>9} " + " ".join(f"{'chain ' + str(c):>22}" for c in CHAINS))
+    print(f"{'':32} {'':>9} " + " ".join(f"{'replay / re-read':>22}" for c in CHAINS))
     for family, row in results.items():
-        cells = [f"{row[f'chain {c}']['rollback_ms']:6.2f} ({row[f'chain {c}']['of_a_plain_step']:4.0%})"
+        cells = [f"{row[f'chain {c}']['replay_of_a_plain_step']:5.1%} / {row[f'chain {c}']['reread_of_a_plain_step']:5.1%}"
                  for c in CHAINS]
-        print(f"{family:32} {row['plain_step_ms']:9.2f} " + " ".join(f"{cell:>16}" for cell in cells))
+        print(f"{family:32} {row['plain_step_ms']:9.2f} " + " ".join(f"{cell:>22}" for cell in cells)
+              + f"  {row['decoder_rolls_back_by']}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=1) + "\n")
     print(f"wrote {args.out}")

@@ -17,13 +17,16 @@ host waits for the device once per round, for what the walk along the tree needs
 A chain needs no tree mask: where target.py does not know the architecture, the
 model's own forward pass verifies it, so any mlx-lm model can decode this way (an EAGLE-3
 head reads the states entering its taps on the way: target.tapped_forward). A hybrid
-model's recurrent layers cannot cut their cache back (rewind.py): a round that rejects
-part of its chain restores the caches to before its forward pass, and the next round
-reads the accepted tokens again in front of its own chain ("unread" tokens).
+model's recurrent layers cannot cut their cache back (rewind.py): their inputs are
+recorded during the verify pass, and a round that rejects part of its chain replays
+their recurrence over the accepted steps only. Where a model's layers are not ones
+rewind.py knows, the round restores the caches to before its forward pass instead, and
+the next round reads the accepted tokens again in front of its own chain ("unread" tokens).
 """
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Callable, List, Optional, Tuple
 
@@ -101,7 +104,8 @@ class SpeculativeDecoder:
         self.forwards = 0  # target forward passes, for tests and statistics
         self.root: Optional[int] = None
         # Caches mlx-lm cannot cut back (recurrent layers) are rewound from snapshots.
-        self.rewind = None if mlx_lm_cache.can_trim_prompt_cache(self.target_cache) else Rewind(self.target_cache)
+        trims = mlx_lm_cache.can_trim_prompt_cache(self.target_cache)
+        self.rewind = None if trims else Rewind(target, self.target_cache)
         self._last_round: Optional[Tuple[object, int, int]] = None  # (snapshot, tokens, unread) before it
 
     @property
@@ -213,16 +217,17 @@ class SpeculativeDecoder:
         start = len(committed) - 1  # the root's position
         snapshot = self.rewind.snapshot() if self.rewind is not None and len(tree) else None
         self._last_round = (snapshot, len(committed), len(unread))
-        out = self._verify(tree, tokens, unread)
+        with self.rewind.recording() if snapshot is not None else nullcontext() as recorded:
+            out = self._verify(tree, tokens, unread)
         verdict = accept(tree, tokens, out.logits, self.sampling, self._next_key())
         kept = [0] + [n + 1 for n in verdict.path]
+        self.state.unread = 0
         if self.rewind is None:
             keep_cache_entries(self.target_cache, start, kept)
-        elif len(verdict.path) < len(tree):  # the state ran past a rejected draft: back to before this pass
-            self.rewind.restore(snapshot)
-            self.state.unread = len(unread) + len(kept)
-        else:
-            self.state.unread = 0
+        elif len(verdict.path) < len(tree):  # the state ran past a rejected draft: back to the accepted prefix
+            if not self.rewind.keep(snapshot, recorded, len(unread) + len(kept)):
+                self.rewind.restore(snapshot)  # (and read the accepted tokens again next round)
+                self.state.unread = len(unread) + len(kept)
         self.on_phase("verified")
         new = verdict.tokens + [verdict.bonus]
         if self.drafter is not None:

@@ -2,7 +2,8 @@
 (tests/hybrids.py), greedy decoding with drafts that are accepted part way equals
 mlx_lm.generate_step token for token, so the recurrent state after each round is exactly
 the state after the accepted prefix; the same with a draft model; the test can fail
-(without the rollback the text changes); and a conversation keeps its cache across turns."""
+(without the rollback the text changes); the recorded rollback leaves what reading the
+prefix alone does, and its fallback, a snapshot, is lossless too; and a conversation keeps its cache across turns."""
 
 import mlx.core as mx
 import pytest
@@ -30,11 +31,19 @@ def reference(model, prompt=PROMPT, count=COUNT):
     return [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=count)]
 
 
-def decode(model, drafter, prompt=PROMPT, count=COUNT, cache=None):
+# The families whose Mamba 2 layers are rolled back from a snapshot, as measured cheaper
+# (rewind.RECURRENCES); every other family's rollbacks replay the recorded pass.
+SNAPSHOT_FAMILIES = {"nemotron_h", "granitemoehybrid", "falcon_h1", "mamba2"}
+
+
+def decode(model, drafter, prompt=PROMPT, count=COUNT, cache=None, replays=True):
+    """Where the rollback replays (``replays``: as it does unless switched off), every round
+    leaves no accepted token to read again."""
     decoder = SpeculativeDecoder(model, drafter, Sampling(), cache=cache)
     tokens = [decoder.prefill(prompt)]
     while len(tokens) < count:
         tokens += decoder.round(count - len(tokens)).tokens
+        assert not (replays and decoder.rewind.replays) or decoder.state.unread == 0
     return tokens[:count], decoder
 
 
@@ -47,7 +56,60 @@ def test_drafts_accepted_part_way_are_rolled_back_losslessly(family):
     tokens, decoder = decode(model, drafter)
     assert tokens == expected, name
     assert COUNT / decoder.forwards > 1.5, f"{name}: tau {COUNT / decoder.forwards:.2f}: drafts were accepted"
-    assert decoder.rewind is not None
+    assert decoder.rewind is not None and decoder.rewind.replays == (name not in SNAPSHOT_FAMILIES)
+
+
+@pytest.mark.parametrize("name", ["qwen3_5", "nemotron_h", "jamba", "lfm2", "kimi_linear"])
+@pytest.mark.parametrize("stepped", [True, False])
+def test_the_recorded_rollback_equals_reading_the_prefix(monkeypatch, name, stepped):
+    """After a pass over 7 tokens cut back to its first 3, every cache holds what a pass
+    over those 3 alone leaves: the conv states sliced, the recurrent states kept as they
+    passed (``stepped``, as on CPU and CUDA) or replayed over the kept steps (as on Metal).
+    Mamba 2 layers replay (the decoder restores a snapshot for them instead)."""
+    import mlx_eagle.rewind as rewind_module
+
+    model = hybrids.build(name)
+    rewind_cache, plain_cache = make_prompt_cache(model).target, make_prompt_cache(model).target
+    for cache in (rewind_cache, plain_cache):
+        mx.eval(model(mx.array([PROMPT]), cache=cache))
+    rewind = Rewind(model, rewind_cache, replay=True)
+    if not stepped:
+        monkeypatch.setattr(rewind_module, "_Call", _unstepped(rewind_module._Call))
+    snapshot = rewind.snapshot()
+    with rewind.recording() as recorded:
+        mx.eval(model(mx.array([[3, 1, 4, 1, 5, 9, 2]]), cache=rewind_cache))
+    assert rewind.keep(snapshot, recorded, 3)
+    mx.eval(model(mx.array([[3, 1, 4]]), cache=plain_cache))
+    for kept, read in zip(rewind.caches, Rewind(model, plain_cache).caches):
+        if hasattr(kept, "offset"):  # an attention layer's: cut back to the same length
+            assert kept.offset == read.offset
+            continue
+        for a, b in zip(kept.cache, read.cache):
+            assert a.shape == b.shape and mx.allclose(a, b, atol=1e-5), name
+    # and the next token's logits agree
+    a = model(mx.array([[6]]), cache=rewind_cache)
+    b = model(mx.array([[6]]), cache=plain_cache)
+    assert mx.allclose(a, b, atol=1e-4)
+
+
+def _unstepped(call_class):
+    """A recorded call that forgets the states its steps kept: its rollback replays."""
+    class Unstepped(call_class):
+        def __init__(self, *args):
+            super().__init__(*args)
+            self.steps = []
+    return Unstepped
+
+
+@pytest.mark.parametrize("name", ["qwen3_next", "falcon_h1"])
+def test_the_snapshot_fallback_is_lossless(monkeypatch, name):
+    """Where the recording cannot account for a model's states, the round restores its
+    snapshot and reads the accepted tokens again."""
+    model = hybrids.build(name)
+    expected = reference(model)
+    monkeypatch.setattr(Rewind, "keep", lambda self, snapshot, recorded, count: False)
+    tokens, decoder = decode(model, ScriptedDrafter(PROMPT + expected, hybrids.VOCAB), replays=False)
+    assert tokens == expected and decoder.forwards < COUNT
 
 
 def test_lookup_alone_is_lossless(family):
@@ -65,11 +127,11 @@ def test_a_draft_model_merged_with_lookup_is_lossless(name):
     assert tokens == reference(model)
 
 
-@pytest.mark.parametrize("name", ["qwen3_next", "lfm2"])
+@pytest.mark.parametrize("name", ["qwen3_next", "jamba", "lfm2", "nemotron_h"])
 def test_without_the_rollback_the_text_changes(monkeypatch, name):
     model = hybrids.build(name)
     expected = reference(model)
-    monkeypatch.setattr(Rewind, "restore", lambda self, snapshot: None)
+    monkeypatch.setattr(Rewind, "keep", lambda self, snapshot, recorded, count: True)  # keeps the whole pass
     tokens, _ = decode(model, ScriptedDrafter(PROMPT + expected, hybrids.VOCAB))
     assert tokens != expected
 
