@@ -127,8 +127,8 @@ def main() -> None:
     print(f"{'family':32} {'plain ms':>9} " + " ".join(f"{'chain ' + str(c):>22}" for c in CHAINS))
     print(f"{'':32} {'':>9} " + " ".join(f"{'replay / re-read':>22}" for c in CHAINS))
     for family, row in results.items():
-        cells = [f"{row[f'chain {c}']['replay_of_a_plain_step']:5.1%} / {row[f'chain {c}']['reread_of_a_plain_step']:5.1%}"
-                 for c in CHAINS]
+        cells = [f"{cell['replay_of_a_plain_step']:5.1%} / {cell['reread_of_a_plain_step']:5.1%}"
+                 for cell in (row[f"chain {c}"] for c in CHAINS)]
         print(f"{family:32} {row['plain_step_ms']:9.2f} " + " ".join(f"{cell:>22}" for cell in cells)
               + f"  {row['decoder_rolls_back_by']}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
