@@ -81,14 +81,15 @@ class _Call:
     kind: Recurrence
     args: tuple
     kwargs: dict
-    state: mx.array  # what it returned: the state the layer stored
+    outputs: mx.array  # what it returned: the outputs (steps along axis 1), and the state the layer stored
+    state: mx.array
     steps: List[mx.array]  # the state after each step, where the backend stepped
 
     def replay(self, count: int) -> mx.array:
         """The state after the first ``count`` steps of the call."""
-        arguments = inspect.signature(self.function).bind(*self.args, **self.kwargs).arguments
-        if len(self.steps) == arguments[self.kind.sequences[0]].shape[1]:
+        if len(self.steps) == self.outputs.shape[1]:
             return self.steps[count - 1]
+        arguments = inspect.signature(self.function).bind(*self.args, **self.kwargs).arguments
         for name in self.kind.sequences:
             if arguments.get(name) is not None:
                 arguments[name] = arguments[name][:, :count]
@@ -103,7 +104,7 @@ def _recorded(function: Callable, kind: Recurrence) -> Callable:
         _recording.steps = []
         try:
             outputs = function(*args, **kwargs)
-            calls.append(_Call(function, kind, args, kwargs, outputs[1], _recording.steps))
+            calls.append(_Call(function, kind, args, kwargs, *outputs, _recording.steps))
         finally:
             _recording.steps = None
         return outputs
