@@ -29,16 +29,27 @@ class Architecture:
     feed_forward: str = "mlp"  # the decoder layer's MLP or mixture of experts
     gguf: Optional[str] = None  # llama.cpp's general.architecture, where the GGUF converter reads it
     gguf_permuted: bool = False  # llama.cpp reorders its Q and K rows for its RoPE layout
-    # llama.cpp's tensor names that mean something else here than in llama (GGUF name part -> ours)
+    # llama.cpp's tensor names that mean something else here than in llama (GGUF block name part, or
+    # whole name, -> ours)
     gguf_names: Tuple[Tuple[str, str], ...] = ()
+    gguf_layers: str = "model.layers"  # where its blocks' tensors go
     gguf_norm_shift: float = 0.0  # llama.cpp stores RMSNorm weights as w + shift for (1 + w) norms
     gguf_conv: Optional[str] = None  # the names of depthwise conv kernels llama.cpp stores squeezed to 2-D
+    gguf_mamba2: bool = False  # llama.cpp's Mamba-2 layout: A as -exp(A_log), A and D as columns, norms per group
+    gguf_gated_delta: bool = False  # llama.cpp's Gated DeltaNet layout: A as -exp(A_log), value heads tiled
     experts: bool = False  # a mixture of experts: GGUF files of it are refused (other formats convert)
     embedding_scale: bool = False  # embeddings are multiplied by sqrt(hidden) (rounded to bfloat16, as mlx-lm does)
     text_model: Optional[str] = None  # a multimodal wrapper: the attribute holding the text model, which is loaded
     text_config: Optional[str] = None  # ... and the config.json key holding its config
     driven: bool = True  # target.py drives its layers (trees, feature taps); False: chains through its own forward
 
+
+# llama.cpp's names for a Mamba-2 block's tensors (block parts, and whole names for the
+# embeddings and the final norm), as Hugging Face names them.
+_MAMBA2_GGUF = (("token_embd.weight", "backbone.embeddings.weight"), ("output_norm.weight", "backbone.norm_f.weight"),
+                ("attn_norm", "norm"), ("ssm_in", "mixer.in_proj"), ("ssm_conv1d", "mixer.conv1d"),
+                ("ssm_dt.bias", "mixer.dt_bias"), ("ssm_a", "mixer.A_log"), ("ssm_d", "mixer.D"),
+                ("ssm_norm", "mixer.norm"), ("ssm_out", "mixer.out_proj"))
 
 ARCHITECTURES: Dict[str, Architecture] = {record.model_type: record for record in (
     Architecture("llama", "llama", "LlamaForCausalLM", gguf="llama", gguf_permuted=True),
@@ -61,9 +72,18 @@ ARCHITECTURES: Dict[str, Architecture] = {record.model_type: record for record i
                  text_config="text_config"),
     # Hybrid and recurrent families: Gated DeltaNet, Mamba 2, Mamba and short-convolution layers
     # (with attention layers in most), their state rolled back by rewind.py.
-    *(Architecture(model_type, model_type, hf_class, driven=False, text_model="language_model",
-                   text_config="text_config") for model_type, hf_class in (
-        ("qwen3_5", "Qwen3_5ForConditionalGeneration"), ("qwen3_5_moe", "Qwen3_5MoeForConditionalGeneration"))),
+    # Qwen3.5 GGUFs (dense): llama.cpp's names for the Gated DeltaNet layers, its layout of
+    # them, and squeezed conv kernels; it writes norms as the (1 + w) they apply, as mlx-lm does.
+    Architecture("qwen3_5", "qwen3_5", "Qwen3_5ForConditionalGeneration", driven=False, text_model="language_model",
+                 text_config="text_config", gguf="qwen35", gguf_conv="linear_attn.conv1d.weight",
+                 gguf_gated_delta=True, gguf_names=(
+                     ("attn_qkv", "linear_attn.in_proj_qkv"), ("attn_gate", "linear_attn.in_proj_z"),
+                     ("ssm_beta", "linear_attn.in_proj_b"), ("ssm_alpha", "linear_attn.in_proj_a"),
+                     ("ssm_a", "linear_attn.A_log"), ("ssm_dt.bias", "linear_attn.dt_bias"),
+                     ("ssm_conv1d", "linear_attn.conv1d"), ("ssm_norm", "linear_attn.norm"),
+                     ("ssm_out", "linear_attn.out_proj"), ("post_attention_norm", "post_attention_layernorm"))),
+    Architecture("qwen3_5_moe", "qwen3_5_moe", "Qwen3_5MoeForConditionalGeneration", driven=False,
+                 text_model="language_model", text_config="text_config"),
     # LFM2 GGUFs: llama.cpp's names for its blocks, and its conv kernels squeezed.
     Architecture("lfm2", "lfm2", "Lfm2ForCausalLM", driven=False, gguf="lfm2", gguf_conv="conv.conv.weight",
                  gguf_names=(("attn_norm", "operator_norm"), ("ffn_norm", "ffn_norm"), ("ffn_gate", "feed_forward.w1"),
@@ -71,10 +91,21 @@ ARCHITECTURES: Dict[str, Architecture] = {record.model_type: record for record i
                              ("shortconv.conv", "conv.conv"), ("shortconv.in_proj", "conv.in_proj"),
                              ("shortconv.out_proj", "conv.out_proj"), ("attn_output", "self_attn.out_proj"),
                              ("attn_q_norm", "self_attn.q_layernorm"), ("attn_k_norm", "self_attn.k_layernorm"))),
+    # Mamba 2 and Nemotron-H GGUFs: llama.cpp's names for the mixers (under "backbone", as
+    # Hugging Face names them), its Mamba-2 layout, squeezed conv kernels, and Q/K rows
+    # permuted as for llama (Nemotron-H's attention has no RoPE, so either order computes alike).
+    Architecture("mamba2", "mamba2", "Mamba2ForCausalLM", driven=False, gguf="mamba2", gguf_names=_MAMBA2_GGUF,
+                 gguf_layers="backbone.layers", gguf_conv="mixer.conv1d.weight", gguf_mamba2=True),
+    Architecture("nemotron_h", "nemotron_h", "NemotronHForCausalLM", driven=False, gguf="nemotron_h",
+                 gguf_names=_MAMBA2_GGUF + (("attn_q", "mixer.q_proj"), ("attn_k", "mixer.k_proj"),
+                                            ("attn_v", "mixer.v_proj"), ("attn_output", "mixer.o_proj"),
+                                            ("ffn_up", "mixer.up_proj"), ("ffn_down", "mixer.down_proj")),
+                 gguf_layers="backbone.layers", gguf_conv="mixer.conv1d.weight", gguf_mamba2=True,
+                 gguf_permuted=True),
     *(Architecture(model_type, model_type, hf_class, driven=False) for model_type, hf_class in (
-        ("qwen3_next", "Qwen3NextForCausalLM"), ("nemotron_h", "NemotronHForCausalLM"),
+        ("qwen3_next", "Qwen3NextForCausalLM"),
         ("granitemoehybrid", "GraniteMoeHybridForCausalLM"), ("falcon_h1", "FalconH1ForCausalLM"),
-        ("lfm2_moe", "Lfm2MoeForCausalLM"), ("mamba2", "Mamba2ForCausalLM"),
+        ("lfm2_moe", "Lfm2MoeForCausalLM"),
         ("jamba", "JambaForCausalLM"), ("kimi_linear", "KimiLinearForCausalLM"))),
 )}
 

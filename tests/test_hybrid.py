@@ -204,15 +204,15 @@ def test_a_hybrid_gguf_is_refused_in_one_line(tmp_path):
     from mlx_eagle.convert.target import convert_target
     from mlx_eagle.errors import UserError
 
-    path = tmp_path / "nemotron.gguf"
-    writer = gguf.GGUFWriter(str(path), "nemotron_h")
+    path = tmp_path / "falcon-h1.gguf"
+    writer = gguf.GGUFWriter(str(path), "falcon-h1")
     writer.add_block_count(2)
     writer.add_tensor("token_embd.weight", np.zeros((8, 4), dtype=np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    with pytest.raises(UserError, match="'nemotron_h' is not supported .* Hugging Face directory"):
+    with pytest.raises(UserError, match="'falcon-h1' is not supported .* Hugging Face directory"):
         convert_target(path, tmp_path / "out", progress=False)
 
 
@@ -377,48 +377,208 @@ def test_a_published_eagle3_head_converts_for_a_hybrid_and_the_command_drafts_wi
     assert drafted.stdout == plain.stdout
 
 
-def test_an_lfm2_gguf_converts_to_the_same_model(tmp_path):
-    """LFM2 written as llama.cpp's convert_hf_to_gguf writes it (gguf's own tensor names,
-    the conv kernels squeezed to 2-D, key/value heads per layer with 0 for the convolution
-    layers): converted, its logits are the model's, and it drafts losslessly with lookup."""
+def write_llama_cpp_gguf(path, family: str, arch, model, tokenizer, metadata, rewrite=lambda name, value: [(name, value)]):
+    """``model`` as llama.cpp's convert_hf_to_gguf writes its family: its Hugging Face
+    tensors (MLX's conv kernels [C, L, 1] are Hugging Face's [C, 1, L]) under gguf's own
+    names, as ``rewrite(name, value)`` changes them, with ``metadata(writer)``."""
     import gguf
     import numpy as np
     from mlx.utils import tree_flatten
 
     import synthetic
-    from mlx_eagle import load
-    from mlx_eagle.convert.target import convert_target
 
-    tokenizer = synthetic._bpe_tokenizer("qwen2")
-    config = hybrids.FAMILIES["lfm2"]
-    model = hybrids.build("lfm2", vocab_size=tokenizer.get_vocab_size())
-    names = gguf.TensorNameMap(gguf.MODEL_ARCH.LFM2, config["num_hidden_layers"])
-    path = tmp_path / "lfm2.gguf"
-    writer = gguf.GGUFWriter(str(path), "lfm2")
-    writer.add_block_count(config["num_hidden_layers"])
-    writer.add_context_length(config["max_position_embeddings"])
-    writer.add_embedding_length(config["hidden_size"])
-    writer.add_feed_forward_length(config["block_ff_dim"])
-    writer.add_head_count(config["num_attention_heads"])
-    writer.add_head_count_kv([config["num_key_value_heads"] if kind == "full_attention" else 0
-                              for kind in config["layer_types"]])
-    writer.add_rope_freq_base(config["rope_theta"])
-    writer.add_layer_norm_rms_eps(config["norm_eps"])
+    layers = len(model.layers)
+    names = gguf.TensorNameMap(arch, layers)
+    writer = gguf.GGUFWriter(str(path), gguf.MODEL_ARCH_NAMES[arch])
     writer.add_vocab_size(tokenizer.get_vocab_size())
-    writer.add_shortconv_l_cache(config["conv_L_cache"])
+    metadata(writer)  # (with the block count)
     synthetic.add_bpe_tokenizer(writer, tokenizer, "qwen2")
     for name, value in tree_flatten(model.parameters()):
-        value = np.array(value)
-        if name.endswith("conv.conv.weight"):  # MLX [C, L, 1]; Hugging Face [C, 1, L], squeezed by llama.cpp
-            value = value[..., 0]
-        base, _, kind = name.rpartition(".")
-        writer.add_tensor(f"{names.get_name(base)}.{kind}", value)
+        for name, value in rewrite(name.removeprefix("language_model."), np.array(value)):
+            base, _, kind = name.rpartition(".")
+            if kind not in ("weight", "bias"):  # a parameter that is its own tensor (Mamba's A_log, D)
+                base, kind = name, ""
+            gguf_name = base if base.startswith("blk.") else names.get_name(base)  # (already llama.cpp's)
+            writer.add_tensor(gguf_name + (f".{kind}" if kind else ""), value)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+def converts_to_the_same_model(tmp_path, family: str, arch, metadata, rewrite):
+    """The GGUF of a tiny ``family`` model converts to a model whose logits are its own, and
+    that drafts losslessly with lookup."""
+    import synthetic
+    from mlx_eagle import load
+    from mlx_eagle.convert.target import convert_target
+
+    tokenizer = synthetic._bpe_tokenizer("qwen2")
+    model = hybrids.build(family, vocab_size=tokenizer.get_vocab_size())
+    path = tmp_path / f"{family}.gguf"
+    write_llama_cpp_gguf(path, family, arch, model, tokenizer, metadata, rewrite)
     converted, _ = load(str(convert_target(path, tmp_path / "converted", progress=False)))
     tokens = mx.array([PROMPT])
     assert mx.allclose(converted(tokens), model(tokens), atol=1e-4)
     decoded, _ = decode(converted, LookupDrafter(lambda k: 1.0))
     assert decoded == reference(model)
+
+
+def test_an_lfm2_gguf_converts_to_the_same_model(tmp_path):
+    """LFM2 written as llama.cpp's convert_hf_to_gguf writes it (gguf's own tensor names,
+    the conv kernels squeezed to 2-D, key/value heads per layer with 0 for the convolution
+    layers)."""
+    import gguf
+
+    config = hybrids.FAMILIES["lfm2"]
+
+    def metadata(writer):
+        writer.add_block_count(config["num_hidden_layers"])
+        writer.add_context_length(config["max_position_embeddings"])
+        writer.add_embedding_length(config["hidden_size"])
+        writer.add_feed_forward_length(config["block_ff_dim"])
+        writer.add_head_count(config["num_attention_heads"])
+        writer.add_head_count_kv([config["num_key_value_heads"] if kind == "full_attention" else 0
+                                  for kind in config["layer_types"]])
+        writer.add_rope_freq_base(config["rope_theta"])
+        writer.add_layer_norm_rms_eps(config["norm_eps"])
+        writer.add_shortconv_l_cache(config["conv_L_cache"])
+
+    def rewrite(name, value):
+        return [(name, value[..., 0] if name.endswith("conv.conv.weight") else value)]  # squeezed
+
+    converts_to_the_same_model(tmp_path, "lfm2", gguf.MODEL_ARCH.LFM2, metadata, rewrite)
+
+
+def mamba2_rewrite(name, value, groups: int, heads: int = 0, kv_heads: int = 0):
+    """What llama.cpp's Mamba2Model does to a Mamba-2 block (A written as -exp(A_log), A
+    and D as columns, the gated norm per group, conv kernels squeezed, dt_bias renamed),
+    and for Nemotron-H's attention, LlamaModel's Q/K row permutation."""
+    import numpy as np
+
+    if name.endswith("A_log"):
+        return [(name, -np.exp(value).reshape(-1, 1))]
+    if name.endswith("mixer.D"):
+        return [(name, value.reshape(-1, 1))]
+    if name.endswith("mixer.norm.weight"):
+        return [(name, value.reshape(groups, -1))]
+    if name.endswith("conv1d.weight"):
+        return [(name, value[..., 0])]
+    if name.endswith("dt_bias"):
+        return [(name.replace("dt_bias", "dt_proj.bias"), value)]
+    if name.endswith(("q_proj.weight", "k_proj.weight")):
+        count = heads if "q_proj" in name else kv_heads
+        permuted = value.reshape(count, 2, value.shape[0] // count // 2, *value.shape[1:]).swapaxes(1, 2)
+        return [(name, permuted.reshape(value.shape))]
+    return [(name, value)]
+
+
+def mamba2_metadata(writer, config, heads: int, head_dim: int, state: int, conv: int, groups: int, eps: float):
+    writer.add_block_count(config.get("num_hidden_layers") or len(config["hybrid_override_pattern"]))
+    writer.add_context_length(2 ** 20)
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_ssm_conv_kernel(conv)
+    writer.add_ssm_inner_size(heads * head_dim)
+    writer.add_ssm_state_size(state)
+    writer.add_ssm_time_step_rank(heads)
+    writer.add_ssm_group_count(groups)
+    writer.add_layer_norm_rms_eps(eps)
+
+
+def test_a_mamba2_gguf_converts_to_the_same_model(tmp_path):
+    import gguf
+
+    config = hybrids.FAMILIES["mamba2"]
+
+    def metadata(writer):
+        writer.add_feed_forward_length(0)
+        writer.add_head_count(0)
+        mamba2_metadata(writer, config, config["num_heads"], config["head_dim"], config["state_size"],
+                        config["conv_kernel"], config["n_groups"], config["layer_norm_epsilon"])
+
+    converts_to_the_same_model(tmp_path, "mamba2", gguf.MODEL_ARCH.MAMBA2, metadata,
+                               lambda name, value: mamba2_rewrite(name, value, config["n_groups"]))
+
+
+def test_a_nemotron_h_gguf_converts_to_the_same_model(tmp_path):
+    """Nemotron-H: which layers attend (key/value heads per layer) and which are MLPs
+    (feed-forward width per layer) written per layer; the rest are Mamba 2."""
+    import gguf
+
+    config = hybrids.FAMILIES["nemotron_h"]
+    pattern = config["hybrid_override_pattern"]
+
+    def metadata(writer):
+        writer.add_head_count(config["num_attention_heads"])
+        writer.add_head_count_kv([config["num_key_value_heads"] if kind == "*" else 0 for kind in pattern])
+        writer.add_feed_forward_length([config["intermediate_size"] if kind == "-" else 0 for kind in pattern])
+        writer.add_key_length(config["head_dim"])
+        writer.add_value_length(config["head_dim"])
+        mamba2_metadata(writer, config, config["mamba_num_heads"], config["mamba_head_dim"], config["ssm_state_size"],
+                        config["conv_kernel"], config["n_groups"], config["layer_norm_epsilon"])
+
+    converts_to_the_same_model(tmp_path, "nemotron_h", gguf.MODEL_ARCH.NEMOTRON_H, metadata, lambda name, value: (
+        mamba2_rewrite(name, value, config["n_groups"], config["num_attention_heads"], config["num_key_value_heads"])))
+
+
+def test_a_qwen3_5_gguf_converts_to_the_same_model(tmp_path):
+    """Qwen3.5 as llama.cpp's Qwen3.5 converter writes it: A as -exp(A_log), dt_bias
+    renamed, conv kernels squeezed, norms as the (1 + w) they apply, and the value heads
+    tiled across key heads (this model has 4 value heads to 2 key heads); and a multi-token
+    prediction layer past the model's own, which the conversion leaves out."""
+    import gguf
+    import numpy as np
+
+    config = hybrids.FAMILIES["qwen3_5"]["text_config"]
+    key_heads, value_heads = config["linear_num_key_heads"], config["linear_num_value_heads"]
+    value_dim, key_part = config["linear_value_head_dim"], 2 * key_heads * config["linear_key_head_dim"]
+
+    def metadata(writer):
+        writer.add_block_count(config["num_hidden_layers"] + 1)
+        writer.add_nextn_predict_layers(1)
+        writer.add_context_length(config["max_position_embeddings"])
+        writer.add_embedding_length(config["hidden_size"])
+        writer.add_feed_forward_length(config["intermediate_size"])
+        writer.add_head_count(config["num_attention_heads"])
+        writer.add_head_count_kv(config["num_key_value_heads"])
+        writer.add_key_length(config["head_dim"])
+        writer.add_value_length(config["head_dim"])
+        writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+        rope = config["rope_parameters"]
+        writer.add_rope_freq_base(rope["rope_theta"])
+        writer.add_rope_dimension_count(int(config["head_dim"] * rope["partial_rotary_factor"]))
+        writer.add_rope_dimension_sections(rope["mrope_section"] + [0])
+        writer.add_ssm_conv_kernel(config["linear_conv_kernel_dim"])
+        writer.add_ssm_state_size(config["linear_key_head_dim"])
+        writer.add_ssm_group_count(key_heads)
+        writer.add_ssm_time_step_rank(value_heads)
+        writer.add_ssm_inner_size(value_dim * value_heads)
+        writer.add_full_attention_interval(config["full_attention_interval"])
+
+    def tiled(value, axis, start, head_dim):  # llama.cpp's _reorder_v_heads
+        moved = np.moveaxis(value, axis, 0)
+        tail = moved[start:].reshape(key_heads, value_heads // key_heads, head_dim, *moved.shape[1:])
+        moved = np.concatenate([moved[:start], tail.swapaxes(0, 1).reshape(moved[start:].shape)])
+        return np.moveaxis(moved, 0, axis)
+
+    def rewrite(name, value):
+        if name.endswith("A_log"):
+            value = -np.exp(value)
+        if name.endswith("conv1d.weight"):
+            value = value[..., 0]
+        for suffix, (axis, start, head_dim) in {
+                "in_proj_qkv.weight": (0, key_part, value_dim), "in_proj_z.weight": (0, 0, value_dim),
+                "in_proj_a.weight": (0, 0, 1), "in_proj_b.weight": (0, 0, 1), "A_log": (0, 0, 1),
+                "dt_bias": (0, 0, 1), "conv1d.weight": (0, key_part, value_dim),
+                "out_proj.weight": (1, 0, value_dim)}.items():
+            if name.endswith(f"linear_attn.{suffix}"):
+                value = tiled(value, axis, start, head_dim)
+        if name.endswith("dt_bias"):
+            name = name.replace("dt_bias", "dt_proj.bias")
+        rows = [(name, value)]
+        if name == "model.norm.weight":  # the MTP layer llama.cpp appends as one more block
+            rows.append((f"blk.{config['num_hidden_layers']}.nextn.eh_proj.weight",
+                         np.zeros((config["hidden_size"], 2 * config["hidden_size"]), dtype=np.float32)))
+        return rows
+
+    converts_to_the_same_model(tmp_path, "qwen3_5", gguf.MODEL_ARCH.QWEN35, metadata, rewrite)

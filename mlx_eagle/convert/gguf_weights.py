@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import mlx.core as mx
 import numpy as np
@@ -57,16 +57,20 @@ _TENSOR_NAMES = [
 ]
 
 
-def hf_name(gguf_name: str, renamed: Tuple[Tuple[str, str], ...] = ()) -> Optional[str]:
+def hf_name(gguf_name: str, renamed: Tuple[Tuple[str, str], ...] = (), layers: str = "model.layers") -> Optional[str]:
     """Our name for a GGUF tensor; ``renamed``: an architecture's own meanings of llama.cpp's
-    block tensor names (its record's gguf_names)."""
+    names (its record's gguf_names: whole names, or block name parts, some with no
+    weight/bias suffix, as Mamba-2's A and D); ``layers``: where its blocks go."""
     for part, ours in renamed:
-        found = re.fullmatch(rf"blk\.(\d+)\.{re.escape(part)}\.(weight|bias)", gguf_name)
+        if gguf_name == part:
+            return ours
+        found = re.fullmatch(rf"blk\.(\d+)\.{re.escape(part)}(?:\.(weight|bias))?", gguf_name)
         if found:
-            return f"model.layers.{found.group(1)}.{ours}.{found.group(2)}"
+            suffix = f".{found.group(2)}" if found.group(2) else ""
+            return f"{layers}.{found.group(1)}.{ours}{suffix}"
     for pattern, replacement in _TENSOR_NAMES:
         if re.fullmatch(pattern, gguf_name):
-            return re.sub(pattern, replacement, gguf_name)
+            return re.sub(pattern, replacement, gguf_name).replace("model.layers.", f"{layers}.")
     return None
 
 
@@ -185,27 +189,34 @@ def read_config(reader, path: Path) -> Dict[str, Any]:
             "to mlx_eagle.convert, or an MLX conversion of it to --model"
         )
     tokens = field(reader, "tokenizer.ggml.tokens") or []
-    heads = number(reader, f"{arch}.attention.head_count")
     hidden = number(reader, f"{arch}.embedding_length")
     config = {
         "model_type": ARCHITECTURES[arch].model_type,
         "architectures": [ARCHITECTURES[arch].hf_class],
         "hidden_size": hidden,
-        "intermediate_size": number(reader, f"{arch}.feed_forward_length"),
         "num_hidden_layers": number(reader, f"{arch}.block_count"),
-        "num_attention_heads": heads,
-        # (LFM2 writes one per layer: _lfm2_config)
-        "num_key_value_heads": None if arch == "lfm2" else number(reader, f"{arch}.attention.head_count_kv", int,
-                                                                  heads),
-        "head_dim": number(reader, f"{arch}.attention.key_length", int, hidden // max(heads, 1)),
-        "rms_norm_eps": number(reader, f"{arch}.attention.layer_norm_rms_epsilon", float, 1e-6),
-        "rope_theta": number(reader, f"{arch}.rope.freq_base", float, 10000.0),
         "max_position_embeddings": number(reader, f"{arch}.context_length", int, 4096),
         "vocab_size": number(reader, f"{arch}.vocab_size", int, len(tokens)),
         "tie_word_embeddings": "output.weight" not in {t.name for t in reader.tensors},
         "bos_token_id": field(reader, "tokenizer.ggml.bos_token_id"),
         "eos_token_id": field(reader, "tokenizer.ggml.eos_token_id"),
     }
+    if ARCHITECTURES[arch].gguf_mamba2:
+        config.update(_mamba2_config(reader, arch, config))
+    elif ARCHITECTURES[arch].gguf_gated_delta:
+        config.update(_gated_delta_config(reader, arch, config))
+    else:
+        heads = number(reader, f"{arch}.attention.head_count")
+        config.update({
+            "intermediate_size": number(reader, f"{arch}.feed_forward_length"),
+            "num_attention_heads": heads,
+            # (LFM2 writes one per layer: _lfm2_config)
+            "num_key_value_heads": None if arch == "lfm2" else number(reader, f"{arch}.attention.head_count_kv", int,
+                                                                      heads),
+            "head_dim": number(reader, f"{arch}.attention.key_length", int, hidden // max(heads, 1)),
+            "rms_norm_eps": number(reader, f"{arch}.attention.layer_norm_rms_epsilon", float, 1e-6),
+            "rope_theta": number(reader, f"{arch}.rope.freq_base", float, 10000.0),
+        })
     if arch == "llama":
         config["attention_bias"] = "blk.0.attn_q.bias" in {t.name for t in reader.tensors}
         config["mlp_bias"] = False
@@ -223,8 +234,82 @@ def read_config(reader, path: Path) -> Dict[str, Any]:
         config["rope_scaling"] = llama3_rope_scaling(np.asarray(rope_freqs.data, dtype=np.float64).reshape(-1),
                                                      config["rope_theta"], dims, original, path)
     config = {k: v for k, v in config.items() if v is not None}
-    check_model_config(config, path, path.stat().st_size)
+    check_model_config(config, path, path.stat().st_size, llama_shaped=ARCHITECTURES[arch].driven)
     return config
+
+
+def _gated_delta_config(reader, arch: str, config: Dict[str, Any]) -> Dict[str, Any]:
+    """Qwen3.5's settings (mlx-lm reads a flat config as its text model's). llama.cpp writes
+    the Gated DeltaNet's sizes under ssm.* (key heads as groups, their width as the state,
+    value heads as the time-step rank), the partial RoPE as a dimension count and its
+    sections, and the layers a model carries for multi-token prediction past the others."""
+    heads = number(reader, f"{arch}.attention.head_count")
+    head_dim = number(reader, f"{arch}.attention.key_length", int, config["hidden_size"] // max(heads, 1))
+    value_heads = number(reader, f"{arch}.ssm.time_step_rank")
+    inner = number(reader, f"{arch}.ssm.inner_size")
+    if value_heads <= 0 or inner % value_heads:
+        raise UserError(f"the GGUF file's ssm.inner_size {inner} is not a multiple of its {value_heads} value heads; "
+                        "it is damaged")
+    kv_heads = field(reader, f"{arch}.attention.head_count_kv", heads)
+    sections = field(reader, f"{arch}.rope.dimension_sections") or [11, 11, 10]
+    return {
+        "num_hidden_layers": config["num_hidden_layers"] - number(reader, f"{arch}.nextn_predict_layers", int, 0),
+        "intermediate_size": number(reader, f"{arch}.feed_forward_length"),
+        "num_attention_heads": heads, "head_dim": head_dim,
+        "num_key_value_heads": max(kv_heads) if isinstance(kv_heads, list) else kv_heads,
+        "rms_norm_eps": number(reader, f"{arch}.attention.layer_norm_rms_epsilon", float, 1e-6),
+        "linear_num_key_heads": number(reader, f"{arch}.ssm.group_count"),
+        "linear_key_head_dim": number(reader, f"{arch}.ssm.state_size"),
+        "linear_num_value_heads": value_heads, "linear_value_head_dim": inner // value_heads,
+        "linear_conv_kernel_dim": number(reader, f"{arch}.ssm.conv_kernel"),
+        "full_attention_interval": number(reader, f"{arch}.full_attention_interval", int, 4),
+        "rope_parameters": {"type": "default", "mrope_section": [int(n) for n in sections[:3]],
+                            "rope_theta": number(reader, f"{arch}.rope.freq_base", float, 10000000.0),
+                            "partial_rotary_factor": number(reader, f"{arch}.rope.dimension_count", int,
+                                                            head_dim // 4) / head_dim},
+    }
+
+
+def _per_layer(reader, key: str, layers: int) -> List[int]:
+    """A metadata value llama.cpp writes per layer (or one for all): one number per layer."""
+    value = field(reader, key)
+    values = value if isinstance(value, list) else [value] * layers
+    if len(values) != layers or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values):
+        raise UserError(f"the GGUF file's {key} is not one whole number per layer; it is damaged")
+    return values
+
+
+def _mamba2_config(reader, arch: str, config: Dict[str, Any]) -> Dict[str, Any]:
+    """Mamba 2's and Nemotron-H's settings. llama.cpp writes the mixer's sizes under ssm.*
+    (its time-step rank is the head count), and for Nemotron-H which layers attend (key/value
+    heads per layer) and which are MLPs (feed-forward width per layer): the rest are Mamba."""
+    heads = number(reader, f"{arch}.ssm.time_step_rank")
+    inner = number(reader, f"{arch}.ssm.inner_size")
+    if heads <= 0 or inner % heads:
+        raise UserError(f"the GGUF file's ssm.inner_size {inner} is not a multiple of its {heads} heads; it is damaged")
+    names = {t.name for t in reader.tensors}
+    ssm = {"ssm_state_size": number(reader, f"{arch}.ssm.state_size"),
+           "conv_kernel": number(reader, f"{arch}.ssm.conv_kernel"),
+           "n_groups": number(reader, f"{arch}.ssm.group_count", int, 1),
+           "layer_norm_epsilon": number(reader, f"{arch}.attention.layer_norm_rms_epsilon", float, 1e-5),
+           "use_conv_bias": any(n.endswith("ssm_conv1d.bias") for n in names),
+           "time_step_limit": [0.0, float("inf")]}
+    if arch == "mamba2":
+        return dict(ssm, num_heads=heads, head_dim=inner // heads, intermediate_size=inner,
+                    state_size=ssm["ssm_state_size"], use_bias=any(n.endswith("ssm_in.bias") for n in names),
+                    time_step_rank="auto")
+    layers = config["num_hidden_layers"]
+    kv_heads = _per_layer(reader, f"{arch}.attention.head_count_kv", layers)
+    widths = _per_layer(reader, f"{arch}.feed_forward_length", layers)
+    attention_heads = number(reader, f"{arch}.attention.head_count")
+    return dict(ssm, mamba_num_heads=heads, mamba_head_dim=inner // heads,
+                hybrid_override_pattern="".join("*" if k else "-" if w else "M" for k, w in zip(kv_heads, widths)),
+                num_attention_heads=attention_heads, num_key_value_heads=max(kv_heads) or attention_heads,
+                head_dim=number(reader, f"{arch}.attention.key_length", int, config["hidden_size"] // attention_heads),
+                intermediate_size=max(widths), attention_bias=any(n.endswith("attn_q.bias") for n in names),
+                mlp_bias=any(n.endswith("ffn_up.bias") for n in names),
+                mamba_proj_bias=any(n.endswith("ssm_in.bias") for n in names),
+                use_bias=any(n.endswith("ssm_in.bias") for n in names))
 
 
 def _lfm2_config(reader, config: Dict[str, Any]) -> Dict[str, Any]:
@@ -391,7 +476,10 @@ def read_tensors(reader, config: Dict[str, Any], path: Path) -> List[SourceTenso
     for tensor in reader.tensors:
         if tensor.name == ROPE_FREQS:  # in the config's rope_scaling (see read_config)
             continue
-        name = hf_name(tensor.name, record.gguf_names)
+        block = re.match(r"blk\.(\d+)\.", tensor.name)
+        if block and int(block.group(1)) >= config["num_hidden_layers"]:
+            continue  # a multi-token-prediction layer past the model's own (drafters/mtp.py reads those elsewhere)
+        name = hf_name(tensor.name, record.gguf_names, record.gguf_layers)
         if name is None:
             raise UserError(f"{path}: unexpected tensor {tensor.name!r} for a {config['model_type']} model")
         qtype = tensor.tensor_type
@@ -403,22 +491,69 @@ def read_tensors(reader, config: Dict[str, Any], path: Path) -> List[SourceTenso
         shape = tuple(int(n) for n in reversed(tensor.shape.tolist()))
         if record.gguf_conv and name.endswith(record.gguf_conv) and len(shape) == 2:
             shape = shape + (1,)  # MLX's depthwise conv1d kernel: [channels, width, 1]
-        order = None
-        if record.gguf_permuted and re.search(r"self_attn\.(q|k)_proj", name):
+        order, transform = None, None
+        if record.gguf_permuted and re.search(r"\.(q|k)_proj\.weight$", name):
             heads = config["num_attention_heads"] if ".q_proj" in name else config["num_key_value_heads"]
             order = _unpermute_rows(heads, shape[0])
+        if record.gguf_mamba2:
+            shape, transform = _mamba2_tensor(name, shape)
+        if record.gguf_gated_delta:
+            transform = _gated_delta_tensor(name, config)
         shift = record.gguf_norm_shift if name.endswith("norm.weight") else 0.0
-        tensors.append(_source_tensor(name, tensor.data, qtype, shape, order, shift))
+        tensors.append(_source_tensor(name, tensor.data, qtype, shape, order, shift, transform))
     return tensors
 
 
-def _source_tensor(name, data, qtype, shape, order, shift: float = 0.0) -> SourceTensor:
-    """``shift``: subtracted from the values (llama.cpp's +1 on (1 + w) norm weights)."""
+def _mamba2_tensor(name: str, shape: Tuple[int, ...]) -> Tuple[Tuple[int, ...], Optional[Callable]]:
+    """A Mamba-2 tensor's shape as Hugging Face's, and how its values are recovered from
+    llama.cpp's: A was written as A = -exp(A_log), A and D as [heads, 1] columns, the gated
+    norm's weight as [groups, inner / groups]."""
+    if name.endswith("mixer.A_log"):
+        return (shape[0],), lambda a: mx.log(-a)
+    if name.endswith("mixer.D") or name.endswith("mixer.norm.weight"):
+        return (int(np.prod(shape)),), None
+    return shape, None
+
+
+def _gated_delta_tensor(name: str, config: Dict[str, Any]) -> Optional[Callable]:
+    """How a Gated DeltaNet tensor's values are recovered from llama.cpp's: A was written as
+    -exp(A_log), and where there are more value heads than key heads, the value heads
+    (rows of the value part of in_proj_qkv, of in_proj_z, in_proj_a, in_proj_b, A_log,
+    dt_bias and the conv kernel's value channels, columns of out_proj) were tiled [k0, k1,
+    ..., k0, k1, ...] rather than grouped by key head [k0, k0, ..., k1, k1, ...]."""
+    key_heads, value_heads = config["linear_num_key_heads"], config["linear_num_value_heads"]
+    value_dim, key_part = config["linear_value_head_dim"], 2 * key_heads * config["linear_key_head_dim"]
+    parts = {"in_proj_qkv.weight": (0, key_part, value_dim), "in_proj_z.weight": (0, 0, value_dim),
+             "in_proj_a.weight": (0, 0, 1), "in_proj_b.weight": (0, 0, 1), "A_log": (0, 0, 1), "dt_bias": (0, 0, 1),
+             "conv1d.weight": (0, key_part, value_dim), "out_proj.weight": (1, 0, value_dim)}
+    part = next((p for suffix, p in parts.items() if name.endswith(f"linear_attn.{suffix}")), None)
+    if part is None:
+        return None
+    axis, start, head_dim = part
+
+    def grouped(values: mx.array) -> mx.array:
+        if name.endswith("A_log"):
+            values = mx.log(-values)
+        if key_heads == value_heads:
+            return values
+        moved = mx.moveaxis(values, axis, 0)
+        tail = moved[start:].reshape(value_heads // key_heads, key_heads, head_dim, *moved.shape[1:])
+        moved = mx.concatenate([moved[:start], tail.swapaxes(0, 1).reshape(moved[start:].shape)])
+        return mx.moveaxis(moved, 0, axis)
+
+    return grouped
+
+
+def _source_tensor(name, data, qtype, shape, order, shift: float = 0.0,
+                   transform: Optional[Callable] = None) -> SourceTensor:
+    """``shift``: subtracted from the values (llama.cpp's +1 on (1 + w) norm weights);
+    ``transform``: what undoes llama.cpp's rewriting of the values."""
     def rows_in_order(array):
         return array if order is None else array[mx.array(order)]
 
     def load() -> mx.array:
         values = rows_in_order(dequantized(data, qtype, shape))
+        values = transform(values) if transform is not None else values
         return values - shift if shift else values
 
     def load_native() -> Optional[QuantizedWeight]:
@@ -429,7 +564,7 @@ def _source_tensor(name, data, qtype, shape, order, shift: float = 0.0) -> Sourc
             )
         return native
 
-    is_native = qtype in NATIVE_BITS and len(shape) == 2
+    is_native = qtype in NATIVE_BITS and len(shape) == 2 and transform is None
     return SourceTensor(
         name=name,
         shape=shape,
