@@ -377,7 +377,8 @@ def test_a_published_eagle3_head_converts_for_a_hybrid_and_the_command_drafts_wi
     assert drafted.stdout == plain.stdout
 
 
-def write_llama_cpp_gguf(path, family: str, arch, model, tokenizer, metadata, rewrite=lambda name, value: [(name, value)]):
+def write_llama_cpp_gguf(path, family: str, arch, model, tokenizer, metadata,
+                         rewrite=lambda name, value: [(name, value)]):
     """``model`` as llama.cpp's convert_hf_to_gguf writes its family: its Hugging Face
     tensors (MLX's conv kernels [C, L, 1] are Hugging Face's [C, 1, L]) under gguf's own
     names, as ``rewrite(name, value)`` changes them, with ``metadata(writer)``."""
@@ -393,8 +394,8 @@ def write_llama_cpp_gguf(path, family: str, arch, model, tokenizer, metadata, re
     writer.add_vocab_size(tokenizer.get_vocab_size())
     metadata(writer)  # (with the block count)
     synthetic.add_bpe_tokenizer(writer, tokenizer, "qwen2")
-    for name, value in tree_flatten(model.parameters()):
-        for name, value in rewrite(name.removeprefix("language_model."), np.array(value)):
+    for ours, array in tree_flatten(model.parameters()):
+        for name, value in rewrite(ours.removeprefix("language_model."), np.array(array)):
             base, _, kind = name.rpartition(".")
             if kind not in ("weight", "bias"):  # a parameter that is its own tensor (Mamba's A_log, D)
                 base, kind = name, ""
