@@ -44,12 +44,18 @@ class Architecture:
     driven: bool = True  # target.py drives its layers (trees, feature taps); False: chains through its own forward
 
 
-# llama.cpp's names for a Mamba-2 block's tensors (block parts, and whole names for the
-# embeddings and the final norm), as Hugging Face names them.
+
+
+def _mamba2_gguf(mixer: str) -> Tuple[Tuple[str, str], ...]:
+    """llama.cpp's names for a Mamba-2 mixer's tensors, as Hugging Face names them under ``mixer``."""
+    return (("ssm_in", f"{mixer}.in_proj"), ("ssm_conv1d", f"{mixer}.conv1d"), ("ssm_dt.bias", f"{mixer}.dt_bias"),
+            ("ssm_a", f"{mixer}.A_log"), ("ssm_d", f"{mixer}.D"), ("ssm_norm", f"{mixer}.norm"),
+            ("ssm_out", f"{mixer}.out_proj"))
+
+
+# Mamba 2's and Nemotron-H's: under "backbone", the embeddings and final norm too.
 _MAMBA2_GGUF = (("token_embd.weight", "backbone.embeddings.weight"), ("output_norm.weight", "backbone.norm_f.weight"),
-                ("attn_norm", "norm"), ("ssm_in", "mixer.in_proj"), ("ssm_conv1d", "mixer.conv1d"),
-                ("ssm_dt.bias", "mixer.dt_bias"), ("ssm_a", "mixer.A_log"), ("ssm_d", "mixer.D"),
-                ("ssm_norm", "mixer.norm"), ("ssm_out", "mixer.out_proj"))
+                ("attn_norm", "norm"), *_mamba2_gguf("mixer"))
 
 ARCHITECTURES: Dict[str, Architecture] = {record.model_type: record for record in (
     Architecture("llama", "llama", "LlamaForCausalLM", gguf="llama", gguf_permuted=True),
@@ -102,9 +108,12 @@ ARCHITECTURES: Dict[str, Architecture] = {record.model_type: record for record i
                                             ("ffn_up", "mixer.up_proj"), ("ffn_down", "mixer.down_proj")),
                  gguf_layers="backbone.layers", gguf_conv="mixer.conv1d.weight", gguf_mamba2=True,
                  gguf_permuted=True),
+    # Granite 4 hybrid GGUFs (dense): llama.cpp's Mamba-2 layout in "mamba" mixers, Q/K permuted.
+    Architecture("granitemoehybrid", "granitemoehybrid", "GraniteMoeHybridForCausalLM", driven=False,
+                 gguf="granitehybrid", gguf_names=_mamba2_gguf("mamba"), gguf_conv="mamba.conv1d.weight",
+                 gguf_mamba2=True, gguf_permuted=True),
     *(Architecture(model_type, model_type, hf_class, driven=False) for model_type, hf_class in (
-        ("qwen3_next", "Qwen3NextForCausalLM"),
-        ("granitemoehybrid", "GraniteMoeHybridForCausalLM"), ("falcon_h1", "FalconH1ForCausalLM"),
+        ("qwen3_next", "Qwen3NextForCausalLM"), ("falcon_h1", "FalconH1ForCausalLM"),
         ("lfm2_moe", "Lfm2MoeForCausalLM"),
         ("jamba", "JambaForCausalLM"), ("kimi_linear", "KimiLinearForCausalLM"))),
 )}

@@ -459,9 +459,9 @@ def mamba2_rewrite(name, value, groups: int, heads: int = 0, kv_heads: int = 0):
 
     if name.endswith("A_log"):
         return [(name, -np.exp(value).reshape(-1, 1))]
-    if name.endswith("mixer.D"):
+    if name.endswith((".mixer.D", ".mamba.D")):
         return [(name, value.reshape(-1, 1))]
-    if name.endswith("mixer.norm.weight"):
+    if name.endswith((".mixer.norm.weight", ".mamba.norm.weight")):
         return [(name, value.reshape(groups, -1))]
     if name.endswith("conv1d.weight"):
         return [(name, value[..., 0])]
@@ -520,6 +520,33 @@ def test_a_nemotron_h_gguf_converts_to_the_same_model(tmp_path):
 
     converts_to_the_same_model(tmp_path, "nemotron_h", gguf.MODEL_ARCH.NEMOTRON_H, metadata, lambda name, value: (
         mamba2_rewrite(name, value, config["n_groups"], config["num_attention_heads"], config["num_key_value_heads"])))
+
+
+def test_a_granite_hybrid_gguf_converts_to_the_same_model(tmp_path):
+    """Granite 4 hybrids: which layers attend written per layer, Granite's multipliers under
+    llama.cpp's names, RoPE where rope.scaling.finetuned says so, Q/K permuted as for llama."""
+    import gguf
+
+    config = hybrids.FAMILIES["granitemoehybrid"]
+    kinds = config["layer_types"]
+
+    def metadata(writer):
+        writer.add_feed_forward_length(config["intermediate_size"])
+        writer.add_head_count(config["num_attention_heads"])
+        writer.add_head_count_kv([config["num_key_value_heads"] if kind == "attention" else 0 for kind in kinds])
+        writer.add_rope_freq_base(10000.0)
+        writer.add_rope_scaling_finetuned(True)
+        writer.add_attention_scale(config["attention_multiplier"])
+        writer.add_embedding_scale(config["embedding_multiplier"])
+        writer.add_residual_scale(config["residual_multiplier"])
+        writer.add_logit_scale(config["logits_scaling"])
+        mamba2_metadata(writer, config, config["mamba_n_heads"], config["mamba_d_head"], config["mamba_d_state"],
+                        config["mamba_d_conv"], config["mamba_n_groups"], config["rms_norm_eps"])
+
+    converts_to_the_same_model(tmp_path, "granitemoehybrid", gguf.MODEL_ARCH.GRANITE_HYBRID, metadata,
+                               lambda name, value: mamba2_rewrite(name, value, config["mamba_n_groups"],
+                                                                  config["num_attention_heads"],
+                                                                  config["num_key_value_heads"]))
 
 
 def test_a_qwen3_5_gguf_converts_to_the_same_model(tmp_path):

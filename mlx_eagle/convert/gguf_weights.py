@@ -280,9 +280,10 @@ def _per_layer(reader, key: str, layers: int) -> List[int]:
 
 
 def _mamba2_config(reader, arch: str, config: Dict[str, Any]) -> Dict[str, Any]:
-    """Mamba 2's and Nemotron-H's settings. llama.cpp writes the mixer's sizes under ssm.*
-    (its time-step rank is the head count), and for Nemotron-H which layers attend (key/value
-    heads per layer) and which are MLPs (feed-forward width per layer): the rest are Mamba."""
+    """Mamba 2's, Nemotron-H's and Granite 4 hybrids' settings. llama.cpp writes the mixer's
+    sizes under ssm.* (its time-step rank is the head count), which layers attend (key/value
+    heads per layer), and for Nemotron-H which are MLPs (feed-forward width per layer): the
+    rest are Mamba."""
     heads = number(reader, f"{arch}.ssm.time_step_rank")
     inner = number(reader, f"{arch}.ssm.inner_size")
     if heads <= 0 or inner % heads:
@@ -300,8 +301,24 @@ def _mamba2_config(reader, arch: str, config: Dict[str, Any]) -> Dict[str, Any]:
                     time_step_rank="auto")
     layers = config["num_hidden_layers"]
     kv_heads = _per_layer(reader, f"{arch}.attention.head_count_kv", layers)
-    widths = _per_layer(reader, f"{arch}.feed_forward_length", layers)
     attention_heads = number(reader, f"{arch}.attention.head_count")
+    if arch == "granitehybrid":  # its multipliers under llama.cpp's names; RoPE where rope.scaling.finetuned says
+        return {"layer_types": ["attention" if k else "mamba" for k in kv_heads],
+                "num_attention_heads": attention_heads, "num_key_value_heads": max(kv_heads) or attention_heads,
+                "intermediate_size": number(reader, f"{arch}.feed_forward_length"),
+                "rms_norm_eps": ssm["layer_norm_epsilon"],
+                "rope_theta": number(reader, f"{arch}.rope.freq_base", float, 10000.0),
+                "position_embedding_type": "rope" if field(reader, f"{arch}.rope.scaling.finetuned") else "nope",
+                "attention_bias": any(n.endswith("attn_q.bias") for n in names),
+                "embedding_multiplier": number(reader, f"{arch}.embedding_scale", float, 1.0),
+                "attention_multiplier": number(reader, f"{arch}.attention.scale", float, 1.0),
+                "residual_multiplier": number(reader, f"{arch}.residual_scale", float, 1.0),
+                "logits_scaling": number(reader, f"{arch}.logit_scale", float, 1.0),
+                "mamba_n_heads": heads, "mamba_d_head": inner // heads, "mamba_d_state": ssm["ssm_state_size"],
+                "mamba_expand": inner // config["hidden_size"],  # (which transformers' config checks)
+                "mamba_d_conv": ssm["conv_kernel"], "mamba_n_groups": ssm["n_groups"],
+                "mamba_conv_bias": ssm["use_conv_bias"], "mamba_proj_bias": any(n.endswith("ssm_in.bias") for n in names)}
+    widths = _per_layer(reader, f"{arch}.feed_forward_length", layers)
     return dict(ssm, mamba_num_heads=heads, mamba_head_dim=inner // heads,
                 hybrid_override_pattern="".join("*" if k else "-" if w else "M" for k, w in zip(kv_heads, widths)),
                 num_attention_heads=attention_heads, num_key_value_heads=max(kv_heads) or attention_heads,
@@ -508,9 +525,9 @@ def _mamba2_tensor(name: str, shape: Tuple[int, ...]) -> Tuple[Tuple[int, ...], 
     """A Mamba-2 tensor's shape as Hugging Face's, and how its values are recovered from
     llama.cpp's: A was written as A = -exp(A_log), A and D as [heads, 1] columns, the gated
     norm's weight as [groups, inner / groups]."""
-    if name.endswith("mixer.A_log"):
+    if re.search(r"\.(mixer|mamba)\.A_log$", name):
         return (shape[0],), lambda a: mx.log(-a)
-    if name.endswith("mixer.D") or name.endswith("mixer.norm.weight"):
+    if re.search(r"\.(mixer|mamba)\.(D|norm\.weight)$", name):
         return (int(np.prod(shape)),), None
     return shape, None
 
