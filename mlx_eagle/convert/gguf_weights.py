@@ -317,7 +317,8 @@ def _mamba2_config(reader, arch: str, config: Dict[str, Any]) -> Dict[str, Any]:
                 "mamba_n_heads": heads, "mamba_d_head": inner // heads, "mamba_d_state": ssm["ssm_state_size"],
                 "mamba_expand": inner // config["hidden_size"],  # (which transformers' config checks)
                 "mamba_d_conv": ssm["conv_kernel"], "mamba_n_groups": ssm["n_groups"],
-                "mamba_conv_bias": ssm["use_conv_bias"], "mamba_proj_bias": any(n.endswith("ssm_in.bias") for n in names)}
+                "mamba_conv_bias": ssm["use_conv_bias"],
+                "mamba_proj_bias": any(n.endswith("ssm_in.bias") for n in names)}
     widths = _per_layer(reader, f"{arch}.feed_forward_length", layers)
     return dict(ssm, mamba_num_heads=heads, mamba_head_dim=inner // heads,
                 hybrid_override_pattern="".join("*" if k else "-" if w else "M" for k, w in zip(kv_heads, widths)),
