@@ -127,6 +127,33 @@ def test_a_draft_model_merged_with_lookup_is_lossless(name):
     assert tokens == reference(model)
 
 
+@pytest.mark.parametrize("name", ["qwen3_5", "nemotron_h", "lfm2"])
+def test_a_hybrid_draft_model_rolls_its_own_state_back(monkeypatch, name):
+    """A hybrid draft model drafts 4 tokens, of which the target accepts 1 and then chooses
+    another: its state goes back to the snapshot taken at the accepted length, so that what
+    it predicts next is what it predicts after reading the committed text from the start;
+    without the rollback it is not."""
+    from mlx_eagle.drafters import Budget, Outcome
+
+    def next_logits():
+        draft = hybrids.build(name, seed=5)
+        drafter = DraftModelDrafter(draft, lambda k: 1.0, 0.0, max_tokens=4)
+        committed = PROMPT + [7]
+        drafter.observe(Outcome(committed, 0, from_prompt=True))
+        proposal = drafter.propose(Budget(room=10, nodes=16, verified=1, chain=True))
+        chain = proposal.host_tokens()
+        assert len(chain) == 4
+        committed = committed + chain[:1] + [(chain[1] + 1) % hybrids.VOCAB]  # one accepted, then another token
+        drafter.observe(Outcome(committed, len(PROMPT), proposal=proposal, path=[0]))
+        return drafter._read(committed), draft(mx.array([committed]))[0, -1]
+
+    rolled_back, read_whole = next_logits()
+    assert mx.allclose(rolled_back, read_whole, atol=1e-4)
+    monkeypatch.setattr(Rewind, "restore", lambda self, snapshot: None)
+    kept_on, read_whole = next_logits()
+    assert not mx.allclose(kept_on, read_whole, atol=1e-2)
+
+
 @pytest.mark.parametrize("name", ["qwen3_next", "jamba", "lfm2", "nemotron_h"])
 def test_without_the_rollback_the_text_changes(monkeypatch, name):
     model = hybrids.build(name)
@@ -191,6 +218,10 @@ def test_the_command_drafts_on_a_hybrid_directory_and_conversion_keeps_it(tmp_pa
     drafted, plain = run("--draft", "lookup"), run("--draft", "none")
     assert drafted.returncode == 0 and plain.returncode == 0, drafted.stderr[-2000:] + plain.stderr[-2000:]
     assert "drafts: context lookup" in drafted.stderr and drafted.stdout == plain.stdout
+    (tmp_path / "draft").mkdir()
+    by_model = run("--draft", str(write_directory(tmp_path / "draft", name)))  # a hybrid draft model
+    assert by_model.returncode == 0, by_model.stderr[-2000:]
+    assert "draft model" in by_model.stderr and by_model.stdout == plain.stdout
     converted, _ = load(str(convert_target(directory, tmp_path / "converted", progress=False)))
     original, _ = load(str(directory))
     tokens = mx.array([[5, 17, 33, 5, 17, 60]])

@@ -2,7 +2,9 @@
 behind the seam, so that it merges with the other drafters and sizes its chain each round.
 
 Each round the draft model reads what was committed since its cache last agreed with
-the target (its cache is cut back to the accepted prefix, as a KV cache can be), then
+the target (its cache is cut back to the accepted prefix, as a KV cache can be; a hybrid
+draft model's recurrent state goes back to the snapshot taken at that length, since it
+drafts one token per forward and a snapshot is free: rewind.py), then
 drafts greedily, one token per forward, as many tokens as are expected to pay off: the
 chain's measured acceptance by position against what verifying it costs on this device
 plus what drafting it costs (a draft step, timed once, in target steps). Beside each chain
@@ -19,7 +21,7 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
@@ -28,6 +30,7 @@ import mlx.nn as nn
 from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 
 from ..errors import UserError
+from ..rewind import Rewind
 from ..trees import DraftTree
 from . import Budget, DraftSettings, DraftSource, Outcome, Proposal
 from .chains import ChainDrafter
@@ -64,6 +67,9 @@ class DraftModelDrafter(ChainDrafter):
         super().__init__(cost, max_tokens, kinds=2, step_cost=step_cost)
         self.model = model
         self.cache = make_prompt_cache(model)
+        # A recurrent state cannot be cut back: snapshots of the caches by how many tokens they held.
+        self.rewind = None if can_trim_prompt_cache(self.cache) else Rewind(model, self.cache, replay=False)
+        self.snapshots: Dict[int, Any] = {0: self.rewind.snapshot()} if self.rewind else {}
         self.held: List[int] = []  # the tokens the draft cache holds, in order
         self.committed: List[int] = []  # what the target committed, the root last
         self.whole = False  # the last chain was accepted whole
@@ -76,12 +82,23 @@ class DraftModelDrafter(ChainDrafter):
         """Bring the cache to hold ``tokens``: cut it back to where it agrees with them, then
         read the rest; the logits after the last token read (None if none was)."""
         common = _common(self.held, tokens)
-        trim_prompt_cache(self.cache, len(self.held) - common)
+        if self.rewind is None:
+            trim_prompt_cache(self.cache, len(self.held) - common)
+        else:
+            common = max(length for length in self.snapshots if length <= common)
+            self.rewind.restore(self.snapshots[common])
+            self.snapshots = {0: self.snapshots[0]}
         self.held = list(tokens)
         logits = None
         for start in range(common, len(tokens), PREFILL_CHUNK):
             logits = self.model(mx.array([tokens[start:start + PREFILL_CHUNK]]), cache=self.cache)[0, -1]
+        self._snapshot(len(tokens))
         return logits
+
+    def _snapshot(self, length: int) -> None:
+        """Where the cache is recurrent: what it holds now, ``length`` tokens."""
+        if self.rewind is not None:
+            self.snapshots[length] = self.rewind.snapshot()
 
     def observe(self, outcome: Outcome) -> None:
         if outcome.proposal is not None and len(outcome.proposal):
@@ -115,6 +132,7 @@ class DraftModelDrafter(ChainDrafter):
         for depth in range(1, length + 1):
             if depth > 1:  # the draft model reads the chain token before
                 logits = self.model(drafted[chain_node].reshape(1, 1), cache=self.cache)[0, -1]
+                self._snapshot(len(self.committed) + depth - 1)
             parent, token = chain_node, mx.argmax(logits)
             chain_node = tree.add(0, parent)
             drafted.append(token)
@@ -188,8 +206,6 @@ def source(draft: Any, model: nn.Module, settings: DraftSettings) -> DraftSource
     if vocab != wanted:
         raise UserError(f"the draft model {loaded.name} has a vocabulary of {vocab}, the target {wanted}: a draft "
                         "model must share the target's tokenizer")
-    if not can_trim_prompt_cache(make_prompt_cache(loaded.model)):
-        raise UserError(f"the draft model {loaded.name}'s cache cannot be rewound; pick an attention model")
     costs = settings.costs
     cost = step_cost(loaded.model, model, settings)
     note = f"a draft step costs {cost:.2f} target steps here"
