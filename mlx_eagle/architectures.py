@@ -76,6 +76,7 @@ ARCHITECTURES: Dict[str, Architecture] = {record.model_type: record for record i
                  gguf_norm_shift=1.0),
     Architecture("gemma3", "gemma3", "Gemma3ForConditionalGeneration", text_model="language_model",
                  text_config="text_config"),
+    Architecture("mimo", "mimo", "MiMoForCausalLM"),  # Qwen2's layers (and an MTP module: drafters/mtp.py)
     # Hybrid and recurrent families: Gated DeltaNet, Mamba 2, Mamba and short-convolution layers
     # (with attention layers in most), their state rolled back by rewind.py.
     # Qwen3.5 GGUFs (dense): llama.cpp's names for the Gated DeltaNet layers, its layout of

@@ -284,9 +284,12 @@ def moe_config(model_type: str, vocab_size: int = 384) -> Dict:
 
 
 def target_config(arch: str, vocab_size: int = 384) -> Dict:
-    """The tiny config of an ARCHS or MOE_CONFIGS architecture."""
+    """The tiny config of an ARCHS or MOE_CONFIGS architecture, or MiMo's."""
     if arch in MOE_CONFIGS:
         return moe_config(arch, vocab_size)
+    if arch == "mimo":  # Qwen2's layers, and an MTP module (test_mtp); no GGUF of it is read
+        return dict(target_config("qwen2", vocab_size), model_type="mimo", num_nextn_predict_layers=1,
+                    tie_word_embeddings=False)
     config = _config(ARCHS[arch][0], vocab_size)
     if arch == "qwen2":
         config.pop("head_dim")

@@ -43,7 +43,7 @@ def decode(model, drafter, prompt=PROMPT, count=COUNT, cache=None, replays=True)
     tokens = [decoder.prefill(prompt)]
     while len(tokens) < count:
         tokens += decoder.round(count - len(tokens)).tokens
-        assert not (replays and decoder.rewind.replays) or decoder.state.unread == 0
+        assert not (replays and decoder.rewind and decoder.rewind.replays) or decoder.state.unread == 0
     return tokens[:count], decoder
 
 
@@ -177,9 +177,10 @@ def test_a_second_turn_reads_only_its_new_tokens():
     assert decoder.reused == 0 and tokens == reference(model, other, 10)
 
 
-def write_directory(root, family: str):
-    """A tiny ``family`` model as an MLX model directory (as mlx-community publishes them),
-    with a BPE tokenizer and a chat template."""
+def write_directory(root, family: str, config: dict = None):
+    """A tiny ``family`` model (of hybrids.py, or as ``config`` describes it) as an MLX
+    model directory (as mlx-community publishes them), with a BPE tokenizer and a chat
+    template."""
     import json
 
     from mlx.utils import tree_flatten
@@ -192,10 +193,11 @@ def write_directory(root, family: str):
     tokenizer.save(str(directory / "tokenizer.json"))
     (directory / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>", "chat_template": synthetic.CHATML}))
-    config = json.loads(json.dumps(hybrids.FAMILIES[family]))
+    config = json.loads(json.dumps(config or hybrids.FAMILIES[family]))
     (config.get("text_config") or config)["vocab_size"] = config["vocab_size"] = tokenizer.get_vocab_size()
     (directory / "config.json").write_text(json.dumps(config))
-    model = hybrids.build(family, vocab_size=tokenizer.get_vocab_size())
+    model = synthetic.build_model(config) if family not in hybrids.FAMILIES else \
+        hybrids.build(family, vocab_size=tokenizer.get_vocab_size())
     mx.save_safetensors(str(directory / "model.safetensors"), dict(tree_flatten(model.parameters())))
     return directory
 

@@ -1,9 +1,9 @@
-"""A model's own MTP module as its drafter (drafters/mtp.py), for Qwen3-Next and Qwen3.5:
-its draft logits equal an independent numpy reference of the published step (and the
+"""A model's own MTP module as its drafter (drafters/mtp.py), for Qwen3-Next, Qwen3.5 and
+MiMo: its draft logits equal an independent numpy reference of the published step (and the
 reference with the concatenation swapped does not); raw Hugging Face tensors come out in
-mlx-lm's layout; greedy decoding with it, merged with lookup, equals mlx-lm; a model
-directory that holds one drafts with it by default, and the converter keeps it; partial
-MTP tensors get one line."""
+mlx-lm's layout; greedy decoding with it, merged with lookup, equals mlx-lm (chains, and on
+MiMo, which target.py drives, trees); a model directory that holds one drafts with it by
+default, and the converter keeps it; partial MTP tensors get one line."""
 
 import subprocess
 import sys
@@ -15,30 +15,55 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.cache import KVCache
 
 import hybrids
+from hybrids import VOCAB
 from test_hybrid import decode, reference, text_model, write_directory
 from mlx_eagle.drafters.composite import Composite
 from mlx_eagle.drafters.eagle import EagleDrafter
 from mlx_eagle.drafters.lookup import LookupDrafter
-from mlx_eagle.drafters.mtp import MTPModule, module_for, sanitize_mtp
+from mlx_eagle.drafters.mtp import LAYOUTS, MTPModule, decoder_layer, module_for, sanitize_mtp
 from mlx_eagle.errors import UserError
 from mlx_eagle.target import inner_model
 from mlx_eagle.trees import parse_tree
 
-FAMILIES = ["qwen3_next", "qwen3_5"]
+FAMILIES = ["qwen3_next", "qwen3_5", "mimo"]
+
+
+def mimo_config(vocab_size: int = VOCAB) -> dict:
+    from synthetic import target_config
+
+    return target_config("mimo", vocab_size)
+
+
+def build(family: str, vocab_size: int = VOCAB):
+    """A tiny target of ``family``: a hybrid's text model, or MiMo (Qwen2's layers)."""
+    if family == "mimo":
+        from synthetic import build_model
+
+        return build_model(mimo_config(vocab_size))
+    return text_model(hybrids.build(family, vocab_size=vocab_size))
 
 
 def new_module(model, seed: int = 3) -> MTPModule:
-    """A random MTP module for ``model`` (a full-attention layer of its own kind)."""
-    layers = inner_model(model).layers
-    index = next(i for i, layer in enumerate(layers) if not layer.is_linear)
+    """A random MTP module for ``model`` (a decoder layer of its own kind)."""
     mx.random.seed(seed)
-    module = MTPModule(model, type(layers[index])(model.args, index))
+    module = MTPModule(model, decoder_layer(model), LAYOUTS[model.args.model_type].hidden_first)
     mx.eval(module.parameters())
     return module
 
 
 def mtp_tensors(module: MTPModule) -> dict:
-    return {f"mtp.{name}": value for name, value in tree_flatten(module.parameters())}
+    """The module as a checkpoint of its family names it (Qwen's names are ours)."""
+    ours = {f"mtp.{name}": value for name, value in tree_flatten(module.parameters())}
+    if not module.hidden_first:
+        return ours
+    mimo = {"fc.": "input_proj.", "pre_fc_norm_embedding.": "token_layernorm.",
+            "pre_fc_norm_hidden.": "hidden_layernorm.", "norm.": "final_layernorm.", "layers.0.": ""}
+    named = {}
+    for name, value in ours.items():
+        name = name[len("mtp."):]
+        part = next(p for p in mimo if name.startswith(p))
+        named[f"model.mtp_layers.0.{mimo[part]}{name[len(part):]}"] = value
+    return named
 
 
 def rms(x, w, eps):
@@ -47,10 +72,10 @@ def rms(x, w, eps):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_the_draft_logits_equal_the_published_step(family):
-    """fc(concat[norm(embedding of token t + 1), norm(hidden t)]) -> the layer -> norm ->
-    the target's LM head, against numpy (the decoder layer itself is mlx-lm's); the test
-    fails if the order of the concatenation is swapped."""
-    model = text_model(hybrids.build(family))
+    """fc(concat[norm(embedding of token t + 1), norm(hidden t)]) (MiMo: [hidden, embedding])
+    -> the layer -> norm -> the target's LM head, against numpy (the decoder layer itself
+    is mlx-lm's); the test fails if the order of the concatenation is swapped."""
+    model = build(family)
     module = new_module(model)
     rng = np.random.default_rng(0)
     hidden = rng.standard_normal((1, 5, model.args.hidden_size)).astype(np.float32)
@@ -69,9 +94,10 @@ def test_the_draft_logits_equal_the_published_step(family):
 
     normed_embedding = rms(embedding, weights["pre_fc_norm_embedding.weight"], eps)
     normed_hidden = rms(hidden, weights["pre_fc_norm_hidden.weight"], eps)
-    expected = reference_logits(normed_embedding, normed_hidden)
+    published = (normed_hidden, normed_embedding) if family == "mimo" else (normed_embedding, normed_hidden)
+    expected = reference_logits(*published)
     assert np.abs(got - expected).max() < 1e-4 * max(1.0, np.abs(expected).max())
-    swapped = reference_logits(normed_hidden, normed_embedding)
+    swapped = reference_logits(*published[::-1])
     assert np.abs(got - swapped).max() > 1e-2 * np.abs(expected).max()
 
 
@@ -93,11 +119,26 @@ def test_raw_hugging_face_tensors_come_out_in_mlx_lms_layout():
     assert set(back) == set(ours) and all(mx.allclose(back[k], ours[k], atol=1e-6) for k in ours)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_greedy_decoding_with_the_module_equals_mlx_lm(family):
-    model = text_model(hybrids.build(family))
-    drafter = EagleDrafter(module_for(model, mtp_tensors(new_module(model)), "test"), model, parse_tree("chain:3"))
-    tokens, _ = decode(model, Composite([drafter, LookupDrafter(lambda k: 1.0)]), count=30)
+def test_mimo_tensors_come_out_in_one_layout():
+    """MiMo's names (model.mtp_layers.0: input_proj, token_layernorm, hidden_layernorm,
+    final_layernorm, the decoder layer's own beside them) come out under Qwen's; a second
+    module (model.mtp_layers.1) is not read: the first drafts at every depth."""
+    module = new_module(build("mimo"))
+    named = mtp_tensors(module)
+    assert "model.mtp_layers.0.input_proj.weight" in named and "model.mtp_layers.0.self_attn.q_proj.weight" in named
+    extra = {name.replace("mtp_layers.0.", "mtp_layers.1."): value for name, value in named.items()}
+    back = sanitize_mtp(named | extra, raw=False)
+    ours = {f"mtp.{name}": value for name, value in tree_flatten(module.parameters())}
+    assert set(back) == set(ours) and all(mx.array_equal(back[k], ours[k]) for k in ours)
+
+
+@pytest.mark.parametrize("family, tree", [(family, "chain:3") for family in FAMILIES] + [("mimo", "static:default")])
+def test_greedy_decoding_with_the_module_equals_mlx_lm(family, tree):
+    """Chains on every family; trees (the top tokens at each depth) where target.py drives
+    the target, MiMo (the plan asks a hybrid for chains)."""
+    model = build(family)
+    drafter = EagleDrafter(module_for(model, mtp_tensors(new_module(model)), "test"), model, parse_tree(tree))
+    tokens, decoder = decode(model, Composite([drafter, LookupDrafter(lambda k: 1.0)]), count=30)
     assert tokens == reference(model, count=30)
 
 
@@ -109,14 +150,15 @@ def test_partial_mtp_tensors_get_one_line():
         module_for(model, tensors, "ckpt")
 
 
-def test_a_directory_with_an_mtp_module_drafts_with_it_and_conversion_keeps_it(tmp_path):
+@pytest.mark.parametrize("family", ["qwen3_next", "mimo"])
+def test_a_directory_with_an_mtp_module_drafts_with_it_and_conversion_keeps_it(tmp_path, family):
     """The module in the checkpoint (as published, beside the model's tensors): the
     converter keeps it in mtp.safetensors, and `generate` drafts with it with no --draft."""
     from mlx_eagle import load
     from mlx_eagle.convert.target import convert_target
     from mlx_eagle.plan import load_draft
 
-    directory = write_directory(tmp_path, "qwen3_next")
+    directory = write_directory(tmp_path, family, mimo_config() if family == "mimo" else None)
     model, _ = load(str(directory))
     weights = dict(mx.load(str(directory / "model.safetensors")))
     module = new_module(model)

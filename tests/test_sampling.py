@@ -151,6 +151,26 @@ def test_hybrid_models_keep_the_target_distribution(family):
     assert accepted > SAMPLES / 10
 
 
+@pytest.mark.parametrize("tree", ["chain:3", "static:default"])
+def test_mtp_drafts_keep_the_target_distribution(tree):
+    """A MiMo target's own (random) MTP module, as chains and as trees of each depth's top
+    tokens, verified by the rejection walk."""
+    from test_mtp import build, mtp_tensors, new_module
+    from mlx_eagle.drafters.eagle import EagleDrafter
+    from mlx_eagle.drafters.mtp import module_for
+    from mlx_eagle.trees import parse_tree
+
+    model = build("mimo", vocab_size=VOCAB)
+    model.lm_head.weight = model.lm_head.weight * 30  # peaky, context-dependent distributions
+    module = module_for(model, mtp_tensors(new_module(model)), "test")
+    sampling = SETTINGS["temp 1"]
+    joint = exact_joint(model, sampling)
+    counts, accepted = sample_first_three(model, None, sampling,
+                                          drafter=lambda: EagleDrafter(module, model, parse_tree(tree)))
+    assert chi_square_ok(counts, joint)
+    assert accepted > SAMPLES / 10  # drafts were accepted: the walk was tested
+
+
 @pytest.mark.parametrize("curve", ["flat: DDTree trees", "steep: chains"])
 def test_dflash_drafts_keep_the_target_distribution(six_token_model, tmp_path, curve):
     """A random DFlash drafter's blocks, as chains and as DDTree trees (its drafts accepted
