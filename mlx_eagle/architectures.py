@@ -4,10 +4,10 @@ target.py, the converters and the config checks need to know about it.
 Adding an architecture is one record here (and its tests, tests/test_targets.py): the
 mlx-lm module that builds it, the names its attention module gives its sizes, its
 feed-forward block, its Hugging Face class and, where llama.cpp writes it, its GGUF
-architecture. Records marked ``driven=False`` (the hybrid and recurrent families) convert
-and load, and speculate with chains verified by the model's own forward pass, their
-recurrent state rolled back by rewind.py. Every model mlx-lm loads drafts from the context
-without a record.
+architecture. Records marked ``driven=False`` (the hybrid and recurrent families, and
+DeepSeek's and GLM's mixtures of experts) convert and load, and speculate with chains
+verified by the model's own forward pass, a recurrent state rolled back by rewind.py.
+Every model mlx-lm loads drafts from the context without a record.
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ class Architecture:
     text_model: Optional[str] = None  # a multimodal wrapper: the attribute holding the text model, which is loaded
     text_config: Optional[str] = None  # ... and the config.json key holding its config
     driven: bool = True  # target.py drives its layers (trees, feature taps); False: chains through its own forward
+    recurrent: bool = False  # recurrent layers (hybrid families): their state rolled back by rewind.py
 
 
 
@@ -77,11 +78,17 @@ ARCHITECTURES: Dict[str, Architecture] = {record.model_type: record for record i
     Architecture("gemma3", "gemma3", "Gemma3ForConditionalGeneration", text_model="language_model",
                  text_config="text_config"),
     Architecture("mimo", "mimo", "MiMoForCausalLM"),  # Qwen2's layers (and an MTP module: drafters/mtp.py)
+    # DeepSeek-V3 and GLM-4.5/4.7-Flash (mixtures of experts; latent attention but GLM-4.5's):
+    # chains through their own forward pass, for the MTP modules they ship (drafters/mtp.py).
+    *(Architecture(model_type, model_type, hf_class, driven=False, experts=True) for model_type, hf_class in (
+        ("deepseek_v3", "DeepseekV3ForCausalLM"), ("glm4_moe", "Glm4MoeForCausalLM"),
+        ("glm4_moe_lite", "Glm4MoeLiteForCausalLM"))),
     # Hybrid and recurrent families: Gated DeltaNet, Mamba 2, Mamba and short-convolution layers
     # (with attention layers in most), their state rolled back by rewind.py.
     # Qwen3.5 GGUFs (dense): llama.cpp's names for the Gated DeltaNet layers, its layout of
     # them, and squeezed conv kernels; it writes norms as the (1 + w) they apply, as mlx-lm does.
-    Architecture("qwen3_5", "qwen3_5", "Qwen3_5ForConditionalGeneration", driven=False, text_model="language_model",
+    Architecture("qwen3_5", "qwen3_5", "Qwen3_5ForConditionalGeneration", driven=False, recurrent=True,
+                 text_model="language_model",
                  text_config="text_config", gguf="qwen35", gguf_conv="linear_attn.conv1d.weight",
                  gguf_gated_delta=True, gguf_names=(
                      ("attn_qkv", "linear_attn.in_proj_qkv"), ("attn_gate", "linear_attn.in_proj_z"),
@@ -89,10 +96,11 @@ ARCHITECTURES: Dict[str, Architecture] = {record.model_type: record for record i
                      ("ssm_a", "linear_attn.A_log"), ("ssm_dt.bias", "linear_attn.dt_bias"),
                      ("ssm_conv1d", "linear_attn.conv1d"), ("ssm_norm", "linear_attn.norm"),
                      ("ssm_out", "linear_attn.out_proj"), ("post_attention_norm", "post_attention_layernorm"))),
-    Architecture("qwen3_5_moe", "qwen3_5_moe", "Qwen3_5MoeForConditionalGeneration", driven=False,
+    Architecture("qwen3_5_moe", "qwen3_5_moe", "Qwen3_5MoeForConditionalGeneration", driven=False, recurrent=True,
                  text_model="language_model", text_config="text_config"),
     # LFM2 GGUFs: llama.cpp's names for its blocks, and its conv kernels squeezed.
-    Architecture("lfm2", "lfm2", "Lfm2ForCausalLM", driven=False, gguf="lfm2", gguf_conv="conv.conv.weight",
+    Architecture("lfm2", "lfm2", "Lfm2ForCausalLM", driven=False, recurrent=True, gguf="lfm2",
+                 gguf_conv="conv.conv.weight",
                  gguf_names=(("attn_norm", "operator_norm"), ("ffn_norm", "ffn_norm"), ("ffn_gate", "feed_forward.w1"),
                              ("ffn_down", "feed_forward.w2"), ("ffn_up", "feed_forward.w3"),
                              ("shortconv.conv", "conv.conv"), ("shortconv.in_proj", "conv.in_proj"),
@@ -101,19 +109,21 @@ ARCHITECTURES: Dict[str, Architecture] = {record.model_type: record for record i
     # Mamba 2 and Nemotron-H GGUFs: llama.cpp's names for the mixers (under "backbone", as
     # Hugging Face names them), its Mamba-2 layout, squeezed conv kernels, and Q/K rows
     # permuted as for llama (Nemotron-H's attention has no RoPE, so either order computes alike).
-    Architecture("mamba2", "mamba2", "Mamba2ForCausalLM", driven=False, gguf="mamba2", gguf_names=_MAMBA2_GGUF,
-                 gguf_layers="backbone.layers", gguf_conv="mixer.conv1d.weight", gguf_mamba2=True),
-    Architecture("nemotron_h", "nemotron_h", "NemotronHForCausalLM", driven=False, gguf="nemotron_h",
+    Architecture("mamba2", "mamba2", "Mamba2ForCausalLM", driven=False, recurrent=True, gguf="mamba2",
+                 gguf_names=_MAMBA2_GGUF, gguf_layers="backbone.layers", gguf_conv="mixer.conv1d.weight",
+                 gguf_mamba2=True),
+    Architecture("nemotron_h", "nemotron_h", "NemotronHForCausalLM", driven=False, recurrent=True,
+                 gguf="nemotron_h",
                  gguf_names=_MAMBA2_GGUF + (("attn_q", "mixer.q_proj"), ("attn_k", "mixer.k_proj"),
                                             ("attn_v", "mixer.v_proj"), ("attn_output", "mixer.o_proj"),
                                             ("ffn_up", "mixer.up_proj"), ("ffn_down", "mixer.down_proj")),
                  gguf_layers="backbone.layers", gguf_conv="mixer.conv1d.weight", gguf_mamba2=True,
                  gguf_permuted=True),
     # Granite 4 hybrid GGUFs (dense): llama.cpp's Mamba-2 layout in "mamba" mixers, Q/K permuted.
-    Architecture("granitemoehybrid", "granitemoehybrid", "GraniteMoeHybridForCausalLM", driven=False,
+    Architecture("granitemoehybrid", "granitemoehybrid", "GraniteMoeHybridForCausalLM", driven=False, recurrent=True,
                  gguf="granitehybrid", gguf_names=_mamba2_gguf("mamba"), gguf_conv="mamba.conv1d.weight",
                  gguf_mamba2=True, gguf_permuted=True),
-    *(Architecture(model_type, model_type, hf_class, driven=False) for model_type, hf_class in (
+    *(Architecture(model_type, model_type, hf_class, driven=False, recurrent=True) for model_type, hf_class in (
         ("qwen3_next", "Qwen3NextForCausalLM"), ("falcon_h1", "FalconH1ForCausalLM"),
         ("lfm2_moe", "Lfm2MoeForCausalLM"),
         ("jamba", "JambaForCausalLM"), ("kimi_linear", "KimiLinearForCausalLM"))),
@@ -124,7 +134,7 @@ DRIVEN_MODEL_TYPES = tuple(t for t, a in ARCHITECTURES.items() if a.driven and a
 GGUF_ARCHITECTURES: Dict[str, Architecture] = {a.gguf: a for a in ARCHITECTURES.values() if a.gguf}
 # The hybrid and recurrent models, as the decoder sees them: the text model of a multimodal
 # wrapper is mlx-lm's "<wrapper>_text".
-HYBRID_MODEL_TYPES = tuple(name for t, a in ARCHITECTURES.items() if not a.driven
+HYBRID_MODEL_TYPES = tuple(name for t, a in ARCHITECTURES.items() if a.recurrent
                            for name in ((t, f"{t}_text") if a.text_model else (t,)))
 
 

@@ -26,7 +26,7 @@ from mlx_lm.models.cache import KVCache
 
 from mlx_lm.models.gemma3_text import clip_residual
 
-from .architectures import ARCHITECTURES, DRIVEN_MODEL_TYPES, HYBRID_MODEL_TYPES
+from .architectures import ARCHITECTURES, DRIVEN_MODEL_TYPES
 from .errors import UserError
 
 ATTENTION_NAMES = tuple(dict.fromkeys(a.attention for a in ARCHITECTURES.values()))
@@ -142,13 +142,15 @@ def drives(model: nn.Module) -> bool:
 
 def check_target(model: nn.Module, taps: Optional[Sequence[int]] = None) -> None:
     """That a drafter reading the target states at ``taps`` can read them from ``model``:
-    where target.py drives its layers, or on the hybrid families, whose own forward pass
-    verifies chains and records the states (tapped_forward)."""
+    where target.py drives its layers, or on any other text model whose final norm it
+    knows (the hybrid families, DeepSeek's and GLM's), whose own forward pass verifies
+    chains and records the states (tapped_forward)."""
     if drives(model):
         return
     model_type = getattr(getattr(model, "args", None), "model_type", None)
-    if model_type in HYBRID_MODEL_TYPES and any(name in inner_model(model) for name in FINAL_NORMS):
-        return  # their own forward pass, its states recorded on the way (tapped_forward)
+    inner = model.get("model", model.get("backbone"))
+    if isinstance(inner, nn.Module) and "layers" in inner and any(name in inner for name in FINAL_NORMS):
+        return  # its own forward pass, its states recorded on the way (tapped_forward)
     record = ARCHITECTURES.get(model_type)
     hint = (f"pass its text model (model.{record.text_model}), as mlx_eagle.load does" if record else
             "drafts from the context (--draft lookup) work with it")

@@ -25,7 +25,22 @@ from mlx_eagle.errors import UserError
 from mlx_eagle.target import inner_model
 from mlx_eagle.trees import parse_tree
 
-FAMILIES = ["qwen3_next", "qwen3_5", "mimo"]
+# DeepSeek-V3, GLM-4.5 and GLM-4.7-Flash, tiny: multi-head latent attention (DeepSeek's and
+# GLM-4.7-Flash's), experts routed by a biased sigmoid gate with a shared expert, a dense
+# first layer.
+_EXPERTS = {"vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size": 32,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4, "n_shared_experts": 1,
+            "n_routed_experts": 4, "routed_scaling_factor": 1.5, "num_experts_per_tok": 2, "n_group": 1,
+            "topk_group": 1, "first_k_dense_replace": 1, "moe_layer_freq": 1, "norm_topk_prob": True,
+            "max_position_embeddings": 256, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "rope_scaling": None,
+            "tie_word_embeddings": False, "attention_bias": False, "num_nextn_predict_layers": 1}
+_LATENT = {"kv_lora_rank": 16, "q_lora_rank": 32, "qk_rope_head_dim": 8, "qk_nope_head_dim": 16, "v_head_dim": 16}
+EXPERT_CONFIGS = {
+    "deepseek_v3": dict(_EXPERTS, **_LATENT, model_type="deepseek_v3"),
+    "glm4_moe": dict(_EXPERTS, model_type="glm4_moe", head_dim=16, use_qk_norm=True, partial_rotary_factor=0.5),
+    "glm4_moe_lite": dict(_EXPERTS, **_LATENT, model_type="glm4_moe_lite"),
+}
+FAMILIES = ["qwen3_next", "qwen3_5", "mimo", *EXPERT_CONFIGS]
 
 
 def mimo_config(vocab_size: int = VOCAB) -> dict:
@@ -36,33 +51,51 @@ def mimo_config(vocab_size: int = VOCAB) -> dict:
 
 def build(family: str, vocab_size: int = VOCAB):
     """A tiny target of ``family``: a hybrid's text model, or MiMo (Qwen2's layers)."""
-    if family == "mimo":
+    if family == "mimo" or family in EXPERT_CONFIGS:
         from synthetic import build_model
 
-        return build_model(mimo_config(vocab_size))
+        config = mimo_config(vocab_size) if family == "mimo" else dict(EXPERT_CONFIGS[family], vocab_size=vocab_size)
+        return build_model(config)
     return text_model(hybrids.build(family, vocab_size=vocab_size))
 
 
 def new_module(model, seed: int = 3) -> MTPModule:
     """A random MTP module for ``model`` (a decoder layer of its own kind)."""
     mx.random.seed(seed)
-    module = MTPModule(model, decoder_layer(model), LAYOUTS[model.args.model_type].hidden_first)
+    layout = LAYOUTS[model.args.model_type]
+    module = MTPModule(model, decoder_layer(model, after=layout.after_layers), layout)
     mx.eval(module.parameters())
     return module
 
 
-def mtp_tensors(module: MTPModule) -> dict:
-    """The module as a checkpoint of its family names it (Qwen's names are ours)."""
+def mtp_tensors(module: MTPModule, model=None) -> dict:
+    """The module as a checkpoint of its family names it (Qwen's names are ours): MiMo's
+    under model.mtp_layers.0; DeepSeek's and GLM's under model.layers.{layer count}, with
+    their experts one by one and copies of ``model``'s embedding and LM head."""
     ours = {f"mtp.{name}": value for name, value in tree_flatten(module.parameters())}
-    if not module.hidden_first:
+    if module.layout is LAYOUTS["qwen3_next"]:
         return ours
-    mimo = {"fc.": "input_proj.", "pre_fc_norm_embedding.": "token_layernorm.",
-            "pre_fc_norm_hidden.": "hidden_layernorm.", "norm.": "final_layernorm.", "layers.0.": ""}
+    if module.layout.hidden_first:
+        prefix, parts = "model.mtp_layers.0.", {"fc.": "input_proj.", "pre_fc_norm_embedding.": "token_layernorm.",
+                                                "pre_fc_norm_hidden.": "hidden_layernorm.", "norm.": "final_layernorm.",
+                                                "layers.0.": ""}
+    else:
+        prefix = f"model.layers.{len(inner_model(model).layers)}."
+        parts = {"fc.": "eh_proj.", "pre_fc_norm_embedding.": "enorm.", "pre_fc_norm_hidden.": "hnorm.",
+                 "norm.": "shared_head.norm.", "layers.0.": ""}
     named = {}
     for name, value in ours.items():
         name = name[len("mtp."):]
-        part = next(p for p in mimo if name.startswith(p))
-        named[f"model.mtp_layers.0.{mimo[part]}{name[len(part):]}"] = value
+        part = next(p for p in parts if name.startswith(p))
+        name = f"{prefix}{parts[part]}{name[len(part):]}"
+        if ".switch_mlp." in name:
+            for expert in range(value.shape[0]):
+                named[name.replace("switch_mlp.", f"experts.{expert}.")] = value[expert]
+        else:
+            named[name] = value
+    if not module.layout.hidden_first:
+        named[f"{prefix}embed_tokens.weight"] = inner_model(model).embed_tokens.weight
+        named[f"{prefix}shared_head.head.weight"] = model.lm_head.weight
     return named
 
 
@@ -74,7 +107,10 @@ def rms(x, w, eps):
 def test_the_draft_logits_equal_the_published_step(family):
     """fc(concat[norm(embedding of token t + 1), norm(hidden t)]) (MiMo: [hidden, embedding])
     -> the layer -> norm -> the target's LM head, against numpy (the decoder layer itself
-    is mlx-lm's); the test fails if the order of the concatenation is swapped."""
+    is mlx-lm's; DeepSeek's and GLM's embedding at position 0 is zeroed); the test fails if
+    the order of the concatenation is swapped."""
+    from mlx_lm.models.base import create_causal_mask
+
     model = build(family)
     module = new_module(model)
     rng = np.random.default_rng(0)
@@ -85,11 +121,13 @@ def test_the_draft_logits_equal_the_published_step(family):
     weights = {k: np.array(v) for k, v in tree_flatten(module.parameters())}
     eps = model.args.rms_norm_eps
     embedding = np.array(inner_model(model).embed_tokens.weight)[tokens]
+    if family in EXPERT_CONFIGS:
+        embedding[:, 0] = 0.0
     head = np.array(model.lm_head.weight) if "lm_head" in model else np.array(inner_model(model).embed_tokens.weight)
 
     def reference_logits(first, second):
         x = np.concatenate([first, second], axis=-1) @ weights["fc.weight"].T
-        layer_out = np.array(module.layers[0](mx.array(x), mask="causal", cache=KVCache()))
+        layer_out = np.array(module.layers[0](mx.array(x), mask=create_causal_mask(5, 0), cache=KVCache()))
         return rms(layer_out, weights["norm.weight"], eps) @ head.T
 
     normed_embedding = rms(embedding, weights["pre_fc_norm_embedding.weight"], eps)
@@ -115,7 +153,7 @@ def test_raw_hugging_face_tensors_come_out_in_mlx_lms_layout():
         else:
             raw[name] = value
     assert any(".experts.0." in name for name in raw)
-    back = sanitize_mtp(raw, raw=True)
+    back = sanitize_mtp(raw, model, raw=True)
     assert set(back) == set(ours) and all(mx.allclose(back[k], ours[k], atol=1e-6) for k in ours)
 
 
@@ -123,11 +161,12 @@ def test_mimo_tensors_come_out_in_one_layout():
     """MiMo's names (model.mtp_layers.0: input_proj, token_layernorm, hidden_layernorm,
     final_layernorm, the decoder layer's own beside them) come out under Qwen's; a second
     module (model.mtp_layers.1) is not read: the first drafts at every depth."""
-    module = new_module(build("mimo"))
+    model = build("mimo")
+    module = new_module(model)
     named = mtp_tensors(module)
     assert "model.mtp_layers.0.input_proj.weight" in named and "model.mtp_layers.0.self_attn.q_proj.weight" in named
     extra = {name.replace("mtp_layers.0.", "mtp_layers.1."): value for name, value in named.items()}
-    back = sanitize_mtp(named | extra, raw=False)
+    back = sanitize_mtp(named | extra, model, raw=False)
     ours = {f"mtp.{name}": value for name, value in tree_flatten(module.parameters())}
     assert set(back) == set(ours) and all(mx.array_equal(back[k], ours[k]) for k in ours)
 
@@ -137,20 +176,22 @@ def test_greedy_decoding_with_the_module_equals_mlx_lm(family, tree):
     """Chains on every family; trees (the top tokens at each depth) where target.py drives
     the target, MiMo (the plan asks a hybrid for chains)."""
     model = build(family)
-    drafter = EagleDrafter(module_for(model, mtp_tensors(new_module(model)), "test"), model, parse_tree(tree))
+    drafter = EagleDrafter(module_for(model, mtp_tensors(new_module(model), model), "test"), model, parse_tree(tree))
     tokens, decoder = decode(model, Composite([drafter, LookupDrafter(lambda k: 1.0)]), count=30)
     assert tokens == reference(model, count=30)
 
 
-def test_partial_mtp_tensors_get_one_line():
-    model = hybrids.build("qwen3_next")
-    tensors = mtp_tensors(new_module(model))
-    tensors.pop("mtp.fc.weight")
+@pytest.mark.parametrize("family, projection", [("qwen3_next", "mtp.fc.weight"),
+                                                ("mimo", "model.mtp_layers.0.input_proj.weight")])
+def test_partial_mtp_tensors_get_one_line(family, projection):
+    model = build(family)
+    tensors = mtp_tensors(new_module(model), model)
+    tensors.pop(projection)
     with pytest.raises(UserError, match=r"not a whole module for this model: 1 missing \(e.g. mtp.fc.weight\)"):
         module_for(model, tensors, "ckpt")
 
 
-@pytest.mark.parametrize("family", ["qwen3_next", "mimo"])
+@pytest.mark.parametrize("family", ["qwen3_next", "mimo", "deepseek_v3"])
 def test_a_directory_with_an_mtp_module_drafts_with_it_and_conversion_keeps_it(tmp_path, family):
     """The module in the checkpoint (as published, beside the model's tensors): the
     converter keeps it in mtp.safetensors, and `generate` drafts with it with no --draft."""
@@ -158,11 +199,12 @@ def test_a_directory_with_an_mtp_module_drafts_with_it_and_conversion_keeps_it(t
     from mlx_eagle.convert.target import convert_target
     from mlx_eagle.plan import load_draft
 
-    directory = write_directory(tmp_path, family, mimo_config() if family == "mimo" else None)
+    configs = {"mimo": mimo_config(), **EXPERT_CONFIGS}
+    directory = write_directory(tmp_path, family, configs.get(family))
     model, _ = load(str(directory))
     weights = dict(mx.load(str(directory / "model.safetensors")))
     module = new_module(model)
-    mx.save_safetensors(str(directory / "model.safetensors"), weights | mtp_tensors(module))
+    mx.save_safetensors(str(directory / "model.safetensors"), weights | mtp_tensors(module, model))
     converted = convert_target(directory, tmp_path / "converted", progress=False)
     assert (converted / "mtp.safetensors").exists()
     target, _ = load(str(converted))

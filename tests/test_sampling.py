@@ -162,7 +162,7 @@ def test_mtp_drafts_keep_the_target_distribution(tree):
 
     model = build("mimo", vocab_size=VOCAB)
     model.lm_head.weight = model.lm_head.weight * 30  # peaky, context-dependent distributions
-    module = module_for(model, mtp_tensors(new_module(model)), "test")
+    module = module_for(model, mtp_tensors(new_module(model), model), "test")
     sampling = SETTINGS["temp 1"]
     joint = exact_joint(model, sampling)
     counts, accepted = sample_first_three(model, None, sampling,

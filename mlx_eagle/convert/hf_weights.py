@@ -51,9 +51,10 @@ def read_tensors(path: Path, config: Dict[str, Any]) -> List[SourceTensor]:
             weights.update(mx.load(str(file)))
         except Exception as exc:
             raise UserError(f"{file} is damaged or truncated ({exc}); download it again") from exc
-    from ..drafters.mtp import MTP_KEY
+    from ..drafters.mtp import is_mtp
 
-    weights = {k: v for k, v in weights.items() if not MTP_KEY.match(k)}  # kept apart: mtp_tensors
+    layers = text_config(config).get("num_hidden_layers", 0)
+    weights = {k: v for k, v in weights.items() if not is_mtp(k, config["model_type"], layers)}  # see mtp_tensors
     model_class, args_class = model_classes(config["model_type"])
     weights = model_class(args_class.from_dict(config)).sanitize(weights)
     return [
@@ -62,15 +63,20 @@ def read_tensors(path: Path, config: Dict[str, Any]) -> List[SourceTensor]:
     ]
 
 
-def mtp_tensors(path: Path) -> Dict[str, mx.array]:
+def mtp_tensors(path: Path, config: Dict[str, Any]) -> Dict[str, mx.array]:
     """The model's MTP module (drafters/mtp.py), which mlx-lm's sanitize drops, in mlx-lm's
     layout: the converter keeps it in mtp.safetensors, a file mlx-lm does not read."""
-    from ..drafters.mtp import is_raw, sanitize_mtp
+    from ..drafters.mtp import is_mtp, is_raw, sanitize_mtp
 
     weights: Dict[str, mx.array] = {}
     for file in sorted(path.glob("model*.safetensors")) or sorted(path.glob("*.safetensors")):
         weights.update(mx.load(str(file)))
-    return sanitize_mtp(weights, is_raw(weights))
+    layers = text_config(config).get("num_hidden_layers", 0)
+    found = {k: v for k, v in weights.items() if is_mtp(k, config["model_type"], layers)}
+    if not found:
+        return {}
+    model_class, args_class = model_classes(config["model_type"])
+    return sanitize_mtp(found, model_class(args_class.from_dict(config)), raw=is_raw(weights))
 
 
 def source_dtype(config: Dict[str, Any], tensors: List[SourceTensor]) -> mx.Dtype:

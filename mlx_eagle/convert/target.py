@@ -63,7 +63,7 @@ def convert_target(
         tensors = hf_weights.read_tensors(src, config)
         float_dtype = fmt.dtype or hf_weights.source_dtype(config, tensors)
         config = hf_weights.output_config(config, float_dtype)
-        mtp = hf_weights.mtp_tensors(src)
+        mtp = hf_weights.mtp_tensors(src, config)
 
         def save_tokenizer(staging: Path) -> None:
             hf_weights.copy_tokenizer(src, staging)

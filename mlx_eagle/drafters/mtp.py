@@ -32,6 +32,8 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from ..errors import UserError
+from mlx_lm.models.base import create_causal_mask
+
 from ..target import Mask, Positions, compute_dtype, embedding_layer, inner_model, lm_head
 from . import DraftSettings, DraftSource
 
@@ -48,16 +50,23 @@ _NORMS = ("pre_fc_norm_embedding.weight", "pre_fc_norm_hidden.weight", "mtp.norm
 class Layout:
     """Where a family's checkpoints keep its MTP module and what they call its parts.
     ``key``: its tensors' names (group ``name``: the name within the module; ``index``: the
-    module's, where there are several: the first drafts, at every depth); ``renamed``: their
-    names for the parts around the decoder layer -> Qwen's; ``layer``: where the decoder
-    layer's own tensors are within the module; ``hidden_first``: the concatenation's order;
-    ``delta_norms``: raw checkpoints store norms as offsets from 1."""
+    module's, where there are several, counted from the model's layer count where
+    ``after_layers``: the first module drafts, at every depth); ``renamed``: their names for
+    the parts around the decoder layer -> Qwen's (None: not read, the target's own are used);
+    ``layer``: where the decoder layer's own tensors are within the module;
+    ``hidden_first``: the concatenation's order; ``delta_norms``: raw checkpoints store norms
+    as offsets from 1; ``model_sanitizes``: the decoder layer's tensors go through the
+    model's own sanitize (DeepSeek's attention and experts); ``zero_first``: the embedding
+    at position 0 is zeroed, as DeepSeek's module reads it."""
 
     key: re.Pattern
-    renamed: Tuple[Tuple[str, str], ...] = ()
+    renamed: Tuple[Tuple[str, Optional[str]], ...] = ()
     layer: str = ""
     hidden_first: bool = False
     delta_norms: bool = False
+    after_layers: bool = False
+    model_sanitizes: bool = False
+    zero_first: bool = False
 
 
 QWEN = Layout(re.compile(r"^(?:model\.|language_model\.)*mtp\.(?P<name>.*)"), delta_norms=True)
@@ -65,9 +74,15 @@ MIMO = Layout(re.compile(r"^model\.mtp_layers\.(?P<index>\d+)\.(?P<name>.*)"),
               (("input_proj.", "fc."), ("token_layernorm.", "pre_fc_norm_embedding."),
                ("hidden_layernorm.", "pre_fc_norm_hidden."), ("final_layernorm.", "norm.")),
               layer="layers.0.", hidden_first=True)
-LAYOUTS = {"qwen3_next": QWEN, "qwen3_5_text": QWEN, "qwen3_5_moe_text": QWEN, "mimo": MIMO}
+# DeepSeek-V3 and GLM-4.5: model.layers.{num_hidden_layers + i}, with copies of the model's
+# embedding and LM head (not read: the model's own are the same tensors).
+DEEPSEEK = Layout(re.compile(r"^model\.layers\.(?P<index>\d+)\.(?P<name>.*)"),
+                  (("eh_proj.", "fc."), ("enorm.", "pre_fc_norm_embedding."), ("hnorm.", "pre_fc_norm_hidden."),
+                   ("shared_head.norm.", "norm."), ("shared_head.head.", None), ("embed_tokens.", None)),
+                  layer="layers.0.", after_layers=True, model_sanitizes=True, zero_first=True)
+LAYOUTS = {"qwen3_next": QWEN, "qwen3_5_text": QWEN, "qwen3_5_moe_text": QWEN, "mimo": MIMO,
+           "deepseek_v3": DEEPSEEK, "glm4_moe": DEEPSEEK, "glm4_moe_lite": DEEPSEEK}
 MODEL_TYPES = tuple(LAYOUTS)
-MTP_KEY = re.compile(r"^(?:(?:model\.|language_model\.)*mtp\.|model\.mtp_layers\.\d+\.)")  # any family's tensors
 
 
 def is_raw(weights: Dict[str, mx.array]) -> bool:
@@ -76,38 +91,73 @@ def is_raw(weights: Dict[str, mx.array]) -> bool:
     return any("conv1d.weight" in k and v.shape[-1] != 1 for k, v in weights.items())
 
 
-def _ours(layout: Layout, name: str) -> str:
-    """A name within a ``layout`` module as Qwen's layout has it."""
+def _matched(layout: Layout, key: str, layers: int) -> Optional[str]:
+    """The name within the first MTP module of a ``layout`` checkpoint's tensor ``key``
+    (None: not one of its tensors), for a model of ``layers`` layers."""
+    match = layout.key.match(key)
+    if match is None:
+        return None
+    index = match.groupdict().get("index")
+    if index is not None and int(index) - (layers if layout.after_layers else 0) != 0:
+        return None
+    return match.group("name")
+
+
+def is_mtp(key: str, model_type: Optional[str], layers: int) -> bool:
+    """Whether a checkpoint's tensor ``key`` is part of an MTP module (any of them) of a
+    ``model_type`` model of ``layers`` layers: what mlx-lm's sanitize drops."""
+    layout = LAYOUTS.get(model_type, QWEN)
+    match = layout.key.match(key)
+    if match is None:
+        return False
+    index = match.groupdict().get("index")
+    return index is None or not layout.after_layers or int(index) >= layers
+
+
+def _ours(layout: Layout, name: str) -> Optional[str]:
+    """A name within a ``layout`` module as Qwen's layout has it (None: not read)."""
     for theirs, ours in layout.renamed:
         if name.startswith(theirs):
-            return ours + name[len(theirs):]
+            return None if ours is None else ours + name[len(theirs):]
     return layout.layer + name
 
 
-def sanitize_mtp(weights: Dict[str, mx.array], raw: bool) -> Dict[str, mx.array]:
-    """The MTP tensors of a checkpoint's ``weights`` (any family's), in mlx-lm's layout
-    under Qwen's names: experts stacked, and, from a ``raw`` checkpoint of a family that
-    stores them so, norms as weights rather than offsets from 1."""
-    found = {}
+def sanitize_mtp(weights: Dict[str, mx.array], model: nn.Module, raw: Optional[bool] = None) -> Dict[str, mx.array]:
+    """The MTP tensors of a checkpoint's ``weights`` for ``model`` (its family says the
+    layout), in mlx-lm's layout under Qwen's names: experts stacked, from a ``raw``
+    checkpoint (default: as its kernels say) of a family that stores them so norms as
+    weights rather than offsets from 1, and where the model's own sanitize knows the decoder
+    layer's tensors (DeepSeek's), through it."""
+    layout = LAYOUTS.get(getattr(model.args, "model_type", None), QWEN)
+    raw = is_raw(weights) if raw is None else raw
+    layers = getattr(model.args, "num_hidden_layers", 0)
+    found, converted = {}, {}
     for key, value in weights.items():
-        for layout in (QWEN, MIMO):
-            match = layout.key.match(key)
-            if match and match.groupdict().get("index") in (None, "0"):
-                shifted = raw and layout.delta_norms and value.ndim == 1
-                found["mtp." + _ours(layout, match.group("name"))] = (value, shifted)
-                break
+        name = _matched(layout, key, layers)
+        ours = None if name is None else _ours(layout, name)
+        if ours is not None:
+            found["mtp." + ours] = value
+        elif layout is not QWEN and QWEN.key.match(key):  # already ours: a conversion's mtp.safetensors
+            converted[key] = value
+    if layout.model_sanitizes:  # as the model's layer 0, through its own sanitize, and back
+        prefix = "mtp." + layout.layer
+        own = {"model.layers.0." + k[len(prefix):]: v for k, v in found.items() if k.startswith(prefix)}
+        found = {k: v for k, v in found.items() if not k.startswith(prefix)}
+        found.update({prefix + k[len("model.layers.0."):]: v for k, v in model.sanitize(own).items()
+                      if k.startswith("model.layers.0.")})
     experts: Dict[str, Dict[int, mx.array]] = {}
     out = {}
-    for key, (value, shifted) in found.items():
+    for key, value in found.items():
         expert = re.match(r"(.*\.mlp)\.experts\.(\d+)\.(\w+_proj)\.weight$", key)
         if expert:
             stacked = f"{expert.group(1)}.switch_mlp.{expert.group(3)}.weight"
             experts.setdefault(stacked, {})[int(expert.group(2))] = value
             continue
-        out[key] = value + 1.0 if shifted and key.endswith(_NORMS) else value
+        shifted = raw and layout.delta_norms and value.ndim == 1 and key.endswith(_NORMS)
+        out[key] = value + 1.0 if shifted else value
     for key, parts in experts.items():
         out[key] = mx.stack([parts[e] for e in sorted(parts)])
-    return out
+    return out | converted
 
 
 class MTPModule(nn.Module):
@@ -115,10 +165,10 @@ class MTPModule(nn.Module):
 
     family = "mtp"
 
-    def __init__(self, target: nn.Module, layer: nn.Module, hidden_first: bool = False):
+    def __init__(self, target: nn.Module, layer: nn.Module, layout: Layout = QWEN):
         super().__init__()
         hidden, eps = target.args.hidden_size, target.args.rms_norm_eps
-        self.hidden_first = hidden_first  # the concatenation's order (Layout)
+        self.layout = layout  # the concatenation's order, the first embedding
         self.fc = nn.Linear(2 * hidden, hidden, bias=False)
         self.pre_fc_norm_embedding = nn.RMSNorm(hidden, eps=eps)
         self.pre_fc_norm_hidden = nn.RMSNorm(hidden, eps=eps)
@@ -137,8 +187,13 @@ class MTPModule(nn.Module):
         """The module over (hidden state t, token t + 1) pairs at the cache's next positions
         (chains: ``positions`` is where the cache ends)."""
         embedding = embedding_layer(target)(tokens)
+        if self.layout.zero_first:
+            at = positions + mx.arange(tokens.shape[-1]) if isinstance(positions, int) else positions
+            embedding = mx.where((at == 0)[..., None], 0, embedding)
         parts = [self.pre_fc_norm_embedding(embedding), self.pre_fc_norm_hidden(hidden.astype(embedding.dtype))]
-        x = self.fc(mx.concatenate(parts[::-1] if self.hidden_first else parts, axis=-1))
+        x = self.fc(mx.concatenate(parts[::-1] if self.layout.hidden_first else parts, axis=-1))
+        if isinstance(mask, str):  # (some attention modules, DeepSeek's, take masks only as arrays)
+            mask = create_causal_mask(x.shape[1], cache[0].offset)
         return self.norm(self.layers[0](x, mask=mask, cache=cache[0]))
 
     def logits(self, target: nn.Module, hidden: mx.array) -> mx.array:
@@ -153,13 +208,14 @@ def module_for(model: nn.Module, weights: Dict[str, mx.array], source) -> Option
     or one line when its MTP tensors are partial or of another shape."""
     from mlx_lm.utils import dequantize_model
 
-    tensors = sanitize_mtp(weights, is_raw(weights))
+    tensors = sanitize_mtp(weights, model)
     if not tensors:
         return None
     if getattr(model.args, "model_type", None) not in MODEL_TYPES:
         raise UserError(f"{source} holds MTP tensors for a {model.args.model_type!r} model, whose MTP layout is not "
                         f"known here (known: {', '.join(MODEL_TYPES)}); pass --draft lookup or none")
-    module = MTPModule(model, decoder_layer(model), LAYOUTS[model.args.model_type].hidden_first)
+    layout = LAYOUTS[model.args.model_type]
+    module = MTPModule(model, decoder_layer(model, after=layout.after_layers), layout)
     if any(name.endswith(".scales") for name in tensors):
         nn.quantize(module, class_predicate=lambda path, m: f"mtp.{path}.scales" in tensors)
     wanted = {f"mtp.{name}": value.shape for name, value in tree_flatten(module.parameters())}
@@ -178,13 +234,17 @@ def module_for(model: nn.Module, weights: Dict[str, mx.array], source) -> Option
     return module
 
 
-def decoder_layer(model: nn.Module) -> nn.Module:
+def decoder_layer(model: nn.Module, after: bool = False) -> nn.Module:
     """A new decoder layer of the model's own kind: its first full-attention layer's class
-    (mlx-lm's classes take the layer's index, or only the model's arguments)."""
+    (mlx-lm's classes take the layer's index, or only the model's arguments), built as the
+    layer after the model's last where ``after`` (DeepSeek's and GLM's module: a mixture of
+    experts where their later layers are)."""
     layers = inner_model(model).layers
     index = next(i for i, layer in enumerate(layers) if not getattr(layer, "is_linear", False))
     kind = type(layers[index])
-    return kind(model.args, index) if len(inspect.signature(kind).parameters) > 1 else kind(model.args)
+    if len(inspect.signature(kind).parameters) == 1:
+        return kind(model.args)
+    return kind(model.args, len(layers) if after else index)
 
 
 def recognizes(path: Path, config: Optional[dict]) -> bool:
