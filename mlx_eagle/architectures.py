@@ -78,11 +78,12 @@ ARCHITECTURES: Dict[str, Architecture] = {record.model_type: record for record i
     Architecture("gemma3", "gemma3", "Gemma3ForConditionalGeneration", text_model="language_model",
                  text_config="text_config"),
     Architecture("mimo", "mimo", "MiMoForCausalLM"),  # Qwen2's layers (and an MTP module: drafters/mtp.py)
-    # DeepSeek-V3 and GLM-4.5/4.7-Flash (mixtures of experts; latent attention but GLM-4.5's):
-    # chains through their own forward pass, for the MTP modules they ship (drafters/mtp.py).
+    # GLM-4.5/4.6: per-head QK norms, partial RoPE, experts (and an MTP module: drafters/mtp.py).
+    Architecture("glm4_moe", "glm4_moe", "Glm4MoeForCausalLM", experts=True),
+    # DeepSeek-V3 and GLM-4.7-Flash: latent attention, which target.py does not drive: chains
+    # through their own forward pass, for the MTP modules they ship.
     *(Architecture(model_type, model_type, hf_class, driven=False, experts=True) for model_type, hf_class in (
-        ("deepseek_v3", "DeepseekV3ForCausalLM"), ("glm4_moe", "Glm4MoeForCausalLM"),
-        ("glm4_moe_lite", "Glm4MoeLiteForCausalLM"))),
+        ("deepseek_v3", "DeepseekV3ForCausalLM"), ("glm4_moe_lite", "Glm4MoeLiteForCausalLM"))),
     # Hybrid and recurrent families: Gated DeltaNet, Mamba 2, Mamba and short-convolution layers
     # (with attention layers in most), their state rolled back by rewind.py.
     # Qwen3.5 GGUFs (dense): llama.cpp's names for the Gated DeltaNet layers, its layout of

@@ -284,12 +284,17 @@ def moe_config(model_type: str, vocab_size: int = 384) -> Dict:
 
 
 def target_config(arch: str, vocab_size: int = 384) -> Dict:
-    """The tiny config of an ARCHS or MOE_CONFIGS architecture, or MiMo's."""
+    """The tiny config of an ARCHS or MOE_CONFIGS architecture, or MiMo's or GLM-4.5's."""
     if arch in MOE_CONFIGS:
         return moe_config(arch, vocab_size)
     if arch == "mimo":  # Qwen2's layers, and an MTP module (test_mtp); no GGUF of it is read
         return dict(target_config("qwen2", vocab_size), model_type="mimo", num_nextn_predict_layers=1,
                     tie_word_embeddings=False)
+    if arch == "glm4_moe":  # GLM-4.5: per-head QK norms, partial RoPE, experts routed by a biased sigmoid gate
+        return dict(_config("glm4_moe", vocab_size), moe_intermediate_size=32, n_shared_experts=1,
+                    n_routed_experts=4, routed_scaling_factor=1.5, num_experts_per_tok=2, n_group=1, topk_group=1,
+                    first_k_dense_replace=1, norm_topk_prob=True, rope_scaling=None, use_qk_norm=True,
+                    attention_bias=False, partial_rotary_factor=0.5, tie_word_embeddings=False)
     config = _config(ARCHS[arch][0], vocab_size)
     if arch == "qwen2":
         config.pop("head_dim")

@@ -1,9 +1,10 @@
-"""A model's own MTP module as its drafter (drafters/mtp.py), for Qwen3-Next, Qwen3.5 and
-MiMo: its draft logits equal an independent numpy reference of the published step (and the
-reference with the concatenation swapped does not); raw Hugging Face tensors come out in
-mlx-lm's layout; greedy decoding with it, merged with lookup, equals mlx-lm (chains, and on
-MiMo, which target.py drives, trees); a model directory that holds one drafts with it by
-default, and the converter keeps it; partial MTP tensors get one line."""
+"""A model's own MTP module as its drafter (drafters/mtp.py), for Qwen3-Next, Qwen3.5, MiMo,
+DeepSeek-V3, GLM-4.5 and GLM-4.7-Flash: its draft logits equal an independent numpy
+reference of the published step (and the reference with the concatenation swapped does
+not); raw Hugging Face tensors come out in mlx-lm's layout; greedy decoding with it, merged
+with lookup, equals mlx-lm (chains, and trees where target.py drives the target: MiMo,
+GLM-4.5); a model directory that holds one drafts with it by default, and the converter
+keeps it; partial MTP tensors get one line."""
 
 import subprocess
 import sys
@@ -171,10 +172,11 @@ def test_mimo_tensors_come_out_in_one_layout():
     assert set(back) == set(ours) and all(mx.array_equal(back[k], ours[k]) for k in ours)
 
 
-@pytest.mark.parametrize("family, tree", [(family, "chain:3") for family in FAMILIES] + [("mimo", "static:default")])
+@pytest.mark.parametrize("family, tree", [(family, "chain:3") for family in FAMILIES]
+                         + [("mimo", "static:default"), ("glm4_moe", "static:default")])
 def test_greedy_decoding_with_the_module_equals_mlx_lm(family, tree):
     """Chains on every family; trees (the top tokens at each depth) where target.py drives
-    the target, MiMo (the plan asks a hybrid for chains)."""
+    the target, MiMo and GLM-4.5 (the plan asks the others for chains)."""
     model = build(family)
     drafter = EagleDrafter(module_for(model, mtp_tensors(new_module(model), model), "test"), model, parse_tree(tree))
     tokens, decoder = decode(model, Composite([drafter, LookupDrafter(lambda k: 1.0)]), count=30)

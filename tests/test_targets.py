@@ -22,7 +22,7 @@ from synthetic import ARCHS, MOE_CONFIGS, build_model, moe_config, target_config
 PROMPT = [5, 17, 99, 3, 250, 41, 41, 7, 300, 12, 8, 77, 5, 17, 99, 3, 120, 64, 9, 200]  # longer than gpt-oss's window
 
 
-@pytest.fixture(scope="module", params=[a for a in ARCHS if a != "llama"] + list(MOE_CONFIGS) + ["mimo"])
+@pytest.fixture(scope="module", params=[a for a in ARCHS if a != "llama"] + list(MOE_CONFIGS) + ["mimo", "glm4_moe"])
 def tree_target(request):
     return request.param, build_model(target_config(request.param))
 
