@@ -224,3 +224,26 @@ def test_a_directory_with_an_mtp_module_drafts_with_it_and_conversion_keeps_it(t
     assert drafted.returncode == 0 and plain.returncode == 0, drafted.stderr[-2000:]
     assert "drafts: the model's MTP module, tree chain:3" in drafted.stderr, drafted.stderr[-1500:]
     assert drafted.stdout == plain.stdout
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "deepseek_v3"])
+def test_a_quantized_conversion_quantizes_the_module_too(tmp_path, family):
+    """--q-bits quantizes the module's projections as the model's (its norms stay float);
+    it loads back, and drafts losslessly for the quantized target."""
+    from mlx_eagle import load
+    from mlx_eagle.convert.target import convert_target
+    from mlx_eagle.plan import load_draft
+
+    directory = write_directory(tmp_path, family, EXPERT_CONFIGS.get(family))
+    model, _ = load(str(directory))
+    weights = dict(mx.load(str(directory / "model.safetensors")))
+    mx.save_safetensors(str(directory / "model.safetensors"), weights | mtp_tensors(new_module(model), model))
+    converted = convert_target(directory, tmp_path / "converted", q_bits=8, progress=False)
+    kept = mx.load(str(converted / "mtp.safetensors"))
+    assert "mtp.fc.scales" in kept and "mtp.norm.weight" in kept and "mtp.norm.scales" not in kept
+    target, _ = load(str(converted))
+    module = load_draft("auto", target)
+    assert isinstance(module, MTPModule)
+    drafter = Composite([EagleDrafter(module, target, parse_tree("chain:3")), LookupDrafter(lambda k: 1.0)])
+    tokens, _ = decode(target, drafter, count=20)
+    assert tokens == reference(target, count=20)

@@ -9,7 +9,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import mlx.core as mx
 import numpy as np
 
-from ..architectures import GGUF_ARCHITECTURES, architecture
+from ..architectures import GGUF_ARCHITECTURES, architecture, text_config
 from ..errors import UserError, check_model_config
 
 from .tensors import QuantizedWeight, SourceTensor
@@ -490,12 +490,13 @@ def dequantized(data: np.ndarray, qtype, shape: Tuple[int, ...]) -> mx.array:
 
 def read_tensors(reader, config: Dict[str, Any], path: Path) -> List[SourceTensor]:
     record = architecture(config["model_type"])
+    layers = text_config(config).get("num_hidden_layers")
     tensors = []
     for tensor in reader.tensors:
         if tensor.name == ROPE_FREQS:  # in the config's rope_scaling (see read_config)
             continue
         block = re.match(r"blk\.(\d+)\.", tensor.name)
-        if block and int(block.group(1)) >= config["num_hidden_layers"]:
+        if block and layers is not None and int(block.group(1)) >= layers:
             continue  # a multi-token-prediction layer past the model's own (drafters/mtp.py reads those elsewhere)
         name = hf_name(tensor.name, record.gguf_names, record.gguf_layers)
         if name is None:

@@ -63,10 +63,12 @@ def read_tensors(path: Path, config: Dict[str, Any]) -> List[SourceTensor]:
     ]
 
 
-def mtp_tensors(path: Path, config: Dict[str, Any]) -> Dict[str, mx.array]:
+def mtp_tensors(path: Path, config: Dict[str, Any], dtype: mx.Dtype, bits: Optional[int] = None,
+                group_size: int = 64) -> Dict[str, mx.array]:
     """The model's MTP module (drafters/mtp.py), which mlx-lm's sanitize drops, in mlx-lm's
-    layout: the converter keeps it in mtp.safetensors, a file mlx-lm does not read."""
-    from ..drafters.mtp import is_mtp, is_raw, sanitize_mtp
+    layout as ``dtype`` (its projections quantized to ``bits`` where given): the converter
+    keeps it in mtp.safetensors, a file mlx-lm does not read."""
+    from ..drafters.mtp import is_mtp, is_raw, quantized, sanitize_mtp
 
     weights: Dict[str, mx.array] = {}
     for file in sorted(path.glob("model*.safetensors")) or sorted(path.glob("*.safetensors")):
@@ -76,7 +78,14 @@ def mtp_tensors(path: Path, config: Dict[str, Any]) -> Dict[str, mx.array]:
     if not found:
         return {}
     model_class, args_class = model_classes(config["model_type"])
-    return sanitize_mtp(found, model_class(args_class.from_dict(config)), raw=is_raw(weights))
+    model = model_class(args_class.from_dict(config))
+    tensors = {k: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) else v
+               for k, v in sanitize_mtp(found, model, raw=is_raw(weights)).items()}
+    if bits:  # (quantized for the text model, whose layers the module's is one of)
+        record = ARCHITECTURES[config["model_type"]]
+        tensors = quantized(getattr(model, record.text_model) if record.text_model else model, tensors, group_size,
+                            bits)
+    return tensors
 
 
 def source_dtype(config: Dict[str, Any], tensors: List[SourceTensor]) -> mx.Dtype:

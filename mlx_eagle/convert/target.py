@@ -63,13 +63,12 @@ def convert_target(
         tensors = hf_weights.read_tensors(src, config)
         float_dtype = fmt.dtype or hf_weights.source_dtype(config, tensors)
         config = hf_weights.output_config(config, float_dtype)
-        mtp = hf_weights.mtp_tensors(src, config)
+        mtp = hf_weights.mtp_tensors(src, config, float_dtype, fmt.bits, fmt.group_size)
 
         def save_tokenizer(staging: Path) -> None:
             hf_weights.copy_tokenizer(src, staging)
-            if mtp:  # the model's own drafter, kept (unquantized) where mlx-lm does not look
-                mx.save_safetensors(str(staging / "mtp.safetensors"),
-                                    {k: v.astype(float_dtype) for k, v in mtp.items()})
+            if mtp:  # the model's own drafter, kept where mlx-lm does not look
+                mx.save_safetensors(str(staging / "mtp.safetensors"), mtp)
 
     return write_model_dir(out, config, tensors, save_tokenizer, fmt, float_dtype, overwrite, progress)
 

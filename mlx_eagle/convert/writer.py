@@ -7,7 +7,7 @@ import os
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Union
 
 import mlx.core as mx
 from ..progress import progress_bar
@@ -34,13 +34,33 @@ def _quantize(value: mx.array, bits: int, group_size: int, dtype: mx.Dtype) -> Q
     return QuantizedWeight(weight, scales, biases, bits, group_size)
 
 
-def convert_tensor(tensor: SourceTensor, fmt: OutputFormat, float_dtype: mx.Dtype):
-    """The output for one tensor: a float array or a QuantizedWeight."""
+def quantizable_layers(config: Dict[str, Any]) -> Optional[Dict[str, Union[bool, dict]]]:
+    """Per module path of a model of ``config``, what mlx-lm's own quantization does to it:
+    False (kept float: no quantized form, such as DeepSeek's expert router, or the model's
+    ``quant_predicate`` says so), True, or that predicate's own {bits, group_size}. None:
+    not an architecture this runtime builds (every matrix is then taken for a layer)."""
+    from ..architectures import ARCHITECTURES, model_classes
+
+    if config.get("model_type") not in ARCHITECTURES:
+        return None
+    model_class, args_class = model_classes(config["model_type"])
+    model = model_class(args_class.from_dict(config))  # (its random weights are never computed)
+    predicate = getattr(model, "quant_predicate", None) or (lambda path, module: True)
+    return {path: hasattr(module, "to_quantized") and predicate(path, module)
+            for path, module in model.named_modules()}
+
+
+def convert_tensor(tensor: SourceTensor, fmt: OutputFormat, float_dtype: mx.Dtype,
+                   layer: Union[bool, dict] = True):
+    """The output for one tensor: a float array or a QuantizedWeight. ``layer``: what
+    quantizable_layers says of the module holding it."""
     # Matrices, and the stacked matrices of a mixture of experts (mlx-lm's SwitchLinear).
     is_matrix = tensor.name.endswith(".weight") and len(tensor.shape) in (2, 3)
-    if not is_matrix or (fmt.dtype is not None and fmt.bits is None):
+    if not is_matrix or layer is False or (fmt.dtype is not None and fmt.bits is None):
         return tensor.load().astype(float_dtype)
     bits, group_size = fmt.bits, fmt.group_size
+    if isinstance(layer, dict) and bits is not None:  # the model's own choice for this layer (a router at 8 bits)
+        bits, group_size = layer.get("bits", bits), layer.get("group_size", group_size)
     if bits is None:  # keep the source's format
         bits, group_size = tensor.native_bits or tensor.requantize_bits, 32
         if bits is None:
@@ -86,8 +106,10 @@ def _write(staging, config, tensors, save_tokenizer, fmt, float_dtype, progress)
     shard_keys: List[List[str]] = []
     shard_bytes = 0
     quantized: Dict[str, Dict[str, int]] = {}
+    layers = quantizable_layers(config) if tensors else None
     for tensor in progress_bar(tensors, desc="converting", unit="tensor", disable=not progress, leave=False):
-        value = convert_tensor(tensor, fmt, float_dtype)
+        layer = True if layers is None else layers.get(_module_path(tensor.name), False)
+        value = convert_tensor(tensor, fmt, float_dtype, layer)
         if isinstance(value, QuantizedWeight):
             path = _module_path(tensor.name)
             quantized[path] = {"group_size": value.group_size, "bits": value.bits}

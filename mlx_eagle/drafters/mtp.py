@@ -211,13 +211,33 @@ def module_for(model: nn.Module, weights: Dict[str, mx.array], source) -> Option
     tensors = sanitize_mtp(weights, model)
     if not tensors:
         return None
+    module = _loaded(model, tensors, source)
+    if mx.default_device() == mx.cpu:
+        module = dequantize_model(module)
+    module.set_dtype(compute_dtype(model), predicate=lambda dtype: mx.issubdtype(dtype, mx.floating))
+    mx.eval(module.parameters())
+    return module
+
+
+def quantized(model: nn.Module, tensors: Dict[str, mx.array], group_size: int, bits: int) -> Dict[str, mx.array]:
+    """A module's tensors (sanitize_mtp's) with its projections quantized as mlx-lm
+    quantizes a model's (what module_for reads back)."""
+    module = _loaded(model, tensors, "the MTP module")
+    nn.quantize(module, group_size, bits, class_predicate=lambda path, m: hasattr(m, "to_quantized")
+                and m.weight.shape[-1] % group_size == 0)
+    return {f"mtp.{name}": value for name, value in tree_flatten(module.parameters())}
+
+
+def _loaded(model: nn.Module, tensors: Dict[str, mx.array], source) -> MTPModule:
+    """The module of ``tensors`` (sanitize_mtp's) for ``model``, or one line when they are
+    partial or of another shape."""
     if getattr(model.args, "model_type", None) not in MODEL_TYPES:
         raise UserError(f"{source} holds MTP tensors for a {model.args.model_type!r} model, whose MTP layout is not "
                         f"known here (known: {', '.join(MODEL_TYPES)}); pass --draft lookup or none")
     layout = LAYOUTS[model.args.model_type]
     module = MTPModule(model, decoder_layer(model, after=layout.after_layers), layout)
     if any(name.endswith(".scales") for name in tensors):
-        nn.quantize(module, class_predicate=lambda path, m: f"mtp.{path}.scales" in tensors)
+        nn.quantize(module, class_predicate=lambda path, m: _stored_quantization(tensors, f"mtp.{path}", m))
     wanted = {f"mtp.{name}": value.shape for name, value in tree_flatten(module.parameters())}
     missing, extra = sorted(set(wanted) - set(tensors)), sorted(set(tensors) - set(wanted))
     shapes = sorted(n for n in set(wanted) & set(tensors) if tuple(tensors[n].shape) != tuple(wanted[n]))
@@ -227,11 +247,18 @@ def module_for(model: nn.Module, weights: Dict[str, mx.array], source) -> Option
         raise UserError(f"{source}: its MTP tensors are not a whole module for this model: {problem}; pass --draft "
                         "lookup or none")
     module.load_weights([(name[len("mtp."):], value) for name, value in tensors.items()], strict=True)
-    if mx.default_device() == mx.cpu:
-        module = dequantize_model(module)
-    module.set_dtype(compute_dtype(model), predicate=lambda dtype: mx.issubdtype(dtype, mx.floating))
-    mx.eval(module.parameters())
     return module
+
+
+def _stored_quantization(tensors: Dict[str, mx.array], name: str, layer: nn.Module):
+    """How the tensors stored for ``layer`` (at ``name``) were quantized, from their shapes:
+    ``{group_size, bits}`` (a weight of ``columns`` packs ``columns * 32 / bits`` values into
+    32-bit words, one scale per group), or False where they were not."""
+    scales, weight = tensors.get(f"{name}.scales"), tensors.get(f"{name}.weight")
+    if scales is None or weight is None or not hasattr(layer, "to_quantized"):
+        return False
+    columns = layer.weight.shape[-1]
+    return {"group_size": columns // scales.shape[-1], "bits": weight.shape[-1] * 32 // columns}
 
 
 def decoder_layer(model: nn.Module, after: bool = False) -> nn.Module:
