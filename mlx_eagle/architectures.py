@@ -4,9 +4,9 @@ target.py, the converters and the config checks need to know about it.
 Adding an architecture is one record here (and its tests, tests/test_targets.py): the
 mlx-lm module that builds it, the names its attention module gives its sizes, its
 feed-forward block, its Hugging Face class and, where llama.cpp writes it, its GGUF
-architecture. Records marked ``driven=False`` (the hybrid and recurrent families, and
-DeepSeek's and GLM's mixtures of experts) convert and load, and speculate with chains
-verified by the model's own forward pass, a recurrent state rolled back by rewind.py.
+architecture. Records marked ``driven=False`` (the hybrid and recurrent families) convert
+and load, and speculate with chains verified by the model's own forward pass, a
+recurrent state rolled back by rewind.py.
 Every model mlx-lm loads drafts from the context without a record.
 """
 
@@ -80,9 +80,9 @@ ARCHITECTURES: Dict[str, Architecture] = {record.model_type: record for record i
     Architecture("mimo", "mimo", "MiMoForCausalLM"),  # Qwen2's layers (and an MTP module: drafters/mtp.py)
     # GLM-4.5/4.6: per-head QK norms, partial RoPE, experts (and an MTP module: drafters/mtp.py).
     Architecture("glm4_moe", "glm4_moe", "Glm4MoeForCausalLM", experts=True),
-    # DeepSeek-V3 and GLM-4.7-Flash: latent attention, which target.py does not drive: chains
-    # through their own forward pass, for the MTP modules they ship.
-    *(Architecture(model_type, model_type, hf_class, driven=False, experts=True) for model_type, hf_class in (
+    # DeepSeek-V3 and GLM-4.7-Flash: multi-head latent attention (target.py's _latent_attention),
+    # experts routed by a biased sigmoid gate (and an MTP module: drafters/mtp.py).
+    *(Architecture(model_type, model_type, hf_class, experts=True) for model_type, hf_class in (
         ("deepseek_v3", "DeepseekV3ForCausalLM"), ("glm4_moe_lite", "Glm4MoeLiteForCausalLM"))),
     # Hybrid and recurrent families: Gated DeltaNet, Mamba 2, Mamba and short-convolution layers
     # (with attention layers in most), their state rolled back by rewind.py.

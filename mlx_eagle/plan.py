@@ -6,8 +6,8 @@ drafters are loaded, and hands the plan on; ``stream_generate`` makes one itself
 given a head, a drafter or a word.
 
 The draft choice (``--draft``, ``draft=``):
-  "auto"     the model's own drafter where there is one (a head shipped for it), and
-             drafts from the context
+  "auto"     the model's own drafter where there is one (its MTP module, a head shipped
+             for it: the one with the higher recorded acceptance), and drafts from the context
   "lookup"   drafts from the context alone (any model mlx-lm loads), as None does
   "none"     plain decoding through the same loop
   a path     a drafter's directory; each kind in drafters.KINDS says whether it is its own
@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, List, Optional, Tuple, Union
 
 import mlx.nn as nn
+import numpy as np
 
 from .drafters import Drafter, DraftSettings, DraftSource, kind_modules
 from .drafters.composite import Composite
@@ -95,6 +96,18 @@ def path_kind(path: Path):
     raise UserError(f"{path} looks like {looks}, not a drafter ({kinds})")
 
 
+def best_shipped(drafters: List[object]) -> Optional[object]:
+    """Of the drafters that come with a model (its own MTP module, a head shipped for it),
+    the one whose recorded acceptance promises the longest chains (tokens per round on a
+    chain of its recorded depth); the first on a tie, in KINDS order (the model's own first)."""
+    from .calibrate import head_acceptance
+
+    def chain_tokens(drafter: object) -> float:
+        return 1.0 + float(np.cumprod(head_acceptance(drafter)[0][:, 0]).sum())
+
+    return max(drafters, key=chain_tokens, default=None)
+
+
 def load_draft(draft: Union[str, Path, None, object], model: nn.Module):
     """What ``draft`` drafts with, loaded for ``model``: a drafter's directory loaded by its
     kind, "auto" the drafter shipped for this model (None if there is none), and None for
@@ -102,11 +115,8 @@ def load_draft(draft: Union[str, Path, None, object], model: nn.Module):
     if draft is None or draft in ("none", "lookup"):
         return None
     if draft == "auto":
-        for kind in kind_modules():
-            found = kind.shipped(model) if hasattr(kind, "shipped") else None
-            if found is not None:
-                return found
-        return None
+        return best_shipped([found for kind in kind_modules() if hasattr(kind, "shipped")
+                             for found in [kind.shipped(model)] if found is not None])
     if isinstance(draft, (str, Path)):
         path = Path(draft).expanduser()
         if not path.exists() and isinstance(draft, str) and draft.count("/") == 1 and not draft.startswith((".", "~")):

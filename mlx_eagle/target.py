@@ -21,7 +21,7 @@ from typing import Callable, List, Optional, Sequence, Tuple, Union
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import cache as mlx_lm_cache
-from mlx_lm.models.base import scaled_dot_product_attention
+from mlx_lm.models.base import create_causal_mask, scaled_dot_product_attention
 from mlx_lm.models.cache import KVCache
 
 from mlx_lm.models.gemma3_text import clip_residual
@@ -106,20 +106,54 @@ def compiled_piece(module: nn.Module, fn: Callable, tokens: int) -> Callable:
     return pieces[fn]
 
 
+def _latent_project(attn: nn.Module, x: mx.array, positions: mx.array) -> Tuple[mx.array, ...]:
+    """Multi-head latent attention's (DeepSeek-V3, GLM-4.7-Flash) queries, as their
+    position-free and rotated parts, and its keys/values: the normed latent and the
+    rotated part shared by every head."""
+    batch, length, _ = x.shape
+    queries = attn.q_proj(x) if attn.q_lora_rank is None else attn.q_b_proj(attn.q_a_layernorm(attn.q_a_proj(x)))
+    queries = queries.reshape(batch, length, attn.num_heads, attn.q_head_dim).transpose(0, 2, 1, 3)
+    queries, rotated_queries = mx.split(queries, [attn.qk_nope_head_dim], axis=-1)
+    latent, rotated_keys = mx.split(attn.kv_a_proj_with_mqa(x), [attn.kv_lora_rank], axis=-1)
+    rotated_keys = rotated_keys.reshape(batch, length, 1, attn.qk_rope_head_dim).transpose(0, 2, 1, 3)
+    latent = mx.expand_dims(attn.kv_a_layernorm(latent), axis=1)
+    return (queries, rotate(attn.rope, rotated_queries, positions), latent,
+            rotate(attn.rope, rotated_keys, positions))
+
+
+def _latent_attention(attn: nn.Module, x: mx.array, cache, positions: mx.array, mask: Mask) -> mx.array:
+    """Multi-head latent attention over ``x``, its cache holding the latents (as keys) and
+    the rotated keys (as values), as mlx-lm's own module keeps them: the rotated parts'
+    scores, masked, are the additive mask of the position-free attention."""
+    tokens, cached = x.shape[1], cache.offset
+    queries, rotated_queries, latent, rotated_keys = compiled_piece(attn, _latent_project, tokens)(x, positions)
+    latent, rotated_keys = cache.update_and_fetch(latent, rotated_keys)
+    scores = (rotated_queries * attn.scale) @ rotated_keys.swapaxes(-1, -2)
+    if isinstance(mask, str):
+        mask = create_causal_mask(tokens, cached)
+    if mask is not None:
+        scores = mx.where(mask, scores, mx.array(mx.finfo(scores.dtype).min, scores.dtype))
+    keys, values = attn.embed_q(latent, transpose=False), attn.unembed_out(latent)
+    return scaled_dot_product_attention(queries, keys, values, cache=cache, scale=attn.scale, mask=scores)
+
+
 def layer_block(layer: nn.Module, residual: mx.array, x: mx.array, cache, positions: Positions,
                 mask: Mask) -> mx.array:
     """``residual`` + attention over ``x`` (with our positions and mask), then the layer's
     MLP with its residual: an mlx-lm decoder layer's computation."""
     tokens = x.shape[1]
     positions = mx.array(positions) if isinstance(positions, int) else positions  # traced, not a constant
-    queries, keys, values = compiled_piece(layer.self_attn, _project, tokens)(x, positions)
-    keys, values = cache.update_and_fetch(keys, values)
     attn = layer.self_attn
-    if hasattr(cache, "attend"):  # a cache that knows its own attention pattern (training's TTTCache)
-        attended = cache.attend(queries, attention_sizes(attn)[2])
+    if "kv_a_proj_with_mqa" in attn:
+        attended = _latent_attention(attn, x, cache, positions, mask)
     else:
-        attended = scaled_dot_product_attention(queries, keys, values, cache=cache, scale=attention_sizes(attn)[2],
-                                                mask=mask, sinks=attn.get("sinks"))
+        queries, keys, values = compiled_piece(attn, _project, tokens)(x, positions)
+        keys, values = cache.update_and_fetch(keys, values)
+        if hasattr(cache, "attend"):  # a cache that knows its own attention pattern (training's TTTCache)
+            attended = cache.attend(queries, attention_sizes(attn)[2])
+        else:
+            attended = scaled_dot_product_attention(queries, keys, values, cache=cache,
+                                                    scale=attention_sizes(attn)[2], mask=mask, sinks=attn.get("sinks"))
     return compiled_piece(layer, _finish, tokens)(residual, attended)
 
 
@@ -143,7 +177,7 @@ def drives(model: nn.Module) -> bool:
 def check_target(model: nn.Module, taps: Optional[Sequence[int]] = None) -> None:
     """That a drafter reading the target states at ``taps`` can read them from ``model``:
     where target.py drives its layers, or on any other text model whose final norm it
-    knows (the hybrid families, DeepSeek's and GLM's), whose own forward pass verifies
+    knows (the hybrid families), whose own forward pass verifies
     chains and records the states (tapped_forward)."""
     if drives(model):
         return

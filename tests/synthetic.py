@@ -284,7 +284,8 @@ def moe_config(model_type: str, vocab_size: int = 384) -> Dict:
 
 
 def target_config(arch: str, vocab_size: int = 384) -> Dict:
-    """The tiny config of an ARCHS or MOE_CONFIGS architecture, or MiMo's or GLM-4.5's."""
+    """The tiny config of an ARCHS or MOE_CONFIGS architecture, or MiMo's, GLM-4.5's,
+    DeepSeek-V3's or GLM-4.7-Flash's."""
     if arch in MOE_CONFIGS:
         return moe_config(arch, vocab_size)
     if arch == "mimo":  # Qwen2's layers, and an MTP module (test_mtp); no GGUF of it is read
@@ -295,6 +296,9 @@ def target_config(arch: str, vocab_size: int = 384) -> Dict:
                     n_routed_experts=4, routed_scaling_factor=1.5, num_experts_per_tok=2, n_group=1, topk_group=1,
                     first_k_dense_replace=1, norm_topk_prob=True, rope_scaling=None, use_qk_norm=True,
                     attention_bias=False, partial_rotary_factor=0.5, tie_word_embeddings=False)
+    if arch in ("deepseek_v3", "glm4_moe_lite"):  # GLM-4.5's experts, multi-head latent attention
+        return dict(target_config("glm4_moe", vocab_size), model_type=arch, kv_lora_rank=16, q_lora_rank=32,
+                    qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16)
     config = _config(ARCHS[arch][0], vocab_size)
     if arch == "qwen2":
         config.pop("head_dim")

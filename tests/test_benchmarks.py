@@ -150,12 +150,17 @@ def test_history_overhead(tmp_path):
     assert result["identical"] and set(result["methods"]) == {"history", "no history"}
 
 
-def test_dflash_prediction(tmp_path):
-    out = run("dflash_prediction.py", "--out", tmp_path / "prediction.json").stdout
+def test_drafter_prediction(tmp_path):
+    """On the flat curve every published drafter is predicted to gain, less than its tau;
+    on the steep one none is predicted to lose (the chain is sized, or no draft)."""
+    out = run("drafter_prediction.py", "--out", tmp_path / "prediction.json").stdout
     rows = json.loads((tmp_path / "prediction.json").read_text())
-    gpu = [r for r in rows if r["curve"].startswith("Apple")]
-    assert len(gpu) == 3 and all(1.0 < r["speedup"] < r["published_tau"] for r in gpu), out
-    assert all(0 < r["chain"] <= 15 for r in rows)
+    flat = [r for r in rows if r["curve"].startswith("Apple GPU (flat")]
+    steep = [r for r in rows if "steep" in r["curve"]]
+    assert {r["kind"] for r in flat} == {"dflash", "mtp"} and len(flat) == len(steep) == 5
+    assert all(1.0 < r["speedup"] < r["published_tau"] and r["chain"] > 0 for r in flat), out
+    assert all(r["speedup"] >= 1.0 and r["chain"] < 4 for r in steep), out
+    assert all(0 <= r["chain"] <= r["published_drafts"] for r in rows)
 
 
 def test_dflash_curve_reads_a_resumed_log(tmp_path):

@@ -3,7 +3,7 @@ DeepSeek-V3, GLM-4.5 and GLM-4.7-Flash: its draft logits equal an independent nu
 reference of the published step (and the reference with the concatenation swapped does
 not); raw Hugging Face tensors come out in mlx-lm's layout; greedy decoding with it, merged
 with lookup, equals mlx-lm (chains, and trees where target.py drives the target: MiMo,
-GLM-4.5); a model directory that holds one drafts with it by default, and the converter
+DeepSeek-V3, GLM-4.5, GLM-4.7-Flash); a model directory that holds one drafts with it by default, and the converter
 keeps it; partial MTP tensors get one line."""
 
 import subprocess
@@ -21,7 +21,7 @@ from test_hybrid import decode, reference, text_model, write_directory
 from mlx_eagle.drafters.composite import Composite
 from mlx_eagle.drafters.eagle import EagleDrafter
 from mlx_eagle.drafters.lookup import LookupDrafter
-from mlx_eagle.drafters.mtp import LAYOUTS, MTPModule, decoder_layer, module_for, sanitize_mtp
+from mlx_eagle.drafters.mtp import LAYOUTS, MTPModule, module_for, new_decoder_layer, sanitize_mtp
 from mlx_eagle.errors import UserError
 from mlx_eagle.target import inner_model
 from mlx_eagle.trees import parse_tree
@@ -64,7 +64,7 @@ def new_module(model, seed: int = 3) -> MTPModule:
     """A random MTP module for ``model`` (a decoder layer of its own kind)."""
     mx.random.seed(seed)
     layout = LAYOUTS[model.args.model_type]
-    module = MTPModule(model, decoder_layer(model, after=layout.after_layers), layout)
+    module = MTPModule(model, new_decoder_layer(model, after=layout.after_layers), layout)
     mx.eval(module.parameters())
     return module
 
@@ -173,10 +173,10 @@ def test_mimo_tensors_come_out_in_one_layout():
 
 
 @pytest.mark.parametrize("family, tree", [(family, "chain:3") for family in FAMILIES]
-                         + [("mimo", "static:default"), ("glm4_moe", "static:default")])
+                         + [(family, "static:default") for family in ("mimo", *EXPERT_CONFIGS)])
 def test_greedy_decoding_with_the_module_equals_mlx_lm(family, tree):
     """Chains on every family; trees (the top tokens at each depth) where target.py drives
-    the target, MiMo and GLM-4.5 (the plan asks the others for chains)."""
+    the target, MiMo, DeepSeek-V3 and the GLMs (the plan asks Qwen's hybrids for chains)."""
     model = build(family)
     drafter = EagleDrafter(module_for(model, mtp_tensors(new_module(model), model), "test"), model, parse_tree(tree))
     tokens, decoder = decode(model, Composite([drafter, LookupDrafter(lambda k: 1.0)]), count=30)
@@ -247,3 +247,35 @@ def test_a_quantized_conversion_quantizes_the_module_too(tmp_path, family):
     drafter = Composite([EagleDrafter(module, target, parse_tree("chain:3")), LookupDrafter(lambda k: 1.0)])
     tokens, _ = decode(target, drafter, count=20)
     assert tokens == reference(target, count=20)
+
+
+def test_auto_prefers_the_drafter_whose_recorded_acceptance_is_higher(tmp_path):
+    """A model with both its own MTP module and a head shipped for it drafts with the one
+    whose recorded acceptance promises more tokens a round; the module on a tie."""
+    import json
+
+    from mlx_eagle.heads import new_head
+    from mlx_eagle.plan import best_shipped
+
+    model = build("mimo")
+    module = module_for(model, mtp_tensors(new_module(model), model), "test")
+    head = new_head(model, "eagle3")
+    head.directory = tmp_path
+    for rate, chosen in ((0.95, head), (0.5, module)):
+        (tmp_path / "acceptance.json").write_text(json.dumps({"acceptance_by_depth_and_rank": [[rate, 0.0]] * 5}))
+        assert best_shipped([module, head]) is chosen
+    assert best_shipped([module]) is module and best_shipped([]) is None
+
+
+def test_mtp_tensors_of_an_unknown_layout_get_one_line():
+    """MTP tensors for a model type whose layout is not known, or a module with a part
+    this runtime does not know, are one line each, naming what to pass instead."""
+    from synthetic import build_model, target_config
+
+    qwen2 = build_model(target_config("qwen2", VOCAB))
+    with pytest.raises(UserError, match=r"MTP tensors for a 'qwen2' model, whose MTP layout is not known here"):
+        module_for(qwen2, {"mtp.fc.weight": mx.zeros((64, 128))}, "ckpt")
+    model = build("qwen3_next")
+    tensors = mtp_tensors(new_module(model)) | {"mtp.extra_proj.weight": mx.zeros((4, 4))}
+    with pytest.raises(UserError, match=r"1 unexpected \(e.g. mtp.extra_proj.weight\); pass --draft lookup or none"):
+        module_for(model, tensors, "ckpt")

@@ -1,6 +1,7 @@
 """Every architecture on the tree path (llama with Llama 3's RoPE scaling, mistral, qwen2, mimo,
 qwen3, and the mixtures of experts qwen3_moe, mixtral, gpt_oss with its attention sinks,
-sliding-window layers and YaRN RoPE), as tiny models with random weights: a tree's logits
+sliding-window layers and YaRN RoPE, glm4_moe, and deepseek_v3 and glm4_moe_lite with
+multi-head latent attention), as tiny models with random weights: a tree's logits
 equal mlx-lm's own forward pass over each branch, and greedy decoding with a random head,
 an oracle head or context drafts alone gives exactly mlx-lm's greedy tokens, also once
 the context is longer than gpt-oss's window."""
@@ -22,7 +23,8 @@ from synthetic import ARCHS, MOE_CONFIGS, build_model, moe_config, target_config
 PROMPT = [5, 17, 99, 3, 250, 41, 41, 7, 300, 12, 8, 77, 5, 17, 99, 3, 120, 64, 9, 200]  # longer than gpt-oss's window
 
 
-@pytest.fixture(scope="module", params=[a for a in ARCHS if a != "llama"] + list(MOE_CONFIGS) + ["mimo", "glm4_moe"])
+@pytest.fixture(scope="module", params=[a for a in ARCHS if a != "llama"] + list(MOE_CONFIGS)
+                + ["mimo", "glm4_moe", "deepseek_v3", "glm4_moe_lite"])
 def tree_target(request):
     return request.param, build_model(target_config(request.param))
 

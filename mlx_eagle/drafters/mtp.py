@@ -10,8 +10,8 @@ reads the result. Qwen's order is [embedding, hidden] (reversed, its drafts agre
 almost nothing: mlx-lm #1469), MiMo's [hidden, embedding]; h_t is the state leaving the
 target's final norm, as vLLM and llama.cpp (#24025) feed it. Deeper drafts feed the module
 its own output, so it drafts like an EAGLE-1 head: this module gives it the ``Head``
-interface and EagleDrafter grows its chains (trees where target.py drives the target: MiMo;
-Qwen's hybrids verify chains), its KV cache holding the committed positions and cut back
+interface and EagleDrafter grows its chains (trees where target.py drives the target: MiMo,
+DeepSeek, GLM; Qwen's hybrids verify chains), its KV cache holding the committed positions and cut back
 each round. Every family's tensors are brought to one layout, Qwen's (``mtp.fc``,
 ``mtp.pre_fc_norm_embedding``, ``mtp.pre_fc_norm_hidden``, ``mtp.layers.0.*``,
 ``mtp.norm``): raw Qwen checkpoints store the norms as offsets from 1 and the experts one by
@@ -32,9 +32,8 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from ..errors import UserError
-from mlx_lm.models.base import create_causal_mask
 
-from ..target import Mask, Positions, compute_dtype, embedding_layer, inner_model, lm_head
+from ..target import Mask, Positions, compute_dtype, decoder_layer, drives, embedding_layer, inner_model, lm_head
 from . import DraftSettings, DraftSource
 
 NAME = "mtp"
@@ -192,9 +191,9 @@ class MTPModule(nn.Module):
             embedding = mx.where((at == 0)[..., None], 0, embedding)
         parts = [self.pre_fc_norm_embedding(embedding), self.pre_fc_norm_hidden(hidden.astype(embedding.dtype))]
         x = self.fc(mx.concatenate(parts[::-1] if self.layout.hidden_first else parts, axis=-1))
-        if isinstance(mask, str):  # (some attention modules, DeepSeek's, take masks only as arrays)
-            mask = create_causal_mask(x.shape[1], cache[0].offset)
-        return self.norm(self.layers[0](x, mask=mask, cache=cache[0]))
+        if drives(target):  # a tree's positions and mask, as the target's own layers see them
+            return self.norm(decoder_layer(self.layers[0], x, cache[0], positions, mask))
+        return self.norm(self.layers[0](x, mask=mask, cache=cache[0]))  # a hybrid's chain, where its cache ends
 
     def logits(self, target: nn.Module, hidden: mx.array) -> mx.array:
         return lm_head(target, hidden)
@@ -235,7 +234,7 @@ def _loaded(model: nn.Module, tensors: Dict[str, mx.array], source) -> MTPModule
         raise UserError(f"{source} holds MTP tensors for a {model.args.model_type!r} model, whose MTP layout is not "
                         f"known here (known: {', '.join(MODEL_TYPES)}); pass --draft lookup or none")
     layout = LAYOUTS[model.args.model_type]
-    module = MTPModule(model, decoder_layer(model, after=layout.after_layers), layout)
+    module = MTPModule(model, new_decoder_layer(model, after=layout.after_layers), layout)
     if any(name.endswith(".scales") for name in tensors):
         nn.quantize(module, class_predicate=lambda path, m: _stored_quantization(tensors, f"mtp.{path}", m))
     wanted = {f"mtp.{name}": value.shape for name, value in tree_flatten(module.parameters())}
@@ -261,7 +260,7 @@ def _stored_quantization(tensors: Dict[str, mx.array], name: str, layer: nn.Modu
     return {"group_size": columns // scales.shape[-1], "bits": weight.shape[-1] * 32 // columns}
 
 
-def decoder_layer(model: nn.Module, after: bool = False) -> nn.Module:
+def new_decoder_layer(model: nn.Module, after: bool = False) -> nn.Module:
     """A new decoder layer of the model's own kind: its first full-attention layer's class
     (mlx-lm's classes take the layer's index, or only the model's arguments), built as the
     layer after the model's last where ``after`` (DeepSeek's and GLM's module: a mixture of
