@@ -19,7 +19,8 @@ model's own forward pass verifies it, so any mlx-lm model can decode this way (a
 head reads the states entering its taps on the way: target.tapped_forward). A hybrid
 model's recurrent layers cannot cut their cache back (rewind.py): their inputs are
 recorded during the verify pass, and a round that rejects part of its chain replays
-their recurrence over the accepted steps only. Where a model's layers are not ones
+their recurrence over the accepted steps only. (Nor can a sliding-window cache of a model
+target.py does not drive, once it has wrapped.) Where a model's layers are not ones
 rewind.py knows, the round restores the caches to before its forward pass instead, and
 the next round reads the accepted tokens again in front of its own chain ("unread" tokens).
 """
@@ -32,11 +33,10 @@ from typing import Callable, List, Optional, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models import cache as mlx_lm_cache
 
 from .drafters import Budget, Drafter, Outcome, TargetStates
 from .errors import UserError
-from .rewind import Rewind
+from .rewind import Rewind, needs_rewind
 from .target import TargetOutput, check_target, drives, keep_cache_entries, lm_head, make_cache, tapped_forward, \
     target_forward, tree_mask
 from .trees import MAX_TREE_NODES, DraftTree
@@ -103,9 +103,8 @@ class SpeculativeDecoder:
         self.reused = 0  # prompt tokens the last prefill found already in the caches
         self.forwards = 0  # target forward passes, for tests and statistics
         self.root: Optional[int] = None
-        # Caches mlx-lm cannot cut back (recurrent layers) are rewound from snapshots.
-        trims = mlx_lm_cache.can_trim_prompt_cache(self.target_cache)
-        self.rewind = None if trims else Rewind(target, self.target_cache)
+        # Caches mlx-lm cannot cut back (recurrent layers, wrapped sliding windows) are rewound.
+        self.rewind = Rewind(target, self.target_cache) if needs_rewind(self.target_cache) else None
         self._last_round: Optional[Tuple[object, int, int]] = None  # (snapshot, tokens, unread) before it
 
     @property

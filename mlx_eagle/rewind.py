@@ -1,4 +1,5 @@
-"""Rewinding the caches mlx-lm cannot cut back: the recurrent state of hybrid models.
+"""Rewinding the caches mlx-lm cannot cut back: the recurrent state of hybrid models, and
+the sliding-window caches of models target.py does not drive, once they wrap.
 
 Qwen3.5/3.6 and Qwen3-Next (Gated DeltaNet), Nemotron-H, Granite 4, Falcon-H1, Jamba and
 Mamba 2 (Mamba layers) and LFM2 (short convolutions) keep each recurrent layer's state in
@@ -18,6 +19,13 @@ Where a model's recurrent layers are not ones this module knows (a family the re
 does not record), the round falls back to a snapshot: a layer replaces its state arrays
 rather than writing into them, so holding the old arrays keeps the old state; restore it
 and read the accepted tokens again in front of the next round's chain (decoder.py).
+
+A ``RotatingKVCache`` (the sliding-window layers of OLMo 3, Cohere 2, Ministral 3, EXAONE
+4, ...) can be cut back only until it has wrapped: after that, cutting it moves its write
+index over entries it has already overwritten (mlx-lm's own ``is_trimmable`` says so, but
+mlx-lm checks it only once, before generating). Its snapshot holds its arrays and indices,
+so a round whose verify pass leaves it wrapped restores them and reads the accepted tokens
+again.
 """
 
 from __future__ import annotations
@@ -32,7 +40,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Set, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import ArraysCache, CacheList
+from mlx_lm.models.cache import ArraysCache, CacheList, RotatingKVCache
 
 from .architectures import HYBRID_MODEL_TYPES
 from .errors import UserError
@@ -159,6 +167,13 @@ def _kinds(cache: Any) -> List[Any]:
     return [c for part in cache.caches for c in _kinds(part)] if isinstance(cache, CacheList) else [cache]
 
 
+def needs_rewind(caches: List[Any]) -> bool:
+    """Whether a model's caches need a Rewind: recurrent states, or sliding-window caches
+    that a long enough conversation wraps (KVCache.trim alone cuts back the others)."""
+    kinds = [c for cache in caches for c in _kinds(cache)]
+    return any(isinstance(c, (ArraysCache, RotatingKVCache)) or not c.is_trimmable() for c in kinds)
+
+
 class Rewind:
     """Rolls a model's caches back to the state after the accepted part of a verify pass."""
 
@@ -167,7 +182,7 @@ class Rewind:
         (False); None: the way measured cheaper for the model's family."""
         self.caches = [c for cache in caches for c in _kinds(cache)]
         for cache in self.caches:
-            if not isinstance(cache, ArraysCache) and not cache.is_trimmable():
+            if not isinstance(cache, (ArraysCache, RotatingKVCache)) and not cache.is_trimmable():
                 raise UserError(f"this model's {type(cache).__name__} cannot be rewound, which speculative decoding "
                                 "needs; use mlx_lm")
         # Recurrent layers replayed: the registry's hybrid families, but for those whose
@@ -189,14 +204,18 @@ class Rewind:
             _install_recurrences(namespaces)
 
     def snapshot(self) -> List[Any]:
-        """What each cache holds now: its state arrays, or its length."""
-        return [(list(c.cache), c.lengths, c.left_padding) if isinstance(c, ArraysCache) else c.offset
+        """What each cache holds now: its state arrays (a sliding window's arrays and
+        indices), or its length."""
+        return [(list(c.cache), c.lengths, c.left_padding) if isinstance(c, ArraysCache) else
+                (c.keys, c.values, c.offset, c._idx) if isinstance(c, RotatingKVCache) else c.offset
                 for c in self.caches]
 
     def restore(self, snapshot: List[Any]) -> None:
         for cache, held in zip(self.caches, snapshot):
             if isinstance(cache, ArraysCache):
                 cache.cache, cache.lengths, cache.left_padding = list(held[0]), held[1], held[2]
+            elif isinstance(cache, RotatingKVCache):
+                cache.keys, cache.values, cache.offset, cache._idx = held
             else:
                 cache.trim(cache.offset - held)
 
@@ -205,6 +224,8 @@ class Rewind:
         for cache in self.caches:
             if isinstance(cache, ArraysCache):
                 cache.cache, cache.lengths, cache.left_padding = [None] * len(cache.cache), None, None
+            elif isinstance(cache, RotatingKVCache):
+                cache.keys, cache.values, cache.offset, cache._idx = None, None, 0, 0
             else:
                 cache.trim(cache.offset)
 
@@ -235,9 +256,13 @@ class Rewind:
         """Cut every cache back to the state after the first ``count`` tokens the recorded
         pass read since ``snapshot``: conv states sliced from their recorded inputs,
         recurrent states replayed over those steps. False where the recording does not
-        account for every state the pass changed (the caller restores the snapshot)."""
-        if calls is None:
+        account for every state the pass changed, or where a sliding window has wrapped (the
+        caller restores the snapshot)."""
+        if any(isinstance(c, RotatingKVCache) and not c.is_trimmable() for c in self.caches):
             return False
+        if calls is None and any(isinstance(c, ArraysCache) for c in self.caches):
+            return False
+        calls = calls or []
         convs = iter(c for c in calls if isinstance(c, mx.array))
         replays = {id(c.state): c for c in calls if isinstance(c, _Call)}
         updates = []

@@ -131,9 +131,9 @@ def test_lookup_merged_with_a_head_keeps_greedy_output(smollm, family, tree):
 
 
 def test_lookup_works_on_any_mlx_lm_architecture():
-    """StarCoder2 is none of the four architectures the tree path drives directly; lookup
-    drafts go through its own forward pass. A random model's greedy text loops, so its
-    own reply is drafted from and accepted."""
+    """StarCoder2 is none of the architectures the tree path drives directly; lookup
+    drafts (and a head's chains) go through its own forward pass. A random model's greedy
+    text loops, so its own reply is drafted from and accepted."""
     mx.random.seed(3)
     args = starcoder2.ModelArgs(model_type="starcoder2", hidden_size=64, num_hidden_layers=2,
                                 intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, vocab_size=97)
@@ -148,8 +148,44 @@ def test_lookup_works_on_any_mlx_lm_architecture():
         tokens += decoder.round(48 - len(tokens)).tokens
     assert tokens == expected
     assert drafter.accepted.sum() > 10 and decoder.forwards < 40
-    with pytest.raises(ValueError, match="supports llama"):  # a head needs the tree path
-        make_decoder(model, OracleHead(prompt, 97), "chain:2", Sampling())
+    # A head drafts chains on it too, its states read on the model's own forward pass.
+    decoder = make_decoder(model, OracleHead(prompt + expected, 97), "chain:2", Sampling())
+    tokens = [decoder.prefill(prompt)]
+    while len(tokens) < 48:
+        tokens += decoder.round(48 - len(tokens)).tokens
+    assert tokens[:48] == expected and decoder.forwards < 40
+
+
+def test_a_sliding_window_model_stays_lossless_once_its_window_wraps():
+    """OLMo 3's sliding-window layers keep mlx-lm's RotatingKVCache, which can be cut back
+    only until it wraps (rewind.py): past its window (8 tokens here) a rejected draft rolls
+    it back from a snapshot, and the accepted tokens are read again. Cutting it back as a
+    KVCache changed the text here. A second turn continuing the first reuses the caches."""
+    from mlx_lm.models import olmo3
+
+    from mlx_eagle.decoder import make_prompt_cache
+
+    mx.random.seed(3)
+    args = olmo3.ModelArgs(model_type="olmo3", hidden_size=64, num_hidden_layers=4, intermediate_size=128,
+                           num_attention_heads=4, num_key_value_heads=2, vocab_size=97, rms_norm_eps=1e-6,
+                           max_position_embeddings=512, sliding_window=8, rope_theta=10000.0)
+    model = olmo3.Model(args)
+    mx.eval(model.parameters())
+    prompt = [5, 17, 33, 5, 17, 60, 2, 9] * 2
+    cache, accepted = make_prompt_cache(model), 0
+    for turn in range(2):
+        expected = _reference(model, prompt, 60, ())
+        drafter = LookupDrafter(Costs({1: 1.0, 16: 1.2}))
+        decoder = make_decoder(model, None, "none", Sampling(), lookup=drafter, cache=cache)
+        tokens = [decoder.prefill(prompt)]
+        while len(tokens) < 60:
+            tokens += decoder.round(60 - len(tokens)).tokens
+        decoder.keep(len(prompt) + 60)
+        assert tokens[:60] == expected
+        assert decoder.reused == (0 if turn == 0 else len(prompt) - 3)  # all but the two new tokens and the last
+        accepted += drafter.accepted.sum()
+        prompt = prompt + tokens[:60] + [11, 12]
+    assert accepted > 10
 
 
 def test_the_command_drafts_from_the_context_and_says_so(smollm, tmp_path):
