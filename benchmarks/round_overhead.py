@@ -3,7 +3,9 @@
 1. A tiny llama target (8 layers, width 64, SmolLM2's vocabulary and tokenizer) whose
    forward costs almost nothing, with a random EAGLE-3 head (tau ~1), decoded through
    the public stream_generate: time per token against plain mlx_lm.stream_generate.
-   Methods alternate within each repeat; the medians are reported.
+   Methods alternate within each repeat; the medians are reported. And per tree kind,
+   the operations a round dispatches (every graph the round evaluates, counted before it
+   runs: the launches that a GPU pays for one by one, whatever this CPU hides).
 2. SmolLM2-135M-Instruct with the shipped head: where a round's time goes, through the
    decoder's phase hook, each phase timed to the end of its device work: waiting for the
    tree drafted the round before (and any context draft), verifying and accepting it, and
@@ -13,27 +15,32 @@
 """
 
 import argparse
+import io
 import json
+import re
 import statistics
 import time
 from pathlib import Path
 
 import mlx.core as mx
+from mlx.utils import tree_flatten
 from mlx_lm import stream_generate as mlx_lm_stream_generate
 from mlx_lm.models import llama
 
-from mlx_eagle import load, plan_drafts, stream_generate
+from mlx_eagle import load, plan_drafts, stream_generate, trees
 from mlx_eagle.cli import use_fast_blas
 from mlx_eagle.decoder import PHASES, SpeculativeDecoder
 from mlx_eagle.heads import new_head
 from mlx_eagle.verify import Sampling
 
-SETTINGS = {  # name: (tree, lookup)
-    "none": ("none", False),
-    "lookup": ("none", True),
-    "chain:4": ("chain:4", False),
-    "static:default": ("static:default", False),
-    "dynamic": ("dynamic:topk=4,depth=5,tokens=16", False),
+SETTINGS = {  # name: (tree, lookup, static trees drafted in one compiled call)
+    "none": ("none", False, True),
+    "lookup": ("none", True, True),
+    "chain:4": ("chain:4", False, True),
+    "chain:4, eager draft": ("chain:4", False, False),
+    "static:default": ("static:default", False, True),
+    "static:default, eager draft": ("static:default", False, False),
+    "dynamic": ("dynamic:topk=4,depth=5,tokens=16", False, True),
 }
 
 
@@ -48,9 +55,11 @@ def tiny_target(tokenizer, tokens: int, repeats: int) -> dict:
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Tell me a story."}],
                                            add_generation_prompt=True)
 
-    def ours(tree, lookup):
-        return lambda: stream_generate(model, tokenizer, prompt, max_tokens=tokens, draft=head, tree=tree,
-                                       lookup=lookup)
+    def ours(tree, lookup, compiled):
+        def run():
+            trees.COMPILED_DRAFTS = compiled  # read when the round's drafter is made
+            return stream_generate(model, tokenizer, prompt, max_tokens=tokens, draft=head, tree=tree, lookup=lookup)
+        return run
 
     methods = {"mlx_lm": lambda: mlx_lm_stream_generate(model, tokenizer, mx.array(prompt), max_tokens=tokens)}
     methods.update({name: ours(*setting) for name, setting in SETTINGS.items()})
@@ -65,8 +74,11 @@ def tiny_target(tokenizer, tokens: int, repeats: int) -> dict:
             per_token[name].append((times[-1] - times[0]) / (len(times) - 1))
     medians = {name: statistics.median(values[1:]) for name, values in per_token.items()}
     result = {name: {"ms_per_token": 1000 * ms, "vs_mlx_lm": ms / medians["mlx_lm"]} for name, ms in medians.items()}
+    for name, setting in SETTINGS.items():
+        result[name]["operations_per_round"] = operations_per_round(model, head, *setting, prompt)
     for name, row in result.items():
-        print(f"{name:16s} {row['ms_per_token']:7.3f} ms/token  {row['vs_mlx_lm']:.2f}x mlx_lm")
+        ops = f"  {row['operations_per_round']:6.0f} operations/round" if "operations_per_round" in row else ""
+        print(f"{name:16s} {row['ms_per_token']:7.3f} ms/token  {row['vs_mlx_lm']:.2f}x mlx_lm{ops}")
     return result
 
 
@@ -96,6 +108,45 @@ def phases_of_a_round(model, head, tree: str, prompt, rounds: int) -> dict:
     row["round"] = sum(row.values())
     row["tokens_per_round"] = produced / rounds
     return row
+
+
+# Primitives that only view their input (no kernel runs for them on a GPU).
+VIEWS = {"Broadcast", "BroadcastAxes", "ExpandDims", "Squeeze", "Reshape", "Transpose", "Slice", "AsStrided",
+         "StopGradient", "Depends", "Split", "Flatten", "Unflatten"}
+
+
+def operations(arrays: list) -> int:
+    """The operations evaluating ``arrays`` dispatches: the primitives of their pending
+    graph (a compiled call's fused kernels count once each), views left out."""
+    buffer = io.StringIO()
+    mx.export_to_dot(buffer, *arrays)
+    return sum(1 for label in re.findall(r'label ="(\w+)"', buffer.getvalue()) if label not in VIEWS)
+
+
+def operations_per_round(model, head, tree: str, lookup: bool, compiled: bool, prompt, rounds: int = 20) -> float:
+    """Mean operations a round dispatches (drafting, verifying, accepting, observing):
+    every graph handed to mx.eval or mx.async_eval during the round, counted before it runs."""
+    trees.COMPILED_DRAFTS = compiled
+    decoder = SpeculativeDecoder(model, plan_drafts(model, head, tree, lookup=lookup).drafter(), Sampling())
+    decoder.prefill(prompt)
+    counts, originals = [], (mx.eval, mx.async_eval)
+
+    def counting(evaluate):
+        def call(*args):
+            counts.append(operations([a for _, a in tree_flatten(list(args)) if isinstance(a, mx.array)]))
+            return evaluate(*args)
+        return call
+
+    per_round = []
+    try:
+        mx.eval, mx.async_eval = counting(originals[0]), counting(originals[1])
+        for _ in range(rounds):
+            counts.clear()
+            decoder.round(64)
+            per_round.append(sum(counts))
+    finally:
+        mx.eval, mx.async_eval = originals
+    return statistics.mean(per_round[2:])
 
 
 def smollm2(rounds: int) -> dict:

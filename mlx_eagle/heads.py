@@ -105,6 +105,7 @@ def embed(head: nn.Module, target: nn.Module, tokens: mx.array) -> mx.array:
 
 class Eagle1Head(nn.Module):
     family = "eagle1"
+    traceable = True  # its step is array code only: a whole tree can be drafted in one compiled call (trees.py)
 
     def __init__(self, config: HeadConfig):
         super().__init__()
@@ -138,6 +139,7 @@ def _eagle3_inputs(layer: nn.Module, embedding: mx.array, hidden: mx.array) -> m
 
 class Eagle3Head(nn.Module):
     family = "eagle3"
+    traceable = True
 
     def __init__(self, config: HeadConfig):
         super().__init__()

@@ -17,7 +17,7 @@ import mlx.core as mx
 import numpy as np
 
 from .errors import UserError, did_you_mean
-from .target import keep_cache_entries, tree_mask
+from .target import drives, keep_cache_entries, tree_mask
 
 RankPath = Tuple[int, ...]
 
@@ -290,21 +290,49 @@ def _static_levels(paths: List[RankPath], ranks: int) -> Tuple[DraftTree, List[_
     return shape, levels
 
 
+COMPILED_DRAFTS = True  # see TreeDrafter
+
+
+class _Buffered:
+    """A head's committed KV cache seen inside the compiled draft: its whole preallocated
+    buffer (entries past the committed ones are masked out), the tree's entries appended."""
+
+    def __init__(self, keys: mx.array, values: mx.array):
+        self.keys, self.values = keys, values
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> Tuple[mx.array, mx.array]:
+        self.keys = mx.concatenate([self.keys, keys], axis=2)
+        self.values = mx.concatenate([self.values, values], axis=2)
+        return self.keys, self.values
+
+
 class TreeDrafter:
     """Grows a draft tree with the head, one batched draft step per depth.
 
     A static tree's shape is known before the round, so it is drafted without leaving
     the device: each depth's tokens are gathered from the top ids of the depth above at
-    indices fixed per shape. A dynamic tree (EAGLE-2) chooses what to expand by score,
-    reading each depth's top ids once.
+    indices fixed per shape. With a head whose step is array code only (``traceable``) on a
+    target this package drives, every depth, the top-k and the index arithmetic are one
+    compiled call: the head's cache enters as its fixed-capacity buffer and a count of the
+    entries that are committed, so the call's shapes change only when the buffer grows, and
+    a round dispatches a few fused operations instead of a graph built depth by depth in
+    Python. A dynamic tree (EAGLE-2) chooses what to expand by score, reading each depth's
+    top ids once.
     """
 
-    def __init__(self, head, target, spec: TreeSpec):
+    def __init__(self, head, target, spec: TreeSpec, compiled: Optional[bool] = None):
+        """``compiled``: draft static trees in one compiled call where the head allows it
+        (None: as COMPILED_DRAFTS says; benchmarks compare both)."""
         self.head, self.target, self.spec = head, target, spec
+        self.compiled = None
         if spec.kind == "static":
             paths = sorted(spec.paths, key=lambda p: (len(p), p))
             self.ranks = max(max(p) for p in paths) + 1
             self.shape, self.levels = _static_levels(paths, self.ranks)
+            if (COMPILED_DRAFTS if compiled is None else compiled) and getattr(head, "traceable", False) \
+                    and drives(target):
+                # The weights are the call's inputs, read at every call (a head being trained changes).
+                self.compiled = mx.compile(self._static_graph, inputs=[head, target])
         config = getattr(head, "config", None)
         vocabulary = getattr(config, "draft_vocab_size", None) or getattr(config, "vocab_size", None)
         wanted = self.ranks if spec.kind == "static" else spec.topk
@@ -317,6 +345,10 @@ class TreeDrafter:
         committed draft cache (left as it was); ``root_position``: the root's position.
         Returns the tree and its tokens [n] (not yet read to the host)."""
         committed = cache[0].offset
+        if self.compiled is not None and cache[0].keys is not None:
+            tokens = self.compiled(root_hidden, cache[0].keys, cache[0].values, mx.array(committed),
+                                   mx.array(root_position))
+            return DraftTree([], list(self.shape.parents), list(self.shape.depths)), tokens
         try:
             if self.spec.kind == "dynamic":
                 tree = self._dynamic(_Growth(self, root_hidden, cache, root_position))
@@ -363,6 +395,29 @@ class TreeDrafter:
             top = self.top_ids(outputs, self.ranks)
         shape = self.shape
         return DraftTree([], list(shape.parents), list(shape.depths)), mx.concatenate(tokens).astype(mx.int32)
+
+    def _static_graph(self, root_hidden: mx.array, keys: mx.array, values: mx.array, committed: mx.array,
+                      root_position: mx.array) -> mx.array:
+        """``_static`` over the head cache's buffer ``keys``/``values`` (of which the first
+        ``committed`` entries are), as one function of arrays: what ``compiled`` traces."""
+        cache, slots = [_Buffered(keys, values)], 0
+        committed_mask = mx.arange(keys.shape[2]) < committed
+        outputs, tokens = root_hidden, []
+        top = self.top_ids(outputs, self.ranks)
+        for depth, level in enumerate(self.levels, start=1):
+            tokens.append(_take(top.reshape(-1), level.picks))
+            if not level.grows:
+                break
+            hidden = _take(outputs, level.parent_rows)[None]
+            expanded = _take(tokens[-1], level.expand)
+            slots += expanded.shape[0]
+            ancestors = mx.ones((expanded.shape[0], slots), dtype=mx.bool_) if level.ancestors is None \
+                else level.ancestors
+            mask = mx.concatenate([mx.broadcast_to(committed_mask, (expanded.shape[0], keys.shape[2])), ancestors],
+                                  axis=1)
+            outputs = self.head.step(self.target, hidden, expanded[None], cache, root_position + depth, mask)[0]
+            top = self.top_ids(outputs, self.ranks)
+        return mx.concatenate(tokens).astype(mx.int32)
 
     def _dynamic(self, growth: "_Growth") -> DraftTree:
         """EAGLE-2: expand the k best nodes of each depth by cumulative draft

@@ -118,6 +118,33 @@ def test_the_shipped_head_keeps_greedy_output(smollm, references, shipped):
     assert sum(taus) / len(taus) > 1.3, taus
 
 
+@pytest.mark.parametrize("tree", ["chain:4", "static:default"])
+def test_compiled_and_eager_drafts_are_identical(smollm, references, shipped, tree):
+    """A static tree or chain is drafted in one compiled call (trees.py): round by round,
+    it proposes exactly the tokens the depth-by-depth draft proposes, and the decoder
+    commits exactly mlx-lm's."""
+    from drafting import decoder as make_decoder
+    from mlx_eagle.trees import TreeDrafter, parse_tree
+    from mlx_eagle.verify import Sampling
+
+    model, _ = smollm
+    ids, expected = references[2]
+    runs = []
+    for compiled in (True, False):
+        decoder = make_decoder(model, shipped, tree, Sampling())
+        drafter = decoder.drafter
+        drafter.grower = TreeDrafter(shipped, model, parse_tree(tree), compiled=compiled)
+        assert (drafter.grower.compiled is not None) == compiled
+        proposals, propose = [], drafter.propose
+        drafter.propose = lambda budget: proposals.append(propose(budget)) or proposals[-1]
+        tokens = [decoder.prefill(ids)]
+        while len(tokens) < len(expected):
+            tokens += decoder.round(len(expected) - len(tokens)).tokens
+        assert tokens[:len(expected)] == expected
+        runs.append([p.tokens.tolist() if p is not None else None for p in proposals])
+    assert runs[0] == runs[1] and sum(p is not None for p in runs[0]) > 5
+
+
 def test_auto_follows_the_shipped_tree_file(smollm, shipped):
     model, _ = smollm
     spec, why = auto_tree(model, shipped)
