@@ -135,8 +135,13 @@ def test_compiled_and_eager_drafts_are_identical(smollm, references, shipped, tr
         drafter = decoder.drafter
         drafter.grower = TreeDrafter(shipped, model, parse_tree(tree), compiled=compiled)
         assert (drafter.grower.compiled is not None) == compiled
-        proposals, propose = [], drafter.propose
-        drafter.propose = lambda budget: proposals.append(propose(budget)) or proposals[-1]
+        proposals = []
+
+        def recorded(budget, propose=drafter.propose, proposals=proposals):
+            proposals.append(propose(budget))
+            return proposals[-1]
+
+        drafter.propose = recorded
         tokens = [decoder.prefill(ids)]
         while len(tokens) < len(expected):
             tokens += decoder.round(len(expected) - len(tokens)).tokens
