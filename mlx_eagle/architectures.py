@@ -43,6 +43,12 @@ class Architecture:
     text_config: Optional[str] = None  # ... and the config.json key holding its config
     driven: bool = True  # target.py drives its layers (trees, feature taps); False: chains through its own forward
     recurrent: bool = False  # recurrent layers (hybrid families): their state rolled back by rewind.py
+    latent_attention: bool = False  # multi-head latent attention: heads sized by latent dimensions, not hidden/heads
+
+    @property
+    def llama_shaped(self) -> bool:
+        """Whether a config of it is checked as llama's (head sizes from hidden / heads)."""
+        return self.driven and not self.latent_attention
 
 
 
@@ -82,8 +88,9 @@ ARCHITECTURES: Dict[str, Architecture] = {record.model_type: record for record i
     Architecture("glm4_moe", "glm4_moe", "Glm4MoeForCausalLM", experts=True),
     # DeepSeek-V3 and GLM-4.7-Flash: multi-head latent attention (target.py's _latent_attention),
     # experts routed by a biased sigmoid gate (and an MTP module: drafters/mtp.py).
-    *(Architecture(model_type, model_type, hf_class, experts=True) for model_type, hf_class in (
-        ("deepseek_v3", "DeepseekV3ForCausalLM"), ("glm4_moe_lite", "Glm4MoeLiteForCausalLM"))),
+    *(Architecture(model_type, model_type, hf_class, experts=True, latent_attention=True)
+      for model_type, hf_class in (("deepseek_v3", "DeepseekV3ForCausalLM"),
+                                   ("glm4_moe_lite", "Glm4MoeLiteForCausalLM"))),
     # Hybrid and recurrent families: Gated DeltaNet, Mamba 2, Mamba and short-convolution layers
     # (with attention layers in most), their state rolled back by rewind.py.
     # Qwen3.5 GGUFs (dense): llama.cpp's names for the Gated DeltaNet layers, its layout of

@@ -123,7 +123,7 @@ def load_target(model: Optional[str] = None, tokenizer_config: Optional[Dict[str
     record = ARCHITECTURES.get(config.get("model_type"))
     if record is not None:  # configs whose sizes we know how to read
         check_model_config(text_config(config), path / "config.json", safetensors_bytes(path),
-                           llama_shaped=record.driven)
+                           llama_shaped=record.llama_shaped)
     try:
         loaded, tokenizer = mlx_lm_load(str(path), tokenizer_config=tokenizer_config or {})
     except (ValueError, FileNotFoundError, RuntimeError, OSError) as exc:

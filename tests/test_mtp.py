@@ -279,3 +279,16 @@ def test_mtp_tensors_of_an_unknown_layout_get_one_line():
     tensors = mtp_tensors(new_module(model)) | {"mtp.extra_proj.weight": mx.zeros((4, 4))}
     with pytest.raises(UserError, match=r"1 unexpected \(e.g. mtp.extra_proj.weight\); pass --draft lookup or none"):
         module_for(model, tensors, "ckpt")
+
+
+def test_a_latent_attention_model_is_not_checked_as_llama(tmp_path):
+    """GLM-4.7-Flash's hidden size is not a multiple of its heads (its head sizes are the
+    latent attention's own): its directory loads and decodes on the tree path."""
+    from mlx_eagle import load
+
+    config = dict(EXPERT_CONFIGS["glm4_moe_lite"], num_attention_heads=3, num_key_value_heads=3)
+    model, _ = load(str(write_directory(tmp_path, "glm4_moe_lite", config)))
+    drafter = Composite([EagleDrafter(new_module(model), model, parse_tree("static:default")),
+                         LookupDrafter(lambda k: 1.0)])
+    tokens, _ = decode(model, drafter, count=20)
+    assert tokens == reference(model, count=20)

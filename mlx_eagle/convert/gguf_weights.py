@@ -234,7 +234,7 @@ def read_config(reader, path: Path) -> Dict[str, Any]:
         config["rope_scaling"] = llama3_rope_scaling(np.asarray(rope_freqs.data, dtype=np.float64).reshape(-1),
                                                      config["rope_theta"], dims, original, path)
     config = {k: v for k, v in config.items() if v is not None}
-    check_model_config(config, path, path.stat().st_size, llama_shaped=ARCHITECTURES[arch].driven)
+    check_model_config(config, path, path.stat().st_size, llama_shaped=ARCHITECTURES[arch].llama_shaped)
     return config
 
 

@@ -37,7 +37,7 @@ def read_config(path: Path) -> Dict[str, Any]:
         raise UserError(f"{path} has no tokenizer (tokenizer.json or tokenizer.model); copy it from the model's "
                         "repository")
     check_model_config(text_config(config), path / "config.json", safetensors_bytes(path),
-                       llama_shaped=ARCHITECTURES[model_type].driven)
+                       llama_shaped=ARCHITECTURES[model_type].llama_shaped)
     return config
 
 
