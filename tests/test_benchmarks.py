@@ -129,7 +129,9 @@ def test_rollback_cost(tmp_path):
     run("rollback_cost.py", "--families", "lfm2", "qwen3_next", "--no-1b", "--repeats", 1,
         "--out", tmp_path / "rollback.json")
     result = json.loads((tmp_path / "rollback.json").read_text())
-    assert set(result) == {"lfm2", "qwen3_next"} and result["lfm2"]["chain 8"]["replayed_tokens"] == 5
+    assert set(result) == {"lfm2", "qwen3_next"} and result["lfm2"]["chain 8"]["kept_tokens"] == 5
+    assert all(row["decoder_rolls_back_by"] in ("replay", "re-read") and row["chain 16"]["replay_ms"] >= 0
+               for row in result.values())
 
 
 def test_repetitive_prompts_are_the_rules(tmp_path):
