@@ -26,6 +26,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 from mlx_lm import stream_generate as mlx_lm_stream_generate
 from mlx_lm.models import llama
+from mlx_lm.models.cache import make_prompt_cache
 
 from mlx_eagle import load, plan_drafts, stream_generate, trees
 from mlx_eagle.cli import use_fast_blas
@@ -76,6 +77,7 @@ def tiny_target(tokenizer, tokens: int, repeats: int) -> dict:
     result = {name: {"ms_per_token": 1000 * ms, "vs_mlx_lm": ms / medians["mlx_lm"]} for name, ms in medians.items()}
     for name, setting in SETTINGS.items():
         result[name]["operations_per_round"] = operations_per_round(model, head, *setting, prompt)
+    result["mlx_lm"]["operations_per_round"] = plain_step_operations(model, prompt)
     for name, row in result.items():
         ops = f"  {row['operations_per_round']:6.0f} operations/round" if "operations_per_round" in row else ""
         print(f"{name:16s} {row['ms_per_token']:7.3f} ms/token  {row['vs_mlx_lm']:.2f}x mlx_lm{ops}")
@@ -121,6 +123,13 @@ def operations(arrays: list) -> int:
     buffer = io.StringIO()
     mx.export_to_dot(buffer, *arrays)
     return sum(1 for label in re.findall(r'label ="(\w+)"', buffer.getvalue()) if label not in VIEWS)
+
+
+def plain_step_operations(model, prompt) -> int:
+    """The operations one of mlx-lm's plain decoding steps dispatches (its forward and argmax)."""
+    cache = make_prompt_cache(model)
+    mx.eval(model(mx.array([prompt]), cache=cache))
+    return operations([mx.argmax(model(mx.array([prompt[-1:]]), cache=cache)[:, -1], axis=-1)])
 
 
 def operations_per_round(model, head, tree: str, lookup: bool, compiled: bool, prompt, rounds: int = 20) -> float:
