@@ -11,7 +11,7 @@ import json
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 import numpy as np
@@ -382,27 +382,28 @@ class TreeDrafter:
 
     def _static(self, root_hidden: mx.array, cache: List, root_position: int) -> Tuple[DraftTree, mx.array]:
         committed = cache[0].offset
-        outputs, tokens = root_hidden, []
-        top = self.top_ids(outputs, self.ranks)
-        for depth, level in enumerate(self.levels, start=1):
-            tokens.append(_take(top.reshape(-1), level.picks))
-            if not level.grows:
-                break
-            hidden = _take(outputs, level.parent_rows)[None]
-            mask = None if level.ancestors is None else tree_mask(committed, level.ancestors)
-            outputs = self.head.step(self.target, hidden, _take(tokens[-1], level.expand)[None], cache,
-                                     root_position + depth, mask)[0]
-            top = self.top_ids(outputs, self.ranks)
-        shape = self.shape
-        return DraftTree([], list(shape.parents), list(shape.depths)), mx.concatenate(tokens).astype(mx.int32)
+        tokens = self._static_tokens(root_hidden, cache, root_position, lambda level, rows, slots: None
+                                     if level.ancestors is None else tree_mask(committed, level.ancestors))
+        return DraftTree([], list(self.shape.parents), list(self.shape.depths)), tokens
 
     def _static_graph(self, root_hidden: mx.array, keys: mx.array, values: mx.array, committed: mx.array,
                       root_position: mx.array) -> mx.array:
         """``_static`` over the head cache's buffer ``keys``/``values`` (of which the first
         ``committed`` entries are), as one function of arrays: what ``compiled`` traces."""
-        cache, slots = [_Buffered(keys, values)], 0
         committed_mask = mx.arange(keys.shape[2]) < committed
-        outputs, tokens = root_hidden, []
+
+        def mask(level: _Level, rows: int, slots: int) -> mx.array:
+            ancestors = mx.ones((rows, slots), dtype=mx.bool_) if level.ancestors is None else level.ancestors
+            return mx.concatenate([mx.broadcast_to(committed_mask, (rows, keys.shape[2])), ancestors], axis=1)
+
+        return self._static_tokens(root_hidden, [_Buffered(keys, values)], root_position, mask)
+
+    def _static_tokens(self, root_hidden: mx.array, cache: List, root_position, mask_of: Callable) -> mx.array:
+        """The static tree's tokens, drafted depth by depth: each depth's tokens gathered from
+        the top ids of the depth above, the head run on those with children into ``cache``
+        under ``mask_of(level, rows, slots)`` (``slots``: the tree's entries so far, this
+        depth's included)."""
+        outputs, tokens, slots = root_hidden, [], 0
         top = self.top_ids(outputs, self.ranks)
         for depth, level in enumerate(self.levels, start=1):
             tokens.append(_take(top.reshape(-1), level.picks))
@@ -411,11 +412,8 @@ class TreeDrafter:
             hidden = _take(outputs, level.parent_rows)[None]
             expanded = _take(tokens[-1], level.expand)
             slots += expanded.shape[0]
-            ancestors = mx.ones((expanded.shape[0], slots), dtype=mx.bool_) if level.ancestors is None \
-                else level.ancestors
-            mask = mx.concatenate([mx.broadcast_to(committed_mask, (expanded.shape[0], keys.shape[2])), ancestors],
-                                  axis=1)
-            outputs = self.head.step(self.target, hidden, expanded[None], cache, root_position + depth, mask)[0]
+            outputs = self.head.step(self.target, hidden, expanded[None], cache, root_position + depth,
+                                     mask_of(level, expanded.shape[0], slots))[0]
             top = self.top_ids(outputs, self.ranks)
         return mx.concatenate(tokens).astype(mx.int32)
 
