@@ -205,7 +205,9 @@ class Rewind:
 
     def snapshot(self) -> List[Any]:
         """What each cache holds now: its state arrays (a sliding window's arrays and
-        indices), or its length."""
+        indices), or its length. (Holding the arrays keeps them: the decoder snapshots only
+        before a pass over several tokens, which mlx-lm's caches apply by replacing their
+        arrays, never by writing into them.)"""
         return [(list(c.cache), c.lengths, c.left_padding) if isinstance(c, ArraysCache) else
                 (c.keys, c.values, c.offset, c._idx) if isinstance(c, RotatingKVCache) else c.offset
                 for c in self.caches]
