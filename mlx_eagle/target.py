@@ -125,12 +125,12 @@ def _latent_attention(attn: nn.Module, x: mx.array, cache, positions: mx.array, 
     """Multi-head latent attention over ``x``, its cache holding the latents (as keys) and
     the rotated keys (as values), as mlx-lm's own module keeps them: the rotated parts'
     scores, masked, are the additive mask of the position-free attention."""
-    tokens, cached = x.shape[1], cache.offset
+    tokens = x.shape[1]
+    if isinstance(mask, str):  # a contiguous block where the cache ends
+        mask = create_causal_mask(tokens, cache.offset)
     queries, rotated_queries, latent, rotated_keys = compiled_piece(attn, _latent_project, tokens)(x, positions)
     latent, rotated_keys = cache.update_and_fetch(latent, rotated_keys)
     scores = (rotated_queries * attn.scale) @ rotated_keys.swapaxes(-1, -2)
-    if isinstance(mask, str):
-        mask = create_causal_mask(tokens, cached)
     if mask is not None:
         scores = mx.where(mask, scores, mx.array(mx.finfo(scores.dtype).min, scores.dtype))
     keys, values = attn.embed_q(latent, transpose=False), attn.unembed_out(latent)

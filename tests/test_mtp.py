@@ -292,3 +292,21 @@ def test_a_latent_attention_model_is_not_checked_as_llama(tmp_path):
                          LookupDrafter(lambda k: 1.0)])
     tokens, _ = decode(model, drafter, count=20)
     assert tokens == reference(model, count=20)
+
+
+@pytest.mark.parametrize("family", ["mimo", "deepseek_v3", "glm4_moe_lite"])
+def test_the_modules_tree_is_drafted_alike_compiled_and_eager(family):
+    """Where target.py drives the target, the module's static tree is drafted in one
+    compiled call (trees.py), proposing exactly what the depth-by-depth draft proposes."""
+    from mlx_eagle.trees import TreeDrafter
+
+    model = build(family)
+    module = module_for(model, mtp_tensors(new_module(model), model), "test")
+    cache = [KVCache()]
+    rng = np.random.default_rng(1)
+    hidden = mx.array(rng.standard_normal((1, 12, model.args.hidden_size)).astype(np.float32))
+    out = module.step(model, hidden, mx.array(rng.integers(1, VOCAB, (1, 12))), cache, 0, "causal")
+    compiled, eager = (TreeDrafter(module, model, parse_tree("static:default"), compiled=c) for c in (True, False))
+    assert compiled.compiled is not None and eager.compiled is None
+    drafted = [drafter.draft(out[:, -1], cache, 11)[1].tolist() for drafter in (compiled, eager)]
+    assert drafted[0] == drafted[1] and cache[0].offset == 12
