@@ -6,8 +6,8 @@ mlx-lm module that builds it, the names its attention module gives its sizes, it
 feed-forward block, its Hugging Face class and, where llama.cpp writes it, its GGUF
 architecture. Records marked ``driven=False`` (the hybrid and recurrent families) convert
 and load, and speculate with chains verified by the model's own forward pass, a
-recurrent state rolled back by rewind.py.
-Every model mlx-lm loads drafts from the context without a record.
+recurrent state rolled back by rewind.py. Every model mlx-lm loads drafts from the context
+without a record.
 """
 
 from __future__ import annotations
@@ -49,8 +49,6 @@ class Architecture:
     def llama_shaped(self) -> bool:
         """Whether a config of it is checked as llama's (head sizes from hidden / heads)."""
         return self.driven and not self.latent_attention
-
-
 
 
 def _mamba2_gguf(mixer: str) -> Tuple[Tuple[str, str], ...]:

@@ -177,8 +177,8 @@ def drives(model: nn.Module) -> bool:
 def check_target(model: nn.Module, taps: Optional[Sequence[int]] = None) -> None:
     """That a drafter reading the target states at ``taps`` can read them from ``model``:
     where target.py drives its layers, or on any other text model whose final norm it
-    knows (the hybrid families), whose own forward pass verifies
-    chains and records the states (tapped_forward)."""
+    knows (the hybrid families among them), whose own forward pass verifies chains and
+    records the states (tapped_forward)."""
     if drives(model):
         return
     model_type = getattr(getattr(model, "args", None), "model_type", None)

@@ -345,10 +345,6 @@ class TreeDrafter:
         committed draft cache (left as it was); ``root_position``: the root's position.
         Returns the tree and its tokens [n] (not yet read to the host)."""
         committed = cache[0].offset
-        if self.compiled is not None and cache[0].keys is not None:
-            tokens = self.compiled(root_hidden, cache[0].keys, cache[0].values, mx.array(committed),
-                                   mx.array(root_position))
-            return DraftTree([], list(self.shape.parents), list(self.shape.depths)), tokens
         try:
             if self.spec.kind == "dynamic":
                 tree = self._dynamic(_Growth(self, root_hidden, cache, root_position))
@@ -382,8 +378,12 @@ class TreeDrafter:
 
     def _static(self, root_hidden: mx.array, cache: List, root_position: int) -> Tuple[DraftTree, mx.array]:
         committed = cache[0].offset
-        tokens = self._static_tokens(root_hidden, cache, root_position, lambda level, rows, slots: None
-                                     if level.ancestors is None else tree_mask(committed, level.ancestors))
+        if self.compiled is not None and cache[0].keys is not None:  # (the cache is left as it is)
+            tokens = self.compiled(root_hidden, cache[0].keys, cache[0].values, mx.array(committed),
+                                   mx.array(root_position))
+        else:
+            tokens = self._static_tokens(root_hidden, cache, root_position, lambda level, rows, slots: None
+                                         if level.ancestors is None else tree_mask(committed, level.ancestors))
         return DraftTree([], list(self.shape.parents), list(self.shape.depths)), tokens
 
     def _static_graph(self, root_hidden: mx.array, keys: mx.array, values: mx.array, committed: mx.array,
