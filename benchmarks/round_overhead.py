@@ -15,6 +15,7 @@
 """
 
 import argparse
+import contextlib
 import io
 import json
 import re
@@ -28,21 +29,29 @@ from mlx_lm import stream_generate as mlx_lm_stream_generate
 from mlx_lm.models import llama
 from mlx_lm.models.cache import make_prompt_cache
 
-from mlx_eagle import load, plan_drafts, stream_generate, trees
+from mlx_eagle import load, plan_drafts, stream_generate, target, trees
 from mlx_eagle.cli import use_fast_blas
 from mlx_eagle.decoder import PHASES, SpeculativeDecoder
 from mlx_eagle.heads import new_head
 from mlx_eagle.verify import Sampling
 
-SETTINGS = {  # name: (tree, lookup, static trees drafted in one compiled call)
+SETTINGS = {  # name: (tree, lookup, compiled: the round's draft and verify passes each one compiled call)
     "none": ("none", False, True),
+    "none, eager": ("none", False, False),
     "lookup": ("none", True, True),
     "chain:4": ("chain:4", False, True),
-    "chain:4, eager draft": ("chain:4", False, False),
+    "chain:4, eager": ("chain:4", False, False),
     "static:default": ("static:default", False, True),
-    "static:default, eager draft": ("static:default", False, False),
+    "static:default, eager": ("static:default", False, False),
     "dynamic": ("dynamic:topk=4,depth=5,tokens=16", False, True),
+    "dynamic, eager": ("dynamic:topk=4,depth=5,tokens=16", False, False),
 }
+
+
+def compile_rounds(compiled: bool) -> None:
+    """Draft static trees and verify blocks in one compiled call each, or eagerly (read
+    when a round's drafter is made, and each round)."""
+    trees.COMPILED_DRAFTS = target.COMPILED_VERIFY = compiled
 
 
 def tiny_target(tokenizer, tokens: int, repeats: int) -> dict:
@@ -58,7 +67,7 @@ def tiny_target(tokenizer, tokens: int, repeats: int) -> dict:
 
     def ours(tree, lookup, compiled):
         def run():
-            trees.COMPILED_DRAFTS = compiled  # read when the round's drafter is made
+            compile_rounds(compiled)
             return stream_generate(model, tokenizer, prompt, max_tokens=tokens, draft=head, tree=tree, lookup=lookup)
         return run
 
@@ -76,11 +85,15 @@ def tiny_target(tokenizer, tokens: int, repeats: int) -> dict:
     medians = {name: statistics.median(values[1:]) for name, values in per_token.items()}
     result = {name: {"ms_per_token": 1000 * ms, "vs_mlx_lm": ms / medians["mlx_lm"]} for name, ms in medians.items()}
     for name, setting in SETTINGS.items():
-        result[name]["operations_per_round"] = operations_per_round(model, head, *setting, prompt)
+        result[name].update(round_profile(model, head, *setting, prompt))
     result["mlx_lm"]["operations_per_round"] = plain_step_operations(model, prompt)
+    with one_kernel_fast_ops(model):
+        result["mlx_lm"]["gpu_operations_per_round"] = plain_step_operations(model, prompt)
+    print(f"{'':22s} {'ms/token':>8s} {'vs mlx_lm':>9s} {'ops/round':>9s} {'GPU ops':>7s} {'host ms':>7s}")
     for name, row in result.items():
-        ops = f"  {row['operations_per_round']:6.0f} operations/round" if "operations_per_round" in row else ""
-        print(f"{name:16s} {row['ms_per_token']:7.3f} ms/token  {row['vs_mlx_lm']:.2f}x mlx_lm{ops}")
+        host = f"{row['host_ms_per_round']:7.2f}" if "host_ms_per_round" in row else ""
+        print(f"{name:22s} {row['ms_per_token']:8.3f} {row['vs_mlx_lm']:8.2f}x {row['operations_per_round']:9.0f} "
+              f"{row['gpu_operations_per_round']:7.0f} {host}")
     return result
 
 
@@ -132,30 +145,83 @@ def plain_step_operations(model, prompt) -> int:
     return operations([mx.argmax(model(mx.array([prompt[-1:]]), cache=cache)[:, -1], axis=-1)])
 
 
-def operations_per_round(model, head, tree: str, lookup: bool, compiled: bool, prompt, rounds: int = 20) -> float:
-    """Mean operations a round dispatches (drafting, verifying, accepting, observing):
-    every graph handed to mx.eval or mx.async_eval during the round, counted before it runs."""
-    trees.COMPILED_DRAFTS = compiled
-    decoder = SpeculativeDecoder(model, plan_drafts(model, head, tree, lookup=lookup).drafter(), Sampling())
-    decoder.prefill(prompt)
-    counts, originals = [], (mx.eval, mx.async_eval)
+@contextlib.contextmanager
+def one_kernel_fast_ops(*modules):
+    """Graphs built as a GPU would run them: on this CPU, MLX writes mx.fast's RoPE,
+    RMSNorm, LayerNorm and attention out as their parts, where Metal and CUDA run each as
+    one kernel. Inside, each call is one non-fusable operation of the right shape on the
+    same inputs (its values meaningless: for counting only); ``modules``' compiled pieces
+    are traced again inside, and again after."""
+    def one_kernel(shape, *inputs):
+        first = inputs[0]
+        out = mx.cumsum(mx.broadcast_to(first.reshape(-1)[:1].reshape((1,) * len(shape)), shape), axis=-1)
+        return mx.depends([out], [a for a in inputs if isinstance(a, mx.array)])[0]
 
-    def counting(evaluate):
-        def call(*args):
-            counts.append(operations([a for _, a in tree_flatten(list(args)) if isinstance(a, mx.array)]))
-            return evaluate(*args)
-        return call
+    def forget_traces():
+        for module in modules:
+            for _, child in module.named_modules():
+                child.__dict__.pop("_compiled_pieces", None)
 
-    per_round = []
+    saved = {name: getattr(mx.fast, name) for name in ("rope", "rms_norm", "layer_norm",
+                                                        "scaled_dot_product_attention")}
+    mx.fast.rope = lambda x, *args, offset=0, freqs=None, **kwargs: one_kernel(x.shape, x, offset, freqs)
+    mx.fast.rms_norm = lambda x, weight, eps: one_kernel(x.shape, x, weight)
+    mx.fast.layer_norm = lambda x, weight, bias, eps: one_kernel(x.shape, x, weight, bias)
+    mx.fast.scaled_dot_product_attention = lambda q, k, v, *, scale, mask=None, sinks=None: one_kernel(
+        q.shape[:-1] + (v.shape[-1],), q, k, v, mask, sinks)
+    forget_traces()
     try:
-        mx.eval, mx.async_eval = counting(originals[0]), counting(originals[1])
-        for _ in range(rounds):
-            counts.clear()
-            decoder.round(64)
-            per_round.append(sum(counts))
+        yield
     finally:
-        mx.eval, mx.async_eval = originals
-    return statistics.mean(per_round[2:])
+        for name, function in saved.items():
+            setattr(mx.fast, name, function)
+        forget_traces()
+
+
+def round_profile(model, head, tree: str, lookup: bool, compiled: bool, prompt, rounds: int = 20) -> dict:
+    """Per round, means after two: the operations it dispatches (drafting, verifying,
+    accepting, observing: every graph handed to mx.eval or mx.async_eval, counted before it
+    runs), on this CPU and as a GPU would run them (one_kernel_fast_ops); and the host's
+    milliseconds outside evaluation, building graphs in Python (median)."""
+    def run(hook) -> list:
+        compile_rounds(compiled)
+        decoder = SpeculativeDecoder(model, plan_drafts(model, head, tree, lookup=lookup).drafter(), Sampling())
+        decoder.prefill(prompt)
+        originals, per_round = (mx.eval, mx.async_eval), []
+
+        def hooked(evaluate):
+            def call(*args):
+                return hook(evaluate, args)
+            return call
+
+        try:
+            mx.eval, mx.async_eval = hooked(originals[0]), hooked(originals[1])
+            for _ in range(rounds):
+                hook.spent = 0.0
+                tic = time.perf_counter()
+                decoder.round(64)
+                per_round.append((time.perf_counter() - tic, hook.spent))
+        finally:
+            mx.eval, mx.async_eval = originals
+        return per_round[2:]
+
+    def counting(evaluate, args):
+        counting.spent += operations([a for _, a in tree_flatten(list(args)) if isinstance(a, mx.array)])
+        return evaluate(*args)
+
+    def timing(evaluate, args):
+        tic = time.perf_counter()
+        try:
+            return evaluate(*args)
+        finally:
+            timing.spent += time.perf_counter() - tic
+
+    row = {"operations_per_round": statistics.mean(ops for _, ops in run(counting)),
+           "host_ms_per_round": 1000 * statistics.median(wall - inside for wall, inside in run(timing))}
+    with one_kernel_fast_ops(model, head):
+        row["gpu_operations_per_round"] = statistics.mean(ops for _, ops in run(counting))
+        row["gpu_host_ms_per_round"] = 1000 * statistics.median(wall - inside for wall, inside in run(timing))
+    return row
 
 
 def smollm2(rounds: int) -> dict:

@@ -106,14 +106,15 @@ def median_ms(run: Callable[[], None], repeats: int) -> float:
 def time_forwards(model: nn.Module, sizes: Sequence[int] = CALIBRATION_SIZES, context: int = 256,
                   repeats: int = 2, taps: Optional[Sequence[int]] = None, progress: bool = False) -> Dict[int, float]:
     """Milliseconds of a target forward over k distinct new tokens for each k in ``sizes``
-    (``context`` cached), the way the decoder verifies: through target.py's compiled
-    pieces where it drives the architecture (with ``taps``' states), else the model's own
-    forward. Distinct tokens, because an MoE verifying one repeated token touches fewer
-    experts and would look cheaper than it is."""
+    (``context`` cached), the way the decoder verifies a chain: one compiled call where
+    target.py compiles verification, through its compiled pieces where it drives the
+    architecture otherwise (with ``taps``' states), else the model's own forward.
+    Distinct tokens, because an MoE verifying one repeated token touches fewer experts
+    and would look cheaper than it is."""
     from mlx_lm.models.cache import trim_prompt_cache
     from .progress import progress_bar
 
-    from .target import drives, make_cache, target_forward
+    from .target import compiles_verification, drives, make_cache, target_forward, verify_block
 
     vocab = model.args.vocab_size
     tokens = np.random.default_rng(0).integers(min(100, vocab - 1), max(vocab - 100, 101),
@@ -123,7 +124,11 @@ def time_forwards(model: nn.Module, sizes: Sequence[int] = CALIBRATION_SIZES, co
     block = mx.array(tokens[None, context:])
 
     def verify(size: int) -> None:
-        if drives(model):
+        if compiles_verification(model, cache, size):
+            out = verify_block(model, block[0, :size], cache, list(range(context, context + size)),
+                               np.tri(size, dtype=bool), taps)
+            mx.eval(out.logits, out.features)
+        elif drives(model):
             out = target_forward(model, block[:, :size], cache, context, "causal" if size > 1 else None, taps)
             mx.eval(out.logits, out.features)
         else:

@@ -37,8 +37,8 @@ import mlx.nn as nn
 from .drafters import Budget, Drafter, Outcome, TargetStates
 from .errors import UserError
 from .rewind import Rewind, needs_rewind
-from .target import TargetOutput, check_target, drives, keep_cache_entries, lm_head, make_cache, tapped_forward, \
-    target_forward, tree_mask
+from .target import TargetOutput, check_target, compiles_verification, drives, keep_cache_entries, \
+    lm_head, make_cache, tapped_forward, target_forward, tree_mask, verify_block
 from .trees import MAX_TREE_NODES, DraftTree
 from .verify import Sampling, accept, sample
 
@@ -192,6 +192,10 @@ class SpeculativeDecoder:
             raise UserError("a draft tree (not a chain) needs a target architecture target.py drives")
         tokens = mx.concatenate([mx.array(unread + [self.root], dtype=mx.int32), tokens])
         start = self.target_cache[0].offset if self.drives_target else None  # positions: where target.py drives
+        if not unread and compiles_verification(self.target, self.target_cache, tokens.size):
+            self.forwards += 1
+            return verify_block(self.target, tokens, self.target_cache, [start] + [start + d for d in tree.depths],
+                                tree.ancestors(), self.taps or None)  # one compiled call
         if tree.is_chain():  # a chain is just a longer causal block
             out = self._forward(tokens, start, "causal" if tokens.size > 1 else None)
             if not unread:

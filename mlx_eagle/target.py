@@ -20,10 +20,10 @@ from typing import Callable, List, Optional, Sequence, Tuple, Union
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 from mlx_lm.models import cache as mlx_lm_cache
 from mlx_lm.models.base import create_causal_mask, scaled_dot_product_attention
 from mlx_lm.models.cache import KVCache
-
 from mlx_lm.models.gemma3_text import clip_residual
 
 from .architectures import ARCHITECTURES, DRIVEN_MODEL_TYPES
@@ -92,18 +92,18 @@ def _finish(layer: nn.Module, residual: mx.array, attended: mx.array) -> mx.arra
 COMPILED_TOKENS = 64
 
 
-def compiled_piece(module: nn.Module, fn: Callable, tokens: int) -> Callable:
-    """``fn`` bound to ``module``, compiled once per module for short blocks. The
-    module's weights are inputs of the compiled function, read at every call."""
+def compiled_piece(module: nn.Module, fn: Callable, tokens: int, *constants) -> Callable:
+    """``fn`` bound to ``module`` (and ``constants``), compiled once per module for short
+    blocks. The module's weights are inputs of the compiled function, read at every call."""
     if tokens > COMPILED_TOKENS:
-        return partial(fn, module)
+        return partial(fn, module, *constants)
     pieces = module.__dict__.get("_compiled_pieces")
     if pieces is None:
         pieces = {}
         object.__setattr__(module, "_compiled_pieces", pieces)  # an attribute, not a parameter
-    if fn not in pieces:
-        pieces[fn] = mx.compile(partial(fn, module), inputs=module)
-    return pieces[fn]
+    if (fn, constants) not in pieces:
+        pieces[fn, constants] = mx.compile(partial(fn, module, *constants), inputs=module)
+    return pieces[fn, constants]
 
 
 def _latent_project(attn: nn.Module, x: mx.array, positions: mx.array) -> Tuple[mx.array, ...]:
@@ -284,16 +284,18 @@ def embed(model: nn.Module, tokens: mx.array) -> mx.array:
     return h
 
 
-def window_mask(mask: Mask, positions: Positions, cached: int, new: int, window: int) -> Mask:
+def window_mask(mask: Mask, positions: Positions, keys: Union[int, mx.array], new: int, window: int) -> Mask:
     """``mask`` narrowed for a sliding-window layer: a query at position p sees keys at
-    positions > p - window. Cached entries sit at their positions (0..cached-1)."""
+    positions > p - window. ``keys``: how many entries are cached (at positions
+    0..keys-1, the new ones after them), or the position of every entry ``mask`` covers."""
     if isinstance(positions, int):
         if positions + new <= window:  # no query reaches past its window yet
             return mask
         queries = mx.arange(positions, positions + new)
     else:
         queries = positions
-    keys = mx.concatenate([mx.arange(cached), queries])
+    if isinstance(keys, int):
+        keys = mx.concatenate([mx.arange(keys), queries])
     inside = (queries[:, None] - keys[None]) < window
     if mask is None:
         return inside
@@ -334,26 +336,133 @@ def target_forward(
     positions: Positions,
     mask: Mask,
     taps: Optional[Sequence[int]] = None,
+    key_positions: Optional[mx.array] = None,
 ) -> TargetOutput:
     """One forward pass over ``tokens`` [batch, n], appending them to ``cache``.
 
     ``taps`` None returns the post-norm last hidden state (EAGLE-1/2 features);
     otherwise the states entering those layers, concatenated (EAGLE-3).
+    ``key_positions``: the position of each entry ``mask`` covers, where they are not the
+    cached ones in order and then the new ones (for sliding windows).
     """
     inner = model.model
     h = embed(model, tokens)
-    cached, new = cache[0].offset, tokens.shape[1]
+    keys = cache[0].offset if key_positions is None else key_positions
     masks = {None: mask}  # per window size
     entering = {}
     for index, (layer, layer_cache, window) in enumerate(zip(inner.layers, cache, layer_windows(model))):
         if taps is not None and index in taps:
             entering[index] = h
         if window not in masks:
-            masks[window] = window_mask(mask, positions, cached, new, window)
+            masks[window] = window_mask(mask, positions, keys, tokens.shape[1], window)
         h = decoder_layer(layer, h, layer_cache, positions, masks[window])
     h = inner.norm(h)
     features = h if taps is None else mx.concatenate([entering[i] for i in taps], axis=-1)
     return TargetOutput(logits=lm_head(model, h), features=features, hidden=h)
+
+
+class Buffered:
+    """A KV cache inside a compiled call: its whole preallocated buffer, a block's entries
+    written in place where the cache's next ones go (from ``held`` on), so that the call's
+    shapes stay fixed until the buffer grows and nothing already cached is copied. Which
+    slots a token sees is its mask's business (held_mask)."""
+
+    def __init__(self, keys: mx.array, values: mx.array, held: mx.array):
+        self.keys, self.values, self.held = keys, values, held
+        self.appended = 0  # entries written so far in this call
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> Tuple[mx.array, mx.array]:
+        at = self.held + self.appended
+        self.keys = mx.slice_update(self.keys, keys, at, axes=(2,))
+        self.values = mx.slice_update(self.values, values, at, axes=(2,))
+        self.appended += keys.shape[2]
+        return self.keys, self.values
+
+
+def held_mask(capacity: int, held: mx.array, ancestors: Optional[mx.array], appended: int,
+              rows: int = 1) -> mx.array:
+    """Which of a Buffered cache's ``capacity`` slots each of a block's ``rows`` tokens
+    sees: the first ``held``, then, of the ``appended`` entries written after them, its
+    ``ancestors`` [rows, appended]. None: a chain's, the rows being the last entries, each
+    seeing its own and the ones before it."""
+    slots = mx.arange(capacity)
+    if ancestors is None:
+        own = held + (appended - rows) + (mx.arange(rows)[:, None] if rows > 1 else 0)
+        return slots[None] <= own
+    after = slots - held
+    seen = mx.take(ancestors, mx.clip(after, 0, appended - 1), axis=1) & (after >= 0) & (after < appended)
+    return (slots < held)[None] | seen
+
+
+def reserve(cache: List, entries: int) -> None:
+    """Room in each KVCache's buffer for ``entries`` past those it holds (Buffered writes
+    there), grown as mlx-lm grows it: rarely, a step of entries at a time."""
+    for layer_cache in cache:
+        if layer_cache.offset + entries > layer_cache.keys.shape[2]:
+            shape = layer_cache.keys.shape[:2]
+            layer_cache.update_and_fetch(mx.zeros(shape + (entries, layer_cache.keys.shape[3]), layer_cache.keys.dtype),
+                                         mx.zeros(shape + (entries, layer_cache.values.shape[3]),
+                                                  layer_cache.values.dtype))
+            layer_cache.trim(entries)
+
+
+# A decoding round's block is padded to one of these sizes, so that its compiled pass is
+# traced once per size (and per cache capacity), not once per round. Fine-grained where
+# rounds are: on a CPU each padded token costs about what a real one does.
+VERIFY_BUCKETS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64)
+COMPILED_VERIFY = True  # see verify_block; benchmarks and tests compare it with target_forward
+
+
+def compiles_verification(model: nn.Module, cache: List, tokens: int) -> bool:
+    """Whether a block of ``tokens`` is verified in one compiled call (verify_block):
+    where this module drives the model, its layers' caches hold entries and the block is
+    a decoding round's. (Latent attention keeps its own path.)"""
+    return (COMPILED_VERIFY and tokens <= VERIFY_BUCKETS[-1] and drives(model)
+            and not ARCHITECTURES[model.args.model_type].latent_attention
+            and all(type(layer_cache) is KVCache and layer_cache.keys is not None for layer_cache in cache))
+
+
+def _verify_graph(model: nn.Module, taps: Optional[Tuple[int, ...]], causal: bool, tokens: mx.array,
+                  positions: mx.array, ancestors: mx.array, held: mx.array, keys: List[mx.array],
+                  values: List[mx.array]):
+    """target_forward over a padded block, the caches' buffers read and written whole (see
+    Buffered): what verify_block compiles (``causal``: a chain's block, whose ``ancestors``
+    are not read). Returns the logits, features and hidden states, and the buffers."""
+    capacity, size = keys[0].shape[2], tokens.shape[1]
+    buffered = [Buffered(k, v, held) for k, v in zip(keys, values)]
+    slots = mx.arange(capacity)
+    after = slots - held  # the block's tokens sit at their positions, the held entries at their slots
+    slot_positions = mx.where((after >= 0) & (after < size), positions[mx.clip(after, 0, size - 1)], slots)
+    mask = held_mask(capacity, held, None if causal else ancestors, size, size)
+    out = target_forward(model, tokens, buffered, positions, mask, taps, key_positions=slot_positions)
+    return out.logits, out.features, out.hidden, [c.keys for c in buffered], [c.values for c in buffered]
+
+
+def verify_block(model: nn.Module, tokens: mx.array, cache: List, positions: Sequence[int],
+                 ancestors: np.ndarray, taps: Optional[Sequence[int]] = None) -> TargetOutput:
+    """target_forward over a decoding round's block ``tokens`` [n] at ``positions``, each
+    token attending to every cached entry and to its ``ancestors`` [n, n] in the block,
+    appended to ``cache`` as there, as one compiled call (compiles_verification says
+    where): the block padded to a bucket, the caches' buffers written in place."""
+    count = tokens.size
+    size = next(bucket for bucket in VERIFY_BUCKETS if bucket >= count)
+    padded_positions = np.full(size, positions[-1], dtype=np.int32)
+    padded_positions[:count] = positions
+    padded_ancestors = np.eye(size, dtype=bool)  # a padding token sees itself alone
+    padded_ancestors[:count, :count] = ancestors
+    if size > count:
+        tokens = mx.concatenate([tokens, mx.zeros(size - count, dtype=tokens.dtype)])
+    reserve(cache, size)
+    held = cache[0].offset
+    causal = bool(np.array_equal(ancestors, np.tril(np.ones((count, count), dtype=bool))))  # a chain: a simpler mask
+    verify = compiled_piece(model, _verify_graph, count, tuple(taps) if taps is not None else None, causal)
+    logits, features, hidden, keys, values = verify(tokens[None], mx.array(padded_positions),
+                                                    mx.array(padded_ancestors), mx.array(held),
+                                                    [c.keys for c in cache], [c.values for c in cache])
+    # The old buffers, no longer held, are written in place.
+    for layer_cache, layer_keys, layer_values in zip(cache, keys, values):
+        layer_cache.keys, layer_cache.values, layer_cache.offset = layer_keys, layer_values, held + count
+    return TargetOutput(logits[0, :count], features[0, :count], hidden[0, :count])
 
 
 def tree_mask(cached: int, ancestors: mx.array) -> mx.array:

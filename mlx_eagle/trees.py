@@ -17,7 +17,7 @@ import mlx.core as mx
 import numpy as np
 
 from .errors import UserError, did_you_mean
-from .target import drives, keep_cache_entries, tree_mask
+from .target import COMPILED_TOKENS, Buffered, drives, held_mask, keep_cache_entries, reserve, tree_mask
 
 RankPath = Tuple[int, ...]
 
@@ -178,7 +178,11 @@ class DraftTree:
 
     def ancestor_matrix(self) -> mx.array:
         """[1 + n, 1 + n] bool, root first: True where row may attend to column."""
-        return ancestor_matrix(tuple(self.parents))
+        return mx.array(self.ancestors())
+
+    def ancestors(self) -> np.ndarray:
+        """ancestor_matrix on the host."""
+        return ancestors(tuple(self.parents))
 
     def is_chain(self) -> bool:
         return self.parents == list(range(-1, len(self) - 1))
@@ -224,15 +228,16 @@ class DraftTree:
 
 
 @lru_cache(maxsize=256)
-def ancestor_matrix(parents: Tuple[int, ...]) -> mx.array:
+def ancestors(parents: Tuple[int, ...]) -> np.ndarray:
     """A tree's [1 + n, 1 + n] attention pattern (see DraftTree.ancestor_matrix), kept
-    per shape: a static tree's is the same every round."""
+    per shape: a static tree's is the same every round (read only)."""
     matrix = np.eye(len(parents) + 1, dtype=bool)
     matrix[:, 0] = True
     for index, parent in enumerate(parents):
         if parent >= 0:
             matrix[index + 1] |= matrix[parent + 1]
-    return mx.array(matrix)
+    matrix.flags.writeable = False
+    return matrix
 
 
 @dataclass
@@ -293,19 +298,6 @@ def _static_levels(paths: List[RankPath], ranks: int) -> Tuple[DraftTree, List[_
 COMPILED_DRAFTS = True  # see TreeDrafter
 
 
-class _Buffered:
-    """A head's committed KV cache seen inside the compiled draft: its whole preallocated
-    buffer (entries past the committed ones are masked out), the tree's entries appended."""
-
-    def __init__(self, keys: mx.array, values: mx.array):
-        self.keys, self.values = keys, values
-
-    def update_and_fetch(self, keys: mx.array, values: mx.array) -> Tuple[mx.array, mx.array]:
-        self.keys = mx.concatenate([self.keys, keys], axis=2)
-        self.values = mx.concatenate([self.values, values], axis=2)
-        return self.keys, self.values
-
-
 class TreeDrafter:
     """Grows a draft tree with the head, one batched draft step per depth.
 
@@ -324,15 +316,20 @@ class TreeDrafter:
         """``compiled``: draft static trees in one compiled call where the head allows it
         (None: as COMPILED_DRAFTS says; benchmarks compare both)."""
         self.head, self.target, self.spec = head, target, spec
-        self.compiled = None
+        self.compiled = self.compiled_expand = None
+        compiling = (COMPILED_DRAFTS if compiled is None else compiled) and getattr(head, "traceable", False) \
+            and drives(target)
+        if spec.kind == "dynamic" and compiling:
+            self.compiled_expand = mx.compile(self._expand_graph, inputs=[head, target])
         if spec.kind == "static":
             paths = sorted(spec.paths, key=lambda p: (len(p), p))
             self.ranks = max(max(p) for p in paths) + 1
             self.shape, self.levels = _static_levels(paths, self.ranks)
-            if (COMPILED_DRAFTS if compiled is None else compiled) and getattr(head, "traceable", False) \
-                    and drives(target):
+            self.slots = len({p for p in self.shape.parents if p >= 0})  # head cache entries: nodes with children
+            if compiling:
                 # The weights are the call's inputs, read at every call (a head being trained changes).
                 self.compiled = mx.compile(self._static_graph, inputs=[head, target])
+                self.compiled_read = mx.compile(self._read_and_draft_graph, inputs=[head, target])
         config = getattr(head, "config", None)
         vocabulary = getattr(config, "draft_vocab_size", None) or getattr(config, "vocab_size", None)
         wanted = self.ranks if spec.kind == "static" else spec.topk
@@ -353,6 +350,31 @@ class TreeDrafter:
         finally:
             keep_cache_entries(cache, committed, [])
 
+    def reads_and_drafts(self, tokens: int, cache: List) -> bool:
+        """Whether ``read_and_draft`` can take ``tokens`` committed tokens in one call."""
+        return self.compiled is not None and cache[0].keys is not None and tokens <= COMPILED_TOKENS
+
+    def read_and_draft(self, features: mx.array, tokens: mx.array, cache: List) -> Tuple[DraftTree, mx.array]:
+        """The head run over the committed ``tokens`` [n] with the target's ``features``
+        [n, F] at them, their entries kept in ``cache``, and the next static tree drafted
+        from its last output: one compiled call (where ``reads_and_drafts``)."""
+        committed, count = cache[0].offset, tokens.size
+        reserve(cache, count + self.slots)
+        tree_tokens, cache[0].keys, cache[0].values = self.compiled_read(
+            features, tokens, cache[0].keys, cache[0].values, mx.array(committed))
+        cache[0].offset = committed + count
+        return DraftTree([], list(self.shape.parents), list(self.shape.depths)), tree_tokens
+
+    def _read_and_draft_graph(self, features: mx.array, tokens: mx.array, keys: mx.array, values: mx.array,
+                              committed: mx.array) -> Tuple[mx.array, mx.array, mx.array]:
+        """``read_and_draft`` as one function of arrays: what ``compiled_read`` traces."""
+        count = tokens.shape[0]
+        buffered = Buffered(keys, values, committed)
+        out = self.head.step(self.target, self.head.project(features)[None], tokens[None], [buffered],
+                             committed + mx.arange(count), held_mask(keys.shape[2], committed, None, count, count))
+        return self._static_graph(out[:, -1], buffered.keys, buffered.values, committed + count,
+                                  committed + count - 1)
+
     def top_ids(self, hidden: mx.array, k: int) -> mx.array:
         """The draft's k best target ids for each row of ``hidden``, best first."""
         logits = self.head.logits(self.target, hidden)
@@ -365,6 +387,9 @@ class TreeDrafter:
     def top(self, hidden: mx.array, k: int) -> Tuple[np.ndarray, np.ndarray]:
         """Top-k (target ids, log-probabilities) of the draft for each row of ``hidden``,
         read to the host together."""
+        return _read(*self._top_graph(hidden, k))
+
+    def _top_graph(self, hidden: mx.array, k: int) -> Tuple[mx.array, mx.array]:
         logits = self.head.logits(self.target, hidden).astype(mx.float32)
         logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         k = min(k, logprobs.shape[-1])
@@ -372,31 +397,42 @@ class TreeDrafter:
         top_logprobs = mx.take_along_axis(logprobs, draft_ids, axis=-1)
         order = mx.argsort(-top_logprobs, axis=-1)
         ids = self.head.target_ids(mx.take_along_axis(draft_ids, order, axis=-1))
-        top_logprobs = mx.take_along_axis(top_logprobs, order, axis=-1)
-        mx.eval(ids, top_logprobs)
-        return np.array(ids), np.array(top_logprobs)
+        return ids, mx.take_along_axis(top_logprobs, order, axis=-1)
+
+    def _expand_graph(self, hidden: mx.array, tokens: mx.array, keys: mx.array, values: mx.array,
+                      committed: mx.array, written: mx.array, position: mx.array,
+                      ancestors: mx.array) -> Tuple[mx.array, ...]:
+        """One depth of a dynamic tree as one function of arrays (what ``compiled_expand``
+        traces, once per depth's shape): the head over ``tokens`` [1, n], their entries
+        written into the head cache's buffer from ``written`` on, each seeing the
+        ``committed`` entries and its ``ancestors`` [n, tree entries] among the tree's
+        (written after them); returns its outputs [n, H], their top-k (ids and
+        log-probabilities) and the buffers."""
+        buffered = Buffered(keys, values, written)
+        mask = held_mask(keys.shape[2], committed, ancestors, ancestors.shape[1], ancestors.shape[0])
+        out = self.head.step(self.target, hidden, tokens, [buffered], position, mask)[0]
+        return (out, *self._top_graph(out, self.spec.topk), buffered.keys, buffered.values)
 
     def _static(self, root_hidden: mx.array, cache: List, root_position: int) -> Tuple[DraftTree, mx.array]:
         committed = cache[0].offset
-        if self.compiled is not None and cache[0].keys is not None:  # (the cache is left as it is)
-            tokens = self.compiled(root_hidden, cache[0].keys, cache[0].values, mx.array(committed),
-                                   mx.array(root_position))
+        if self.compiled is not None and cache[0].keys is not None:
+            reserve(cache, self.slots)  # the tree's entries go past the committed ones, in place
+            tokens, cache[0].keys, cache[0].values = self.compiled(
+                root_hidden, cache[0].keys, cache[0].values, mx.array(committed), mx.array(root_position))
         else:
             tokens = self._static_tokens(root_hidden, cache, root_position, lambda level, rows, slots: None
                                          if level.ancestors is None else tree_mask(committed, level.ancestors))
         return DraftTree([], list(self.shape.parents), list(self.shape.depths)), tokens
 
     def _static_graph(self, root_hidden: mx.array, keys: mx.array, values: mx.array, committed: mx.array,
-                      root_position: mx.array) -> mx.array:
+                      root_position: mx.array) -> Tuple[mx.array, mx.array, mx.array]:
         """``_static`` over the head cache's buffer ``keys``/``values`` (of which the first
-        ``committed`` entries are), as one function of arrays: what ``compiled`` traces."""
-        committed_mask = mx.arange(keys.shape[2]) < committed
-
-        def mask(level: _Level, rows: int, slots: int) -> mx.array:
-            ancestors = mx.ones((rows, slots), dtype=mx.bool_) if level.ancestors is None else level.ancestors
-            return mx.concatenate([mx.broadcast_to(committed_mask, (rows, keys.shape[2])), ancestors], axis=1)
-
-        return self._static_tokens(root_hidden, [_Buffered(keys, values)], root_position, mask)
+        ``committed`` entries are), as one function of arrays: what ``compiled`` traces.
+        Returns the tokens and the buffers, the tree's entries written past the committed."""
+        buffered = Buffered(keys, values, committed)
+        tokens = self._static_tokens(root_hidden, [buffered], root_position, lambda level, rows, slots: held_mask(
+            keys.shape[2], committed, level.ancestors, slots, rows))
+        return tokens, buffered.keys, buffered.values
 
     def _static_tokens(self, root_hidden: mx.array, cache: List, root_position, mask_of: Callable) -> mx.array:
         """The static tree's tokens, drafted depth by depth: each depth's tokens gathered from
@@ -427,7 +463,7 @@ class TreeDrafter:
         scores += [float(s) for s in logprobs[0]]
         for _ in range(spec.depth - 1):
             expand = sorted(layer, key=lambda n: -scores[n])[: spec.topk]
-            ids, logprobs = self.top(growth.expand(expand), spec.topk)
+            ids, logprobs = growth.expand(expand)
             layer = []
             for row, node in enumerate(expand):
                 for token, logprob in zip(ids[row], logprobs[row]):
@@ -449,10 +485,14 @@ class _Growth:
         self.tree = DraftTree()
         self.outputs: Dict[int, mx.array] = {-1: root_hidden[0]}
         self.slots: Dict[int, int] = {}
+        self.compiled = drafter.compiled_expand is not None and cache[0].keys is not None
+        if self.compiled:  # every depth's entries go past the committed ones, in place
+            reserve(cache, drafter.spec.topk * drafter.spec.depth)
 
-    def expand(self, nodes: List[int]) -> mx.array:
-        """Run the head on ``nodes`` (all of one depth); returns their outputs [len, H]."""
-        tree = self.tree
+    def expand(self, nodes: List[int]) -> Tuple[np.ndarray, np.ndarray]:
+        """Run the head on ``nodes`` (all of one depth); returns the top-k (target ids,
+        log-probabilities) of its draft after each, read to the host."""
+        tree, spec = self.tree, self.drafter.spec
         ancestors = np.zeros((len(nodes), len(self.slots) + len(nodes)), dtype=bool)
         for row, node in enumerate(nodes):
             ancestors[row, len(self.slots) + row] = True
@@ -462,10 +502,24 @@ class _Growth:
                 parent = tree.parents[parent]
         hidden = mx.stack([self.outputs[tree.parents[n]] for n in nodes])[None]
         tokens = mx.array([[tree.tokens[n] for n in nodes]])
-        positions = self.root_position + tree.depths[nodes[0]]
-        mask = tree_mask(self.committed, mx.array(ancestors))
-        out = self.drafter.head.step(self.drafter.target, hidden, tokens, self.cache, positions, mask)[0]
+        position = self.root_position + tree.depths[nodes[0]]
+        if self.compiled:
+            layer_cache = self.cache[0]
+            out, ids, logprobs, layer_cache.keys, layer_cache.values = self.drafter.compiled_expand(
+                hidden, tokens, layer_cache.keys, layer_cache.values, mx.array(self.committed),
+                mx.array(self.committed + len(self.slots)), mx.array(position), mx.array(ancestors))
+            top = _read(ids, logprobs)
+        else:
+            out = self.drafter.head.step(self.drafter.target, hidden, tokens, self.cache, position,
+                                         tree_mask(self.committed, mx.array(ancestors)))[0]
+            top = self.drafter.top(out, spec.topk)
         for row, node in enumerate(nodes):
             self.slots[node] = len(self.slots)
             self.outputs[node] = out[row]
-        return out
+        return top
+
+
+def _read(ids: mx.array, logprobs: mx.array) -> Tuple[np.ndarray, np.ndarray]:
+    """Top-k ids and log-probabilities, read to the host together."""
+    mx.eval(ids, logprobs)
+    return np.array(ids), np.array(logprobs)

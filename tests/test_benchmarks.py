@@ -61,8 +61,8 @@ def test_round_overhead(tmp_path):
 
 
 @pytest.mark.slow  # the real model
-def test_compiled_draft(tmp_path):
-    run("compiled_draft.py", "--limit", 1, "--max-tokens", 6, "--out", tmp_path / "compiled.json")
+def test_compiled_rounds(tmp_path):
+    run("compiled_rounds.py", "--limit", 1, "--max-tokens", 6, "--out", tmp_path / "compiled.json")
     result = json.loads((tmp_path / "compiled.json").read_text())
     assert all(result[name]["identical"] and result[name]["compiled_s"] > 0 for name in ("edit", "mt-bench"))
 

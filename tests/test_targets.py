@@ -15,7 +15,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from drafting import decoder as make_decoder
 from mlx_eagle.heads import new_head
 from mlx_eagle.drafters.lookup import LookupDrafter
-from mlx_eagle.target import make_cache, target_forward, tree_mask
+from mlx_eagle.target import make_cache, target_forward, tree_mask, verify_block
 from mlx_eagle.verify import Sampling
 from oracle import OracleHead
 from synthetic import ARCHS, MOE_CONFIGS, build_model, moe_config, target_config
@@ -58,6 +58,45 @@ def test_tree_logits_equal_mlx_lms_forward_over_each_branch(tree_target):
         assert np.abs(got[branch] - expected).max() < 1e-4
 
 
+@pytest.mark.parametrize("block", ["tree", "chain"])
+def test_a_compiled_verification_equals_target_forward(tree_target, block):
+    """A round's block verified in one compiled call (padded to a bucket, the caches'
+    buffers read whole and written in place, stale entries past the held ones masked
+    out) gives target_forward's logits and leaves the same cache entries; architectures
+    with latent attention keep target_forward."""
+    from mlx_eagle.target import compiles_verification
+
+    model_type, model = tree_target
+    eager, compiled = make_cache(model), make_cache(model)
+    for cache in (eager, compiled):
+        target_forward(model, mx.array([PROMPT + [1, 2, 3]]), cache, 0, "causal")
+        for layer_cache in cache:
+            layer_cache.trim(3)  # entries past the held ones, stale
+    if not compiles_verification(model, compiled, 7):
+        assert model_type in ("deepseek_v3", "glm4_moe_lite")
+        return
+    # A tree: the root, a branch of three, a branch of three. A chain: the root and six.
+    # Seven tokens, padded to a bucket of eight.
+    parents = [-1, 0, 1, 2, 0, 4, 5] if block == "tree" else [-1, 0, 1, 2, 3, 4, 5]
+    tokens = [11, 21, 22, 23, 31, 32, 33]
+    ancestors, depths = np.eye(7, dtype=bool), [0] * 7
+    for node in range(7):
+        parent = parents[node]
+        depths[node] = depths[parent] + 1 if parent >= 0 else 0
+        while parent >= 0:
+            ancestors[node, parent], parent = True, parents[parent]
+    start = len(PROMPT)
+    expected = target_forward(model, mx.array([tokens]), eager, start + mx.array(depths),
+                              tree_mask(start, mx.array(ancestors)))
+    got = verify_block(model, mx.array(tokens), compiled, [start + d for d in depths], ancestors)
+    assert np.abs(np.array(got.logits) - np.array(expected.logits[0])).max() < 1e-4
+    for ours, theirs in zip(compiled, eager):
+        assert ours.offset == theirs.offset == start + 7
+        for mine, expected_entries in ((ours.keys, theirs.keys), (ours.values, theirs.values)):
+            held = np.array(mine[..., :ours.offset, :]) - np.array(expected_entries[..., :ours.offset, :])
+            assert np.abs(held).max() < 1e-4
+
+
 def mlx_lm_greedy(model, count):
     return [int(t) for t, _ in generate_step(mx.array(PROMPT), model, max_tokens=count)]
 
@@ -86,6 +125,28 @@ def test_greedy_decoding_equals_mlx_lm(tree_target, drafts):
     tree = "dynamic:topk=3,depth=4,tokens=10" if "dynamic" in drafts else "static:default"
     assert speculative_greedy(model, head, tree if head is not None else "none", count,
                               lookup=head is None) == expected
+
+
+def test_verification_stays_lossless_as_the_caches_grow(monkeypatch):
+    """Compiled verification writes into the caches' buffers in place: a reply that runs
+    past their end (mlx-lm grows them 256 entries at a time) has them grown first, and
+    its tokens stay mlx-lm's, through rounds with tree and chain blocks of many sizes."""
+    from mlx_eagle import decoder as decoding
+
+    blocks = []
+    monkeypatch.setattr(decoding, "verify_block", lambda model, tokens, *args: blocks.append(tokens.size) or
+                        verify_block(model, tokens, *args))
+    model = build_model(target_config("qwen3"))
+    prompt = [int(t) for t in np.random.default_rng(0).integers(3, 380, size=240)]
+    expected = [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=40)]
+    decoder = make_decoder(model, new_head(model, "eagle3"), "static:default", Sampling(),
+                           lookup=LookupDrafter(lambda k: 1.0 + 0.05 * k))
+    tokens = [decoder.prefill(prompt)]
+    while len(tokens) < len(expected):
+        tokens += decoder.round(len(expected) - len(tokens)).tokens
+    assert tokens[:len(expected)] == expected
+    assert len(blocks) == decoder.forwards - 1 and len(set(blocks)) > 1  # every round compiled, blocks of many sizes
+    assert decoder.target_cache[0].offset > 256 and decoder.target_cache[0].keys.shape[2] > 256  # grown
 
 
 @pytest.mark.parametrize("model_type", ["qwen3_moe", "mixtral"])

@@ -68,11 +68,15 @@ class EagleDrafter(Drafter):
             self.rounds += 1
         tokens = mx.array(outcome.new_tokens)
         features = outcome.states.read(self.taps)
-        out = self.head.step(self.target, self.head.project(features)[None], tokens[None], self.cache,
-                             self.cache[0].offset, "causal" if tokens.size > 1 else None)
-        if 0 < self.held < self.PROBE - 1:
-            return  # held back next round too: no tree to grow
-        tree, tree_tokens = self.grower.draft(out[:, -1], self.cache, self.cache[0].offset - 1)
+        drafting = not 0 < self.held < self.PROBE - 1  # (held back next round too: no tree to grow)
+        if drafting and self.grower.reads_and_drafts(tokens.size, self.cache):
+            tree, tree_tokens = self.grower.read_and_draft(features, tokens, self.cache)  # one compiled call
+        else:
+            out = self.head.step(self.target, self.head.project(features)[None], tokens[None], self.cache,
+                                 self.cache[0].offset, "causal" if tokens.size > 1 else None)
+            if not drafting:
+                return
+            tree, tree_tokens = self.grower.draft(out[:, -1], self.cache, self.cache[0].offset - 1)
         mx.async_eval(tree_tokens)
         self.queued = Proposal(tree, tree_tokens)
 

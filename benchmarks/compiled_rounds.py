@@ -1,9 +1,10 @@
 """SmolLM2 end to end with the default drafting (the shipped head and context lookup, no
-earlier replies), its static draft compiled across depths against drafted depth by depth:
-the same prompts, alternating compiled, eager, eager, compiled after one untimed warm-up,
-time from the request to the last token.
+earlier replies), compiled rounds (the static draft one compiled call across depths, the
+verify pass one compiled call per bucket of block sizes) against eager ones (drafted depth
+by depth, verified layer by layer): the same prompts, alternating compiled, eager, eager,
+compiled after one untimed warm-up, time from the request to the last token.
 
-    python benchmarks/compiled_draft.py [--limit 10] [--max-tokens 64] [--out benchmarks/results/compiled-draft.json]
+    python benchmarks/compiled_rounds.py [--limit 10] [--max-tokens 64] [--out benchmarks/results/compiled-rounds.json]
 """
 
 import argparse
@@ -11,7 +12,7 @@ import json
 import time
 from pathlib import Path
 
-from mlx_eagle import load, plan_drafts, stream_generate, trees
+from mlx_eagle import load, plan_drafts, stream_generate, target, trees
 from mlx_eagle.bench import mtbench_suite, read_prompts
 from mlx_eagle.cli import use_fast_blas
 
@@ -24,7 +25,7 @@ def measure(model, tokenizer, head, texts, max_tokens: int) -> dict:
         ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
         outputs = set()
         for compiled in (None, True, False, False, True):  # None: the warm-up
-            trees.COMPILED_DRAFTS = bool(compiled)
+            trees.COMPILED_DRAFTS = target.COMPILED_VERIFY = bool(compiled)
             plan = plan_drafts(model, head, "auto", history=False)
             tic = time.perf_counter()
             responses = list(stream_generate(model, tokenizer, ids, max_tokens=max_tokens, draft=plan))
@@ -33,7 +34,7 @@ def measure(model, tokenizer, head, texts, max_tokens: int) -> dict:
                 taus[compiled].append(responses[-1].mean_accepted)
             outputs.add(tuple(r.token for r in responses))
         identical &= len(outputs) == 1
-    trees.COMPILED_DRAFTS = True
+    trees.COMPILED_DRAFTS = target.COMPILED_VERIFY = True
     return {"compiled_s": seconds[True], "eager_s": seconds[False], "compiled_vs_eager": seconds[True] / seconds[False],
             "tau_compiled": sum(taus[True]) / len(taus[True]), "tau_eager": sum(taus[False]) / len(taus[False]),
             "identical": identical}
@@ -44,7 +45,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--limit", type=int, default=10, help="prompts of each set")
     parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--out", type=Path, default=HERE / "results" / "compiled-draft.json")
+    parser.add_argument("--out", type=Path, default=HERE / "results" / "compiled-rounds.json")
     args = parser.parse_args()
     model, tokenizer, head = load(draft="auto")
     sets = {"edit": [p.turns[0] for p in read_prompts(HERE / "prompts" / "edit.jsonl")][:args.limit],
