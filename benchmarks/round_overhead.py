@@ -1,15 +1,19 @@
 """What a round costs beyond its forward passes.
 
 1. A tiny llama target (8 layers, width 64, SmolLM2's vocabulary and tokenizer) whose
-   forward costs almost nothing, with a random EAGLE-3 head (tau ~1), decoded through
-   the public stream_generate: time per token against plain mlx_lm.stream_generate.
-   Methods alternate within each repeat; the medians are reported. And per tree kind,
-   the operations a round dispatches (every graph the round evaluates, counted before it
-   runs: the launches that a GPU pays for one by one, whatever this CPU hides).
+   forward costs little, with a random EAGLE-3 head (tau ~1), decoded through the public
+   stream_generate: time per token against plain mlx_lm.stream_generate, compiled rounds
+   against eager ones. Methods alternate within each repeat; the medians are reported.
+   And per tree kind, the operations a round dispatches (every graph the round
+   evaluates, counted before it runs: the launches that a GPU pays for one by one), on
+   this CPU and as a GPU runs them (MLX's fast RoPE, norms and attention one kernel
+   each, where this CPU writes them out as their parts), and the host's milliseconds a
+   round outside evaluation.
 2. SmolLM2-135M-Instruct with the shipped head: where a round's time goes, through the
    decoder's phase hook, each phase timed to the end of its device work: waiting for the
    tree drafted the round before (and any context draft), verifying and accepting it, and
-   the drafters observing what was committed (where the head drafts the next tree).
+   the drafters observing what was committed (where the head drafts the next tree);
+   compiled and eager. And the host's time to build one verify pass's graph.
 
     python benchmarks/round_overhead.py [--tokens 256] [--repeats 7] [--out benchmarks/results/round-overhead.json]
 """
@@ -24,6 +28,7 @@ import time
 from pathlib import Path
 
 import mlx.core as mx
+import numpy as np
 from mlx.utils import tree_flatten
 from mlx_lm import stream_generate as mlx_lm_stream_generate
 from mlx_lm.models import llama
@@ -224,15 +229,60 @@ def round_profile(model, head, tree: str, lookup: bool, compiled: bool, prompt, 
     return row
 
 
+def verify_build_ms(model, repeats: int = 15) -> dict:
+    """Milliseconds the host takes to build one verify pass's graph (5 tokens, a few hundred
+    cached), through target_forward and as one compiled call, with nothing evaluated
+    in between: the host's share of a round where the device does not evict its caches
+    (a GPU's; on this CPU every evaluation streams the weights through them). On this
+    CPU's graphs and on graphs as a GPU runs them (one_kernel_fast_ops)."""
+    from mlx_eagle.target import make_cache, target_forward, verify_block
+
+    cache = make_cache(model)
+    mx.eval(target_forward(model, mx.array([list(range(100, 400))]), cache, 0, "causal").logits)
+    start, block = cache[0].offset, mx.array([5, 6, 7, 8, 9])
+    positions, causal = list(range(start, start + 5)), np.tri(5, dtype=bool)
+    build = {"eager": lambda: target_forward(model, block[None], cache, start, "causal"),
+             "compiled": lambda: verify_block(model, block, cache, positions, causal)}
+
+    def measure() -> dict:
+        row = {}
+        for name, run in build.items():
+            mx.eval(run().logits)  # traced once
+            times = []
+            for _ in range(repeats):
+                for layer_cache in cache:
+                    layer_cache.trim(5)
+                tic = time.perf_counter()
+                run()
+                times.append(1000 * (time.perf_counter() - tic))
+            mx.eval([c.keys for c in cache], [c.values for c in cache])
+            for layer_cache in cache:
+                layer_cache.trim(5)
+            row[name] = statistics.median(times)
+        return row
+
+    result = {"this_cpu_graphs": measure()}
+    with one_kernel_fast_ops(model):
+        result["gpu_graphs"] = measure()
+    for graphs, row in result.items():
+        print(f"SmolLM2 verify graph built by the host, {graphs}: eager {row['eager']:.2f} ms, "
+              f"compiled {row['compiled']:.2f} ms")
+    return result
+
+
 def smollm2(rounds: int) -> dict:
     model, tokenizer, head = load(draft="auto")
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Explain how a hash map works."}],
                                            add_generation_prompt=True)
     result = {}
     for tree in ("chain:1", "chain:4", "static:default"):
-        result[tree] = row = phases_of_a_round(model, head, tree, prompt, rounds)
-        print(f"SmolLM2 {tree:15s} " + "  ".join(f"{k} {v:6.2f}" for k, v in row.items()))
-    return result
+        for compiled in (True, False):
+            compile_rounds(compiled)
+            name = tree if compiled else f"{tree}, eager"
+            result[name] = row = phases_of_a_round(model, head, tree, prompt, rounds)
+            print(f"SmolLM2 {name:22s} " + "  ".join(f"{k} {v:6.2f}" for k, v in row.items()))
+    compile_rounds(True)
+    return {"round_ms": result, "verify_build_ms": verify_build_ms(model)}
 
 
 def main() -> None:
@@ -245,9 +295,10 @@ def main() -> None:
     args = parser.parse_args()
     _, tokenizer = load()
     tiny = tiny_target(tokenizer, args.tokens, args.repeats)
-    phases = smollm2(args.rounds)
+    smollm = smollm2(args.rounds)
     args.out.write_text(json.dumps({"tokens": args.tokens, "repeats": args.repeats, "methods": tiny,
-                                    "smollm2_round_ms": phases}, indent=1))
+                                    "smollm2_round_ms": smollm["round_ms"],
+                                    "smollm2_verify_build_ms": smollm["verify_build_ms"]}, indent=1))
     print(f"wrote {args.out}")
 
 
