@@ -305,16 +305,17 @@ class TreeDrafter:
     the device: each depth's tokens are gathered from the top ids of the depth above at
     indices fixed per shape. With a head whose step is array code only (``traceable``) on a
     target this package drives, every depth, the top-k and the index arithmetic are one
-    compiled call: the head's cache enters as its fixed-capacity buffer and a count of the
-    entries that are committed, so the call's shapes change only when the buffer grows, and
-    a round dispatches a few fused operations instead of a graph built depth by depth in
-    Python. A dynamic tree (EAGLE-2) chooses what to expand by score, reading each depth's
-    top ids once.
+    compiled call, and so is the head's read of the tokens the round committed before it
+    (``read_and_draft``): the head's cache enters as its preallocated buffer (target.Buffered)
+    and a count of the entries that are committed, so the call's shapes change only when
+    the buffer grows, and the host replays one traced graph instead of building one depth
+    by depth in Python. A dynamic tree (EAGLE-2) chooses what to expand by score, reading
+    each depth's top ids once; with such a head each depth is one compiled call.
     """
 
     def __init__(self, head, target, spec: TreeSpec, compiled: Optional[bool] = None):
-        """``compiled``: draft static trees in one compiled call where the head allows it
-        (None: as COMPILED_DRAFTS says; benchmarks compare both)."""
+        """``compiled``: draft in compiled calls where the head allows it (None: as
+        COMPILED_DRAFTS says; benchmarks compare both)."""
         self.head, self.target, self.spec = head, target, spec
         self.compiled = self.compiled_expand = None
         compiling = (COMPILED_DRAFTS if compiled is None else compiled) and getattr(head, "traceable", False) \

@@ -118,23 +118,29 @@ def test_the_shipped_head_keeps_greedy_output(smollm, references, shipped):
     assert sum(taus) / len(taus) > 1.3, taus
 
 
-@pytest.mark.parametrize("tree", ["chain:4", "static:default"])
-def test_compiled_and_eager_drafts_are_identical(smollm, references, shipped, tree):
-    """A static tree or chain is drafted in one compiled call (trees.py): round by round,
-    it proposes exactly the tokens the depth-by-depth draft proposes, and the decoder
-    commits exactly mlx-lm's."""
+@pytest.mark.parametrize("tree", ["chain:4", "static:default", "dynamic:topk=4,depth=4,tokens=12"])
+def test_compiled_and_eager_rounds_are_identical(smollm, references, shipped, tree, monkeypatch):
+    """Compiled rounds (the head's read of the committed tokens and a static draft one
+    call, a dynamic tree's depths one call each, the verify pass one call per bucket of
+    block sizes) propose exactly the trees eager rounds propose, round by round, and the
+    decoder commits exactly mlx-lm's tokens both ways."""
     from drafting import decoder as make_decoder
+    from mlx_eagle import decoder as decoding, target
     from mlx_eagle.trees import TreeDrafter, parse_tree
     from mlx_eagle.verify import Sampling
 
     model, _ = smollm
     ids, expected = references[2]
+    verified = []
+    monkeypatch.setattr(decoding, "verify_block", lambda *args: verified.append(1) or target.verify_block(*args))
     runs = []
     for compiled in (True, False):
+        monkeypatch.setattr(target, "COMPILED_VERIFY", compiled)
         decoder = make_decoder(model, shipped, tree, Sampling())
         drafter = decoder.drafter
         drafter.grower = TreeDrafter(shipped, model, parse_tree(tree), compiled=compiled)
-        assert (drafter.grower.compiled is not None) == compiled
+        assert (drafter.grower.compiled or drafter.grower.compiled_expand) is not None if compiled else \
+            drafter.grower.compiled is drafter.grower.compiled_expand is None
         proposals = []
 
         def recorded(budget, propose=drafter.propose, proposals=proposals):
@@ -147,6 +153,8 @@ def test_compiled_and_eager_drafts_are_identical(smollm, references, shipped, tr
             tokens += decoder.round(len(expected) - len(tokens)).tokens
         assert tokens[:len(expected)] == expected
         runs.append([p.tokens.tolist() if p is not None else None for p in proposals])
+        assert len(verified) == (decoder.forwards - 1 if compiled else 0)  # every round verified compiled, or none
+        verified.clear()
     assert runs[0] == runs[1] and sum(p is not None for p in runs[0]) > 5
 
 

@@ -29,9 +29,18 @@ def tiny_llama(tmp_path_factory):
     return model, tokenizer, path
 
 
+@pytest.mark.parametrize("compiled", [True, False])
 @pytest.mark.parametrize("tree", ["chain:6", "static:default", "dynamic:topk=5,depth=4,tokens=20"])
-def test_a_tree_costs_one_target_forward_per_round(tiny_llama, tree):
+def test_a_tree_costs_one_target_forward_per_round(tiny_llama, tree, compiled, monkeypatch):
+    """Every round verifies its whole tree in one target forward: counted at the model's
+    final norm where the pass runs eagerly, at the compiled call where it is one."""
+    from mlx_eagle import decoder as decoding, target
+
     model, _, _ = tiny_llama
+    monkeypatch.setattr(target, "COMPILED_VERIFY", compiled)
+    blocks = []
+    monkeypatch.setattr(decoding, "verify_block", lambda model, tokens, *args: blocks.append(tokens.size) or
+                        target.verify_block(model, tokens, *args))
     calls = []
     norm = model.model.norm
 
@@ -50,8 +59,9 @@ def test_a_tree_costs_one_target_forward_per_round(tiny_llama, tree):
         assert len(calls) == 1
         for round_number in range(1, 6):
             result = decoder.round(40)
-            assert len(calls) == 1 + round_number
-            assert calls[-1] == 1 + result.drafted  # the whole tree in that one pass
+            passes = blocks if compiled else calls[1:]  # (a compiled call runs the norm only when traced)
+            assert len(passes) == round_number and decoder.forwards == 1 + round_number
+            assert passes[-1] == 1 + result.drafted  # the whole tree in that one pass
             assert result.drafted == parse_tree(tree).max_nodes
     finally:
         model.model.norm = norm
