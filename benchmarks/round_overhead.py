@@ -35,7 +35,7 @@ from mlx_lm import stream_generate as mlx_lm_stream_generate
 from mlx_lm.models import llama
 from mlx_lm.models.cache import make_prompt_cache
 
-from mlx_eagle import load, plan_drafts, stream_generate, target, trees
+from mlx_eagle import load, plan_drafts, stream_generate, target
 from mlx_eagle.cli import use_fast_blas
 from mlx_eagle.decoder import PHASES, SpeculativeDecoder
 from mlx_eagle.heads import new_head
@@ -55,9 +55,9 @@ SETTINGS = {  # name: (tree, lookup, compiled: the round's draft and verify pass
 
 
 def compile_rounds(compiled: bool) -> None:
-    """Draft static trees and verify blocks in one compiled call each, or eagerly (read
-    when a round's drafter is made, and each round)."""
-    trees.COMPILED_DRAFTS = target.COMPILED_VERIFY = compiled
+    """Rounds as compiled calls (the head's read and draft, the verify pass), or eager ones,
+    whatever this device's default (read when a round's drafter is made, and each round)."""
+    target.COMPILED_ROUNDS = compiled
 
 
 def tiny_target(tokenizer, tokens: int, repeats: int) -> dict:
@@ -285,7 +285,7 @@ def smollm2(rounds: int) -> dict:
             name = tree if compiled else f"{tree}, eager"
             result[name] = row = phases_of_a_round(model, head, tree, prompt, rounds)
             print(f"SmolLM2 {name:22s} " + "  ".join(f"{k} {v:6.2f}" for k, v in row.items()))
-    compile_rounds(True)
+    target.COMPILED_ROUNDS = None
     return {"round_ms": result, "verify_build_ms": verify_build_ms(model)}
 
 

@@ -410,14 +410,25 @@ def reserve(cache: List, entries: int) -> None:
 # traced once per size (and per cache capacity), not once per round. Fine-grained where
 # rounds are: on a CPU each padded token costs about what a real one does.
 VERIFY_BUCKETS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64)
-COMPILED_VERIFY = True  # see verify_block; benchmarks and tests compare it with target_forward
+# Rounds as a few compiled calls (verify_block here, the head's read and drafts in trees.py).
+# None: where MLX computes on a GPU, whose rounds for small models wait on the host building
+# their graphs, which a compiled call replays instead; not on a CPU, where a compiled pass
+# attends over its caches' whole preallocated buffers and that compute costs more than it
+# saves (SmolLM2 end to end 1-2% slower, benchmarks/compiled_rounds.py). True or False:
+# always or never (tests, benchmarks).
+COMPILED_ROUNDS: Optional[bool] = None
+
+
+def compiled_rounds() -> bool:
+    """Whether rounds run as compiled calls here (see COMPILED_ROUNDS)."""
+    return COMPILED_ROUNDS if COMPILED_ROUNDS is not None else mx.default_device().type == mx.gpu
 
 
 def compiles_verification(model: nn.Module, cache: List, tokens: int) -> bool:
     """Whether a block of ``tokens`` is verified in one compiled call (verify_block):
-    where this module drives the model, its layers' caches hold entries and the block is
-    a decoding round's. (Latent attention keeps its own path.)"""
-    return (COMPILED_VERIFY and tokens <= VERIFY_BUCKETS[-1] and drives(model)
+    where rounds are compiled, this module drives the model, its layers' caches hold
+    entries and the block is a decoding round's. (Latent attention keeps its own path.)"""
+    return (compiled_rounds() and tokens <= VERIFY_BUCKETS[-1] and drives(model)
             and not ARCHITECTURES[model.args.model_type].latent_attention
             and all(type(layer_cache) is KVCache and layer_cache.keys is not None for layer_cache in cache))
 

@@ -17,7 +17,8 @@ import mlx.core as mx
 import numpy as np
 
 from .errors import UserError, did_you_mean
-from .target import COMPILED_TOKENS, Buffered, drives, held_mask, keep_cache_entries, reserve, tree_mask
+from .target import COMPILED_TOKENS, Buffered, compiled_rounds, drives, held_mask, keep_cache_entries, reserve, \
+    tree_mask
 
 RankPath = Tuple[int, ...]
 
@@ -295,9 +296,6 @@ def _static_levels(paths: List[RankPath], ranks: int) -> Tuple[DraftTree, List[_
     return shape, levels
 
 
-COMPILED_DRAFTS = True  # see TreeDrafter
-
-
 class TreeDrafter:
     """Grows a draft tree with the head, one batched draft step per depth.
 
@@ -314,11 +312,11 @@ class TreeDrafter:
     """
 
     def __init__(self, head, target, spec: TreeSpec, compiled: Optional[bool] = None):
-        """``compiled``: draft in compiled calls where the head allows it (None: as
-        COMPILED_DRAFTS says; benchmarks compare both)."""
+        """``compiled``: draft in compiled calls where the head allows it (None: where
+        target.compiled_rounds says; tests compare both)."""
         self.head, self.target, self.spec = head, target, spec
         self.compiled = self.compiled_expand = None
-        compiling = (COMPILED_DRAFTS if compiled is None else compiled) and getattr(head, "traceable", False) \
+        compiling = (compiled_rounds() if compiled is None else compiled) and getattr(head, "traceable", False) \
             and drives(target)
         if spec.kind == "dynamic" and compiling:
             self.compiled_expand = mx.compile(self._expand_graph, inputs=[head, target])

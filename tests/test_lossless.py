@@ -135,7 +135,7 @@ def test_compiled_and_eager_rounds_are_identical(smollm, references, shipped, tr
     monkeypatch.setattr(decoding, "verify_block", lambda *args: verified.append(1) or target.verify_block(*args))
     runs = []
     for compiled in (True, False):
-        monkeypatch.setattr(target, "COMPILED_VERIFY", compiled)
+        monkeypatch.setattr(target, "COMPILED_ROUNDS", compiled)
         decoder = make_decoder(model, shipped, tree, Sampling())
         drafter = decoder.drafter
         drafter.grower = TreeDrafter(shipped, model, parse_tree(tree), compiled=compiled)

@@ -37,7 +37,7 @@ def test_a_tree_costs_one_target_forward_per_round(tiny_llama, tree, compiled, m
     from mlx_eagle import decoder as decoding, target
 
     model, _, _ = tiny_llama
-    monkeypatch.setattr(target, "COMPILED_VERIFY", compiled)
+    monkeypatch.setattr(target, "COMPILED_ROUNDS", compiled)
     blocks = []
     monkeypatch.setattr(decoding, "verify_block", lambda model, tokens, *args: blocks.append(tokens.size) or
                         target.verify_block(model, tokens, *args))

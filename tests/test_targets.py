@@ -59,20 +59,21 @@ def test_tree_logits_equal_mlx_lms_forward_over_each_branch(tree_target):
 
 
 @pytest.mark.parametrize("block", ["tree", "chain"])
-def test_a_compiled_verification_equals_target_forward(tree_target, block):
+def test_a_compiled_verification_equals_target_forward(tree_target, block, monkeypatch):
     """A round's block verified in one compiled call (padded to a bucket, the caches'
     buffers read whole and written in place, stale entries past the held ones masked
     out) gives target_forward's logits and leaves the same cache entries; architectures
     with latent attention keep target_forward."""
-    from mlx_eagle.target import compiles_verification
+    from mlx_eagle import target
 
+    monkeypatch.setattr(target, "COMPILED_ROUNDS", True)
     model_type, model = tree_target
     eager, compiled = make_cache(model), make_cache(model)
     for cache in (eager, compiled):
         target_forward(model, mx.array([PROMPT + [1, 2, 3]]), cache, 0, "causal")
         for layer_cache in cache:
             layer_cache.trim(3)  # entries past the held ones, stale
-    if not compiles_verification(model, compiled, 7):
+    if not target.compiles_verification(model, compiled, 7):
         assert model_type in ("deepseek_v3", "glm4_moe_lite")
         return
     # A tree: the root, a branch of three, a branch of three. A chain: the root and six.
@@ -131,8 +132,9 @@ def test_verification_stays_lossless_as_the_caches_grow(monkeypatch):
     """Compiled verification writes into the caches' buffers in place: a reply that runs
     past their end (mlx-lm grows them 256 entries at a time) has them grown first, and
     its tokens stay mlx-lm's, through rounds with tree and chain blocks of many sizes."""
-    from mlx_eagle import decoder as decoding
+    from mlx_eagle import decoder as decoding, target
 
+    monkeypatch.setattr(target, "COMPILED_ROUNDS", True)
     blocks = []
     monkeypatch.setattr(decoding, "verify_block", lambda model, tokens, *args: blocks.append(tokens.size) or
                         verify_block(model, tokens, *args))
