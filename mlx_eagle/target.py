@@ -385,13 +385,19 @@ def held_mask(capacity: int, held: mx.array, ancestors: Optional[mx.array], appe
     sees: the first ``held``, then, of the ``appended`` entries written after them, its
     ``ancestors`` [rows, appended]. None: a chain's, the rows being the last entries, each
     seeing its own and the ones before it."""
-    slots = mx.arange(capacity)
+    slots, index, inside = _appended_slots(capacity, held, appended)
     if ancestors is None:
         own = held + (appended - rows) + (mx.arange(rows)[:, None] if rows > 1 else 0)
         return slots[None] <= own
+    return (slots < held)[None] | (mx.take(ancestors, index, axis=1) & inside)
+
+
+def _appended_slots(capacity: int, held: mx.array, appended: int) -> Tuple[mx.array, mx.array, mx.array]:
+    """A Buffered cache's slots; for each, which of the ``appended`` entries written after
+    the ``held`` ones it holds (clipped to one of them) and whether it holds one."""
+    slots = mx.arange(capacity)
     after = slots - held
-    seen = mx.take(ancestors, mx.clip(after, 0, appended - 1), axis=1) & (after >= 0) & (after < appended)
-    return (slots < held)[None] | seen
+    return slots, mx.clip(after, 0, appended - 1), (after >= 0) & (after < appended)
 
 
 def reserve(cache: List, entries: int) -> None:
@@ -441,9 +447,8 @@ def _verify_graph(model: nn.Module, taps: Optional[Tuple[int, ...]], causal: boo
     are not read). Returns the logits, features and hidden states, and the buffers."""
     capacity, size = keys[0].shape[2], tokens.shape[1]
     buffered = [Buffered(k, v, held) for k, v in zip(keys, values)]
-    slots = mx.arange(capacity)
-    after = slots - held  # the block's tokens sit at their positions, the held entries at their slots
-    slot_positions = mx.where((after >= 0) & (after < size), positions[mx.clip(after, 0, size - 1)], slots)
+    slots, index, inside = _appended_slots(capacity, held, size)
+    slot_positions = mx.where(inside, positions[index], slots)  # held entries sit at their slots' positions
     mask = held_mask(capacity, held, None if causal else ancestors, size, size)
     out = target_forward(model, tokens, buffered, positions, mask, taps, key_positions=slot_positions)
     return out.logits, out.features, out.hidden, [c.keys for c in buffered], [c.values for c in buffered]
