@@ -31,7 +31,7 @@ def measure(model, tokenizer, head, texts, max_tokens: int) -> dict:
             responses = list(stream_generate(model, tokenizer, ids, max_tokens=max_tokens, draft=plan))
             if compiled is not None:
                 seconds[compiled] += time.perf_counter() - tic
-                taus[compiled].append(responses[-1].mean_accepted)
+                taus[compiled].append(responses[-1].tokens_per_forward)
             outputs.add(tuple(r.token for r in responses))
         identical &= len(outputs) == 1
     target.COMPILED_ROUNDS = None

@@ -51,6 +51,7 @@ class Answer:
     seconds: float  # prompt processing included
     first_seconds: float  # until the first token: the prompt read and its token chosen
     rounds: List[int]  # accepted draft tokens per target forward (speculative methods)
+    sources: Dict[str, List[int]] = field(default_factory=dict)  # per drafter: [nodes proposed, accepted]
 
 
 def _prompt_from_record(record: object, where: str) -> BenchPrompt:
@@ -140,8 +141,10 @@ def speculative_method(model, tokenizer, plan, max_tokens: int, sampling: Sampli
     def run(ids: List[int]) -> Answer:
         responses, seconds, first = timed(stream_generate(model, tokenizer, ids, max_tokens=max_tokens, draft=plan,
                                                           seed=seed, **asdict(sampling)))
+        sources = responses[-1].sources if responses else {}
         return Answer([r.token for r in responses], seconds, first,
-                      accepted_per_round([r.from_draft for r in responses]))
+                      accepted_per_round([r.from_draft for r in responses]),
+                      {name: [stats.proposed, stats.accepted] for name, stats in sources.items()})
 
     return run
 
@@ -220,6 +223,7 @@ def run_bench(prompts: List[BenchPrompt], tokenizer, generators: Dict[str, Gener
     rounds: Dict[str, List[int]] = {n: [] for n in names}
     peaks = {n: 0.0 for n in names}
     texts: Dict[str, List[List[int]]] = {n: [] for n in names}
+    sources: Dict[str, Dict[str, List[int]]] = {n: {} for n in names}
     bar = progress_bar(prompts, unit="prompt", desc="bench", disable=not progress)
     for index, prompt in enumerate(bar):
         for name in names[index % len(names):] + names[:index % len(names)]:
@@ -231,6 +235,10 @@ def run_bench(prompts: List[BenchPrompt], tokenizer, generators: Dict[str, Gener
             prompt_rounds = [r for a in answers for r in a.rounds]
             rounds[name] += prompt_rounds
             texts[name].append([t for a in answers for t in a.tokens])
+            for answer in answers:
+                for source, counts in answer.sources.items():
+                    totals = sources[name].setdefault(source, [0, 0])
+                    totals[0], totals[1] = totals[0] + counts[0], totals[1] + counts[1]
             per_prompt[name].append({
                 "id": prompt.id, "category": prompt.category, "new_tokens": new_tokens, "seconds": seconds,
                 "first_seconds": sum(a.first_seconds for a in answers), "turns": len(answers),
@@ -240,6 +248,8 @@ def run_bench(prompts: List[BenchPrompt], tokenizer, generators: Dict[str, Gener
         bar.set_postfix({n: f"{statistics.median(p['tokens_per_s'] for p in per_prompt[n]):.1f}t/s"
                          for n in names})
     methods = {n: summarize(per_prompt[n], rounds[n], peaks[n]) for n in names}
+    for name in names:  # what each drafter added to the verified trees, and what of it was accepted
+        methods[name]["drafters"] = {source: {"proposed": p, "accepted": a} for source, (p, a) in sources[name].items()}
     by_request = {}
     if "baseline" in methods:
         by_request = speedup_by_request(per_prompt)
@@ -408,15 +418,15 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         return False if args.no_history else History(model_identity(model))
 
     chosen = draft if args.draft != "none" else "none"
-    plans = {"default": plan_drafts(model, chosen, tree, history=history()),
-             "default-no-history": plan_drafts(model, chosen, tree, history=False),
+    plans = {"default": plan_drafts(model, chosen, tree, history=history(), tokenizer=tokenizer),
+             "default-no-history": plan_drafts(model, chosen, tree, history=False, tokenizer=tokenizer),
              "lookup": plan_drafts(model, "lookup", tree, history=history())}
     if {"drafter", "drafter+lookup"} & set(methods):
         if draft is None:
             raise UserError("no drafter for this model: pass --draft DIR (a head, a DFlash drafter or a draft model; "
                             "see python -m mlx_eagle.train)")
-        plans["drafter"] = plan_drafts(model, draft, tree, lookup=False)
-        plans["drafter+lookup"] = plan_drafts(model, draft, tree, lookup=True, history=history())
+        plans["drafter"] = plan_drafts(model, draft, tree, lookup=False, tokenizer=tokenizer)
+        plans["drafter+lookup"] = plan_drafts(model, draft, tree, lookup=True, history=history(), tokenizer=tokenizer)
     sampling = Sampling(args.temp, args.top_p, args.min_p, args.top_k)
     generators: Dict[str, Generator] = {}
     for name in methods:

@@ -44,6 +44,9 @@ class Costs:
     draft_step_ms: float = 0.0
     round_ms: float = 0.0
     plain_ms: Optional[float] = None
+    # The largest difference between the target's logits for a block verified in one pass
+    # and the same tokens read one at a time, as plain decoding reads them (logit_drift).
+    logit_drift: Optional[float] = None
 
     def __post_init__(self) -> None:
         self.verify_ms = {int(k): float(v) for k, v in sorted(self.verify_ms.items())}
@@ -140,6 +143,42 @@ def time_forwards(model: nn.Module, sizes: Sequence[int] = CALIBRATION_SIZES, co
     return dict(zip(sizes, non_decreasing(timed)))
 
 
+def logit_drift(model: nn.Module, context: int = 256, size: int = 16) -> float:
+    """How far the target's logits for ``size`` tokens verified in one pass (as the decoder
+    verifies a chain) lie from the same tokens read one at a time through the model's own
+    forward pass (as plain mlx-lm decodes): kernels differ by shape (a matrix-vector
+    product for one row, a matrix product for a block), and so do their roundings. The
+    decoder decides a greedy position whose top two logits lie closer than this (with a
+    margin) as plain decoding would."""
+    from mlx_lm.models.cache import trim_prompt_cache
+
+    from .target import drives, make_cache, target_forward
+
+    vocab = model.args.vocab_size
+    tokens = np.random.default_rng(1).integers(min(100, vocab - 1), max(vocab - 100, 101), size=context + size)
+    cache = make_cache(model)
+    mx.eval(model(mx.array(tokens[None, :context]), cache=cache))
+    block = mx.array(tokens[None, context:])
+    if drives(model):
+        together = target_forward(model, block, cache, context, "causal").logits[0]
+    else:
+        together = model(block, cache=cache)[0]
+    mx.eval(together)
+    trim_prompt_cache(cache, size)
+    alone = mx.concatenate([model(block[:, i:i + 1], cache=cache)[0] for i in range(size)])
+    return float(mx.abs(together.astype(mx.float32) - alone.astype(mx.float32)).max().item())
+
+
+MAX_DRIFT = 1e3
+
+
+def check_drift(value: object) -> Optional[float]:
+    """A calibration file's ``logit_drift``, or None where it holds none usable."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < MAX_DRIFT:
+        return None
+    return float(value)
+
+
 def weight_format(model: nn.Module) -> str:
     """The target's weights as its matrices hold them: "q4", "q8", "float32", ..."""
     for module in model.modules():
@@ -234,10 +273,11 @@ def verify_costs(model: nn.Module) -> Costs:
     known = _CURVES.get((id(model), path))
     if known is not None and known[0]() is model:
         return known[1]
-    curve = None
+    curve, drift = None, None
     if path.exists():
         try:
-            curve = check_curve(read_json(path))
+            record = read_json(path)
+            curve, drift = check_curve(record), check_drift(record.get("logit_drift"))
         except ValueError as exc:
             print(f"warning: timing again: the calibration {path} is unusable ({exc})", file=sys.stderr)
     if curve is None:
@@ -252,9 +292,13 @@ def verify_costs(model: nn.Module) -> Costs:
                 break
             except ValueError:
                 curve = timed  # kept if every attempt is disturbed: the best this machine gives now
-        if kept and not write_json(path, {"device": device_key(model), "verify_ms": curve}):
+    if drift is None:
+        drift = logit_drift(model)
+        kept = writable(path.parent)
+        record = {"device": device_key(model), "verify_ms": curve, "logit_drift": drift}
+        if kept and not write_json(path, record):
             print(f"note: could not keep the timing in {path.parent} (full?); set MLX_EAGLE_CACHE to a writable "
                   "directory to time once", file=sys.stderr)
-    costs = Costs(curve)
+    costs = Costs(curve, logit_drift=drift)
     _CURVES[(id(model), path)] = (weakref.ref(model), costs)
     return costs

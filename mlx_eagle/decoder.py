@@ -34,7 +34,9 @@ from typing import Callable, List, Optional, Tuple
 import mlx.core as mx
 import mlx.nn as nn
 
+from .costs import Costs
 from .drafters import Budget, Drafter, Outcome, TargetStates
+from .drafters.admit import admit_or_warn
 from .errors import UserError
 from .rewind import Rewind, needs_rewind
 from .target import TargetOutput, check_target, compiles_verification, drives, keep_cache_entries, \
@@ -80,14 +82,19 @@ class Round:
 PHASES = ("drafted", "verified", "observed")
 # Past this many unread tokens a round drafts nothing, so that its forward pass catches up.
 MAX_UNREAD = 8
+# A block row's top two logits closer than this many times the measured drift between a
+# block and one-row passes (costs.logit_drift) are decided as plain decoding decides them.
+DRIFT_MARGIN = 8.0
 
 
 class SpeculativeDecoder:
     def __init__(self, target: nn.Module, drafter: Optional[Drafter], sampling: Sampling,
                  seed: Optional[int] = None, cache: Optional[PromptCache] = None,
-                 on_phase: Optional[Callable[[str], None]] = None):
+                 on_phase: Optional[Callable[[str], None]] = None, costs: Optional[Callable[[], Costs]] = None):
         """``drafter``: what drafts each round (None: plain decoding through the same loop).
-        ``on_phase``: called with each of PHASES as a round passes it."""
+        ``on_phase``: called with each of PHASES as a round passes it. ``costs``: this
+        device's measured costs for the target (asked for when a round first needs them),
+        which drafters size their trees by and whose logit drift makes greedy rounds exact."""
         self.reads_states = drafter is not None and drafter.taps is not None
         if self.reads_states:
             check_target(target, drafter.taps)
@@ -102,6 +109,11 @@ class SpeculativeDecoder:
         self.target_cache = self.state.target
         self.reused = 0  # prompt tokens the last prefill found already in the caches
         self.forwards = 0  # target forward passes, for tests and statistics
+        self.rechecked = 0  # greedy positions too close to call in a block, decided by a one-row pass
+        self.costs = costs
+        # How close a greedy block row's top two logits may come (None: from the costs, when first needed).
+        self.tolerance: Optional[float] = None if sampling.greedy else 0.0
+        self.vocab: Optional[int] = None  # the target's, known from its first logits
         self.root: Optional[int] = None
         # Caches mlx-lm cannot cut back (recurrent layers, wrapped sliding windows) are rewound.
         self.rewind = Rewind(target, self.target_cache) if needs_rewind(self.target_cache) else None
@@ -118,7 +130,17 @@ class SpeculativeDecoder:
         self.key, key = mx.random.split(self.key)
         return key
 
+    def _steps(self, tokens: int) -> float:
+        return self.costs().steps(tokens)
+
+    def _tolerance(self) -> float:
+        if self.tolerance is None:
+            drift = self.costs().logit_drift if self.costs is not None else None
+            self.tolerance = DRIFT_MARGIN * drift if drift else 0.0
+        return self.tolerance
+
     def _choose(self, logits: mx.array) -> int:
+        self.vocab = logits.shape[-1]
         if self.sampling.greedy:
             return int(mx.argmax(logits).item())
         return int(sample(self.sampling.probabilities(logits), self._next_key()).item())
@@ -177,7 +199,15 @@ class SpeculativeDecoder:
                 mx.eval(out.features, out.hidden, [] if self.drives_target else [c.state for c in self.target_cache])
                 start += len(block)
             # (For a model's own forward pass, its LM head: models scale their logits their own ways.)
-            self.root = self._choose(lm_head(self.target, out.hidden[-1]) if self.drives_target else out.logits[-1])
+            logits = lm_head(self.target, out.hidden[-1]) if self.drives_target else out.logits[-1]
+            if len(blocks[-1]) > 1 and self._unsure(logits):  # read the last token alone, as plain decoding does
+                keep_cache_entries(self.target_cache, len(prompt) - 1, [])
+                out = self._forward(mx.array(prompt[-1:]), len(prompt) - 1, None)
+                features[-1] = mx.concatenate([features[-1][:-1], out.features])
+                hidden[-1] = mx.concatenate([hidden[-1][:-1], out.hidden])
+                logits = lm_head(self.target, out.hidden[-1]) if self.drives_target else out.logits[-1]
+                self.rechecked += 1
+            self.root = self._choose(logits)
             states = TargetStates(mx.concatenate(features), mx.concatenate(hidden), self.taps)
         tokens = list(prompt) + [self.root]
         if self.drafter is not None:
@@ -185,12 +215,21 @@ class SpeculativeDecoder:
         self.state.tokens = tokens
         return self.root
 
+    def _unsure(self, logits: mx.array) -> bool:
+        """Whether a greedy choice read from a block row may differ from a one-row pass's."""
+        if not self.sampling.greedy or self._tolerance() <= 0:
+            return False
+        top = mx.topk(logits, 2, axis=-1).astype(mx.float32)
+        return bool((mx.abs(top[0] - top[1]) <= self._tolerance()).item())
+
     def _verify(self, tree: DraftTree, tokens: mx.array, unread: List[int]) -> TargetOutput:
         """The target's forward pass over [unread tokens, root, tree], appended to its cache;
         the outputs from the root on."""
         if not tree.is_chain() and not self.drives_target:
             raise UserError("a draft tree (not a chain) needs a target architecture target.py drives")
-        tokens = mx.concatenate([mx.array(unread + [self.root], dtype=mx.int32), tokens])
+        if not tree.tokens and tokens.size:  # ids still on the device, unchecked: one outside is read as 0
+            tokens = mx.where((tokens >= 0) & (tokens < self.vocab), tokens, 0)
+        tokens = mx.concatenate([mx.array(unread + [self.root], dtype=mx.int32), tokens.astype(mx.int32)])
         start = self.target_cache[0].offset if self.drives_target else None  # positions: where target.py drives
         if not unread and compiles_verification(self.target, self.target_cache, tokens.size):
             self.forwards += 1
@@ -213,8 +252,9 @@ class SpeculativeDecoder:
         proposal = None
         if self.drafter is not None:
             nodes = MAX_TREE_NODES - len(unread) if len(unread) < MAX_UNREAD else 0
-            proposal = self.drafter.propose(Budget(room=room - 1, nodes=nodes, verified=1 + len(unread),
-                                                   chain=not self.drives_target))
+            budget = Budget(room=room - 1, nodes=nodes, verified=1 + len(unread), chain=not self.drives_target,
+                            costs=self._steps if self.costs is not None else None, vocab=self.vocab)
+            proposal = admit_or_warn(self.drafter, self.drafter.propose(budget), budget)
         tree, tokens = (proposal.tree, proposal.tokens) if proposal else (DraftTree(), NO_TOKENS)
         self.on_phase("drafted")
         start = len(committed) - 1  # the root's position
@@ -222,10 +262,22 @@ class SpeculativeDecoder:
         self._last_round = (snapshot, len(committed), len(unread))
         with self.rewind.recording() if snapshot is not None else nullcontext() as recorded:
             out = self._verify(tree, tokens, unread)
-        verdict = accept(tree, tokens, out.logits, self.sampling, self._next_key())
+        exact = self.rewind is None and len(tree) > 0  # (a recurrent state is not re-read one row at a time)
+        verdict = accept(tree, tokens, out.logits, self.sampling, self._next_key(),
+                         self._tolerance() if exact else 0.0)
         kept = [0] + [n + 1 for n in verdict.path]
         self.state.unread = 0
-        if self.rewind is None:
+        if verdict.unsure:  # the last kept position read again alone, and its choice made there
+            keep_cache_entries(self.target_cache, start, kept[:-1])
+            alone = self._forward(mx.array(([self.root] + verdict.tokens)[-1:]), start + len(kept) - 1, None)
+            verdict.bonus = self._choose(alone.logits[-1])
+            self.rechecked += 1
+            if self.reads_states:
+                rows = mx.array(kept[:-1])
+                out = TargetOutput(None, mx.concatenate([out.features[rows], alone.features]),
+                                   mx.concatenate([out.hidden[rows], alone.hidden]))
+                kept = list(range(len(kept)))
+        elif self.rewind is None:
             keep_cache_entries(self.target_cache, start, kept)
         elif len(verdict.path) < len(tree):  # the state ran past a rejected draft: back to the accepted prefix
             if not self.rewind.keep(snapshot, recorded, len(unread) + len(kept)):

@@ -11,21 +11,31 @@ The draft choice (``--draft``, ``draft=``):
   "lookup"   drafts from the context alone (any model mlx-lm loads), as None does
   "none"     plain decoding through the same loop
   a path     a drafter's directory; each kind in drafters.KINDS says whether it is its own
-  an object  a loaded head (load_draft), or your own ``Drafter``
-Drafts from the context join every choice but "none" unless ``lookup=False``.
+  "package.module:Name", or the name of an installed entry point (group "mlx_eagle.drafters")
+             your own drafter: a ``Drafter`` subclass or function making one (called with
+             the ``model`` and ``tokenizer`` its parameters name), or a ``Drafter`` object
+  an object  a loaded head (load_draft), or your own ``Drafter`` (or its class)
+Drafts from the context join every choice but "none" unless ``lookup=False``. Your own
+drafter drafts fresh for every conversation: an object is forked (``Drafter.fork``), a
+class or function called again, whenever a prompt does not continue the conversation
+it drafted for.
 """
 
 from __future__ import annotations
 
+import importlib
+import importlib.metadata
+import inspect
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, List, Optional, Tuple, Union
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple, Union
 
 import mlx.nn as nn
 import numpy as np
 
-from .drafters import Drafter, DraftSettings, DraftSource, kind_modules
-from .drafters.composite import Composite
+from .drafters import Budget, Drafter, DraftSettings, DraftSource, Outcome, Proposal, kind_modules
+from .drafters.composite import Composite, SourceStats
 from .errors import UserError, did_you_mean, read_config
 from .trees import TreeSpec
 
@@ -61,13 +71,110 @@ class DraftPlan:
         """What drafts, in words: the drafts: line."""
         return " + ".join(source.name for source in self.active) or "none (plain decoding)"
 
-    def drafter(self) -> Optional[Drafter]:
-        """Fresh drafters for one conversation, merged where there are several; None: plain
-        decoding."""
+    def drafter(self) -> Optional[Composite]:
+        """Fresh drafters for one conversation, merged (and counted per source); None:
+        plain decoding."""
         made = [source.make() for source in self.active]
-        if not made:
+        return Composite(made, [source.name for source in self.active]) if made else None
+
+
+def source_statistics(drafter: Optional[Drafter]) -> Dict[str, SourceStats]:
+    """Per source, the nodes it added to verified trees and how many were accepted."""
+    return drafter.statistics() if isinstance(drafter, Composite) else {}
+
+
+DRAFTER_GROUP = "mlx_eagle.drafters"  # installed packages' entry points: name = "package.module:Name"
+_SPEC = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*")
+
+
+@dataclass
+class UserDrafter:
+    """Your own drafter, named on a command line or handed to the API: ``made`` is a
+    ``Drafter`` object (forked per conversation), or a class or function that makes one."""
+
+    made: Any
+    name: str
+
+    def factory(self, model: nn.Module, tokenizer: Any) -> Callable[[], Drafter]:
+        """What makes a fresh drafter for each conversation."""
+        if isinstance(self.made, Drafter):
+            return self.made.fork
+        parameters = inspect.signature(self.made).parameters
+        given = {"model": model, "tokenizer": tokenizer}
+        missing = [p.name for p in parameters.values() if p.default is p.empty and p.name not in given
+                   and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+        if missing:
+            raise UserError(f"draft {self.name} needs {', '.join(missing)}, which only model and tokenizer can be "
+                            "given; give them defaults")
+        arguments = {name: value for name, value in given.items() if name in parameters}
+
+        def make() -> Drafter:
+            drafter = self.made(**arguments)
+            if not isinstance(drafter, Drafter):
+                raise UserError(f"draft {self.name} made a {type(drafter).__name__}, not an mlx_eagle.Drafter")
+            return drafter
+
+        return make
+
+
+def user_drafter(draft: object) -> Optional[UserDrafter]:
+    """``draft`` as your own drafter: a ``package.module:Name`` spec or an installed entry
+    point's name (imported now: one line when the module or name is missing, or is not a
+    Drafter), a ``Drafter`` subclass or object; None for anything else."""
+    if isinstance(draft, Drafter):
+        return UserDrafter(draft, type(draft).__name__)
+    if isinstance(draft, type) and issubclass(draft, Drafter):
+        return UserDrafter(draft, draft.__name__)
+    if not isinstance(draft, str) or draft in WORDS or Path(draft).expanduser().exists():
+        return None
+    spec = draft
+    if not _SPEC.fullmatch(draft):
+        found = [e for e in importlib.metadata.entry_points(group=DRAFTER_GROUP) if e.name == draft]
+        if not found:
             return None
-        return made[0] if len(made) == 1 else Composite(made)
+        spec = found[0].value
+    module_name, _, attribute = spec.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise UserError(f"draft {draft}: cannot import {module_name} ({exc}); is it installed or on PYTHONPATH?") \
+            from None
+    made = getattr(module, attribute, None)
+    if made is None:
+        raise UserError(f"draft {draft}: {module_name} has no {attribute}{did_you_mean(attribute, dir(module))}")
+    if isinstance(made, Drafter) or (isinstance(made, type) and issubclass(made, Drafter)) or \
+            (callable(made) and not isinstance(made, type)):
+        return UserDrafter(made, draft)
+    what = "class" if isinstance(made, type) else type(made).__name__
+    raise UserError(f"draft {draft}: {attribute} is a {what}, not an mlx_eagle.Drafter, a Drafter subclass or a "
+                    "function that makes one")
+
+
+class FreshPerConversation(Drafter):
+    """Your drafter, made afresh whenever a prompt does not continue the conversation it
+    drafted for (a new chat, another client of the server); within one it lives on."""
+
+    def __init__(self, make: Callable[[], Drafter]):
+        self.make = make
+        self.current = make()
+        self.taps = self.current.taps
+        self.prompt_length = 0  # the last prompt read: a prompt continuing the conversation begins with it
+
+    def reusable(self, common: int) -> int:
+        if common < self.prompt_length:
+            self.current, self.prompt_length = self.make(), 0
+        return self.current.reusable(common)
+
+    def propose(self, budget: Budget) -> Optional[Proposal]:
+        return self.current.propose(budget)
+
+    def observe(self, outcome: Outcome) -> None:
+        if outcome.from_prompt:
+            self.prompt_length = len(outcome.tokens) - 1
+        self.current.observe(outcome)
+
+    def finish(self) -> None:
+        self.current.finish()
 
 
 def _kind(name: str):
@@ -110,10 +217,14 @@ def best_shipped(drafters: List[object]) -> Optional[object]:
 
 def load_draft(draft: Union[str, Path, None, object], model: nn.Module):
     """What ``draft`` drafts with, loaded for ``model``: a drafter's directory loaded by its
-    kind, "auto" the drafter shipped for this model (None if there is none), and None for
-    "none", "lookup" and None. Anything else is returned as it is."""
+    kind, "auto" the drafter shipped for this model (None if there is none), your own
+    drafter as a ``UserDrafter``, and None for "none", "lookup" and None. Anything else is
+    returned as it is."""
     if draft is None or draft in ("none", "lookup"):
         return None
+    mine = user_drafter(draft)
+    if mine is not None:
+        return mine
     if draft == "auto":
         return best_shipped([found for kind in kind_modules() if hasattr(kind, "shipped")
                              for found in [kind.shipped(model)] if found is not None])
@@ -146,10 +257,11 @@ def history_of(model: nn.Module, history: Union[bool, str, Path, "History", None
 
 def plan_drafts(model: nn.Module, draft: Union[str, Path, None, object] = "auto",
                 tree: Union[str, TreeSpec, None] = "auto", lookup: bool = True,
-                history: Union[bool, str, Path, object, None] = True) -> DraftPlan:
+                history: Union[bool, str, Path, object, None] = True, tokenizer: Any = None) -> DraftPlan:
     """The one policy: what drafts for ``model`` given the user's draft choice (see the
     module's docstring), the head's ``tree``, whether to draft from the context, and from
-    which ``history`` of earlier replies (see ``history_of``)."""
+    which ``history`` of earlier replies (see ``history_of``); ``tokenizer``: the model's,
+    for your own drafter's class or function to take."""
     if isinstance(draft, DraftPlan):
         return draft
     if draft == "none":
@@ -160,8 +272,9 @@ def plan_drafts(model: nn.Module, draft: Union[str, Path, None, object] = "auto"
     loaded = load_draft(draft, model)
     settings = DraftSettings(model, tree, history)
     sources = []
-    if isinstance(loaded, Drafter):
-        sources.append(DraftSource(type(loaded).__name__, lambda: loaded))
+    if isinstance(loaded, UserDrafter):
+        make = loaded.factory(model, tokenizer)
+        sources.append(DraftSource(loaded.name, lambda: FreshPerConversation(make)))
     elif loaded is not None:
         kind = next((k for k in kind_modules() if k.accepts(loaded)), None)
         if kind is None:

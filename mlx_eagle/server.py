@@ -187,9 +187,12 @@ def usage(last: Optional[GenerationResponse], prompt_tokens: int) -> Dict[str, A
         "total_tokens": prompt_tokens + completion,
         "prompt_tokens_details": {"cached_tokens": last.prompt_reused if last is not None else 0},
         "speculation": {
-            "mean_accepted_tokens": last.mean_accepted if last is not None else 0.0,
+            "tokens_per_forward": last.tokens_per_forward if last is not None else 0.0,
             "target_forwards": last.target_forwards if last is not None else 0,
             "tokens_per_second": last.generation_tps if last is not None else 0.0,
+            "drafters": {name: {"proposed": stats.proposed, "accepted": stats.accepted}
+                         for name, stats in (last.sources if last is not None else {}).items()},
+            "rechecked": last.rechecked if last is not None else 0,
         },
     }
 

@@ -18,11 +18,12 @@ import queue
 import threading
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Union
 
 import mlx.core as mx
 
 from .decoder import make_prompt_cache
+from .drafters import Drafter
 from .errors import UserError
 from .generate import GenerationResponse, chat_tokens, check_messages, stream_generate
 from .models import DEFAULT_MODEL, load_target
@@ -54,11 +55,14 @@ class Engine:
     """One model and head on their own worker thread, one generation at a time;
     others wait their turn in a queue."""
 
-    def __init__(self, model: Optional[str] = None, draft: Optional[str] = "auto", loaded: Optional[tuple] = None,
-                 name: Optional[str] = None, tree: Any = "auto", history: Any = True):
+    def __init__(self, model: Optional[str] = None, draft: Union[str, Drafter, type, None] = "auto",
+                 loaded: Optional[tuple] = None, name: Optional[str] = None, tree: Any = "auto", history: Any = True,
+                 lookup: bool = True):
         """``draft``: a drafter's directory, "auto" (the model's own drafter, if any),
-        "lookup" (drafts from the context alone) or "none" (plain decoding); every choice
-        but "none" also drafts from the context (see plan.py). ``loaded``: (model,
+        "lookup" (drafts from the context alone), "none" (plain decoding), or your own
+        drafter: a ``Drafter`` object or class, or "package.module:Name" (fresh for every
+        conversation); every choice but "none" also drafts from the context unless
+        ``lookup`` is False (see plan.py). ``loaded``: (model,
         tokenizer, drafter weights or None) already in memory,
         instead of loading ``model`` and ``draft``; ``name``: what to call the model
         (default: its directory's); ``tree``: the head's tree when a generation names none;
@@ -76,7 +80,7 @@ class Engine:
         else:  # a lazy array can only be evaluated on the thread whose stream made it
             mx.eval([m.parameters() for m in loaded if hasattr(m, "parameters")])
         self.model, self.tokenizer, self.head, *path = loaded
-        self.lookup = draft != "none"
+        self.lookup = lookup and draft != "none"
         self.name = name or (path[0].name if path else DEFAULT_MODEL)
         self._plans: Dict[Any, DraftPlan] = {}
         self.tree, self.history = tree, history
@@ -95,7 +99,7 @@ class Engine:
         key = (getattr(tree, "text", tree), history_key)
         if key not in self._plans:
             history = history_of(self.model, self.history, history_key) if self.lookup else None
-            self._plans[key] = plan_drafts(self.model, self.head, tree, self.lookup, history)
+            self._plans[key] = plan_drafts(self.model, self.head, tree, self.lookup, history, self.tokenizer)
         return self._plans[key]
 
     def clear_history(self) -> None:
@@ -214,11 +218,13 @@ class ChatSession:
     forgets. Oldest turns are dropped (with a notice) once the history outgrows the
     context window."""
 
-    def __init__(self, model: Optional[str] = None, draft: Optional[str] = "auto", *, system: Optional[str] = None,
-                 tree: str = "auto", temp: float = 0.0, top_p: float = 1.0, max_tokens: int = 512,
-                 seed: Optional[int] = None, engine: Optional[Engine] = None, history: Any = True,
-                 on_notice: Callable[[str], None] = lambda text: None):
-        self.engine = engine or Engine(model, draft, tree=tree, history=history)
+    def __init__(self, model: Optional[str] = None, draft: Union[str, Drafter, type, None] = "auto", *,
+                 system: Optional[str] = None, tree: str = "auto", temp: float = 0.0, top_p: float = 1.0,
+                 max_tokens: int = 512, seed: Optional[int] = None, engine: Optional[Engine] = None,
+                 history: Any = True, lookup: bool = True, on_notice: Callable[[str], None] = lambda text: None):
+        """``draft``, ``tree``, ``history`` and ``lookup`` as for ``Engine`` (or share one:
+        ``engine``); your own drafter drafts afresh for this conversation."""
+        self.engine = engine or Engine(model, draft, tree=tree, history=history, lookup=lookup)
         self.system, self.tree, self.temp, self.top_p = system, tree, temp, top_p
         self.max_tokens, self.seed, self.on_notice = max_tokens, seed, on_notice
         self.stats: Optional[TurnStats] = None
@@ -311,7 +317,7 @@ class ChatSession:
                 if last is not None and epoch == self._epoch:
                     self._history += [message, {"role": "assistant", "content": reply}]
                     self.stats = TurnStats(
-                        tokens=last.generation_tokens, tokens_per_s=last.generation_tps, tau=last.mean_accepted,
+                        tokens=last.generation_tokens, tokens_per_s=last.generation_tps, tau=last.tokens_per_forward,
                         prompt_tokens=last.prompt_tokens, prompt_reused=last.prompt_reused,
                         prompt_seconds=(last.prompt_tokens - last.prompt_reused) / max(last.prompt_tps, 1e-9),
                         finish_reason=last.finish_reason or "cancelled")

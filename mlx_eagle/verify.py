@@ -76,6 +76,9 @@ class Verdict:
     path: List[int]  # accepted node indices, root's child first
     tokens: List[int]  # their tokens
     bonus: int  # the target's own next token after them
+    # Greedy: the position after the path had its top two logits closer than the block's
+    # tolerance, so ``bonus`` may not be what plain decoding picks: decide it with one row.
+    unsure: bool = False
 
 
 def sample(probs: mx.array, key: Optional[mx.array]) -> mx.array:
@@ -84,30 +87,46 @@ def sample(probs: mx.array, key: Optional[mx.array]) -> mx.array:
 
 
 def accept(tree: DraftTree, tokens: mx.array, logits: mx.array, sampling: Sampling,
-           key: Optional[mx.array] = None) -> Verdict:
+           key: Optional[mx.array] = None, tolerance: float = 0.0) -> Verdict:
     """Walk the tree from the root. ``tokens`` [n]: the nodes' tokens; ``logits``
-    [1 + n, vocab]: the target's at the root, then at each node; ``key``: for sampling.
+    [1 + n, vocab]: the target's at the root, then at each node; ``key``: for sampling;
+    ``tolerance``: greedy, how close two logits of one block row may come before the row's
+    choice is left to a one-row pass (Verdict.unsure; 0: trusted as computed).
 
     Everything vocabulary-sized stays on the device; one read brings back what the walk
     needs. Greedy: the target's choice at each position. Sampling: for every node, the
     uniform test it would face if its turn came (its parent's mass left after its
     earlier siblings' rejection is known in advance, since they precede it), and for
     every position a draw from its distribution with all its children removed: the
-    bonus if the walk ends there. Each is used at most once, so the walk is exact."""
+    bonus if the walk ends there. Each is used at most once, so the walk is exact.
+    Token ids the drafter may have left unchecked on the device (drafters/admit.py) are
+    safe here: an id outside the vocabulary is never accepted, and neither is a sibling
+    repeating an earlier one (its probability went with the earlier one's rejection)."""
     if sampling.greedy:
         choice = mx.argmax(logits, axis=-1)
-        mx.eval(choice, tokens)
-        choice, node_tokens = choice.tolist(), tokens.tolist()
-        return _walk(tree, lambda node: node_tokens[node] == choice[tree.parents[node] + 1], node_tokens, choice)
+        if tolerance > 0:
+            top = mx.topk(logits, 2, axis=-1).astype(mx.float32)
+            close = mx.abs(top[:, 0] - top[:, 1]) <= tolerance
+        else:
+            close = mx.zeros(logits.shape[:1], dtype=mx.bool_)
+        mx.eval(choice, tokens, close)
+        choice, node_tokens, close = choice.tolist(), tokens.tolist(), close.tolist()
+        return _walk(tree, lambda node: node_tokens[node] == choice[tree.parents[node] + 1], node_tokens, choice,
+                     close)
     probs = sampling.probabilities(logits)
     uniform_key, bonus_key = mx.random.split(key) if key is not None else (None, None)
     if len(tree):
         rows = mx.array([parent + 1 for parent in tree.parents])
-        drafted = probs[rows, tokens]  # each node's probability under its parent's distribution
+        vocab = logits.shape[-1]
+        valid = (tokens >= 0) & (tokens < vocab)
+        safe = mx.where(valid, tokens, 0)
         before = mx.array(_earlier_siblings(tuple(tree.parents)))
+        repeats = (before * (tokens[:, None] == tokens[None, :])).max(axis=1) > 0
+        # each node's probability under its parent's distribution, none for a repeat or an id outside
+        drafted = probs[rows, safe] * (valid & ~repeats)
         left = probs.sum(axis=-1)[rows] - before @ drafted
         passes = mx.random.uniform(shape=(len(tree),), key=uniform_key) * left < drafted
-        probs[rows, tokens] = 0.0
+        probs = probs.at[rows, safe].multiply((~valid).astype(probs.dtype))  # the children removed
     else:
         passes = mx.array([], dtype=mx.bool_)
     bonus = sample(probs, bonus_key)
@@ -116,12 +135,16 @@ def accept(tree: DraftTree, tokens: mx.array, logits: mx.array, sampling: Sampli
     return _walk(tree, lambda node: passes[node], node_tokens, bonus.tolist())
 
 
-def _walk(tree: DraftTree, passes: Callable[[int], bool], node_tokens: List[int], bonus: List[int]) -> Verdict:
+def _walk(tree: DraftTree, passes: Callable[[int], bool], node_tokens: List[int], bonus: List[int],
+          close: Optional[List[bool]] = None) -> Verdict:
     """From the root into the first child that passes, while one does; then the bonus
-    token of the position where the walk ended (``bonus[0]``: the root's)."""
+    token of the position where the walk ended (``bonus[0]``: the root's). A position
+    whose row is ``close`` ends the walk there, unsure."""
     children = tree.children()
     path, node = [], -1
     while True:
+        if close is not None and close[node + 1]:
+            return Verdict(path, [node_tokens[n] for n in path], bonus[node + 1], unsure=True)
         match = next((child for child in children.get(node, []) if passes(child)), None)
         if match is None:
             return Verdict(path, [node_tokens[n] for n in path], bonus[node + 1])

@@ -175,7 +175,7 @@ def test_a_second_request_drafts_from_the_first_reply_and_keeps_the_text(smollm)
                 break
         responses = list(stream_generate(model, tokenizer, ids, max_tokens=40, draft="lookup", history=history))
         assert [r.token for r in responses] == expected[:len(responses)]
-        taus.append(responses[-1].mean_accepted)
+        taus.append(responses[-1].tokens_per_forward)
     assert len(history) == 2 and taus[1] > taus[0], taus
 
 

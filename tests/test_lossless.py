@@ -82,7 +82,7 @@ def test_oracle_head_keeps_greedy_output(smollm, references, tree):
         head = OracleHead(ids + expected, model.args.vocab_size)
         tokens, last = _decode(smollm, ids, head, tree)
         assert tokens == expected, tree
-        taus.append(last.mean_accepted)
+        taus.append(last.tokens_per_forward)
     assert min(taus) > 1.5, taus  # the oracle's drafts were really accepted
 
 
@@ -90,7 +90,7 @@ def test_oracle_head_keeps_greedy_output(smollm, references, tree):
 def test_plain_decoding_through_the_same_loop(smollm, references, index):
     ids, expected = references[index]
     tokens, last = _decode(smollm, ids, None, None, lookup=False)
-    assert tokens == expected and last.mean_accepted == 1.0
+    assert tokens == expected and last.tokens_per_forward == 1.0
 
 
 
@@ -113,7 +113,7 @@ def test_the_shipped_head_keeps_greedy_output(smollm, references, shipped):
     for ids, expected in references:
         tokens, last = _decode(smollm, ids, shipped, "static:default")
         assert tokens == expected
-        taus.append(last.mean_accepted)
+        taus.append(last.tokens_per_forward)
     # a random head's drafts are almost never accepted (tau ~1.0); a trained one's are
     assert sum(taus) / len(taus) > 1.3, taus
 

@@ -81,7 +81,7 @@ def test_chat_completion_plain_and_streamed(server, smollm):
     assert reply.choices[0].finish_reason in ("stop", "length")
     assert reply.usage.prompt_tokens == len(chat_tokens(smollm[1], QUESTION))
     speculation = reply.usage.model_extra["speculation"]
-    assert speculation["mean_accepted_tokens"] >= 1 and speculation["target_forwards"] >= 1
+    assert speculation["tokens_per_forward"] >= 1 and speculation["target_forwards"] >= 1
 
     stream = client(server).chat.completions.create(model="SmolLM2", messages=QUESTION, max_tokens=40,
                                                     temperature=0, stream=True,

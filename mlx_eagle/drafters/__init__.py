@@ -15,6 +15,7 @@ in ``KINDS``, and its tests.
 
 from __future__ import annotations
 
+import copy
 import importlib
 from dataclasses import dataclass, field
 from types import ModuleType
@@ -75,13 +76,28 @@ class DraftSource:
 
 @dataclass
 class Budget:
-    """What a drafter may add to this round's tree."""
+    """What a drafter may add to this round's tree, and what its nodes would cost.
+
+    A proposal past ``room`` or ``nodes`` is cut (drafters/admit.py says in which order);
+    ``cost(k)`` prices k more nodes on this device's measured curve, so a drafter can stop
+    where its next node would not pay: a node accepted with chance c pays while
+    ``(expected + c) / cost(k + 1) > expected / cost(k)``. A drafter that attaches a
+    confidence to each node (``Proposal.confidence``) is cut by that rule for it."""
 
     room: int  # how deep a node may be: tokens the reply and the context still have room for
     nodes: int  # how many nodes it may add
     verified: int = 1  # tokens the round verifies already: the root and the nodes before this drafter's
     expected: float = 1.0  # tokens those are expected to yield (the bonus token included)
     chain: bool = False  # the target verifies chains only (no tree path for its architecture)
+    costs: Optional[Callable[[int], float]] = None  # a forward over k tokens, in plain steps (None: unmeasured)
+    vocab: Optional[int] = None  # the target's vocabulary: token ids from 0 to vocab - 1
+
+    def cost(self, more: int) -> float:
+        """What the round's forward pass costs with ``more`` nodes beside the ``verified``
+        tokens, in plain decoding steps (one token: 1); where nothing was measured, a token
+        a step."""
+        tokens = self.verified + more
+        return float(self.costs(tokens)) if self.costs is not None else float(tokens)
 
 
 @dataclass
@@ -92,17 +108,20 @@ class Proposal:
 
     tree: DraftTree
     tokens: mx.array  # [nodes] int32 target ids
+    # Per node, the drafter's chance that the target accepts it once its parent is accepted
+    # (0 to 1); given, the round keeps only the nodes that pay on this device (see Budget).
+    confidence: Optional[Sequence[float]] = None
 
     @staticmethod
-    def chain(tokens: Union[Sequence[int], mx.array]) -> "Proposal":
+    def chain(tokens: Union[Sequence[int], mx.array], confidence: Optional[Sequence[float]] = None) -> "Proposal":
         """``tokens`` in a row after the root (a list, or an array still on the device)."""
         count = len(tokens)
         if isinstance(tokens, mx.array):
             return Proposal(DraftTree([], list(range(-1, count - 1)), list(range(1, count + 1))),
-                            tokens.astype(mx.int32))
+                            tokens.astype(mx.int32), confidence)
         tokens = [int(t) for t in tokens]
         return Proposal(DraftTree(tokens, list(range(-1, count - 1)), list(range(1, count + 1))),
-                        mx.array(tokens, dtype=mx.int32))
+                        mx.array(tokens, dtype=mx.int32), confidence)
 
     def host_tokens(self) -> List[int]:
         if len(self.tree.tokens) != len(self.tree):
@@ -194,4 +213,16 @@ class Drafter:
         leading target positions this drafter's state is still good for (the prompt is
         read again from the smallest answer, and ``observe`` then starts there)."""
         return common
+
+    def fork(self) -> "Drafter":
+        """A fresh drafter for a new conversation: the same settings and read-only data,
+        none of this one's conversation state. Every conversation gets one (the plan forks
+        the drafter it is handed). The default copies the object and, deeply, the lists,
+        dicts and sets it holds, sharing everything else (a model, a tokenizer, arrays);
+        override it where fresh means something else."""
+        fresh = copy.copy(self)
+        for name, value in getattr(self, "__dict__", {}).items():
+            if isinstance(value, (list, dict, set, bytearray)):
+                setattr(fresh, name, copy.deepcopy(value))
+        return fresh
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Dict, Generator, List, Optional, Sequence, Tuple, Union
 
 import mlx.core as mx
@@ -15,6 +15,8 @@ from ..errors import UserError, check_text
 
 if TYPE_CHECKING:
     from ..decoder import PromptCache
+    from ..drafters import Drafter
+    from ..drafters.composite import SourceStats
     from ..plan import DraftPlan
     from ..trees import TreeSpec
 
@@ -22,9 +24,13 @@ if TYPE_CHECKING:
 @dataclass
 class GenerationResponse:
     """One generated token, as mlx-lm's stream_generate yields them, plus speculation
-    statistics: ``accepted`` draft tokens in this token's round, ``mean_accepted``
-    (tau): tokens produced per target forward pass so far, and ``prompt_reused``:
-    prompt tokens found already in the ``prompt_cache`` (not read again)."""
+    statistics: ``accepted`` draft tokens in this token's round; ``tokens_per_forward``
+    (tau): tokens produced per target forward pass so far, the target's own (bonus) token
+    of each round included; ``prompt_reused``: prompt tokens found already in the
+    ``prompt_cache`` (not read again); ``sources``: per drafter, the nodes it added to
+    the verified trees and how many of them were accepted; ``rechecked``: greedy
+    positions whose top two logits lay too close to trust a block's rounding, decided
+    by a one-row pass as plain decoding decides them."""
 
     text: str
     token: int
@@ -36,9 +42,11 @@ class GenerationResponse:
     peak_memory: float
     finish_reason: Optional[str] = None
     accepted: int = 0
-    mean_accepted: float = 0.0
+    tokens_per_forward: float = 0.0
     target_forwards: int = 0
     prompt_reused: int = 0
+    sources: Dict[str, "SourceStats"] = field(default_factory=dict)
+    rechecked: int = 0
 
 
 def _prompt_ids(tokenizer, prompt: Union[str, List[int], mx.array]) -> List[int]:
@@ -127,7 +135,7 @@ def stream_generate(
     tokenizer,
     prompt: Union[str, List[int], mx.array],
     max_tokens: int = 256,
-    draft: Union["DraftPlan", nn.Module, str, None] = None,
+    draft: Union["DraftPlan", "Drafter", type, nn.Module, str, None] = None,
     tree: Union[str, "TreeSpec", None] = None,
     lookup: bool = True,
     temp: float = 0.0,
@@ -142,9 +150,10 @@ def stream_generate(
     """Yield the continuation of ``prompt`` token by token.
 
     ``draft``: what drafts (see mlx_eagle.plan): a ``DraftPlan``; a head from
-    ``load_draft`` or ``load(..., draft=...)``; your own ``mlx_eagle.Drafter``; "auto" (the
-    model's own drafter, if any), "lookup" or None (drafts from the context alone), or
-    "none" (plain decoding through the same loop). ``tree``: a head's --tree spec;
+    ``load_draft`` or ``load(..., draft=...)``; your own ``mlx_eagle.Drafter`` object or
+    class (fresh per conversation), or its "package.module:Name"; "auto" (the model's own
+    drafter, if any), "lookup" or None (drafts from the context alone), or "none" (plain
+    decoding through the same loop). With ``lookup=False`` a drafter drafts alone. ``tree``: a head's --tree spec;
     ``auto`` (default) takes the tree tuned for this device, else one built once from
     the head's recorded acceptance and a few timed forward passes here, or no head tree
     where none is expected to pay off. ``lookup``: also draft from the context
@@ -160,7 +169,7 @@ def stream_generate(
     a path: a file kept across processes; False: none); a plan says this itself.
     """
     from ..decoder import SpeculativeDecoder, make_prompt_cache
-    from ..plan import plan_drafts
+    from ..plan import plan_drafts, source_statistics
     from ..verify import Sampling
 
     check_options(max_tokens, seed)
@@ -171,11 +180,12 @@ def stream_generate(
     limit = _context_length(model)
     if limit is not None and len(ids) >= limit:
         raise UserError(f"the prompt is {len(ids)} tokens; the model's context holds {limit}. Shorten it")
-    plan = plan_drafts(model, draft, tree, lookup, history)
+    plan = plan_drafts(model, draft, tree, lookup, history, tokenizer)
     cache = prompt_cache if prompt_cache is not None else make_prompt_cache(model)
     if cache.plan_key != plan.key:  # a conversation keeps its drafters (and their caches) while its plan holds
         cache.drafter, cache.plan_key = plan.drafter(), plan.key
-    decoder = SpeculativeDecoder(model, cache.drafter, sampling, seed, cache)
+    decoder = SpeculativeDecoder(model, cache.drafter, sampling, seed, cache,
+                                 costs=(lambda: plan.settings.costs) if plan.active else None)
     eos = set(tokenizer.eos_token_ids)
     stops = StopMatcher(stop or [])
     detokenizer = tokenizer.detokenizer
@@ -189,6 +199,7 @@ def stream_generate(
         tic = time.perf_counter()
         generated, produced, rounds, accepted = 0, 0, 0, 0
         from_draft = [False]
+        sources = source_statistics(cache.drafter)
         while True:
             for token, drafted in zip(round_tokens, from_draft):
                 generated += 1
@@ -212,8 +223,9 @@ def stream_generate(
                     prompt_tps=prompt_tps, generation_tokens=generated,
                     generation_tps=generated / elapsed if elapsed > 0 else 0.0,
                     peak_memory=mx.get_peak_memory() / 1e9, finish_reason=finish,
-                    accepted=accepted, mean_accepted=produced / rounds if rounds else 0.0,
+                    accepted=accepted, tokens_per_forward=produced / rounds if rounds else 0.0,
                     target_forwards=decoder.forwards, prompt_reused=decoder.reused,
+                    sources=sources, rechecked=decoder.rechecked,
                 )
                 if finish is not None:
                     return
@@ -226,6 +238,7 @@ def stream_generate(
             produced += len(result.tokens)
             accepted = len(result.tokens) - 1
             from_draft = [True] * accepted + [False]
+            sources = source_statistics(cache.drafter)
     finally:  # the reply is final, however it ended: the caches hold what was shown, drafters keep it
         decoder.keep(len(ids) + generated)
         if cache.drafter is not None:
@@ -250,7 +263,11 @@ def print_stats(response: GenerationResponse, file=sys.stderr) -> None:
     print(
         f"prompt: {response.prompt_tokens} tokens, {response.prompt_tps:.1f} tokens/s | "
         f"generation: {response.generation_tokens} tokens, {response.generation_tps:.1f} tokens/s | "
-        f"tau: {response.mean_accepted:.2f} tokens per target forward | "
+        f"tau: {response.tokens_per_forward:.2f} tokens per target forward | "
         f"peak memory: {response.peak_memory:.2f} GB",
         file=file,
     )
+    if response.sources:
+        print("drafted: " + "; ".join(f"{name}: {stats.accepted} of {stats.proposed} accepted"
+                                      for name, stats in response.sources.items())
+              + (f" | rechecked alone: {response.rechecked}" if response.rechecked else ""), file=file)
