@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Callable, Dict, Iterable, List, Optional, Sequ
 
 import mlx.core as mx
 
-from .cli import TREE_HELP, add_model_arguments, add_sampling_arguments, blas_in_use, new_parser, run_cli
+from .cli import TREE_HELP, add_model_arguments, add_sampling_arguments, blas_in_use, check_draft, new_parser, run_cli
 from .errors import UserError
 from .files import write_atomically
 from .generate import chat_tokens, check_messages
@@ -370,7 +370,7 @@ def plot(results: dict, out: Path) -> None:
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
     parser = new_parser("mlx_eagle.bench", __doc__)
-    add_model_arguments(parser, tree=False)
+    add_model_arguments(parser, tree=False, lookup=False)
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompts", type=Path, help="a JSONL file: one object a line with \"turns\" (a list of "
                         "user messages) and optionally \"category\"")
@@ -412,6 +412,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     for prompt in prompts:
         prompt.turns = prompt.turns[: args.max_turns] if args.max_turns else prompt.turns
     prompts = prompts[: args.limit] if args.limit else prompts
+    check_draft(args.draft)
     model, tokenizer, draft = load(args.model, draft=args.draft)
 
     def history():  # each method drafts from its own earlier replies, built up as its requests run

@@ -16,7 +16,8 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
-from .cli import add_history_arguments, add_model_arguments, add_sampling_arguments, history_choice, new_parser, run_cli
+from .cli import (add_history_arguments, add_model_arguments, add_sampling_arguments, check_draft, history_choice,
+                  new_parser, run_cli)
 from .errors import UserError
 from .files import cache_dir, write_atomically
 
@@ -191,11 +192,12 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         parse_tree(args.tree)
     check_options(args.max_tokens, args.seed)
     Sampling(args.temp, args.top_p)
+    check_draft(args.draft)
     terminal = Terminal()
     terminal.say(terminal.dim("loading..."))
     session = ChatSession(args.model, args.draft, system=args.system, tree=args.tree, temp=args.temp,
                           top_p=args.top_p, max_tokens=args.max_tokens, seed=args.seed, history=history_choice(args),
-                          on_notice=lambda text: terminal.say(terminal.dim(f"({text})")))
+                          lookup=not args.no_lookup, on_notice=lambda text: terminal.say(terminal.dim(f"({text})")))
     engine = session.engine
     terminal.say(terminal.dim(f"{engine.name}, {engine.drafting}. /help for commands, Ctrl-D to leave."))
     state = {"stats": not args.no_stats}

@@ -11,9 +11,11 @@ from typing import Callable, NoReturn, Optional, Sequence
 from .errors import UserError
 
 
-DRAFT_HELP = ("a drafter: an EAGLE head directory, or a draft model (a model directory, .gguf file or Hugging Face "
-              "repo id with the model's tokenizer); or 'lookup' (drafts from the context alone, any mlx-lm model), or "
-              "'none' (plain decoding); default (auto): the model's shipped head, if any, and drafts from the context")
+DRAFT_HELP = ("what drafts, beside drafts from the context: a drafter's directory (an EAGLE head, a DFlash drafter, "
+              "or a draft model: a model directory, .gguf file or Hugging Face repo id with the model's tokenizer); "
+              "your own drafter as package.module:Name or an installed mlx_eagle.drafters entry point; 'lookup' "
+              "(drafts from the context alone, any mlx-lm model), or 'none' (plain decoding); default (auto): the "
+              "model's own drafter (its MTP module, a head shipped for it), if any")
 TREE_HELP = ("draft tree: auto (tuned for this device, see mlx_eagle.tune), chain:K, static:default, static:FILE, "
              "dynamic:topk=8,depth=5,tokens=32, none")
 
@@ -49,12 +51,16 @@ def add_sampling_arguments(parser: argparse.ArgumentParser, seed: Optional[int] 
                         ("" if seed is not None else " (default: a fresh one)"))
 
 
-def add_model_arguments(parser: argparse.ArgumentParser, draft: bool = True, tree: bool = True) -> None:
-    """--model, --draft and --tree, the same in every command."""
+def add_model_arguments(parser: argparse.ArgumentParser, draft: bool = True, tree: bool = True,
+                        lookup: bool = True) -> None:
+    """--model, --draft (and --no-lookup) and --tree, the same in every command."""
     parser.add_argument("--model", help="MLX or Hugging Face directory, .gguf file or Hugging Face repo id "
                                         "(default: SmolLM2-135M-Instruct)")
     if draft:
         parser.add_argument("--draft", default="auto", help=DRAFT_HELP)
+    if draft and lookup:
+        parser.add_argument("--no-lookup", action="store_true", help="no drafts from the context: what --draft "
+                            "names drafts alone")
     if tree:
         parser.add_argument("--tree", default="auto", help=TREE_HELP)
 
@@ -67,6 +73,14 @@ def add_history_arguments(parser: argparse.ArgumentParser) -> None:
                        "process only")
     group.add_argument("--no-history", action="store_true", help="draft from the conversation alone, not from "
                        "earlier replies")
+
+
+def check_draft(draft: str) -> None:
+    """Your own drafter, where --draft names one, imported before the model loads: one
+    line when its module or name is missing or is not a Drafter."""
+    from .plan import user_drafter
+
+    user_drafter(draft)
 
 
 def history_choice(args: argparse.Namespace):

@@ -43,7 +43,7 @@ from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Sequence
 
-from .cli import add_history_arguments, add_model_arguments, history_choice, new_parser, run_cli
+from .cli import add_history_arguments, add_model_arguments, check_draft, history_choice, new_parser, run_cli
 from .errors import UserError
 from .errors import check_text
 from .generate import MAX_SEED, GenerationResponse, chat_tokens, check_messages
@@ -539,6 +539,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     check_options(args.max_tokens, None)
     if not 0 < args.idle_seconds <= 86400:
         raise UserError(f"--idle-seconds {args.idle_seconds:g} is out of range; give seconds above 0, up to 86400")
+    check_draft(args.draft)
     try:
         server = Server((args.host, args.port), None, args.tree, args.max_tokens, quiet=args.quiet,
                         allow_hosts=args.allow_host, idle_seconds=args.idle_seconds)
@@ -546,7 +547,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         reason = getattr(exc, "strerror", None) or str(exc)
         raise UserError(f"cannot listen on {args.host}:{args.port} ({reason}); pick another --port or --host") from None
     try:
-        server.engine = engine = Engine(args.model, args.draft, tree=args.tree, history=history_choice(args))
+        server.engine = engine = Engine(args.model, args.draft, tree=args.tree, history=history_choice(args),
+                                        lookup=not args.no_lookup)
     except BaseException:
         server.server_close()
         raise

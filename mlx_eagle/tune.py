@@ -136,8 +136,12 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     from .costs import device_key
     from .drafters import eagle
     from .data import sharegpt_prompts
+    from .plan import user_drafter
     from .train.evaluate import calibration_pieces, measure_acceptance
 
+    if user_drafter(args.draft) is not None:
+        raise UserError(f"--draft {args.draft} is your own drafter, which sizes its trees itself (Budget.cost, "
+                        "Proposal.confidence); tune builds trees for EAGLE heads")
     if args.draft in ("lookup", "none"):
         raise UserError(f"--draft {args.draft} drafts no tree; tune builds trees for EAGLE heads: pass a head's "
                         "directory, or leave --draft out for the model's shipped head")

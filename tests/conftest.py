@@ -68,3 +68,22 @@ def smollm_native(smollm_gguf, tmp_path_factory) -> Path:
     from mlx_eagle.convert.target import convert_target
 
     return convert_target(smollm_gguf, tmp_path_factory.mktemp("smollm") / "native", progress=False)
+
+
+@pytest.fixture(scope="session")
+def six_token_model():
+    """A tiny llama over a 6-token vocabulary with peaky, context-dependent distributions,
+    for chi-square checks of sampling."""
+    import mlx.core as mx
+    from mlx_lm.models import llama
+
+    from test_sampling import VOCAB
+
+    mx.random.seed(7)
+    args = llama.ModelArgs(model_type="llama", hidden_size=32, num_hidden_layers=2, intermediate_size=64,
+                           num_attention_heads=4, rms_norm_eps=1e-5, vocab_size=VOCAB, num_key_value_heads=2,
+                           max_position_embeddings=64, tie_word_embeddings=False, rope_theta=10000.0)
+    model = llama.Model(args)
+    model.lm_head.weight = model.lm_head.weight * 12  # peaky, context-dependent distributions
+    mx.eval(model.parameters())
+    return model

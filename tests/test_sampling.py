@@ -26,18 +26,6 @@ TREE = TreeSpec("static", [(0,), (1,), (0, 0), (0, 1), (1, 0)], text="test")
 SAMPLES = 3000
 
 
-@pytest.fixture(scope="module")
-def six_token_model():
-    mx.random.seed(7)
-    args = llama.ModelArgs(model_type="llama", hidden_size=32, num_hidden_layers=2, intermediate_size=64,
-                           num_attention_heads=4, rms_norm_eps=1e-5, vocab_size=VOCAB, num_key_value_heads=2,
-                           max_position_embeddings=64, tie_word_embeddings=False, rope_theta=10000.0)
-    model = llama.Model(args)
-    model.lm_head.weight = model.lm_head.weight * 12  # peaky, context-dependent distributions
-    mx.eval(model.parameters())
-    return model
-
-
 def exact_joint(model, sampling: Sampling, prompt=PROMPT) -> np.ndarray:
     """p(t1, t2, t3 | prompt) from plain forward passes."""
     def next_probs(context):

@@ -9,8 +9,8 @@ import argparse
 import sys
 from typing import List, Optional, Sequence
 
-from ..cli import (add_history_arguments, add_model_arguments, add_sampling_arguments, blas_in_use, history_choice,
-                   new_parser, run_cli)
+from ..cli import (add_history_arguments, add_model_arguments, add_sampling_arguments, blas_in_use, check_draft,
+                   history_choice, new_parser, run_cli)
 from ..errors import UserError, check_text
 from . import chat_tokens, check_options
 
@@ -18,7 +18,6 @@ from . import chat_tokens, check_options
 def build_parser() -> argparse.ArgumentParser:
     parser = new_parser("mlx_eagle.generate", __doc__)
     add_model_arguments(parser)
-    parser.add_argument("--no-lookup", action="store_true", help="no drafts from the context, the head's alone")
     parser.add_argument("--prompt", "-p", default="Hello!", help="the user message; '-' reads standard input")
     parser.add_argument("--system", help="a system prompt")
     parser.add_argument("--max-tokens", "-m", type=int, default=256, help="longest reply, in tokens")
@@ -62,10 +61,12 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     Sampling(args.temp, args.top_p, args.min_p, args.top_k)
     prompt = read_stdin() if args.prompt == "-" else check_text(args.prompt, "--prompt")
     system = check_text(args.system, "--system") if args.system else None
+    check_draft(args.draft)
     if args.verbose:
         print(f"device: {mx.default_device()}, BLAS: {blas_in_use()}", file=sys.stderr)
     model, tokenizer = load(args.model)
-    plan = plan_drafts(model, args.draft, tree, lookup=not args.no_lookup, history=history_choice(args))
+    plan = plan_drafts(model, args.draft, tree, lookup=not args.no_lookup, history=history_choice(args),
+                       tokenizer=tokenizer)
     for source in plan.sources:
         if source.make is None and source.note:  # a drafter that decided not to draft here says why
             print(f"{'drafting from the context alone' if plan.active else 'decoding plainly'}: {source.note}",

@@ -1,0 +1,82 @@
+"""What admitting proposals costs the built-in drafters: SmolLM2 end to end with the
+default drafting (the shipped head and context lookup, no earlier replies), every
+proposal admitted (drafters/admit.py) and greedy close calls rechecked by one row, against
+the same rounds with both switched off: the same prompts, alternating checked, unchecked,
+unchecked, checked after one untimed warm-up, time from the request to the last token.
+It also counts the positions rechecked alone.
+
+    python benchmarks/admission.py [--limit 6] [--max-tokens 64] [--out benchmarks/results/admission.json]
+"""
+
+import argparse
+import json
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from unittest import mock
+
+import mlx_eagle.decoder as decoder_module
+import mlx_eagle.drafters.composite as composite_module
+from mlx_eagle import load, plan_drafts, stream_generate
+from mlx_eagle.bench import mtbench_suite, read_prompts
+from mlx_eagle.cli import use_fast_blas
+
+HERE = Path(__file__).resolve().parent
+
+
+@contextmanager
+def unchecked():
+    """Proposals handed to the verifier as drafted, and no greedy close calls rechecked."""
+    def trusted(drafter, proposal, budget, name=""):
+        return proposal if proposal is not None and len(proposal) else None
+
+    with mock.patch.object(decoder_module, "admit_or_warn", trusted), \
+            mock.patch.object(composite_module, "admit_or_warn", trusted), \
+            mock.patch.object(decoder_module.SpeculativeDecoder, "_tolerance", lambda self: 0.0):
+        yield
+
+
+def measure(model, tokenizer, head, texts, max_tokens: int) -> dict:
+    seconds, identical, rechecked, tokens = {True: 0.0, False: 0.0}, True, 0, 0
+    for text in texts:
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+        outputs = set()
+        for checked in (None, True, False, False, True):  # None: the warm-up
+            plan = plan_drafts(model, head, "auto", history=False)
+            with unchecked() if checked is False else mock.patch.dict({}):
+                tic = time.perf_counter()
+                responses = list(stream_generate(model, tokenizer, ids, max_tokens=max_tokens, draft=plan))
+            if checked is not None:
+                seconds[checked] += time.perf_counter() - tic
+            if checked:
+                rechecked, tokens = rechecked + responses[-1].rechecked, tokens + len(responses)
+            outputs.add(tuple(r.token for r in responses))
+        identical &= len(outputs) == 1
+    return {"checked_s": seconds[True], "unchecked_s": seconds[False],
+            "checked_vs_unchecked": seconds[True] / seconds[False], "rechecked_positions": rechecked,
+            "tokens": tokens, "identical": identical}
+
+
+def main() -> None:
+    use_fast_blas()
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--limit", type=int, default=6, help="prompts of each set")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--out", type=Path, default=HERE / "results" / "admission.json")
+    args = parser.parse_args()
+    model, tokenizer, head = load(draft="auto")
+    sets = {"edit": [p.turns[0] for p in read_prompts(HERE / "prompts" / "edit.jsonl")][:args.limit],
+            "mt-bench": [p.turns[0] for p in mtbench_suite()][:args.limit]}
+    results = {}
+    for name, prompts in sets.items():
+        results[name] = row = measure(model, tokenizer, head, prompts, args.max_tokens)
+        print(f"{name:9s} checked {row['checked_s']:6.1f} s  unchecked {row['unchecked_s']:6.1f} s  "
+              f"checked/unchecked {row['checked_vs_unchecked']:.3f}  rechecked {row['rechecked_positions']} of "
+              f"{row['tokens']} tokens  identical text {row['identical']}")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"limit": args.limit, "max_tokens": args.max_tokens, **results}, indent=1) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
