@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Callable, Dict, Iterable, List, Optional, Sequ
 
 import mlx.core as mx
 
-from .cli import TREE_HELP, add_model_arguments, add_sampling_arguments, blas_in_use, check_draft, new_parser, run_cli
+from .cli import TREE_HELP, add_model_arguments, add_sampling_arguments, blas_in_use, new_parser, run_cli
 from .errors import UserError
 from .files import write_atomically
 from .generate import chat_tokens, check_messages
@@ -403,7 +403,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     from .costs import weight_format
     from .models import resolve_model
     from .drafters.history import History, model_identity
-    from .plan import plan_drafts
+    from .plan import plan_drafts, user_drafter
     from .trees import parse_tree
     from .verify import Sampling
 
@@ -412,7 +412,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     for prompt in prompts:
         prompt.turns = prompt.turns[: args.max_turns] if args.max_turns else prompt.turns
     prompts = prompts[: args.limit] if args.limit else prompts
-    check_draft(args.draft)
+    user_drafter(args.draft)  # your own drafter, imported now: one line if it cannot be
     model, tokenizer, draft = load(args.model, draft=args.draft)
 
     def history():  # each method drafts from its own earlier replies, built up as its requests run

@@ -75,14 +75,6 @@ def add_history_arguments(parser: argparse.ArgumentParser) -> None:
                        "earlier replies")
 
 
-def check_draft(draft: str) -> None:
-    """Your own drafter, where --draft names one, imported before the model loads: one
-    line when its module or name is missing or is not a Drafter."""
-    from .plan import user_drafter
-
-    user_drafter(draft)
-
-
 def history_choice(args: argparse.Namespace):
     """What --history / --no-history ask for, as plan_drafts takes it."""
     return False if args.no_history else (args.history or True)

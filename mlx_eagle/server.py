@@ -43,7 +43,7 @@ from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Sequence
 
-from .cli import add_history_arguments, add_model_arguments, check_draft, history_choice, new_parser, run_cli
+from .cli import add_history_arguments, add_model_arguments, history_choice, new_parser, run_cli
 from .errors import UserError
 from .errors import check_text
 from .generate import MAX_SEED, GenerationResponse, chat_tokens, check_messages
@@ -528,6 +528,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parser.add_argument("--quiet", action="store_true", help="no line per request")
     args = parser.parse_args(argv)
     from .generate import check_options
+    from .plan import user_drafter
     from .session import Engine
     from .trees import parse_tree
 
@@ -539,7 +540,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     check_options(args.max_tokens, None)
     if not 0 < args.idle_seconds <= 86400:
         raise UserError(f"--idle-seconds {args.idle_seconds:g} is out of range; give seconds above 0, up to 86400")
-    check_draft(args.draft)
+    user_drafter(args.draft)  # your own drafter, imported now: one line if it cannot be
     try:
         server = Server((args.host, args.port), None, args.tree, args.max_tokens, quiet=args.quiet,
                         allow_hosts=args.allow_host, idle_seconds=args.idle_seconds)

@@ -25,7 +25,7 @@ import mlx.core as mx
 from .decoder import make_prompt_cache
 from .drafters import Drafter
 from .errors import UserError
-from .generate import GenerationResponse, chat_tokens, check_messages, stream_generate
+from .generate import GenerationResponse, chat_tokens, check_messages, check_prompt, stream_generate
 from .models import DEFAULT_MODEL, load_target
 from .plan import DraftPlan, history_of, load_draft, plan_drafts
 
@@ -142,6 +142,7 @@ class Engine:
         Leaving the loop early, setting ``cancel`` (also before it starts: it then never
         runs) or ``Engine.cancel()`` stops the generation within a round."""
         self._check_open()
+        check_prompt(self.model, ids)  # before planning, which may time this device
         out: "queue.Queue" = queue.Queue()
         cancel = cancel if cancel is not None else threading.Event()
         tree = options.pop("tree", None)

@@ -1,4 +1,7 @@
+import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -8,16 +11,28 @@ sys.path.insert(0, str(Path(__file__).parent))
 from mlx_eagle.cli import use_fast_blas  # noqa: E402
 
 
+# Set in the first process of a test session (the restart below keeps it): its cache.
+_SESSION_CACHE = "_MLX_EAGLE_TEST_CACHE"
+
+
 def pytest_configure(config):
-    """Restart pytest with OpenBLAS preloaded, as the commands do: the real-model
-    tests run float32 matmuls, ~30x slower on MLX's bundled BLAS. Capture is
-    suspended first so the restarted run writes to the real terminal."""
+    """A cache of the session's own, made fresh (converted models, timings, tuned trees:
+    nothing the user's earlier commands left there decides a test), shared with the
+    processes tests start. Then restart pytest with OpenBLAS preloaded, as the commands
+    do: the real-model tests run float32 matmuls, ~30x slower on MLX's bundled BLAS.
+    Capture is suspended first so the restarted run writes to the real terminal."""
+    if not os.environ.get(_SESSION_CACHE):
+        os.environ[_SESSION_CACHE] = os.environ["MLX_EAGLE_CACHE"] = tempfile.mkdtemp(prefix="mlx-eagle-tests-")
     capture = config.pluginmanager.getplugin("capturemanager")
     if capture is not None:
         capture.suspend_global_capture(in_=True)
     use_fast_blas()
     if capture is not None:
         capture.resume_global_capture()
+
+
+def pytest_unconfigure(config):
+    shutil.rmtree(os.environ.get(_SESSION_CACHE, ""), ignore_errors=True)
 
 
 # Tests that use these run the real model: `pytest -m "not slow"` leaves them out.

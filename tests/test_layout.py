@@ -120,3 +120,13 @@ def test_every_python_m_path_in_the_readme_is_a_module():
     assert documented
     for name in documented:
         assert name in known or f"{name}.__main__" in known, name
+
+
+def test_ci_runs_the_readme_quick_start_in_its_order():
+    """README's two commands, as a new user runs them: command 1, then command 2 (CI may add
+    flags to the test command, and lints in between)."""
+    quick_start = (ROOT / "README.md").read_text().split("## Quick start", 1)[1]
+    commands = re.search(r"```sh\n(.*?)```", quick_start, re.S).group(1).strip().splitlines()
+    assert len(commands) == 2 and "mlx_eagle.generate" in commands[0] and "pytest" in commands[1]
+    ci = [line for line in (ROOT / ".ci" / "run").read_text().splitlines() if line.startswith("./setup.sh")]
+    assert ci[0] == commands[0] and ci[1].startswith(commands[1])

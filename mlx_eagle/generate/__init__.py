@@ -130,6 +130,16 @@ def _context_length(model: nn.Module) -> Optional[int]:
     return getattr(model.args, "max_position_embeddings", None)
 
 
+def check_prompt(model: nn.Module, ids: Sequence[int]) -> None:
+    """One line for a prompt that cannot be answered: empty, or too long for the model's
+    context. Every entry point asks this before any work (planning may time the device)."""
+    if not len(ids):
+        raise UserError("the prompt is empty")
+    limit = _context_length(model)
+    if limit is not None and len(ids) >= limit:
+        raise UserError(f"the prompt is {len(ids)} tokens; the model's context holds {limit}. Shorten it")
+
+
 def stream_generate(
     model: nn.Module,
     tokenizer,
@@ -175,11 +185,8 @@ def stream_generate(
     check_options(max_tokens, seed)
     sampling = Sampling(temp, top_p, min_p, top_k)
     ids = _prompt_ids(tokenizer, prompt)
-    if not ids:
-        raise UserError("the prompt is empty")
+    check_prompt(model, ids)
     limit = _context_length(model)
-    if limit is not None and len(ids) >= limit:
-        raise UserError(f"the prompt is {len(ids)} tokens; the model's context holds {limit}. Shorten it")
     plan = plan_drafts(model, draft, tree, lookup, history, tokenizer)
     cache = prompt_cache if prompt_cache is not None else make_prompt_cache(model)
     if cache.plan_key != plan.key:  # a conversation keeps its drafters (and their caches) while its plan holds

@@ -9,10 +9,10 @@ import argparse
 import sys
 from typing import List, Optional, Sequence
 
-from ..cli import (add_history_arguments, add_model_arguments, add_sampling_arguments, blas_in_use, check_draft,
-                   history_choice, new_parser, run_cli)
+from ..cli import (add_history_arguments, add_model_arguments, add_sampling_arguments, blas_in_use, history_choice,
+                   new_parser, run_cli)
 from ..errors import UserError, check_text
-from . import chat_tokens, check_options
+from . import chat_tokens, check_options, check_prompt
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -50,7 +50,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     import mlx.core as mx
 
     from .. import load
-    from ..plan import plan_drafts
+    from ..plan import plan_drafts, user_drafter
     from ..trees import parse_tree
     from ..verify import Sampling
     from . import print_stats, stream_generate
@@ -61,10 +61,12 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     Sampling(args.temp, args.top_p, args.min_p, args.top_k)
     prompt = read_stdin() if args.prompt == "-" else check_text(args.prompt, "--prompt")
     system = check_text(args.system, "--system") if args.system else None
-    check_draft(args.draft)
+    user_drafter(args.draft)  # your own drafter, imported now: one line if it cannot be
     if args.verbose:
         print(f"device: {mx.default_device()}, BLAS: {blas_in_use()}", file=sys.stderr)
     model, tokenizer = load(args.model)
+    ids = prompt_tokens(tokenizer, prompt, system, not args.no_chat_template)
+    check_prompt(model, ids)  # before planning, which may time this device
     plan = plan_drafts(model, args.draft, tree, lookup=not args.no_lookup, history=history_choice(args),
                        tokenizer=tokenizer)
     for source in plan.sources:
@@ -75,7 +77,6 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
             print(f"{source.name}: {source.note}", file=sys.stderr)
     if args.verbose:
         print(f"drafts: {plan.describe()}", file=sys.stderr)
-    ids = prompt_tokens(tokenizer, prompt, system, not args.no_chat_template)
     response = None
     for response in stream_generate(model, tokenizer, ids, max_tokens=args.max_tokens, draft=plan, temp=args.temp,
                                     top_p=args.top_p, min_p=args.min_p, top_k=args.top_k, seed=args.seed,
