@@ -142,7 +142,7 @@ def time_draft_step(model: nn.Module, head, context: int = 64, repeats: int = 3)
     """Milliseconds of one head step over a tree depth (the default static tree's, averaged)."""
     from mlx_lm.models.cache import KVCache
 
-    from .trees import TreeDrafter
+    from .drafters.tree_growth import TreeDrafter
 
     taps = head.taps(layer_count(model))
     width = model.args.hidden_size * (len(taps) if taps is not None else 1)

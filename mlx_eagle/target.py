@@ -416,7 +416,7 @@ def reserve(cache: List, entries: int) -> None:
 # traced once per size (and per cache capacity), not once per round. Fine-grained where
 # rounds are: on a CPU each padded token costs about what a real one does.
 VERIFY_BUCKETS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64)
-# Rounds as a few compiled calls (verify_block here, the head's read and drafts in trees.py).
+# Rounds as a few compiled calls (verify_block here, the head's read and drafts in drafters/tree_growth.py).
 # None: where MLX computes on a GPU, whose rounds for small models wait on the host building
 # their graphs, which a compiled call replays instead; not on a CPU, where a compiled pass
 # attends over its caches' whole preallocated buffers and that compute costs more than it

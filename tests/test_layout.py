@@ -130,3 +130,16 @@ def test_ci_runs_the_readme_quick_start_in_its_order():
     assert len(commands) == 2 and "mlx_eagle.generate" in commands[0] and "pytest" in commands[1]
     ci = [line for line in (ROOT / ".ci" / "run").read_text().splitlines() if line.startswith("./setup.sh")]
     assert ci[0] == commands[0] and ci[1].startswith(commands[1])
+
+
+def test_the_drafter_protocol_imports_no_model_code():
+    """Writing a drafter needs the protocol, the tree data and Composite, not mlx-lm or
+    transformers (which take seconds to import): how a head grows trees lives with it."""
+    import subprocess
+    import sys
+
+    check = ("import sys; import mlx_eagle.trees, mlx_eagle.drafters, mlx_eagle.drafters.composite; "
+             "from mlx_eagle import Drafter, Proposal, Budget, Outcome; "
+             "print([m for m in sys.modules if m.split('.')[0] in ('mlx_lm', 'transformers')])")
+    loaded = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, cwd=ROOT, check=True)
+    assert loaded.stdout.strip() == "[]", loaded.stdout

@@ -126,7 +126,8 @@ def test_compiled_and_eager_rounds_are_identical(smollm, references, shipped, tr
     decoder commits exactly mlx-lm's tokens both ways."""
     from drafting import decoder as make_decoder
     from mlx_eagle import decoder as decoding, target
-    from mlx_eagle.trees import TreeDrafter, parse_tree
+    from mlx_eagle.drafters.tree_growth import TreeDrafter
+    from mlx_eagle.trees import parse_tree
     from mlx_eagle.verify import Sampling
 
     model, _ = smollm

@@ -298,7 +298,7 @@ def test_a_latent_attention_model_is_not_checked_as_llama(tmp_path):
 def test_the_modules_tree_is_drafted_alike_compiled_and_eager(family):
     """Where target.py drives the target, the module's static tree is drafted in one
     compiled call (trees.py), proposing exactly what the depth-by-depth draft proposes."""
-    from mlx_eagle.trees import TreeDrafter
+    from mlx_eagle.drafters.tree_growth import TreeDrafter
 
     model = build(family)
     module = module_for(model, mtp_tensors(new_module(model), model), "test")

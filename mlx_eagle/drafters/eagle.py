@@ -1,5 +1,6 @@
 """EAGLE heads as a drafter: the head's tree for the next round is grown as soon as the
-target commits tokens, queued on the device while the host streams them.
+target commits tokens, queued on the device while the host streams them (the tree grown
+by tree_growth.TreeDrafter).
 
 A node is fed to the head as (its parent's draft output, its own token) at position
 root + depth; it attends to the committed draft cache and its own ancestors, and the
@@ -18,8 +19,9 @@ from mlx_lm.models.cache import KVCache
 
 from ..heads import FAMILIES, Head, load_head
 from ..target import check_target, drives, keep_cache_entries, layer_count
-from ..trees import TreeDrafter, TreeSpec
+from ..trees import TreeSpec
 from . import Budget, Drafter, DraftSettings, DraftSource, Outcome, Proposal
+from .tree_growth import TreeDrafter
 
 NAME = "eagle"
 
