@@ -105,7 +105,7 @@ def embed(head: nn.Module, target: nn.Module, tokens: mx.array) -> mx.array:
 
 class Eagle1Head(nn.Module):
     family = "eagle1"
-    traceable = True  # its step is array code only: a whole tree can be drafted in one compiled call (drafters/tree_growth.py)
+    traceable = True  # its step is array code only: a whole tree can be drafted in one compiled call (tree_growth.py)
 
     def __init__(self, config: HeadConfig):
         super().__init__()

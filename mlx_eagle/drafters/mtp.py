@@ -163,7 +163,7 @@ class MTPModule(nn.Module):
     """A model's MTP module with the Head interface (heads.py): EagleDrafter drafts with it."""
 
     family = "mtp"
-    traceable = True  # array code only; drafters/tree_growth.py compiles its static drafts where target.py drives the target
+    traceable = True  # array code only: tree_growth.py compiles its static drafts where target.py drives the target
 
     def __init__(self, target: nn.Module, layer: nn.Module, layout: Layout = QWEN):
         super().__init__()
