@@ -12,7 +12,8 @@ import json
 import time
 from pathlib import Path
 
-from mlx_eagle import load, plan_drafts, stream_generate, target
+from mlx_eagle import load, plan_drafts, stream_generate
+from mlx_eagle.compiled import compiling_rounds
 from mlx_eagle.bench import mtbench_suite, read_prompts
 from mlx_eagle.cli import use_fast_blas
 
@@ -25,16 +26,15 @@ def measure(model, tokenizer, head, texts, max_tokens: int) -> dict:
         ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
         outputs = set()
         for compiled in (None, True, False, False, True):  # None: the warm-up
-            target.COMPILED_ROUNDS = bool(compiled)
-            plan = plan_drafts(model, head, "auto", history=False)
-            tic = time.perf_counter()
-            responses = list(stream_generate(model, tokenizer, ids, max_tokens=max_tokens, draft=plan))
+            with compiling_rounds(bool(compiled)):
+                plan = plan_drafts(model, head, "auto", history=False)
+                tic = time.perf_counter()
+                responses = list(stream_generate(model, tokenizer, ids, max_tokens=max_tokens, draft=plan))
             if compiled is not None:
                 seconds[compiled] += time.perf_counter() - tic
                 taus[compiled].append(responses[-1].tokens_per_forward)
             outputs.add(tuple(r.token for r in responses))
         identical &= len(outputs) == 1
-    target.COMPILED_ROUNDS = None
     return {"compiled_s": seconds[True], "eager_s": seconds[False], "compiled_vs_eager": seconds[True] / seconds[False],
             "tau_compiled": sum(taus[True]) / len(taus[True]), "tau_eager": sum(taus[False]) / len(taus[False]),
             "identical": identical}

@@ -27,6 +27,7 @@ import re
 import statistics
 import time
 from pathlib import Path
+from typing import Optional
 
 import mlx.core as mx
 import numpy as np
@@ -35,7 +36,8 @@ from mlx_lm import stream_generate as mlx_lm_stream_generate
 from mlx_lm.models import llama
 from mlx_lm.models.cache import make_prompt_cache
 
-from mlx_eagle import load, plan_drafts, stream_generate, target
+from mlx_eagle import load, plan_drafts, stream_generate
+from mlx_eagle.compiled import compiling_rounds
 from mlx_eagle.cli import use_fast_blas
 from mlx_eagle.decoder import PHASES, SpeculativeDecoder
 from mlx_eagle.heads import new_head
@@ -54,10 +56,15 @@ SETTINGS = {  # name: (tree, lookup, compiled: the round's draft and verify pass
 }
 
 
-def compile_rounds(compiled: bool) -> None:
+_SWITCH = contextlib.ExitStack()
+
+
+def compile_rounds(compiled: Optional[bool]) -> None:
     """Rounds as compiled calls (the head's read and draft, the verify pass), or eager ones,
-    whatever this device's default (read when a round's drafter is made, and each round)."""
-    target.COMPILED_ROUNDS = compiled
+    whatever this device's default (read when a round's drafter is made, and each round),
+    until the next call; None: as the device decides."""
+    _SWITCH.close()
+    _SWITCH.enter_context(compiling_rounds(compiled))
 
 
 def tiny_target(tokenizer, tokens: int, repeats: int) -> dict:
@@ -236,7 +243,8 @@ def verify_build_ms(model, repeats: int = 31) -> dict:
     in between: the host's share of a round where the device does not evict its caches
     (a GPU's; on this CPU every evaluation streams the weights through them). On this
     CPU's graphs and on graphs as a GPU runs them (one_kernel_fast_ops)."""
-    from mlx_eagle.target import make_cache, target_forward, verify_block
+    from mlx_eagle.compiled import verify_block
+    from mlx_eagle.target import make_cache, target_forward
 
     cache = make_cache(model)
     mx.eval(target_forward(model, mx.array([list(range(100, 400))]), cache, 0, "causal").logits)
@@ -285,7 +293,7 @@ def smollm2(rounds: int) -> dict:
             name = tree if compiled else f"{tree}, eager"
             result[name] = row = phases_of_a_round(model, head, tree, prompt, rounds)
             print(f"SmolLM2 {name:22s} " + "  ".join(f"{k} {v:6.2f}" for k, v in row.items()))
-    target.COMPILED_ROUNDS = None
+    compile_rounds(None)
     return {"round_ms": result, "verify_build_ms": verify_build_ms(model)}
 
 

@@ -117,7 +117,8 @@ def time_forwards(model: nn.Module, sizes: Sequence[int] = CALIBRATION_SIZES, co
     from mlx_lm.models.cache import trim_prompt_cache
     from .progress import progress_bar
 
-    from .target import compiles_verification, drives, make_cache, target_forward, verify_block
+    from .compiled import compiles_verification, verify_block
+    from .target import drives, make_cache, target_forward
 
     vocab = model.args.vocab_size
     tokens = np.random.default_rng(0).integers(min(100, vocab - 1), max(vocab - 100, 101),

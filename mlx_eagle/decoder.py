@@ -39,8 +39,9 @@ from .drafters import Budget, Drafter, Outcome, TargetStates
 from .drafters.admit import admit_or_warn
 from .errors import UserError
 from .rewind import Rewind, needs_rewind
-from .target import TargetOutput, check_target, compiles_verification, drives, keep_cache_entries, \
-    lm_head, make_cache, tapped_forward, target_forward, tree_mask, verify_block
+from .compiled import compiles_verification, verify_block
+from .target import TargetOutput, check_target, drives, keep_cache_entries, \
+    lm_head, make_cache, tapped_forward, target_forward, tree_mask
 from .trees import MAX_TREE_NODES, DraftTree
 from .verify import Sampling, accept, sample
 

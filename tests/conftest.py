@@ -102,3 +102,15 @@ def six_token_model():
     model.lm_head.weight = model.lm_head.weight * 12  # peaky, context-dependent distributions
     mx.eval(model.parameters())
     return model
+
+
+@pytest.fixture
+def compiling():
+    """``compiling(True)``: rounds made during the test are compiled (False: eager), through
+    the package's own switch; as before once the test ends."""
+    import contextlib
+
+    from mlx_eagle.compiled import compiling_rounds
+
+    with contextlib.ExitStack() as stack:
+        yield lambda enabled: stack.enter_context(compiling_rounds(enabled))

@@ -119,13 +119,13 @@ def test_the_shipped_head_keeps_greedy_output(smollm, references, shipped):
 
 
 @pytest.mark.parametrize("tree", ["chain:4", "static:default", "dynamic:topk=4,depth=4,tokens=12"])
-def test_compiled_and_eager_rounds_are_identical(smollm, references, shipped, tree, monkeypatch):
+def test_compiled_and_eager_rounds_are_identical(smollm, references, shipped, tree, monkeypatch, compiling):
     """Compiled rounds (the head's read of the committed tokens and a static draft one
     call, a dynamic tree's depths one call each, the verify pass one call per bucket of
     block sizes) propose exactly the trees eager rounds propose, round by round, and the
     decoder commits exactly mlx-lm's tokens both ways."""
     from drafting import decoder as make_decoder
-    from mlx_eagle import decoder as decoding, target
+    from mlx_eagle import compiled as compiling_module, decoder as decoding
     from mlx_eagle.drafters.tree_growth import TreeDrafter
     from mlx_eagle.trees import parse_tree
     from mlx_eagle.verify import Sampling
@@ -133,10 +133,11 @@ def test_compiled_and_eager_rounds_are_identical(smollm, references, shipped, tr
     model, _ = smollm
     ids, expected = references[2]
     verified = []
-    monkeypatch.setattr(decoding, "verify_block", lambda *args: verified.append(1) or target.verify_block(*args))
+    monkeypatch.setattr(decoding, "verify_block",
+                        lambda *args: verified.append(1) or compiling_module.verify_block(*args))
     runs = []
     for compiled in (True, False):
-        monkeypatch.setattr(target, "COMPILED_ROUNDS", compiled)
+        compiling(compiled)
         decoder = make_decoder(model, shipped, tree, Sampling())
         drafter = decoder.drafter
         drafter.grower = TreeDrafter(shipped, model, parse_tree(tree), compiled=compiled)

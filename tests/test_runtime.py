@@ -31,16 +31,16 @@ def tiny_llama(tmp_path_factory):
 
 @pytest.mark.parametrize("compiled", [True, False])
 @pytest.mark.parametrize("tree", ["chain:6", "static:default", "dynamic:topk=5,depth=4,tokens=20"])
-def test_a_tree_costs_one_target_forward_per_round(tiny_llama, tree, compiled, monkeypatch):
+def test_a_tree_costs_one_target_forward_per_round(tiny_llama, tree, compiled, monkeypatch, compiling):
     """Every round verifies its whole tree in one target forward: counted at the model's
     final norm where the pass runs eagerly, at the compiled call where it is one."""
-    from mlx_eagle import decoder as decoding, target
+    from mlx_eagle import compiled as compiling_module, decoder as decoding
 
     model, _, _ = tiny_llama
-    monkeypatch.setattr(target, "COMPILED_ROUNDS", compiled)
+    compiling(compiled)
     blocks = []
     monkeypatch.setattr(decoding, "verify_block", lambda model, tokens, *args: blocks.append(tokens.size) or
-                        target.verify_block(model, tokens, *args))
+                        compiling_module.verify_block(model, tokens, *args))
     calls = []
     norm = model.model.norm
 

@@ -92,15 +92,15 @@ def test_first_tokens_follow_the_target_distribution(six_token_model, setting, q
         assert accepted > SAMPLES / 3  # drafts were really accepted, the test bites
 
 
-def test_compiled_rounds_follow_the_target_distribution(six_token_model, monkeypatch):
+def test_compiled_rounds_follow_the_target_distribution(six_token_model, monkeypatch, compiling):
     """Rounds verified in one compiled call (the default where MLX runs on a GPU), a tree
     and context drafts merged: the same distribution."""
-    from mlx_eagle import decoder as decoding, target
+    from mlx_eagle import compiled, decoder as decoding
 
-    monkeypatch.setattr(target, "COMPILED_ROUNDS", True)
+    compiling(True)
     blocks = []
     monkeypatch.setattr(decoding, "verify_block", lambda model, tokens, *args: blocks.append(tokens.size) or
-                        target.verify_block(model, tokens, *args))
+                        compiled.verify_block(model, tokens, *args))
     sampling = SETTINGS["temp 0.7, top-p 0.9, top-k 4, min-p 0.05"]
     joint = exact_joint(six_token_model, sampling)
     likely = list(np.argsort(-joint.sum(axis=(0, 2))))

@@ -15,7 +15,8 @@ from mlx_lm.models.cache import make_prompt_cache
 from drafting import decoder as make_decoder
 from mlx_eagle.heads import new_head
 from mlx_eagle.drafters.lookup import LookupDrafter
-from mlx_eagle.target import make_cache, target_forward, tree_mask, verify_block
+from mlx_eagle.compiled import compiles_verification, verify_block
+from mlx_eagle.target import make_cache, target_forward, tree_mask
 from mlx_eagle.verify import Sampling
 from oracle import OracleHead
 from synthetic import ARCHS, MOE_CONFIGS, build_model, moe_config, target_config
@@ -59,21 +60,19 @@ def test_tree_logits_equal_mlx_lms_forward_over_each_branch(tree_target):
 
 
 @pytest.mark.parametrize("block", ["tree", "chain"])
-def test_a_compiled_verification_equals_target_forward(tree_target, block, monkeypatch):
+def test_a_compiled_verification_equals_target_forward(tree_target, block, compiling):
     """A round's block verified in one compiled call (padded to a bucket, the caches'
     buffers read whole and written in place, stale entries past the held ones masked
     out) gives target_forward's logits and leaves the same cache entries; architectures
     with latent attention keep target_forward."""
-    from mlx_eagle import target
-
-    monkeypatch.setattr(target, "COMPILED_ROUNDS", True)
+    compiling(True)
     model_type, model = tree_target
     eager, compiled = make_cache(model), make_cache(model)
     for cache in (eager, compiled):
         target_forward(model, mx.array([PROMPT + [1, 2, 3]]), cache, 0, "causal")
         for layer_cache in cache:
             layer_cache.trim(3)  # entries past the held ones, stale
-    if not target.compiles_verification(model, compiled, 7):
+    if not compiles_verification(model, compiled, 7):
         assert model_type in ("deepseek_v3", "glm4_moe_lite")
         return
     # A tree: the root, a branch of three, a branch of three. A chain: the root and six.
@@ -128,13 +127,13 @@ def test_greedy_decoding_equals_mlx_lm(tree_target, drafts):
                               lookup=head is None) == expected
 
 
-def test_verification_stays_lossless_as_the_caches_grow(monkeypatch):
+def test_verification_stays_lossless_as_the_caches_grow(monkeypatch, compiling):
     """Compiled verification writes into the caches' buffers in place: a reply that runs
     past their end (mlx-lm grows them 256 entries at a time) has them grown first, and
     its tokens stay mlx-lm's, through rounds with tree and chain blocks of many sizes."""
-    from mlx_eagle import decoder as decoding, target
+    from mlx_eagle import decoder as decoding
 
-    monkeypatch.setattr(target, "COMPILED_ROUNDS", True)
+    compiling(True)
     blocks = []
     monkeypatch.setattr(decoding, "verify_block", lambda model, tokens, *args: blocks.append(tokens.size) or
                         verify_block(model, tokens, *args))

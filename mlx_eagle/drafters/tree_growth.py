@@ -13,8 +13,8 @@ import mlx.core as mx
 import numpy as np
 
 from ..errors import UserError
-from ..target import COMPILED_TOKENS, Buffered, compiled_rounds, drives, held_mask, keep_cache_entries, reserve, \
-    tree_mask
+from ..compiled import Buffered, compiled_rounds, held_mask, reserve
+from ..target import COMPILED_TOKENS, drives, keep_cache_entries, tree_mask
 from ..trees import DraftTree, RankPath, TreeSpec
 
 
@@ -81,7 +81,7 @@ class TreeDrafter:
     indices fixed per shape. With a head whose step is array code only (``traceable``) on a
     target this package drives, every depth, the top-k and the index arithmetic are one
     compiled call, and so is the head's read of the tokens the round committed before it
-    (``read_and_draft``): the head's cache enters as its preallocated buffer (target.Buffered)
+    (``read_and_draft``): the head's cache enters as its preallocated buffer (compiled.Buffered)
     and a count of the entries that are committed, so the call's shapes change only when
     the buffer grows, and the host replays one traced graph instead of building one depth
     by depth in Python. A dynamic tree (EAGLE-2) chooses what to expand by score, reading
@@ -90,7 +90,7 @@ class TreeDrafter:
 
     def __init__(self, head, target, spec: TreeSpec, compiled: Optional[bool] = None):
         """``compiled``: draft in compiled calls where the head allows it (None: where
-        target.compiled_rounds says; tests compare both)."""
+        compiled.compiled_rounds says; tests compare both)."""
         self.head, self.target, self.spec = head, target, spec
         self.compiled = self.compiled_expand = None
         compiling = (compiled_rounds() if compiled is None else compiled) and getattr(head, "traceable", False) \
