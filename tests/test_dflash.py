@@ -5,8 +5,6 @@ plain mlx-lm on tiny models and on the real SmolLM2, on chains and on DDTree tre
 merged with lookup; bad checkpoints get one line. (Sampling: tests/test_sampling.py.)"""
 
 import json
-import subprocess
-import sys
 
 import mlx.core as mx
 import numpy as np
@@ -19,6 +17,7 @@ from mlx_eagle.drafters.dflash import DFlashDrafter, load
 from mlx_eagle.drafters.lookup import LookupDrafter
 from mlx_eagle.errors import UserError
 from test_draft_model import decode, reference
+from commands import run_generate
 
 PROMPT = [5, 17, 33, 5, 17, 60, 2, 9, 41, 17, 5, 17, 33]
 SMALL = {"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
@@ -181,8 +180,8 @@ def test_the_command_drafts_with_a_dflash_directory_and_says_so(smollm, tmp_path
     write_dflash(tmp_path / "dflash", model, [1, 14, 26], block=16, mask=0, sizes=sizes)
 
     def run(*args):
-        return subprocess.run([sys.executable, "-m", "mlx_eagle.generate", "--prompt", "Count: 1, 2, 3, 4,",
-                               "--max-tokens", "16", "--verbose", *args], capture_output=True, text=True, timeout=600)
+        return run_generate("--prompt", "Count: 1, 2, 3, 4,",
+                               "--max-tokens", "16", "--verbose", *args)
 
     drafted, plain = run("--draft", str(tmp_path / "dflash")), run("--draft", "none")
     assert drafted.returncode == 0, drafted.stderr[-2000:]

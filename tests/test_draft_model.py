@@ -4,8 +4,6 @@ models and on the real SmolLM2; its cache follows the accepted prefix; --draft t
 model directory or GGUF; a draft model with another vocabulary gets one line.
 (Sampling: tests/test_sampling.py.)"""
 
-import subprocess
-import sys
 
 import mlx.core as mx
 import pytest
@@ -19,6 +17,7 @@ from mlx_eagle.drafters.draft_model import DraftModel, DraftModelDrafter
 from mlx_eagle.drafters.lookup import LookupDrafter
 from mlx_eagle.errors import UserError
 from mlx_eagle.verify import Sampling
+from commands import run_generate
 
 PROMPT = [5, 17, 33, 5, 17, 60, 2, 9, 41, 17]
 
@@ -110,8 +109,8 @@ def test_smollm2_drafting_for_itself_is_lossless_and_accepted(smollm, smollm_dir
 
 def test_the_command_takes_a_gguf_draft_model_and_says_so(smollm_gguf):
     def run(*args):
-        return subprocess.run([sys.executable, "-m", "mlx_eagle.generate", "--prompt", "Name three colors.",
-                               "--max-tokens", "24", "--verbose", *args], capture_output=True, text=True, timeout=600)
+        return run_generate("--prompt", "Name three colors.",
+                               "--max-tokens", "24", "--verbose", *args)
 
     drafted, plain = run("--draft", str(smollm_gguf)), run("--draft", "none")
     assert drafted.returncode == 0 and plain.returncode == 0, drafted.stderr[-2000:] + plain.stderr[-2000:]

@@ -4,7 +4,6 @@ restart and refuses damage and other models, two processes writing one file, his
 kept apart per model id, and lossless decoding on the real model with the history on."""
 
 import json
-import os
 import stat
 import subprocess
 import sys
@@ -18,6 +17,7 @@ from mlx_lm.generate import generate_step
 
 from mlx_eagle.drafters.history import History
 from mlx_eagle.drafters.lookup import continuation_tree
+from commands import run_generate
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -183,9 +183,8 @@ def test_the_command_keeps_its_history_in_the_file_it_is_given(smollm, tmp_path)
     path = tmp_path / "h.npz"
 
     def run(*args):
-        return subprocess.run([sys.executable, "-m", "mlx_eagle.generate", "--prompt", "Say hello in French.",
-                               "--max-tokens", "12", *args], capture_output=True, text=True, timeout=300,
-                              env=dict(os.environ))
+        return run_generate("--prompt", "Say hello in French.",
+                               "--max-tokens", "12", *args)
 
     first = run("--history", str(path))
     assert first.returncode == 0, first.stderr[-2000:]

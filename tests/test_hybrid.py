@@ -17,6 +17,7 @@ from mlx_eagle.drafters.draft_model import DraftModelDrafter
 from mlx_eagle.drafters.lookup import LookupDrafter
 from mlx_eagle.rewind import Rewind
 from mlx_eagle.verify import Sampling
+from commands import run_generate
 
 PROMPT = [5, 17, 33, 5, 17, 60, 2, 9, 41, 17, 5, 17, 33, 5, 17, 60, 2, 9]  # a pattern to copy
 COUNT = 60
@@ -204,8 +205,6 @@ def write_directory(root, family: str, config: dict = None):
 
 @pytest.mark.parametrize("name", ["qwen3_next", "lfm2"])
 def test_the_command_drafts_on_a_hybrid_directory_and_conversion_keeps_it(tmp_path, name):
-    import subprocess
-    import sys
 
     from mlx_eagle import load
     from mlx_eagle.convert.target import convert_target
@@ -213,9 +212,9 @@ def test_the_command_drafts_on_a_hybrid_directory_and_conversion_keeps_it(tmp_pa
     directory = write_directory(tmp_path, name)
 
     def run(*args):
-        return subprocess.run([sys.executable, "-m", "mlx_eagle.generate", "--model", str(directory), "--prompt",
+        return run_generate("--model", str(directory), "--prompt",
                                "The quick brown fox. The quick brown fox. The quick", "--max-tokens", "30",
-                               "--verbose", *args], capture_output=True, text=True, timeout=300)
+                               "--verbose", *args)
 
     drafted, plain = run("--draft", "lookup"), run("--draft", "none")
     assert drafted.returncode == 0 and plain.returncode == 0, drafted.stderr[-2000:] + plain.stderr[-2000:]
@@ -383,8 +382,6 @@ def test_a_published_eagle3_head_converts_for_a_hybrid_and_the_command_drafts_wi
     """An EAGLE-3 head in the official layout, for a Qwen3.5 directory (a multimodal wrapper
     whose text model is hybrid): converted against it, and `generate` drafts with it as
     chains, the text that of plain decoding."""
-    import subprocess
-    import sys
 
     import numpy as np
 
@@ -400,9 +397,9 @@ def test_a_published_eagle3_head_converts_for_a_hybrid_and_the_command_drafts_wi
     head = convert_head(str(tmp_path / "published"), tmp_path / "head", target=str(directory))
 
     def run(*args):
-        return subprocess.run([sys.executable, "-m", "mlx_eagle.generate", "--model", str(directory), "--prompt",
+        return run_generate("--model", str(directory), "--prompt",
                                "The quick brown fox. The quick brown fox. The quick", "--max-tokens", "24",
-                               "--verbose", *args], capture_output=True, text=True, timeout=300)
+                               "--verbose", *args)
 
     drafted, plain = run("--draft", str(head), "--tree", "static:default"), run("--draft", "none")
     assert drafted.returncode == 0 and plain.returncode == 0, drafted.stderr[-2000:] + plain.stderr[-2000:]

@@ -18,6 +18,7 @@ from mlx_eagle.trees import DraftTree
 from mlx_eagle.verify import Sampling
 from oracle import OracleHead
 
+from commands import run_generate
 
 def test_the_longest_most_recent_match_is_continued():
     index = ContextIndex(min_ngram=1, max_ngram=3)
@@ -188,11 +189,8 @@ def test_a_sliding_window_model_stays_lossless_once_its_window_wraps():
     assert accepted > 10
 
 
-def test_the_command_drafts_from_the_context_and_says_so(smollm, tmp_path):
+def test_the_command_drafts_from_the_context_and_says_so(smollm, tmp_path, monkeypatch):
     import json
-    import os
-    import subprocess
-    import sys
 
     from mlx_eagle.costs import device_key, model_digest
 
@@ -200,11 +198,10 @@ def test_the_command_drafts_from_the_context_and_says_so(smollm, tmp_path):
     calibration = tmp_path / "calibration" / f"{device_key(smollm[0])}-{model_digest(smollm[0])}.json"
     calibration.parent.mkdir()
     calibration.write_text(json.dumps({"verify_ms": CPU_COSTS.verify_ms}))
-    env = dict(os.environ, MLX_EAGLE_CACHE=str(tmp_path))
+    monkeypatch.setenv("MLX_EAGLE_CACHE", str(tmp_path))
 
     def run(*args):
-        return subprocess.run([sys.executable, "-m", "mlx_eagle.generate", "--prompt", COPYING[0], "--max-tokens",
-                               "40", "--verbose", *args], capture_output=True, text=True, timeout=300, env=env)
+        return run_generate("--prompt", COPYING[0], "--max-tokens", "40", "--verbose", *args)
 
     lookup, plain = run("--draft", "lookup"), run("--draft", "none")
     assert lookup.returncode == 0 and plain.returncode == 0, lookup.stderr + plain.stderr

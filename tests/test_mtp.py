@@ -6,8 +6,6 @@ with lookup, equals mlx-lm (chains, and trees where target.py drives the target:
 DeepSeek-V3, GLM-4.5, GLM-4.7-Flash); a model directory that holds one drafts with it by default, and the converter
 keeps it; partial MTP tensors get one line."""
 
-import subprocess
-import sys
 
 import mlx.core as mx
 import numpy as np
@@ -25,6 +23,7 @@ from mlx_eagle.drafters.mtp import LAYOUTS, MTPModule, module_for, new_decoder_l
 from mlx_eagle.errors import UserError
 from mlx_eagle.target import inner_model
 from mlx_eagle.trees import parse_tree
+from commands import run_generate
 
 # DeepSeek-V3, GLM-4.5 and GLM-4.7-Flash, tiny: multi-head latent attention (DeepSeek's and
 # GLM-4.7-Flash's), experts routed by a biased sigmoid gate with a shared expert, a dense
@@ -216,9 +215,9 @@ def test_a_directory_with_an_mtp_module_drafts_with_it_and_conversion_keeps_it(t
     assert all(mx.allclose(kept[k], v, atol=1e-6) for k, v in tree_flatten(module.parameters()))
 
     def run(*args):
-        return subprocess.run([sys.executable, "-m", "mlx_eagle.generate", "--model", str(converted), "--prompt",
+        return run_generate("--model", str(converted), "--prompt",
                                "The quick brown fox. The quick brown fox. The quick", "--max-tokens", "24",
-                               "--verbose", *args], capture_output=True, text=True, timeout=300)
+                               "--verbose", *args)
 
     drafted, plain = run("--tree", "chain:3"), run("--draft", "none")
     assert drafted.returncode == 0 and plain.returncode == 0, drafted.stderr[-2000:]

@@ -2,8 +2,6 @@
 layouts, tree specs, and one clear line for each kind of bad input."""
 
 import json
-import subprocess
-import sys
 
 import mlx.core as mx
 import pytest
@@ -17,6 +15,7 @@ from mlx_eagle.verify import Sampling
 from oracle import OracleHead
 from synthetic import write_model
 
+from commands import run_generate
 
 @pytest.fixture(scope="module")
 def tiny_llama(tmp_path_factory):
@@ -102,11 +101,6 @@ def test_static_tree_file(tmp_path):
     (tmp_path / "orphan.json").write_text(json.dumps([[0], [1, 0]]))
     with pytest.raises(UserError, match="no parent"):
         parse_tree(f"static:{tmp_path / 'orphan.json'}")
-
-
-def run_generate(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "mlx_eagle.generate", *args], capture_output=True,
-                          text=True, timeout=300)
 
 
 def assert_one_line_error(result, *words):

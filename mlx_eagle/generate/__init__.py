@@ -266,7 +266,8 @@ def generate(model: nn.Module, tokenizer, prompt: Union[str, List[int]], verbose
     return text
 
 
-def print_stats(response: GenerationResponse, file=sys.stderr) -> None:
+def print_stats(response: GenerationResponse, file=None) -> None:
+    file = file or sys.stderr  # (looked up now: the stream may have been replaced since import)
     print(
         f"prompt: {response.prompt_tokens} tokens, {response.prompt_tps:.1f} tokens/s | "
         f"generation: {response.generation_tokens} tokens, {response.generation_tps:.1f} tokens/s | "
