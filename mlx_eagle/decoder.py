@@ -274,7 +274,7 @@ class SpeculativeDecoder:
             verdict.bonus = self._choose(alone.logits[-1])
             self.rechecked += 1
             if self.reads_states:
-                rows = mx.array(kept[:-1])
+                rows = mx.array(kept[:-1], dtype=mx.int32)
                 out = TargetOutput(None, mx.concatenate([out.features[rows], alone.features]),
                                    mx.concatenate([out.hidden[rows], alone.hidden]))
                 kept = list(range(len(kept)))

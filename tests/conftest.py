@@ -32,7 +32,8 @@ def pytest_configure(config):
 
 
 def pytest_unconfigure(config):
-    shutil.rmtree(os.environ.get(_SESSION_CACHE, ""), ignore_errors=True)
+    if not hasattr(config, "workerinput"):  # the session's cache goes with its first process, not a worker
+        shutil.rmtree(os.environ.get(_SESSION_CACHE, ""), ignore_errors=True)
 
 
 # Tests that use these run the real model: `pytest -m "not slow"` leaves them out.

@@ -220,10 +220,16 @@ def test_a_malformed_proposal_is_dropped_with_one_warning(smollm, reference, cap
 
 
 @pytest.mark.slow
-def test_close_calls_are_decided_by_one_row(smollm, reference, monkeypatch):
+@pytest.mark.parametrize("drafting", ["the true continuation", "a random EAGLE-3 head"])
+def test_close_calls_are_decided_by_one_row(smollm, reference, monkeypatch, drafting):
     """The block's logits perturbed as another kernel's rounding might: wherever a row's
     top two lie within the tolerance, they are swapped. Greedy text still equals plain
-    decoding, because such rows are decided by a one-row pass; without it, it changes."""
+    decoding, because such rows are decided by a one-row pass; without it, it changes. A
+    head reads the target's states, which the one-row pass then gives it."""
+    from mlx_eagle.drafters.eagle import EagleDrafter
+    from mlx_eagle.heads import new_head
+    from mlx_eagle.trees import parse_tree
+
     import mlx_eagle.decoder as decoder_module
 
     model, tokenizer = smollm
@@ -244,7 +250,8 @@ def test_close_calls_are_decided_by_one_row(smollm, reference, monkeypatch):
     monkeypatch.setattr(decoder_module.SpeculativeDecoder, "_verify", perturbed)
 
     def decode(checking: bool):
-        drafter = ChainOfTruth(ids + expected)
+        drafter = ChainOfTruth(ids + expected) if drafting == "the true continuation" else \
+            EagleDrafter(new_head(model, "eagle3", seed=3), model, parse_tree("static:default"))
         decoder = SpeculativeDecoder(model, drafter, Sampling())
         decoder.tolerance = tolerance if checking else 0.0
         tokens = [decoder.prefill(ids)]

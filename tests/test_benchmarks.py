@@ -73,6 +73,13 @@ def test_compiled_rounds(tmp_path):
 
 
 @pytest.mark.slow  # the real model
+def test_admission(tmp_path):
+    run("admission.py", "--limit", 1, "--max-tokens", 6, "--out", tmp_path / "admission.json")
+    result = json.loads((tmp_path / "admission.json").read_text())
+    assert all(result[name]["identical"] and result[name]["checked_s"] > 0 for name in ("edit", "mt-bench"))
+
+
+@pytest.mark.slow  # the real model
 def test_chat_cache_reuse(tmp_path):
     run("chat_cache_reuse.py", "--questions", 1, "--max-tokens", 4, "--out", tmp_path / "chat.json")
     rows = json.loads((tmp_path / "chat.json").read_text())
