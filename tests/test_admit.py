@@ -158,7 +158,7 @@ class HostileDrafter(Drafter):
     def propose(self, budget):
         draw = self.data.draw
         truth = self.sequence[self.committed:self.committed + 6]
-        size = draw(st.sampled_from([0, 1, 3, 6, 12, 300]), label="nodes")
+        size = draw(st.sampled_from([0, 1, 3, 6, 12, 0, 3, 6, 300]), label="nodes")  # oversize now and then
         pool = truth + [0, self.vocab - 1, -1, self.vocab, 1 << 33] if truth else [0, 1]
         tokens = [draw(st.sampled_from(pool)) if i >= len(truth) or draw(st.booleans()) else truth[i]
                   for i in range(size)]
@@ -176,7 +176,7 @@ class HostileDrafter(Drafter):
 
 
 @pytest.mark.slow
-@settings(max_examples=12, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=8, deadline=None, suppress_health_check=list(HealthCheck))
 @given(data=st.data())
 def test_hostile_proposals_never_change_greedy_text(smollm, reference, data):
     model, tokenizer = smollm
@@ -298,7 +298,6 @@ def test_duplicate_siblings_keep_the_target_distribution_through_the_decoder(six
             return Proposal(DraftTree(tokens if self.host else [], parents, [1, 1, 1, 1, 2]),
                             mx.array(tokens, dtype=mx.int32))
 
-    for host in (True, False):
-        counts, accepted = sample_first_three(six_token_model, None, sampling,
-                                              drafter=lambda host=host: Duplicates(host))
-        assert accepted > 0 and chi_square_ok(counts, joint), host
+    # On the device (on the host they are merged before the walk sees them: the step's test above)
+    counts, accepted = sample_first_three(six_token_model, None, sampling, drafter=lambda: Duplicates(False))
+    assert accepted > 0 and chi_square_ok(counts, joint)

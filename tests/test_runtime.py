@@ -247,14 +247,14 @@ def test_a_head_whose_tree_does_not_pay_drafts_only_probes(smollm):
 
     model, tokenizer = smollm
     prompt = chat_tokens(tokenizer, [{"role": "user", "content": "Tell me about the history of Paris."}])
-    expected = [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=120)]
+    expected = [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=80)]
 
     def gpu(k):
         return 1.0 + 0.02 * (k - 1)
 
-    tokens, proposed = _proposals(model, new_head(model, "eagle3", draft_vocab_size=512, seed=3), prompt, 120, gpu)
+    tokens, proposed = _proposals(model, new_head(model, "eagle3", draft_vocab_size=512, seed=3), prompt, 80, gpu)
     assert tokens == expected
     later = proposed[EagleDrafter.WARMUP + 1:]
     assert len(later) > 40 and sum(later) <= len(later) // EagleDrafter.PROBE + 2, proposed
-    tokens, proposed = _proposals(model, load_head(shipped_head_dir(model), model), prompt, 120, gpu)
+    tokens, proposed = _proposals(model, load_head(shipped_head_dir(model), model), prompt, 80, gpu)
     assert tokens == expected and sum(proposed) >= 0.9 * len(proposed)
