@@ -24,7 +24,7 @@ from . import costs as device_costs
 from .costs import Costs, device_key, median_ms, model_digest
 from .errors import UserError
 from .files import cache_dir, read_json, write_json
-from .target import drives, layer_count
+from .target import is_driven, layer_count
 from .trees import DEFAULT_STATIC, MAX_RANK, RankPath, TreeSpec, check_paths, node_count, parse_tree
 
 @dataclass
@@ -202,7 +202,7 @@ def calibrated_tree(model: nn.Module, head) -> Tuple[TreeSpec, str]:
         except ValueError as exc:
             print(f"warning: building the tree again: {path} is unusable ({exc})", file=sys.stderr)
     acceptance, source = head_acceptance(head)
-    if not drives(model):  # a chain: each depth's best token
+    if not is_driven(model):  # a chain: each depth's best token
         acceptance = acceptance[:, :1]
     verify = device_costs.verify_costs(model)
     costs = Costs({k: verify.verify(k) for k in (1, 2, 4, 8, 16, 32, 64)}, draft_step_ms=time_draft_step(model, head))

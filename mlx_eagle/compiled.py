@@ -17,7 +17,7 @@ import numpy as np
 from mlx_lm.models.cache import KVCache
 
 from .architectures import ARCHITECTURES
-from .target import TargetOutput, compiled_piece, drives, target_forward
+from .target import TargetOutput, compiled_piece, is_driven, target_forward
 
 
 class Buffered:
@@ -104,7 +104,7 @@ def compiles_verification(model: nn.Module, cache: List, tokens: int) -> bool:
     """Whether a block of ``tokens`` is verified in one compiled call (verify_block):
     where rounds are compiled, this module drives the model, its layers' caches hold
     entries and the block is a decoding round's. (Latent attention keeps its own path.)"""
-    return (compiled_rounds() and tokens <= VERIFY_BUCKETS[-1] and drives(model)
+    return (compiled_rounds() and tokens <= VERIFY_BUCKETS[-1] and is_driven(model)
             and not ARCHITECTURES[model.args.model_type].latent_attention
             and all(type(layer_cache) is KVCache and layer_cache.keys is not None for layer_cache in cache))
 

@@ -118,7 +118,7 @@ def time_forwards(model: nn.Module, sizes: Sequence[int] = CALIBRATION_SIZES, co
     from .progress import progress_bar
 
     from .compiled import compiles_verification, verify_block
-    from .target import drives, make_cache, target_forward
+    from .target import is_driven, make_cache, target_forward
 
     vocab = model.args.vocab_size
     tokens = np.random.default_rng(0).integers(min(100, vocab - 1), max(vocab - 100, 101),
@@ -132,7 +132,7 @@ def time_forwards(model: nn.Module, sizes: Sequence[int] = CALIBRATION_SIZES, co
             out = verify_block(model, block[0, :size], cache, list(range(context, context + size)),
                                np.tri(size, dtype=bool), taps)
             mx.eval(out.logits, out.features)
-        elif drives(model):
+        elif is_driven(model):
             out = target_forward(model, block[:, :size], cache, context, "causal" if size > 1 else None, taps)
             mx.eval(out.logits, out.features)
         else:
@@ -153,14 +153,14 @@ def logit_drift(model: nn.Module, context: int = 256, size: int = 16) -> float:
     margin) as plain decoding would."""
     from mlx_lm.models.cache import trim_prompt_cache
 
-    from .target import drives, make_cache, target_forward
+    from .target import is_driven, make_cache, target_forward
 
     vocab = model.args.vocab_size
     tokens = np.random.default_rng(1).integers(min(100, vocab - 1), max(vocab - 100, 101), size=context + size)
     cache = make_cache(model)
     mx.eval(model(mx.array(tokens[None, :context]), cache=cache))
     block = mx.array(tokens[None, context:])
-    if drives(model):
+    if is_driven(model):
         together = target_forward(model, block, cache, context, "causal").logits[0]
     else:
         together = model(block, cache=cache)[0]

@@ -40,7 +40,7 @@ from .drafters.admit import admit_or_warn
 from .errors import UserError
 from .rewind import Rewind, needs_rewind
 from .compiled import compiles_verification, verify_block
-from .target import TargetOutput, check_target, drives, keep_cache_entries, \
+from .target import TargetOutput, check_target, is_driven, keep_cache_entries, \
     lm_head, make_cache, tapped_forward, target_forward, tree_mask
 from .trees import MAX_TREE_NODES, DraftTree
 from .verify import Sampling, accept, sample
@@ -101,7 +101,7 @@ class SpeculativeDecoder:
             check_target(target, drafter.taps)
         # Verifying through target.py's compiled pieces where it knows the architecture;
         # any other mlx-lm model verifies chains through its own forward pass.
-        self.drives_target = drives(target)
+        self.drives_target = is_driven(target)
         self.target, self.drafter, self.sampling = target, drafter, sampling
         self.taps = drafter.taps if self.reads_states else None
         self.on_phase = on_phase or (lambda phase: None)

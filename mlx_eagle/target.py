@@ -167,7 +167,7 @@ class TargetOutput:
     hidden: Optional[mx.array] = None  # [batch, tokens, hidden]: the post-norm last state
 
 
-def drives(model: nn.Module) -> bool:
+def is_driven(model: nn.Module) -> bool:
     """Whether this module knows how to drive ``model``'s layers (tree masks, per-token
     positions, feature taps, compiled pieces)."""
     return getattr(getattr(model, "args", None), "model_type", None) in DRIVEN_MODEL_TYPES
@@ -178,7 +178,7 @@ def check_target(model: nn.Module, taps: Optional[Sequence[int]] = None) -> None
     where target.py drives its layers, or on any other text model whose final norm it
     knows (the hybrid families among them), whose own forward pass verifies chains and
     records the states (tapped_forward)."""
-    if drives(model):
+    if is_driven(model):
         return
     model_type = getattr(getattr(model, "args", None), "model_type", None)
     inner = model.get("model", model.get("backbone"))
@@ -261,7 +261,7 @@ def make_cache(model: nn.Module) -> List:
     """The target's KV caches. For a model this module drives, a full cache per layer,
     sliding-window layers included (their window is applied by the mask): a rotating
     cache could not give back the entries of a rejected branch."""
-    if drives(model):
+    if is_driven(model):
         return [KVCache() for _ in model.model.layers]
     return mlx_lm_cache.make_prompt_cache(model)
 

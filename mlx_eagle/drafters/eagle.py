@@ -18,7 +18,7 @@ import mlx.nn as nn
 from mlx_lm.models.cache import KVCache
 
 from ..heads import FAMILIES, Head, load_head
-from ..target import check_target, drives, keep_cache_entries, layer_count
+from ..target import check_target, is_driven, keep_cache_entries, layer_count
 from ..trees import TreeSpec
 from . import Budget, Drafter, DraftSettings, DraftSource, Outcome, Proposal
 from .tree_growth import TreeDrafter
@@ -147,7 +147,7 @@ def source(head: Head, model: nn.Module, settings: DraftSettings) -> DraftSource
         cost = settings.costs  # a tree chosen for the user is held to what it measurably buys
     elif isinstance(tree, str):
         tree = parse_tree(tree)
-    if not drives(model):
+    if not is_driven(model):
         tree = chain_of(tree)
     family = getattr(head, "family", "draft")
     if tree.kind == "none":

@@ -33,7 +33,7 @@ from mlx.utils import tree_flatten
 
 from ..errors import UserError
 
-from ..target import Mask, Positions, compute_dtype, decoder_layer, drives, embedding_layer, inner_model, lm_head
+from ..target import Mask, Positions, compute_dtype, decoder_layer, is_driven, embedding_layer, inner_model, lm_head
 from . import DraftSettings, DraftSource
 
 NAME = "mtp"
@@ -192,7 +192,7 @@ class MTPModule(nn.Module):
             embedding = mx.where((at == 0)[..., None], 0, embedding)
         parts = [self.pre_fc_norm_embedding(embedding), self.pre_fc_norm_hidden(hidden.astype(embedding.dtype))]
         x = self.fc(mx.concatenate(parts[::-1] if self.layout.hidden_first else parts, axis=-1))
-        if drives(target):  # a tree's positions and mask, as the target's own layers see them
+        if is_driven(target):  # a tree's positions and mask, as the target's own layers see them
             return self.norm(decoder_layer(self.layers[0], x, cache[0], positions, mask))
         return self.norm(self.layers[0](x, mask=mask, cache=cache[0]))  # a hybrid's chain, where its cache ends
 

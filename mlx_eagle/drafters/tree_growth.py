@@ -14,7 +14,7 @@ import numpy as np
 
 from ..errors import UserError
 from ..compiled import Buffered, compiled_rounds, held_mask, reserve
-from ..target import COMPILED_TOKENS, drives, keep_cache_entries, tree_mask
+from ..target import COMPILED_TOKENS, is_driven, keep_cache_entries, tree_mask
 from ..trees import DraftTree, RankPath, TreeSpec
 
 
@@ -94,7 +94,7 @@ class TreeDrafter:
         self.head, self.target, self.spec = head, target, spec
         self.compiled = self.compiled_expand = None
         compiling = (compiled_rounds() if compiled is None else compiled) and getattr(head, "traceable", False) \
-            and drives(target)
+            and is_driven(target)
         if spec.kind == "dynamic" and compiling:
             self.compiled_expand = mx.compile(self._expand_graph, inputs=[head, target])
         if spec.kind == "static":
