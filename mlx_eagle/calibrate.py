@@ -181,7 +181,7 @@ def _read_tree_record(path: Path) -> dict:
     return record
 
 
-def _number(record: dict, name: str) -> Optional[float]:
+def _finite(record: dict, name: str) -> Optional[float]:
     value = record.get(name)
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) and \
         abs(value) < 1e12 else None
@@ -257,15 +257,15 @@ def auto_tree(model: nn.Module, head) -> Tuple[TreeSpec, str]:
             continue
         if not tuned["paths"]:
             measured = tuned.get("measured_tokens_per_s")
-            tree, plain = (_number(measured, "tree"), _number(measured, "plain")) if isinstance(measured, dict) \
+            tree, plain = (_finite(measured, "tree"), _finite(measured, "plain")) if isinstance(measured, dict) \
                 else (None, None)
             if tree is not None and plain is not None:
                 detail = f"the best tree ran at {tree:.1f} tokens/s, plain at {plain:.1f}"
             else:
-                detail = f"no tree is expected to beat {_number(tuned, 'plain_tokens_per_s') or 0:.1f} tokens/s"
+                detail = f"no tree is expected to beat {_finite(tuned, 'plain_tokens_per_s') or 0:.1f} tokens/s"
             return parse_tree("none"), f"tuned for {key}: plain decoding is faster here ({detail})"
         spec = TreeSpec("static", tuned["paths"], text=f"auto ({path})")
-        tau = _number(tuned, "expected_tau")
+        tau = _finite(tuned, "expected_tau")
         return spec, f"tuned for {key}: {node_count(len(spec.paths))}" + (f", expected tau {tau:.2f}" if tau else "")
     blocker = device_costs.cpu_blocker(model)
     if blocker is not None:

@@ -95,7 +95,7 @@ class Request:
     model: str = ""  # the model id asked for: earlier replies are drafted from per id, never across ids
 
 
-def _number(body: dict, name: str, default: float, low: float, high: float) -> float:
+def _body_number(body: dict, name: str, default: float, low: float, high: float) -> float:
     value = body.get(name)
     if value is None:
         return default
@@ -163,8 +163,8 @@ def parse_request(body: Any, chat: bool, engine: Engine, default_max_tokens: int
     stream_options = body.get("stream_options") or {}
     if not isinstance(stream_options, dict):
         raise RequestError(400, "stream_options must be an object", "stream_options")
-    options = dict(max_tokens=max_tokens, temp=_number(body, "temperature", 0.0, 0.0, 2.0),
-                   top_p=_number(body, "top_p", 1.0, 0.0, 1.0), seed=seed, stop=stop)
+    options = dict(max_tokens=max_tokens, temp=_body_number(body, "temperature", 0.0, 0.0, 2.0),
+                   top_p=_body_number(body, "top_p", 1.0, 0.0, 1.0), seed=seed, stop=stop)
     if options["top_p"] == 0.0:
         raise RequestError(400, "top_p must be above 0", "top_p")
     model = body.get("model")

@@ -85,7 +85,7 @@ def read_gguf(path: Path) -> None:
     from mlx_eagle.convert.gguf_tokenizer import build_tokenizer
 
     reader = gguf_weights.open_gguf(path)
-    config = gguf_weights.read_config(reader, path)
+    config = gguf_weights.gguf_config(reader, path)
     build_tokenizer(reader, path, config["max_position_embeddings"])
     for tensor in gguf_weights.read_tensors(reader, config, path)[:3]:
         tensor.load()

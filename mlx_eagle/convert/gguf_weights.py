@@ -173,7 +173,7 @@ def number(reader, key: str, kind: type = int, default: Any = None) -> Any:
         raise UserError(f"the GGUF metadata {key} is {str(value)[:40]!r}, not a number") from None
 
 
-def read_config(reader, path: Path) -> Dict[str, Any]:
+def gguf_config(reader, path: Path) -> Dict[str, Any]:
     """The Hugging Face config.json equivalent of a GGUF file's metadata."""
     arch = field(reader, "general.architecture")
     experts = arch in GGUF_ARCHITECTURES and GGUF_ARCHITECTURES[arch].experts
@@ -493,7 +493,7 @@ def read_tensors(reader, config: Dict[str, Any], path: Path) -> List[SourceTenso
     layers = text_config(config).get("num_hidden_layers")
     tensors = []
     for tensor in reader.tensors:
-        if tensor.name == ROPE_FREQS:  # in the config's rope_scaling (see read_config)
+        if tensor.name == ROPE_FREQS:  # in the config's rope_scaling (see gguf_config)
             continue
         block = re.match(r"blk\.(\d+)\.", tensor.name)
         if block and layers is not None and int(block.group(1)) >= layers:

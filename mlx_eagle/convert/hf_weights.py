@@ -23,7 +23,7 @@ TOKENIZER_FILES = (
 _TORCH_DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 
 
-def read_config(path: Path) -> Dict[str, Any]:
+def hf_config(path: Path) -> Dict[str, Any]:
     config = read_config_json(path, "a Hugging Face model directory")
     model_type = config.get("model_type")
     if model_type == "gpt_oss":  # its experts are MXFP4-packed or interleaved; mlx-lm's conversions unpack them

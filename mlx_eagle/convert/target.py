@@ -51,7 +51,7 @@ def convert_target(
         from .gguf_tokenizer import build_tokenizer
 
         reader = gguf_weights.open_gguf(src)
-        config = gguf_weights.read_config(reader, src)
+        config = gguf_weights.gguf_config(reader, src)
         tokenizer = build_tokenizer(reader, src, config["max_position_embeddings"])
         tensors = gguf_weights.read_tensors(reader, config, src)
         float_dtype = fmt.dtype or gguf_weights.source_dtype(reader) or mx.float16
@@ -59,7 +59,7 @@ def convert_target(
     else:
         from . import hf_weights
 
-        config = hf_weights.read_config(src)
+        config = hf_weights.hf_config(src)
         tensors = hf_weights.read_tensors(src, config)
         float_dtype = fmt.dtype or hf_weights.source_dtype(config, tensors)
         config = hf_weights.output_config(config, float_dtype)

@@ -68,7 +68,7 @@ class DFlashConfig:
         return tuple(i + 1 for i in self.target_layer_ids)
 
 
-def _number(raw: dict, name: str, kind: type, low: float, high: float, source: Path, default: Any = None):
+def _config_number(raw: dict, name: str, kind: type, low: float, high: float, source: Path, default: Any = None):
     value = raw.get(name, default)
     if value is None or isinstance(value, bool) or not isinstance(value, (int, float)) or \
             (kind is int and value != int(value)) or not low <= value <= high:
@@ -77,7 +77,7 @@ def _number(raw: dict, name: str, kind: type, low: float, high: float, source: P
     return kind(value)
 
 
-def read_config(raw: dict, source: Path) -> DFlashConfig:
+def dflash_config(raw: dict, source: Path) -> DFlashConfig:
     """The checkpoint's config.json, checked: one line for the first thing that is wrong."""
     dflash = raw.get("dflash_config")
     if not isinstance(dflash, dict):
@@ -90,29 +90,29 @@ def read_config(raw: dict, source: Path) -> DFlashConfig:
     if not isinstance(ids, list) or not ids or not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i
                                                        for i in ids):
         raise UserError(f"{source}: dflash_config.target_layer_ids must be a list of layer numbers, not {ids!r}")
-    layers = _number(raw, "num_hidden_layers", int, 1, 64, source)
+    layers = _config_number(raw, "num_hidden_layers", int, 1, 64, source)
     types = tuple(raw.get("layer_types") or ("full_attention",) * layers)
     if len(types) != layers or set(types) - {"full_attention", "sliding_attention"}:
         raise UserError(f"{source}: layer_types must name full_attention or sliding_attention for each of the "
                         f"{layers} layers")
     window = raw.get("sliding_window") if "sliding_attention" in types else None
     if "sliding_attention" in types:
-        window = _number(raw, "sliding_window", int, 1, 1 << 24, source)
-    hidden = _number(raw, "hidden_size", int, 1, 1 << 16, source)
-    heads = _number(raw, "num_attention_heads", int, 1, 1024, source)
+        window = _config_number(raw, "sliding_window", int, 1, 1 << 24, source)
+    hidden = _config_number(raw, "hidden_size", int, 1, 1 << 16, source)
+    heads = _config_number(raw, "num_attention_heads", int, 1, 1024, source)
     causal = raw.get("is_causal")
     return DFlashConfig(
         hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
-        num_key_value_heads=_number(raw, "num_key_value_heads", int, 1, heads, source, heads),
-        head_dim=_number(raw, "head_dim", int, 1, 1024, source, hidden // heads),
-        intermediate_size=_number(raw, "intermediate_size", int, 1, 1 << 18, source),
-        vocab_size=_number(raw, "vocab_size", int, 1, 1 << 22, source),
-        rms_norm_eps=_number(raw, "rms_norm_eps", float, 0, 1, source, 1e-6),
-        block_size=_number(dflash, "block_size", int, 2, 64, source, raw.get("block_size", 16)),
-        target_layer_ids=tuple(ids), mask_token_id=_number(dflash, "mask_token_id", int, 0, 1 << 22, source),
-        rope_theta=_number(raw, "rope_theta", float, 1, 1e12, source, 10000.0),
+        num_key_value_heads=_config_number(raw, "num_key_value_heads", int, 1, heads, source, heads),
+        head_dim=_config_number(raw, "head_dim", int, 1, 1024, source, hidden // heads),
+        intermediate_size=_config_number(raw, "intermediate_size", int, 1, 1 << 18, source),
+        vocab_size=_config_number(raw, "vocab_size", int, 1, 1 << 22, source),
+        rms_norm_eps=_config_number(raw, "rms_norm_eps", float, 0, 1, source, 1e-6),
+        block_size=_config_number(dflash, "block_size", int, 2, 64, source, raw.get("block_size", 16)),
+        target_layer_ids=tuple(ids), mask_token_id=_config_number(dflash, "mask_token_id", int, 0, 1 << 22, source),
+        rope_theta=_config_number(raw, "rope_theta", float, 1, 1e12, source, 10000.0),
         rope_scaling=raw.get("rope_scaling") if isinstance(raw.get("rope_scaling"), dict) else None,
-        max_position_embeddings=_number(raw, "max_position_embeddings", int, 1, 1 << 24, source, 32768),
+        max_position_embeddings=_config_number(raw, "max_position_embeddings", int, 1, 1 << 24, source, 32768),
         layer_types=types, sliding_window=window, is_causal=causal if isinstance(causal, bool) else None,
     )
 
@@ -334,7 +334,7 @@ def build(raw: dict, weights: Dict[str, mx.array], model: nn.Module, source) -> 
     converter writes it) is widened on a CPU, as heads are."""
     from mlx_lm.utils import dequantize_model
 
-    config = read_config(raw, source)
+    config = dflash_config(raw, source)
     check_fits(config, model, Path(source).parent)
     drafter = DFlashModel(config, model.args.hidden_size)
     weights = {name[len("model."):] if name.startswith("model.") else name: value for name, value in weights.items()}
