@@ -87,7 +87,7 @@ def costs(model, vocab: int, repeats: int, context: int = 64) -> dict:
         def run():
             with rewind.recording() if kept else nullcontext() as recorded:
                 model(mx.arange(count)[None] % vocab, cache=cache)
-            assert kept is None or rewind.keep(start, recorded, kept)
+            assert kept is None or rewind.cut_back(start, recorded, kept)
             mx.eval(model(mx.arange(count)[None] % vocab, cache=cache), state())
             rewind.restore(start)
         return run

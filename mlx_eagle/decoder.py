@@ -281,7 +281,7 @@ class SpeculativeDecoder:
         elif self.rewind is None:
             keep_cache_entries(self.target_cache, start, kept)
         elif len(verdict.path) < len(tree):  # the state ran past a rejected draft: back to the accepted prefix
-            if not self.rewind.keep(snapshot, recorded, len(unread) + len(kept)):
+            if not self.rewind.cut_back(snapshot, recorded, len(unread) + len(kept)):
                 self.rewind.restore(snapshot)  # (and read the accepted tokens again next round)
                 self.state.unread = len(unread) + len(kept)
         self.on_phase("verified")
@@ -297,7 +297,7 @@ class SpeculativeDecoder:
         self.state.tokens = committed + new
         return Round(tokens=new, drafted=len(tree))
 
-    def keep(self, count: int) -> None:
+    def truncate(self, count: int) -> None:
         """Keep only the first ``count`` committed tokens (what was handed out: a round may
         commit tokens past an end of sequence or a stop), so that the next turn's prompt,
         which holds the reply as shown, continues what the caches hold."""

@@ -254,7 +254,7 @@ class Rewind:
             for m, name, _ in self.methods:
                 object.__delattr__(m, name)
 
-    def keep(self, snapshot: List[Any], calls: Optional[List[Any]], count: int) -> bool:
+    def cut_back(self, snapshot: List[Any], calls: Optional[List[Any]], count: int) -> bool:
         """Cut every cache back to the state after the first ``count`` tokens the recorded
         pass read since ``snapshot``: conv states sliced from their recorded inputs,
         recurrent states replayed over those steps. False where the recording does not

@@ -79,7 +79,7 @@ def test_the_recorded_rollback_equals_reading_the_prefix(monkeypatch, name, step
     snapshot = rewind.snapshot()
     with rewind.recording() as recorded:
         mx.eval(model(mx.array([[3, 1, 4, 1, 5, 9, 2]]), cache=rewind_cache))
-    assert rewind.keep(snapshot, recorded, 3)
+    assert rewind.cut_back(snapshot, recorded, 3)
     mx.eval(model(mx.array([[3, 1, 4]]), cache=plain_cache))
     for kept, read in zip(rewind.caches, Rewind(model, plain_cache).caches):
         if hasattr(kept, "offset"):  # an attention layer's: cut back to the same length

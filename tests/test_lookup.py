@@ -181,7 +181,7 @@ def test_a_sliding_window_model_stays_lossless_once_its_window_wraps():
         tokens = [decoder.prefill(prompt)]
         while len(tokens) < 60:
             tokens += decoder.round(60 - len(tokens)).tokens
-        decoder.keep(len(prompt) + 60)
+        decoder.truncate(len(prompt) + 60)
         assert tokens[:60] == expected
         assert decoder.reused == (0 if turn == 0 else len(prompt) - 3)  # all but the two new tokens and the last
         accepted += drafter.accepted.sum()

@@ -247,7 +247,7 @@ def stream_generate(
             from_draft = [True] * accepted + [False]
             sources = source_statistics(cache.drafter)
     finally:  # the reply is final, however it ended: the caches hold what was shown, drafters keep it
-        decoder.keep(len(ids) + generated)
+        decoder.truncate(len(ids) + generated)
         if cache.drafter is not None:
             cache.drafter.finish()
 
