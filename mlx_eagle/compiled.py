@@ -22,40 +22,40 @@ from .target import TargetOutput, compiled_piece, is_driven, target_forward
 
 class Buffered:
     """A KV cache inside a compiled call: its whole preallocated buffer, a block's entries
-    written in place where the cache's next ones go (from ``held`` on), so that the call's
+    written in place where the cache's next ones go (from ``cached`` on), so that the call's
     shapes stay fixed until the buffer grows and nothing already cached is copied. Which
-    slots a token sees is its mask's business (held_mask)."""
+    slots a token sees is its mask's business (cached_mask)."""
 
-    def __init__(self, keys: mx.array, values: mx.array, held: mx.array):
-        self.keys, self.values, self.held = keys, values, held
+    def __init__(self, keys: mx.array, values: mx.array, cached: mx.array):
+        self.keys, self.values, self.cached = keys, values, cached
         self.appended = 0  # entries written so far in this call
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> Tuple[mx.array, mx.array]:
-        at = self.held + self.appended
+        at = self.cached + self.appended
         self.keys = mx.slice_update(self.keys, keys, at, axes=(2,))
         self.values = mx.slice_update(self.values, values, at, axes=(2,))
         self.appended += keys.shape[2]
         return self.keys, self.values
 
 
-def held_mask(capacity: int, held: mx.array, ancestors: Optional[mx.array], appended: int,
+def cached_mask(capacity: int, cached: mx.array, ancestors: Optional[mx.array], appended: int,
               rows: int = 1) -> mx.array:
     """Which of a Buffered cache's ``capacity`` slots each of a block's ``rows`` tokens
-    sees: the first ``held``, then, of the ``appended`` entries written after them, its
+    sees: the first ``cached``, then, of the ``appended`` entries written after them, its
     ``ancestors`` [rows, appended]. None: a chain's, the rows being the last entries, each
     seeing its own and the ones before it."""
-    slots, index, inside = _appended_slots(capacity, held, appended)
+    slots, index, inside = _appended_slots(capacity, cached, appended)
     if ancestors is None:
-        own = held + (appended - rows) + (mx.arange(rows)[:, None] if rows > 1 else 0)
+        own = cached + (appended - rows) + (mx.arange(rows)[:, None] if rows > 1 else 0)
         return slots[None] <= own
-    return (slots < held)[None] | (mx.take(ancestors, index, axis=1) & inside)
+    return (slots < cached)[None] | (mx.take(ancestors, index, axis=1) & inside)
 
 
-def _appended_slots(capacity: int, held: mx.array, appended: int) -> Tuple[mx.array, mx.array, mx.array]:
+def _appended_slots(capacity: int, cached: mx.array, appended: int) -> Tuple[mx.array, mx.array, mx.array]:
     """A Buffered cache's slots; for each, which of the ``appended`` entries written after
-    the ``held`` ones it holds (clipped to one of them) and whether it holds one."""
+    the ``cached`` ones it holds (clipped to one of them) and whether it holds one."""
     slots = mx.arange(capacity)
-    after = slots - held
+    after = slots - cached
     return slots, mx.clip(after, 0, appended - 1), (after >= 0) & (after < appended)
 
 
@@ -110,16 +110,16 @@ def compiles_verification(model: nn.Module, cache: List, tokens: int) -> bool:
 
 
 def _verify_graph(model: nn.Module, taps: Optional[Tuple[int, ...]], causal: bool, tokens: mx.array,
-                  positions: mx.array, ancestors: mx.array, held: mx.array, keys: List[mx.array],
+                  positions: mx.array, ancestors: mx.array, cached: mx.array, keys: List[mx.array],
                   values: List[mx.array]):
     """target_forward over a padded block, the caches' buffers read and written whole (see
     Buffered): what verify_block compiles (``causal``: a chain's block, whose ``ancestors``
     are not read). Returns the logits, features and hidden states, and the buffers."""
     capacity, size = keys[0].shape[2], tokens.shape[1]
-    buffered = [Buffered(k, v, held) for k, v in zip(keys, values)]
-    slots, index, inside = _appended_slots(capacity, held, size)
-    slot_positions = mx.where(inside, positions[index], slots)  # held entries sit at their slots' positions
-    mask = held_mask(capacity, held, None if causal else ancestors, size, size)
+    buffered = [Buffered(k, v, cached) for k, v in zip(keys, values)]
+    slots, index, inside = _appended_slots(capacity, cached, size)
+    slot_positions = mx.where(inside, positions[index], slots)  # cached entries sit at their slots' positions
+    mask = cached_mask(capacity, cached, None if causal else ancestors, size, size)
     out = target_forward(model, tokens, buffered, positions, mask, taps, key_positions=slot_positions)
     return out.logits, out.features, out.hidden, [c.keys for c in buffered], [c.values for c in buffered]
 
@@ -139,13 +139,13 @@ def verify_block(model: nn.Module, tokens: mx.array, cache: List, positions: Seq
     if size > count:
         tokens = mx.concatenate([tokens, mx.zeros(size - count, dtype=tokens.dtype)])
     reserve(cache, size)
-    held = cache[0].offset
+    cached = cache[0].offset
     causal = bool(np.array_equal(ancestors, np.tril(np.ones((count, count), dtype=bool))))  # a chain: a simpler mask
     verify = compiled_piece(model, _verify_graph, count, tuple(taps) if taps is not None else None, causal)
     logits, features, hidden, keys, values = verify(tokens[None], mx.array(padded_positions),
-                                                    mx.array(padded_ancestors), mx.array(held),
+                                                    mx.array(padded_ancestors), mx.array(cached),
                                                     [c.keys for c in cache], [c.values for c in cache])
-    # The old buffers, no longer held, are written in place.
+    # The old buffers, no longer cached, are written in place.
     for layer_cache, layer_keys, layer_values in zip(cache, keys, values):
-        layer_cache.keys, layer_cache.values, layer_cache.offset = layer_keys, layer_values, held + count
+        layer_cache.keys, layer_cache.values, layer_cache.offset = layer_keys, layer_values, cached + count
     return TargetOutput(logits[0, :count], features[0, :count], hidden[0, :count])

@@ -161,13 +161,13 @@ class SpeculativeDecoder:
         is still good for; the target's cache is cut back to that (a recurrent state, which
         cannot be, is read again from the start unless the prompt continues all it holds)."""
         common = common_prefix(self.state.tokens, prompt)
-        held = len(self.state.tokens) - 1 - self.state.unread if self.state.tokens else 0
-        reuse = min(common, held, len(prompt) - 1)
+        cached = len(self.state.tokens) - 1 - self.state.unread if self.state.tokens else 0
+        reuse = min(common, cached, len(prompt) - 1)
         if self.drafter is not None:
             reuse = min(reuse, self.drafter.reusable(common))
         if self.rewind is None:
             keep_cache_entries(self.target_cache, reuse, [])
-        elif reuse < held:
+        elif reuse < cached:
             self.rewind.reset()
             reuse = 0
         self.state.unread = 0

@@ -13,7 +13,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..errors import UserError
-from ..compiled import Buffered, compiled_rounds, held_mask, reserve
+from ..compiled import Buffered, compiled_rounds, cached_mask, reserve
 from ..target import COMPILED_TOKENS, is_driven, keep_cache_entries, tree_mask
 from ..trees import DraftTree, RankPath, TreeSpec
 
@@ -147,7 +147,7 @@ class TreeDrafter:
         count = tokens.shape[0]
         buffered = Buffered(keys, values, committed)
         out = self.head.step(self.target, self.head.project(features)[None], tokens[None], [buffered],
-                             committed + mx.arange(count), held_mask(keys.shape[2], committed, None, count, count))
+                             committed + mx.arange(count), cached_mask(keys.shape[2], committed, None, count, count))
         return self._static_graph(out[:, -1], buffered.keys, buffered.values, committed + count,
                                   committed + count - 1)
 
@@ -185,7 +185,7 @@ class TreeDrafter:
         (written after them); returns its outputs [n, H], their top-k (ids and
         log-probabilities) and the buffers."""
         buffered = Buffered(keys, values, written)
-        mask = held_mask(keys.shape[2], committed, ancestors, ancestors.shape[1], ancestors.shape[0])
+        mask = cached_mask(keys.shape[2], committed, ancestors, ancestors.shape[1], ancestors.shape[0])
         out = self.head.step(self.target, hidden, tokens, [buffered], position, mask)[0]
         return (out, *self._top_graph(out, self.spec.topk), buffered.keys, buffered.values)
 
@@ -206,7 +206,7 @@ class TreeDrafter:
         ``committed`` entries are), as one function of arrays: what ``compiled`` traces.
         Returns the tokens and the buffers, the tree's entries written past the committed."""
         buffered = Buffered(keys, values, committed)
-        tokens = self._static_tokens(root_hidden, [buffered], root_position, lambda level, rows, slots: held_mask(
+        tokens = self._static_tokens(root_hidden, [buffered], root_position, lambda level, rows, slots: cached_mask(
             keys.shape[2], committed, level.ancestors, slots, rows))
         return tokens, buffered.keys, buffered.values
 
