@@ -90,10 +90,10 @@ TREE_FILES = [(["--tree", f"static:{{{name}}}"], words) for name, words in TREES
 
 @pytest.mark.parametrize("argv, words", OPTIONS + GENERATE_ONLY + TREE_FILES)
 def test_generate_refuses_bad_arguments_before_loading(argv, words, bad_trees, capsys, monkeypatch):
-    import mlx_eagle
+    import mlx_eagle.models
 
     generate = importlib.import_module("mlx_eagle.generate.__main__")  # the command
-    forbid_loading(monkeypatch, mlx_eagle, "load")
+    forbid_loading(monkeypatch, mlx_eagle.models, "load")
     argv = [a.format(**bad_trees) for a in argv]
     assert_one_line(*run_command(generate.main, argv, capsys, monkeypatch), words)
 

@@ -49,7 +49,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     args = build_parser().parse_args(argv)
     import mlx.core as mx
 
-    from .. import load
+    from ..models import load
     from ..plan import plan_drafts, user_drafter
     from ..trees import parse_tree
     from ..verify import Sampling
