@@ -52,6 +52,7 @@ class Answer:
     first_seconds: float  # until the first token: the prompt read and its token chosen
     rounds: List[int]  # accepted draft tokens per target forward (speculative methods)
     sources: Dict[str, List[int]] = field(default_factory=dict)  # per drafter: [nodes proposed, accepted]
+    rechecked: int = 0  # greedy positions too close to call in a block, decided by a one-row pass
 
 
 def _prompt_from_record(record: object, where: str) -> BenchPrompt:
@@ -144,7 +145,8 @@ def speculative_method(model, tokenizer, plan, max_tokens: int, sampling: Sampli
         sources = responses[-1].sources if responses else {}
         return Answer([r.token for r in responses], seconds, first,
                       accepted_per_round([r.from_draft for r in responses]),
-                      {name: [stats.proposed, stats.accepted] for name, stats in sources.items()})
+                      {name: [stats.proposed, stats.accepted] for name, stats in sources.items()},
+                      responses[-1].rechecked if responses else 0)
 
     return run
 
@@ -224,6 +226,7 @@ def run_bench(prompts: List[BenchPrompt], tokenizer, generators: Dict[str, Gener
     peaks = {n: 0.0 for n in names}
     texts: Dict[str, List[List[int]]] = {n: [] for n in names}
     sources: Dict[str, Dict[str, List[int]]] = {n: {} for n in names}
+    rechecked = {n: 0 for n in names}
     bar = progress_bar(prompts, unit="prompt", desc="bench", disable=not progress)
     for index, prompt in enumerate(bar):
         for name in names[index % len(names):] + names[:index % len(names)]:
@@ -236,6 +239,7 @@ def run_bench(prompts: List[BenchPrompt], tokenizer, generators: Dict[str, Gener
             rounds[name] += prompt_rounds
             texts[name].append([t for a in answers for t in a.tokens])
             for answer in answers:
+                rechecked[name] += answer.rechecked
                 for source, counts in answer.sources.items():
                     totals = sources[name].setdefault(source, [0, 0])
                     totals[0], totals[1] = totals[0] + counts[0], totals[1] + counts[1]
@@ -250,6 +254,7 @@ def run_bench(prompts: List[BenchPrompt], tokenizer, generators: Dict[str, Gener
     methods = {n: summarize(per_prompt[n], rounds[n], peaks[n]) for n in names}
     for name in names:  # what each drafter added to the verified trees, and what of it was accepted
         methods[name]["drafters"] = {source: {"proposed": p, "accepted": a} for source, (p, a) in sources[name].items()}
+        methods[name]["rechecked"] = rechecked[name]
     by_request = {}
     if "baseline" in methods:
         by_request = speedup_by_request(per_prompt)
