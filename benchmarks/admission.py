@@ -8,8 +8,6 @@ It also counts the positions rechecked alone.
     python benchmarks/admission.py [--limit 6] [--max-tokens 64] [--out benchmarks/results/admission.json]
 """
 
-import argparse
-import json
 import time
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
@@ -17,9 +15,8 @@ from unittest import mock
 
 import mlx_eagle.decoder as decoder_module
 import mlx_eagle.drafters.composite as composite_module
-from mlx_eagle import load, plan_drafts, stream_generate
-from mlx_eagle.bench import mtbench_suite, read_prompts
-from mlx_eagle.cli import use_fast_blas
+from mlx_eagle import plan_drafts, stream_generate
+from mlx_eagle.bench import edit_and_mtbench
 
 HERE = Path(__file__).resolve().parent
 
@@ -58,24 +55,10 @@ def measure(model, tokenizer, head, texts, max_tokens: int) -> dict:
 
 
 def main() -> None:
-    use_fast_blas()
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--limit", type=int, default=6, help="prompts of each set")
-    parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--out", type=Path, default=HERE / "results" / "admission.json")
-    args = parser.parse_args()
-    model, tokenizer, head = load(draft="auto")
-    sets = {"edit": [p.turns[0] for p in read_prompts(HERE / "prompts" / "edit.jsonl")][:args.limit],
-            "mt-bench": [p.turns[0] for p in mtbench_suite()][:args.limit]}
-    results = {}
-    for name, prompts in sets.items():
-        results[name] = row = measure(model, tokenizer, head, prompts, args.max_tokens)
-        print(f"{name:9s} checked {row['checked_s']:6.1f} s  unchecked {row['unchecked_s']:6.1f} s  "
-              f"checked/unchecked {row['checked_vs_unchecked']:.3f}  rechecked {row['rechecked_positions']} of "
-              f"{row['tokens']} tokens  identical text {row['identical']}")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"limit": args.limit, "max_tokens": args.max_tokens, **results}, indent=1) + "\n")
-    print(f"wrote {args.out}")
+    edit_and_mtbench(__doc__, HERE / "results" / "admission.json", 6, measure, lambda row: (
+        f"checked {row['checked_s']:6.1f} s  unchecked {row['unchecked_s']:6.1f} s  checked/unchecked "
+        f"{row['checked_vs_unchecked']:.3f}  rechecked {row['rechecked_positions']} of {row['tokens']} tokens  "
+        f"identical text {row['identical']}"))
 
 
 if __name__ == "__main__":

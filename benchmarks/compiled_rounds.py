@@ -7,15 +7,12 @@ compiled after one untimed warm-up, time from the request to the last token.
     python benchmarks/compiled_rounds.py [--limit 10] [--max-tokens 64] [--out benchmarks/results/compiled-rounds.json]
 """
 
-import argparse
-import json
 import time
 from pathlib import Path
 
-from mlx_eagle import load, plan_drafts, stream_generate
+from mlx_eagle import plan_drafts, stream_generate
 from mlx_eagle.compiled import compiling_rounds
-from mlx_eagle.bench import mtbench_suite, read_prompts
-from mlx_eagle.cli import use_fast_blas
+from mlx_eagle.bench import edit_and_mtbench
 
 HERE = Path(__file__).resolve().parent
 
@@ -41,24 +38,10 @@ def measure(model, tokenizer, head, texts, max_tokens: int) -> dict:
 
 
 def main() -> None:
-    use_fast_blas()
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--limit", type=int, default=10, help="prompts of each set")
-    parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--out", type=Path, default=HERE / "results" / "compiled-rounds.json")
-    args = parser.parse_args()
-    model, tokenizer, head = load(draft="auto")
-    sets = {"edit": [p.turns[0] for p in read_prompts(HERE / "prompts" / "edit.jsonl")][:args.limit],
-            "mt-bench": [p.turns[0] for p in mtbench_suite()][:args.limit]}
-    results = {}
-    for name, prompts in sets.items():
-        results[name] = row = measure(model, tokenizer, head, prompts, args.max_tokens)
-        print(f"{name:9s} compiled {row['compiled_s']:6.1f} s  eager {row['eager_s']:6.1f} s  "
-              f"compiled/eager {row['compiled_vs_eager']:.3f}  tau {row['tau_compiled']:.2f} / {row['tau_eager']:.2f}  "
-              f"identical text {row['identical']}")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"limit": args.limit, "max_tokens": args.max_tokens, **results}, indent=1) + "\n")
-    print(f"wrote {args.out}")
+    edit_and_mtbench(__doc__, HERE / "results" / "compiled-rounds.json", 10, measure, lambda row: (
+        f"compiled {row['compiled_s']:6.1f} s  eager {row['eager_s']:6.1f} s  compiled/eager "
+        f"{row['compiled_vs_eager']:.3f}  tau {row['tau_compiled']:.2f} / {row['tau_eager']:.2f}  "
+        f"identical text {row['identical']}"))
 
 
 if __name__ == "__main__":

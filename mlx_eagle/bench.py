@@ -10,6 +10,7 @@ table, and with --plot draws speedup and tau per category.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -21,7 +22,7 @@ from typing import TYPE_CHECKING, Callable, Dict, Iterable, List, Optional, Sequ
 
 import mlx.core as mx
 
-from .cli import TREE_HELP, add_model_arguments, add_sampling_arguments, blas_in_use, new_parser, run_cli
+from .cli import TREE_HELP, add_model_arguments, add_sampling_arguments, blas_in_use, new_parser, run_cli, use_fast_blas
 from .errors import UserError
 from .files import write_atomically
 from .generate import chat_tokens, check_messages
@@ -99,6 +100,37 @@ def mtbench_suite() -> List[BenchPrompt]:
     from .data import mtbench_questions
 
     return [_prompt_from_record(q, f"MT-bench {q['question_id']}") for q in mtbench_questions()]
+
+
+def first_turns(edit_file: Path, limit: int) -> Dict[str, List[str]]:
+    """The two prompt sets README's figures are measured on, first turns only: edit-style
+    prompts (``edit_file``) and MT-bench, ``limit`` of each."""
+    return {"edit": [p.turns[0] for p in read_prompts(edit_file)][:limit],
+            "mt-bench": [p.turns[0] for p in mtbench_suite()][:limit]}
+
+
+def edit_and_mtbench(doc: str, out: Path, limit: int, measure: Callable, line: Callable[[dict], str],
+                     argv: Optional[Sequence[str]] = None) -> None:
+    """A benchmark script's main for SmolLM2 with the head shipped for it, on README's two
+    prompt sets: ``--limit`` first turns of each, ``--max-tokens``, ``--out`` JSON;
+    ``measure(model, tokenizer, head, texts, max_tokens)`` gives a set's row, ``line`` says
+    it."""
+    from .models import load
+
+    use_fast_blas()
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--limit", type=int, default=limit, help="prompts of each set")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--out", type=Path, default=out)
+    args = parser.parse_args(argv)
+    model, tokenizer, head = load(draft="auto")
+    results = {}
+    for name, prompts in first_turns(out.parent.parent / "prompts" / "edit.jsonl", args.limit).items():
+        results[name] = row = measure(model, tokenizer, head, prompts, args.max_tokens)
+        print(f"{name:9s} {line(row)}")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"limit": args.limit, "max_tokens": args.max_tokens, **results}, indent=1) + "\n")
+    print(f"wrote {args.out}")
 
 
 def machine() -> Dict[str, str]:
