@@ -55,6 +55,12 @@ def test_the_tree_and_its_array_must_agree():
         admit(Proposal(DraftTree([1, 2], [-1], [1]), mx.array([1], dtype=mx.int32)), WIDE)
     with pytest.raises(Malformed, match="not a Proposal"):
         admit([1, 2], WIDE)
+    # ids handed over as a list, or only in the tree: the array is made from them
+    for handed in ([4, 5], None):
+        listed = admit(Proposal(DraftTree([4, 5], [-1, 0], []), handed), WIDE)
+        assert listed.tokens.tolist() == [4, 5] and listed.tree.depths == [1, 2]
+    with pytest.raises(Malformed, match="whole numbers"):
+        admit(Proposal(DraftTree([], [-1], []), [0.5]), WIDE)
 
 
 def test_ids_outside_the_vocabulary_are_malformed_on_the_host():

@@ -5,8 +5,9 @@ links, so that no drafter, however it is written, can change the text.
 ``admit`` returns a proposal the verifier takes as it is:
 - depths are derived from the parents (a drafter's own ``depths`` are never read);
 - every parent comes before its child (-1: the root);
-- the token array is 1-D, integer, one token per node; where the tree also holds its
-  tokens on the host (``tree.tokens``), they are the array's;
+- the token array is 1-D, integer, one token per node (a list of ids, or none beside the
+  tree's own ``tokens``, is made into one); where the tree also holds its tokens on the
+  host (``tree.tokens``), they are the array's;
 - host token ids lie inside the target's vocabulary, and duplicate siblings are merged,
   their subtrees too. Tokens still on the device (the built-in drafters keep them there,
   so that drafting overlaps the host's work) are checked on the device as the round
@@ -51,6 +52,12 @@ def admit(proposal: object, budget: Budget) -> Optional[Proposal]:
         raise Malformed(f"propose returned {type(proposal).__name__}, not a Proposal (or None)")
     parents = _as_ints(proposal.tree.parents, "parents")
     tokens = proposal.tokens
+    if tokens is None or isinstance(tokens, (list, tuple)) or _is_numpy_array(tokens):
+        # token ids handed over on the host rather than as an array: the array made from them
+        listed = _as_ints(proposal.tree.tokens if tokens is None else tokens, "tokens")
+        proposal = Proposal(DraftTree(listed, proposal.tree.parents, []), mx.array(listed, dtype=mx.int64),
+                            proposal.confidence)
+        tokens = proposal.tokens
     if not isinstance(tokens, mx.array) or tokens.ndim != 1 or tokens.size != len(parents):
         shape = tuple(tokens.shape) if isinstance(tokens, mx.array) else type(tokens).__name__
         raise Malformed(f"its token array must be 1-D with one token per node ({len(parents)}), not {shape}")
@@ -113,6 +120,10 @@ def _as_ints(values: object, what: str) -> List[int]:
     if not all(isinstance(v, int) and not isinstance(v, bool) or _is_numpy_int(v) for v in items[:MAX_EXAMINED]):
         raise Malformed(f"its {what} must be whole numbers")
     return [int(v) for v in items[:MAX_EXAMINED]] + items[MAX_EXAMINED:]
+
+
+def _is_numpy_array(value: object) -> bool:
+    return type(value).__module__ == "numpy" and hasattr(value, "tolist") and hasattr(value, "ndim")
 
 
 def _is_numpy_int(value: object) -> bool:
