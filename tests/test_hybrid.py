@@ -108,7 +108,7 @@ def test_the_snapshot_fallback_is_lossless(monkeypatch, name):
     snapshot and reads the accepted tokens again."""
     model = hybrids.build(name)
     expected = reference(model)
-    monkeypatch.setattr(Rewind, "keep", lambda self, snapshot, recorded, count: False)
+    monkeypatch.setattr(Rewind, "cut_back", lambda self, snapshot, recorded, count: False)
     tokens, decoder = decode(model, ScriptedDrafter(PROMPT + expected, hybrids.VOCAB), replays=False)
     assert tokens == expected and decoder.forwards < COUNT
 
@@ -159,7 +159,7 @@ def test_a_hybrid_draft_model_rolls_its_own_state_back(monkeypatch, name):
 def test_without_the_rollback_the_text_changes(monkeypatch, name):
     model = hybrids.build(name)
     expected = reference(model)
-    monkeypatch.setattr(Rewind, "keep", lambda self, snapshot, recorded, count: True)  # keeps the whole pass
+    monkeypatch.setattr(Rewind, "cut_back", lambda self, snapshot, recorded, count: True)  # keeps the whole pass
     tokens, _ = decode(model, ScriptedDrafter(PROMPT + expected, hybrids.VOCAB))
     assert tokens != expected
 
