@@ -22,7 +22,8 @@ from typing import TYPE_CHECKING, Callable, Dict, Iterable, List, Optional, Sequ
 
 import mlx.core as mx
 
-from .cli import TREE_HELP, add_model_arguments, add_sampling_arguments, blas_in_use, new_parser, run_cli, use_fast_blas
+from .blas import blas_in_use
+from .cli import TREE_HELP, add_model_arguments, add_sampling_arguments, new_parser, run_cli, use_fast_blas
 from .errors import UserError
 from .files import write_atomically
 from .generate import chat_tokens, check_messages

@@ -1,4 +1,5 @@
-"""What every command shares: one-line errors, Ctrl-C, and the fast BLAS on Linux."""
+"""What every command shares: one-line errors, Ctrl-C, and restarting with the fast BLAS
+on Linux (blas.py says which BLAS MLX runs on)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import signal
 import sys
 from typing import Callable, NoReturn, Optional, Sequence
 
+from .blas import find_openblas, openblas_loaded
 from .errors import UserError
 
 
@@ -80,44 +82,7 @@ def history_choice(args: argparse.Namespace):
     return False if args.no_history else (args.history or True)
 
 
-# Debian/Ubuntu, Fedora and Arch put OpenBLAS in one of these.
-_OPENBLAS_PATHS = (
-    "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0",
-    "/usr/lib/aarch64-linux-gnu/openblas-pthread/libopenblas.so.0",
-    "/usr/lib/x86_64-linux-gnu/libopenblas.so.0",
-    "/usr/lib/aarch64-linux-gnu/libopenblas.so.0",
-    "/usr/lib64/libopenblas.so.0",
-    "/usr/lib/libopenblas.so.0",
-)
-_REEXEC_MARK = "_MLX_EAGLE_BLAS_REEXEC"
-
-
-def find_openblas() -> Optional[str]:
-    """Path of the system OpenBLAS, or None. ``MLX_EAGLE_OPENBLAS`` overrides."""
-    override = os.environ.get("MLX_EAGLE_OPENBLAS")
-    if override:
-        return override if os.path.exists(override) else None
-    return next((p for p in _OPENBLAS_PATHS if os.path.exists(p)), None)
-
-
-def openblas_loaded() -> bool:
-    try:
-        with open("/proc/self/maps") as maps:
-            return "libopenblas" in maps.read()
-    except OSError:
-        return False
-
-
-REFERENCE_BLAS = "MLX's bundled reference BLAS"
-
-
-def blas_in_use() -> str:
-    """A short description of the BLAS that MLX's CPU matmuls run on."""
-    if sys.platform == "darwin":
-        return "Accelerate"
-    if openblas_loaded():
-        return "OpenBLAS (preloaded)"
-    return REFERENCE_BLAS
+_REEXEC_MARK = "_MLX_EAGLE_BLAS_REEXEC"  # set in a process restarted with OpenBLAS preloaded
 
 
 def use_fast_blas() -> None:

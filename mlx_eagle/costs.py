@@ -27,7 +27,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 
-from .cli import REFERENCE_BLAS, blas_in_use, openblas_loaded
+from .blas import REFERENCE_BLAS, blas_in_use, openblas_loaded
 from .files import cache_dir, read_json, writable, write_json
 
 CALIBRATION_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 32)

@@ -20,7 +20,8 @@ from mlx.utils import tree_flatten
 from mlx_lm.models import llama
 from mlx_lm.utils import dequantize_model
 
-from .errors import UserError, read_config
+from .configs import read_config
+from .errors import UserError
 from .target import Mask, Positions, compiled_piece, compute_dtype, default_taps, embedding_layer, layer_block, \
     layer_count, lm_head
 

@@ -14,7 +14,8 @@ from typing import Any, Dict, Optional, Tuple
 import mlx.core as mx
 import mlx.nn as nn
 
-from .errors import UserError, check_model_config, read_config, safetensors_bytes
+from .configs import check_model_config, read_config, safetensors_bytes
+from .errors import UserError
 from .files import cache_dir, writable
 from .hub import from_hub
 
@@ -27,7 +28,7 @@ _DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 def warn_slow_blas() -> None:
     """Say once, in one line, that a Linux CPU process runs MLX's reference BLAS (the
     commands restart themselves with OpenBLAS; a Python program cannot)."""
-    from .cli import REFERENCE_BLAS, blas_in_use, find_openblas
+    from .blas import REFERENCE_BLAS, blas_in_use, find_openblas
 
     if blas_in_use() != REFERENCE_BLAS or os.environ.get("MLX_EAGLE_NO_OPENBLAS"):
         return

@@ -36,7 +36,8 @@ import numpy as np
 
 from .drafters import Budget, Drafter, DraftSettings, DraftSource, Outcome, Proposal, kind_modules
 from .drafters.composite import Composite, SourceStats
-from .errors import UserError, did_you_mean, read_config
+from .configs import read_config
+from .errors import UserError, did_you_mean
 from .trees import TreeSpec
 
 if TYPE_CHECKING:

@@ -132,7 +132,7 @@ CONFIG_KEYS = ["hidden_size", "num_hidden_layers", "intermediate_size", "num_att
 
 
 def test_the_config_checks(samples, tmp_path):
-    from mlx_eagle.errors import check_model_config, read_config
+    from mlx_eagle.configs import check_model_config, read_config
 
     valid = json.loads(samples["config"])
 

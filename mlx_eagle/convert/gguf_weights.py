@@ -10,7 +10,8 @@ import mlx.core as mx
 import numpy as np
 
 from ..architectures import GGUF_ARCHITECTURES, architecture, text_config
-from ..errors import UserError, check_model_config
+from ..configs import check_model_config
+from ..errors import UserError
 
 from .tensors import QuantizedWeight, SourceTensor
 

@@ -27,7 +27,8 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from ..cli import new_parser, run_cli
-from ..errors import UserError, read_config
+from ..configs import read_config
+from ..errors import UserError
 
 from .target import DTYPES
 from ..files import replace_directory

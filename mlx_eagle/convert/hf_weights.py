@@ -8,7 +8,8 @@ from typing import Any, Dict, List, Optional
 
 import mlx.core as mx
 
-from ..errors import UserError, check_model_config, read_config as read_config_json, safetensors_bytes
+from ..configs import check_model_config, read_config as read_config_json, safetensors_bytes
+from ..errors import UserError
 from ..architectures import ARCHITECTURES, SUPPORTED_MODEL_TYPES as MODEL_TYPES, model_classes, text_config
 
 from .tensors import SourceTensor

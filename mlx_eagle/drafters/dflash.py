@@ -318,7 +318,7 @@ def recognizes(path: Path, config: Optional[dict]) -> bool:
 
 def load(directory: Path, model: nn.Module) -> DFlashModel:
     """The checkpoint in ``directory`` for the target ``model``, checked against it."""
-    from ..errors import read_config as read_json_config
+    from ..configs import read_config as read_json_config
     from ..heads import read_safetensors
 
     directory = Path(directory)

@@ -9,7 +9,8 @@ import argparse
 import sys
 from typing import List, Optional, Sequence
 
-from ..cli import (add_history_arguments, add_model_arguments, add_sampling_arguments, blas_in_use, history_choice,
+from ..blas import blas_in_use
+from ..cli import (add_history_arguments, add_model_arguments, add_sampling_arguments, history_choice,
                    new_parser, run_cli)
 from ..errors import UserError, check_text
 from . import chat_tokens, check_options, check_prompt
