@@ -43,7 +43,7 @@ from .compiled import compiles_verification, verify_block
 from .target import TargetOutput, check_target, is_driven, keep_cache_entries, \
     lm_head, make_cache, tapped_forward, target_forward, tree_mask
 from .trees import MAX_TREE_NODES, DraftTree
-from .verify import Sampling, accept, sample
+from .verify import Sampling, accept, sample, too_close
 
 NO_TOKENS = mx.array([], dtype=mx.int32)
 
@@ -111,7 +111,8 @@ class SpeculativeDecoder:
         self.reused = 0  # prompt tokens the last prefill found already in the caches
         self.forwards = 0  # target forward passes, for tests and statistics
         self.rechecked = 0  # greedy positions too close to call in a block, decided by a one-row pass
-        self.costs = costs
+        self._costs_of = costs
+        self._costs: Optional[Costs] = None
         # How close a greedy block row's top two logits may come (None: from the costs, when first needed).
         self.tolerance: Optional[float] = None if sampling.greedy else 0.0
         self.vocab: Optional[int] = None  # the target's, known from its first logits
@@ -131,12 +132,18 @@ class SpeculativeDecoder:
         self.key, key = mx.random.split(self.key)
         return key
 
+    def _measured(self) -> Costs:
+        """This device's costs for the target, asked for once, when a round first needs them."""
+        if self._costs is None:
+            self._costs = self._costs_of()
+        return self._costs
+
     def _steps(self, tokens: int) -> float:
-        return self.costs().steps(tokens)
+        return self._measured().steps(tokens)
 
     def _tolerance(self) -> float:
         if self.tolerance is None:
-            drift = self.costs().logit_drift if self.costs is not None else None
+            drift = self._measured().logit_drift if self._costs_of is not None else None
             self.tolerance = DRIFT_MARGIN * drift if drift else 0.0
         return self.tolerance
 
@@ -218,10 +225,8 @@ class SpeculativeDecoder:
 
     def _unsure(self, logits: mx.array) -> bool:
         """Whether a greedy choice read from a block row may differ from a one-row pass's."""
-        if not self.sampling.greedy or self._tolerance() <= 0:
-            return False
-        top = mx.topk(logits, 2, axis=-1).astype(mx.float32)
-        return bool((mx.abs(top[0] - top[1]) <= self._tolerance()).item())
+        tolerance = self._tolerance() if self.sampling.greedy else 0.0
+        return tolerance > 0 and bool(too_close(logits, tolerance).item())
 
     def _verify(self, tree: DraftTree, tokens: mx.array, unread: List[int]) -> TargetOutput:
         """The target's forward pass over [unread tokens, root, tree], appended to its cache;
@@ -254,7 +259,7 @@ class SpeculativeDecoder:
         if self.drafter is not None:
             nodes = MAX_TREE_NODES - len(unread) if len(unread) < MAX_UNREAD else 0
             budget = Budget(room=room - 1, nodes=nodes, verified=1 + len(unread), chain=not self.drives_target,
-                            costs=self._steps if self.costs is not None else None, vocab=self.vocab)
+                            costs=self._steps if self._costs_of is not None else None, vocab=self.vocab)
             proposal = admit_or_warn(self.drafter, self.drafter.propose(budget), budget)
         tree, tokens = (proposal.tree, proposal.tokens) if proposal else (DraftTree(), NO_TOKENS)
         self.on_phase("drafted")

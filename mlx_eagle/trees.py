@@ -214,13 +214,12 @@ class DraftTree:
         return placed
 
     def subtree(self, kept: List[int]) -> "DraftTree":
-        """The nodes ``kept`` (parents before children), renumbered."""
+        """The nodes ``kept`` (parents before children), renumbered; without tokens where
+        the tree holds none on the host."""
         index = {old: new for new, old in enumerate(kept)}
-        result = DraftTree()
-        for old in kept:
-            parent = self.parents[old]
-            result.add(self.tokens[old], -1 if parent < 0 else index[parent])
-        return result
+        parents = [index[self.parents[old]] if self.parents[old] >= 0 else -1 for old in kept]
+        depths = [self.depths[old] for old in kept]
+        return DraftTree([self.tokens[old] for old in kept] if self.tokens else [], parents, depths)
 
     def shallower(self, depth: int) -> "DraftTree":
         """The nodes no deeper than ``depth``: a prefix, as nodes come shallowest first."""

@@ -104,15 +104,11 @@ def accept(tree: DraftTree, tokens: mx.array, logits: mx.array, sampling: Sampli
     repeating an earlier one (its probability went with the earlier one's rejection)."""
     if sampling.greedy:
         choice = mx.argmax(logits, axis=-1)
-        if tolerance > 0:
-            top = mx.topk(logits, 2, axis=-1).astype(mx.float32)
-            close = mx.abs(top[:, 0] - top[:, 1]) <= tolerance
-        else:
-            close = mx.zeros(logits.shape[:1], dtype=mx.bool_)
-        mx.eval(choice, tokens, close)
-        choice, node_tokens, close = choice.tolist(), tokens.tolist(), close.tolist()
+        close = too_close(logits, tolerance) if tolerance > 0 else None
+        mx.eval(choice, tokens, *([close] if close is not None else []))
+        choice, node_tokens = choice.tolist(), tokens.tolist()
         return _walk(tree, lambda node: node_tokens[node] == choice[tree.parents[node] + 1], node_tokens, choice,
-                     close)
+                     close.tolist() if close is not None else None)
     probs = sampling.probabilities(logits)
     uniform_key, bonus_key = mx.random.split(key) if key is not None else (None, None)
     if len(tree):
@@ -133,6 +129,13 @@ def accept(tree: DraftTree, tokens: mx.array, logits: mx.array, sampling: Sampli
     mx.eval(passes, bonus, tokens)
     passes, node_tokens = passes.tolist(), tokens.tolist()
     return _walk(tree, lambda node: passes[node], node_tokens, bonus.tolist())
+
+
+def too_close(logits: mx.array, tolerance: float) -> mx.array:
+    """Per row of ``logits``, whether its top two lie within ``tolerance``: a greedy choice
+    that another kernel's rounding could flip."""
+    top = mx.topk(logits, 2, axis=-1).astype(mx.float32)
+    return mx.abs(top[..., 0] - top[..., 1]) <= tolerance
 
 
 def _walk(tree: DraftTree, passes: Callable[[int], bool], node_tokens: List[int], bonus: List[int],

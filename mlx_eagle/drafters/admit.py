@@ -79,7 +79,7 @@ def admit(proposal: object, budget: Budget) -> Optional[Proposal]:
     if scores is not None and budget.costs is not None and len(tree):
         keep = _paying(tree, scores, budget)
         if len(keep) < len(tree):
-            tree = tree.subtree(keep) if tree.tokens else _structure_of(tree, keep)
+            tree = tree.subtree(keep)
             node_tokens = node_tokens[mx.array(keep, dtype=mx.int32)] if keep else node_tokens[:0]
     return Proposal(tree, node_tokens) if len(tree) else None
 
@@ -117,9 +117,9 @@ def _as_ints(values: object, what: str) -> List[int]:
         items = list(values)  # type: ignore[call-overload]
     except TypeError:
         raise Malformed(f"its {what} are not a list") from None
-    if not all(isinstance(v, int) and not isinstance(v, bool) or _is_numpy_int(v) for v in items[:MAX_EXAMINED]):
+    if not all(isinstance(v, int) and not isinstance(v, bool) or _is_numpy_int(v) for v in items):
         raise Malformed(f"its {what} must be whole numbers")
-    return [int(v) for v in items[:MAX_EXAMINED]] + items[MAX_EXAMINED:]
+    return [int(v) for v in items]
 
 
 def _is_numpy_array(value: object) -> bool:
@@ -234,10 +234,3 @@ def _paying(tree: DraftTree, confidence: List[float], budget: Budget) -> List[in
         expected += chance[node]
         kept.append(node)
     return sorted(kept)
-
-
-def _structure_of(tree: DraftTree, keep: List[int]) -> DraftTree:
-    """The nodes ``keep`` of a tree known by its parents alone, renumbered."""
-    index = {old: new for new, old in enumerate(keep)}
-    parents = [index[tree.parents[old]] if tree.parents[old] >= 0 else -1 for old in keep]
-    return DraftTree([], parents, [tree.depths[old] for old in keep])
