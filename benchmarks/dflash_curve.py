@@ -13,6 +13,7 @@ the first MT-bench first turns (--checkpoint).
 
 import argparse
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -47,14 +48,16 @@ def checkpoint_tau(directory: Path, model_path, mask_token, turns: int, write=No
     decoded with a training checkpoint's drafter (built as the trainer built it)."""
     from mlx_eagle import load
     from mlx_eagle.data import mtbench_questions
-    from mlx_eagle.train.evaluate import dflash_tau
+    from mlx_eagle.train.dflash import dflash_tau
+    from mlx_eagle.train.families import drafter_to_train
     from mlx_eagle.train.recipe import TrainConfig
-    from mlx_eagle.train.trainer import dflash_to_train
 
     state = json.loads((directory / "state.json").read_text())
-    config = TrainConfig(**state["config"])
     model, tokenizer = load(model_path)
-    drafter = dflash_to_train(model, config, mask_token if mask_token is not None else (tokenizer.unk_token_id or 0))
+    config = TrainConfig(**state["config"])
+    if mask_token is not None or config.mask_token is None:  # older checkpoints name no mask token
+        config = replace(config, mask_token=mask_token if mask_token is not None else (tokenizer.unk_token_id or 0))
+    drafter = drafter_to_train(model, config)
     drafter.load_weights(str(directory / "head.safetensors"))
     if write is not None:
         from mlx_eagle.drafters.dflash import save_dflash

@@ -26,7 +26,7 @@ import numpy as np
 from mlx_eagle.cli import use_fast_blas
 from mlx_eagle.data import load_dialogues
 from mlx_eagle.heads import load_head
-from mlx_eagle.models import load
+from mlx_eagle.plan import load
 from mlx_eagle.target import default_taps, lm_head
 from mlx_eagle.train import StateStore, make_batch, shift, ttt_unroll
 from mlx_eagle.train.__main__ import main as train

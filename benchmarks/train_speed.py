@@ -29,7 +29,7 @@ import numpy as np
 from mlx_eagle.cli import use_fast_blas
 from mlx_eagle.models import load_target
 from mlx_eagle.target import default_taps
-from mlx_eagle.train import StateStore, Trainer, TrainConfig, head_to_train, make_batch, target_states
+from mlx_eagle.train import StateStore, Trainer, TrainConfig, drafter_to_train, make_batch, target_states
 
 BEFORE_S = 3.4  # PLATFORM.md: one step of this recipe on the trainer of commit 985e530, this machine class
 
@@ -75,7 +75,7 @@ def time_steps(target, pieces, used, mode, steps, work, ttt) -> float:
     if mode == "stored":
         store = StateStore(work / "store", target, pieces, default_taps(target.args.num_hidden_layers), length)
         store.fill(rows * length, progress=False)
-    trainer = Trainer(target, head_to_train(target, "eagle3", used), pieces, config, work, used, progress=False,
+    trainer = Trainer(target, drafter_to_train(target, config, used), pieces, config, work, used, progress=False,
                       store=store)
     times = []
     for _ in range(steps + 2):

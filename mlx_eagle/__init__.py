@@ -17,7 +17,7 @@ from .generate import GenerationResponse, generate, stream_generate  # noqa: E40
 # Everything else is imported on first use, so that a command's --help need not load MLX's
 # model code (mlx-lm and transformers take seconds to import).
 _EXPORTS = {
-    "DEFAULT_MODEL": "models", "load": "models", "load_target": "models", "resolve_model": "models",
+    "DEFAULT_MODEL": "models", "load": "plan", "load_target": "models", "resolve_model": "models",
     "PromptCache": "decoder", "make_prompt_cache": "decoder",
     "DraftPlan": "plan", "load_draft": "plan", "plan_drafts": "plan",
     "Budget": "drafters", "Drafter": "drafters", "Outcome": "drafters", "Proposal": "drafters",

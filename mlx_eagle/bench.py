@@ -24,9 +24,13 @@ import mlx.core as mx
 
 from .blas import blas_in_use
 from .cli import TREE_HELP, add_model_arguments, add_sampling_arguments, new_parser, run_cli, use_fast_blas
+from .data import mtbench_questions
+from .drafters.history import History, model_identity
 from .errors import UserError
 from .files import write_atomically
-from .generate import chat_tokens, check_messages
+from .generate import chat_tokens, check_messages, stream_generate
+from .progress import progress_bar
+from .trees import parse_tree
 
 if TYPE_CHECKING:
     from .verify import Sampling
@@ -98,7 +102,6 @@ def read_prompts(path: Path) -> List[BenchPrompt]:
 
 def mtbench_suite() -> List[BenchPrompt]:
     """The 80 MT-bench questions, two turns each."""
-    from .data import mtbench_questions
 
     return [_prompt_from_record(q, f"MT-bench {q['question_id']}") for q in mtbench_questions()]
 
@@ -116,7 +119,7 @@ def edit_and_mtbench(doc: str, out: Path, limit: int, measure: Callable, line: C
     prompt sets: ``--limit`` first turns of each, ``--max-tokens``, ``--out`` JSON;
     ``measure(model, tokenizer, head, texts, max_tokens)`` gives a set's row, ``line`` says
     it."""
-    from .models import load
+    from .plan import load
 
     use_fast_blas()
     parser = argparse.ArgumentParser(description=doc.splitlines()[0])
@@ -170,7 +173,6 @@ def timed(responses: Iterable) -> Tuple[list, float, float]:
 def speculative_method(model, tokenizer, plan, max_tokens: int, sampling: Sampling,
                        seed: Optional[int] = None) -> Generator:
     """Our decoding with the drafters of ``plan`` (a DraftPlan)."""
-    from .generate import stream_generate
 
     def run(ids: List[int]) -> Answer:
         responses, seconds, first = timed(stream_generate(model, tokenizer, ids, max_tokens=max_tokens, draft=plan,
@@ -249,7 +251,6 @@ def summarize(per_prompt: List[dict], rounds: List[int], peak_memory: float) -> 
 def run_bench(prompts: List[BenchPrompt], tokenizer, generators: Dict[str, Generator], greedy: bool,
               progress: bool = True) -> dict:
     """Every prompt through every method, methods rotating per prompt."""
-    from .progress import progress_bar
 
     names = list(generators)
     for name in names:  # warm-up: compile paths and fill allocator caches
@@ -437,12 +438,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         raise UserError(f"unknown method(s) {unknown or methods}; choose from {', '.join(METHODS)}")
     if "draft-model" in methods and not args.draft_model:
         raise UserError("the draft-model method needs --draft-model (a small model with the same tokenizer)")
-    from . import load
     from .costs import weight_format
     from .models import resolve_model
-    from .drafters.history import History, model_identity
-    from .plan import plan_drafts, user_drafter
-    from .trees import parse_tree
+    from .plan import load, plan_drafts, user_drafter
     from .verify import Sampling
 
     tree = parse_tree(args.tree) if args.tree != "auto" else "auto"

@@ -19,13 +19,16 @@ from typing import List, Optional, Tuple
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
+from mlx_lm.models.cache import KVCache
 
 from . import costs as device_costs
 from .costs import Costs, device_key, median_ms, model_digest
+from .drafters.tree_growth import TreeDrafter
 from .errors import UserError
 from .files import cache_dir, read_json, write_json
 from .target import is_driven, layer_count
 from .trees import DEFAULT_STATIC, MAX_RANK, RankPath, TreeSpec, check_paths, node_count, parse_tree
+
 
 @dataclass
 class TreeChoice:
@@ -140,9 +143,7 @@ def head_acceptance(head) -> Tuple[np.ndarray, str]:
 
 def time_draft_step(model: nn.Module, head, context: int = 64, repeats: int = 3) -> float:
     """Milliseconds of one head step over a tree depth (the default static tree's, averaged)."""
-    from mlx_lm.models.cache import KVCache
 
-    from .drafters.tree_growth import TreeDrafter
 
     taps = head.taps(layer_count(model))
     width = model.args.hidden_size * (len(taps) if taps is not None else 1)

@@ -19,6 +19,8 @@ from typing import Optional, Sequence
 from .cli import add_history_arguments, add_model_arguments, add_sampling_arguments, history_choice, new_parser, run_cli
 from .errors import UserError
 from .files import cache_dir, write_atomically
+from .generate import check_options
+from .trees import parse_tree
 
 COMMANDS = """commands:
   /help           this list
@@ -95,7 +97,6 @@ def save_conversation(session, path: Path) -> None:
 
 def command(session, terminal: Terminal, text: str, state: dict) -> bool:
     """Run a /command; False when it asks to leave."""
-    from .trees import parse_tree
     from .verify import Sampling
 
     name, _, argument = text.partition(" ")
@@ -181,10 +182,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     # Ctrl-C stops a reply: the app's own key, also when it was started with SIGINT ignored
     # (a background job of a non-interactive shell inherits that, and Python then keeps it).
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    from .generate import check_options
     from .plan import user_drafter
     from .session import ChatSession
-    from .trees import parse_tree
     from .verify import Sampling
 
     # What is wrong with the arguments is said before the model loads.

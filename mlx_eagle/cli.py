@@ -11,7 +11,7 @@ from typing import Callable, NoReturn, Optional, Sequence
 
 from .blas import find_openblas, openblas_loaded
 from .errors import UserError
-
+from .progress import close_bars
 
 DRAFT_HELP = ("what drafts, beside drafts from the context: a drafter's directory (an EAGLE head, a DFlash drafter, "
               "or a draft model: a model directory, .gguf file or Hugging Face repo id with the model's tokenizer); "
@@ -126,7 +126,6 @@ def run_cli(main: Callable[[Optional[Sequence[str]]], None], argv=None) -> NoRet
     try:
         main(argv)
     except UserError as error:
-        from .progress import close_bars
 
         close_bars()  # the error starts a line of its own
         print(f"error: {error}", file=sys.stderr)

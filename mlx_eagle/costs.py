@@ -26,9 +26,13 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
+from mlx_lm.models.cache import trim_prompt_cache
 
 from .blas import REFERENCE_BLAS, blas_in_use, openblas_loaded
+from .compiled import compiles_verification, verify_block
 from .files import cache_dir, read_json, writable, write_json
+from .progress import progress_bar
+from .target import is_driven, make_cache, target_forward
 
 CALIBRATION_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 32)
 
@@ -114,11 +118,7 @@ def time_forwards(model: nn.Module, sizes: Sequence[int] = CALIBRATION_SIZES, co
     architecture otherwise (with ``taps``' states), else the model's own forward.
     Distinct tokens, because an MoE verifying one repeated token touches fewer experts
     and would look cheaper than it is."""
-    from mlx_lm.models.cache import trim_prompt_cache
-    from .progress import progress_bar
 
-    from .compiled import compiles_verification, verify_block
-    from .target import is_driven, make_cache, target_forward
 
     vocab = model.args.vocab_size
     tokens = np.random.default_rng(0).integers(min(100, vocab - 1), max(vocab - 100, 101),
@@ -151,9 +151,7 @@ def logit_drift(model: nn.Module, context: int = 256, size: int = 16) -> float:
     product for one row, a matrix product for a block), and so do their roundings. The
     decoder decides a greedy position whose top two logits lie closer than this (with a
     margin) as plain decoding would."""
-    from mlx_lm.models.cache import trim_prompt_cache
 
-    from .target import is_driven, make_cache, target_forward
 
     vocab = model.args.vocab_size
     tokens = np.random.default_rng(1).integers(min(100, vocab - 1), max(vocab - 100, 101), size=context + size)

@@ -3,6 +3,7 @@ model's directory says of itself is checked in configs.py)."""
 
 from __future__ import annotations
 
+import difflib
 
 
 class UserError(ValueError):
@@ -13,7 +14,6 @@ class UserError(ValueError):
 def did_you_mean(given: str, words) -> str:
     """" (did you mean 'X'?)" for a typo of one of ``words`` (a letter more, less, different
     or two swapped), else ""."""
-    import difflib
 
     close = [w for w in words if difflib.SequenceMatcher(None, given.lower(), w).ratio() >= 0.7]
     return f" (did you mean {close[0]!r}?)" if close else ""

@@ -17,6 +17,7 @@ import numpy as np
 
 from .data import save_shard, shard_path
 from .generate import chat_tokens
+from .progress import progress_bar
 from .target import lm_head, make_cache, target_forward
 
 
@@ -55,7 +56,6 @@ def self_distill(model: nn.Module, tokenizer, prompts: Sequence[str], data: Path
     longer than ``max_prompt_tokens`` are skipped (cutting one would cut off the chat
     template's generation prompt). Finished shards are skipped, so an interrupted run
     resumes where it stopped. Returns the number of the shard after the last."""
-    from .progress import progress_bar
 
     data.mkdir(parents=True, exist_ok=True)
     encoded = [chat_tokens(tokenizer, [{"role": "user", "content": p}]) for p in prompts]

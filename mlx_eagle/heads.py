@@ -18,14 +18,23 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 from mlx_lm.models import llama
+from mlx_lm.models.rope_utils import initialize_rope
 from mlx_lm.utils import dequantize_model
 
+from .architectures import target_identity
 from .configs import read_config
 from .errors import UserError
-from .target import Mask, Positions, compiled_piece, compute_dtype, default_taps, embedding_layer, layer_block, \
-    layer_count, lm_head
-
-FAMILIES = ("eagle1", "eagle3")
+from .target import (
+    Mask,
+    Positions,
+    compiled_piece,
+    compute_dtype,
+    default_taps,
+    embedding_layer,
+    layer_block,
+    layer_count,
+    lm_head,
+)
 
 
 @dataclass
@@ -106,6 +115,10 @@ def embed(head: nn.Module, target: nn.Module, tokens: mx.array) -> mx.array:
 
 class Eagle1Head(nn.Module):
     family = "eagle1"
+    draft_vocabulary = False  # drafts over the target's whole vocabulary, through its LM head
+    layer_prefix = "layers.0"  # its layer's key prefix in the official layout
+    architecture = "EagleLlamaForCausalLM"  # config.json's architectures, as this package writes it
+    official_architecture = "LlamaForCausalLM"  # ... as the official EAGLE code writes it
     traceable = True  # its step is array code only: a whole tree can be drafted in one compiled call (tree_growth.py)
 
     def __init__(self, config: HeadConfig):
@@ -140,6 +153,10 @@ def _eagle3_inputs(layer: nn.Module, embedding: mx.array, hidden: mx.array) -> m
 
 class Eagle3Head(nn.Module):
     family = "eagle3"
+    draft_vocabulary = True  # drafts over a vocabulary of its own, mapped to the target's by d2t
+    layer_prefix = "midlayer"
+    architecture = "Eagle3LlamaForCausalLM"
+    official_architecture = "LlamaForCausalLMEagle3"
     traceable = True
 
     def __init__(self, config: HeadConfig):
@@ -199,13 +216,14 @@ class Head(Protocol):
 
 
 EagleHead = Union[Eagle1Head, Eagle3Head]  # the heads with weights: saved, loaded, trained
+HEADS = {head.family: head for head in (Eagle1Head, Eagle3Head)}  # by config.json's "family"
 
 
 def new_head(target: nn.Module, family: str, draft_vocab_size: Optional[int] = None, seed: int = 0) -> EagleHead:
     """A randomly initialised head shaped for ``target`` (for training, and for tests:
     a bad head must still give exactly the target's text)."""
-    if family not in FAMILIES:
-        raise UserError(f"unknown head family {family!r}; use one of {', '.join(FAMILIES)}")
+    if family not in HEADS:
+        raise UserError(f"unknown head family {family!r}; use one of {', '.join(HEADS)}")
     args = target.args
     config = HeadConfig(
         family=family, hidden_size=args.hidden_size, intermediate_size=args.intermediate_size,
@@ -216,13 +234,13 @@ def new_head(target: nn.Module, family: str, draft_vocab_size: Optional[int] = N
         rope_theta=getattr(args, "rope_theta", 10000.0),
         max_position_embeddings=getattr(args, "max_position_embeddings", 8192),
     )
-    if family == "eagle3":
+    if HEADS[family].draft_vocabulary:
         config.target_hidden_size = args.hidden_size
         config.draft_vocab_size = draft_vocab_size or args.vocab_size
         config.taps = list(default_taps(layer_count(target)))
     mx.random.seed(seed)
-    head = (Eagle1Head if family == "eagle1" else Eagle3Head)(config)
-    if family == "eagle3" and config.draft_vocab_size < args.vocab_size:
+    head = HEADS[family](config)
+    if head.draft_vocabulary and config.draft_vocab_size < args.vocab_size:
         # Any sorted subset of the target vocabulary will do for a fresh head.
         used = mx.sort(mx.random.permutation(args.vocab_size)[: config.draft_vocab_size])
         head.d2t = (used - mx.arange(config.draft_vocab_size)).astype(mx.int64)
@@ -240,7 +258,7 @@ def save_head(head: EagleHead, path: Path, dtype: Optional[mx.Dtype] = None) -> 
     config = {k: v for k, v in asdict(head.config).items() if k != "extra"}
     config.update(head.config.extra)
     config["num_hidden_layers"] = 1
-    config["architectures"] = ["Eagle3LlamaForCausalLM" if head.family == "eagle3" else "EagleLlamaForCausalLM"]
+    config["architectures"] = [head.architecture]
     (path / "config.json").write_text(json.dumps(config, indent=2))
     weights = dict(tree_flatten(head.parameters()))
     if dtype is not None:
@@ -253,7 +271,6 @@ TARGET_FILE = "target.json"  # beside a shipped head: the identity of the model 
 
 def shipped_head_dir(model: nn.Module) -> Optional[Path]:
     """The head shipped for ``model`` (in the package's weights/ folder), if any."""
-    from .architectures import target_identity
 
     identity = target_identity(model)
     for directory in sorted((Path(__file__).parent / "weights").glob("*")):
@@ -273,7 +290,7 @@ def read_head_weights(path: Path) -> Tuple[dict, Dict[str, mx.array]]:
         raise UserError(f"draft head {path} does not exist; pass an EAGLE head directory")
     raw = read_config(path, "an EAGLE head directory")
     raw.setdefault("family", "eagle3" if raw.get("draft_vocab_size") else "eagle1")
-    if raw["family"] not in FAMILIES:
+    if raw["family"] not in HEADS:
         raise UserError(f"{path}: unknown head family {raw['family']!r}")
     return raw, read_safetensors(path)
 
@@ -342,7 +359,6 @@ def check_head_config(raw: dict, file: Path) -> HeadConfig:
     config = HeadConfig(**{k: v for k, v in raw.items() if k in known},
                         extra={k: v for k, v in raw.items() if k not in known})
     if rope_scaling is not None:
-        from mlx_lm.models.rope_utils import initialize_rope
 
         dims = config.head_dim or config.hidden_size // config.num_attention_heads
         try:
@@ -362,10 +378,11 @@ def _mismatch(path: Path, head: nn.Module, weights: Dict[str, mx.array], config:
     shapes = sorted(k for k in set(expected) & set(weights) if tuple(expected[k].shape) != tuple(weights[k].shape))
     if not (missing or unexpected or shapes):
         return None
-    if config.family == "eagle1" and any(k.startswith("midlayer.") for k in weights):
-        why = "the weights are an EAGLE-3 head's (midlayer.*): set \"family\": \"eagle3\" in config.json"
-    elif config.family == "eagle3" and any(k.startswith("layers.0.") for k in weights):
-        why = "the weights are an EAGLE-1/2 head's (layers.0.*): set \"family\": \"eagle1\" in config.json"
+    other = next((h for h in HEADS.values() if h.family != config.family
+                  and any(k.startswith(h.layer_prefix + ".") for k in weights)), None)
+    if other is not None:
+        why = (f"the weights are an {other.family} head's ({other.layer_prefix}.*): set \"family\": "
+               f"\"{other.family}\" in config.json")
     elif any(k.endswith(".scales") for k in unexpected):
         why = "the weights are quantized but config.json has no \"quantization\" (bits, group_size)"
     elif any(k.endswith(".scales") for k in missing):
@@ -384,7 +401,7 @@ def load_head(path: Path, target: nn.Module) -> EagleHead:
     path = Path(path)
     raw, weights = read_head_weights(path)
     config = check_head_config(raw, path / "config.json")
-    head = (Eagle3Head if config.family == "eagle3" else Eagle1Head)(config)
+    head = HEADS[config.family](config)
     if "embed_tokens.weight" in weights:
         head.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
     if config.extra.get("quantization") is not None:
@@ -401,7 +418,7 @@ def load_head(path: Path, target: nn.Module) -> EagleHead:
         # ~3x slower than float32 (a draft step of the 8-bit SmolLM2 head: 11.5 vs 3.4 ms).
         dequantize_model(head)
     head.set_dtype(compute_dtype(target), predicate=lambda d: mx.issubdtype(d, mx.floating))
-    if config.family == "eagle3":
+    if head.draft_vocabulary:
         check_draft_vocabulary(head.d2t, target.args.vocab_size, path)
     mx.eval(head.parameters())
     head.directory = path  # where tuned trees for it live (see tune.py)
@@ -431,10 +448,9 @@ def check_fits(head: EagleHead, target: nn.Module, path) -> None:
     elif "embed_tokens" not in head and config.hidden_size != args.hidden_size:
         problems.append(f"width {config.hidden_size} vs the target's embeddings of {args.hidden_size}, "
                         "and no embedding of its own")
-    if config.family == "eagle3":
-        layers = layer_count(target)
-        bad = [t for t in head.taps(layers) if not 0 <= t < layers]
-        if bad:
-            problems.append(f"feature taps {bad} outside the target's {layers} layers")
+    layers = layer_count(target)
+    bad = [t for t in head.taps(layers) or () if not 0 <= t < layers]
+    if bad:
+        problems.append(f"feature taps {bad} outside the target's {layers} layers")
     if problems:
         raise UserError(f"draft head {path} does not fit this target: {'; '.join(problems)}")

@@ -3,21 +3,22 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Sequence
+
+from huggingface_hub import snapshot_download
 
 from .errors import UserError
 
-_HUB_FILES = ["*.json", "*.safetensors", "tokenizer.model", "*.jinja", "*.txt"]
+MODEL_FILES = ("*.json", "*.safetensors", "tokenizer.model", "*.jinja", "*.txt")
 
 
-def from_hub(repo_id: str) -> Path:
-    """The local snapshot of the Hugging Face repo ``repo_id`` (downloaded once), or one line."""
+def from_hub(repo_id: str, files: Sequence[str] = MODEL_FILES,
+             offline: str = "pass a local model directory or .gguf file") -> Path:
+    """The local snapshot of the Hugging Face repo ``repo_id`` (downloaded once: the
+    ``files`` patterns), or one line saying what to ``offline`` pass instead."""
     try:
-        from huggingface_hub import snapshot_download
-
-        return Path(snapshot_download(repo_id, allow_patterns=_HUB_FILES))
+        return Path(snapshot_download(repo_id, allow_patterns=list(files)))
     except Exception as exc:
         reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise UserError(
-            f"cannot fetch {repo_id} from the Hugging Face Hub ({reason}); "
-            "when offline, pass a local model directory or .gguf file"
-        ) from None
+        raise UserError(f"cannot fetch {repo_id} from the Hugging Face Hub ({reason}); when offline, {offline}") \
+            from None

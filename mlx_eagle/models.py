@@ -13,8 +13,12 @@ from typing import Any, Dict, Optional, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.utils import load as mlx_lm_load
 
+from .architectures import ARCHITECTURES, text_config
+from .blas import REFERENCE_BLAS, blas_in_use, find_openblas
 from .configs import check_model_config, read_config, safetensors_bytes
+from .convert.target import convert_target, fastest_dtype
 from .errors import UserError
 from .files import cache_dir, writable
 from .hub import from_hub
@@ -28,8 +32,6 @@ _DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 def warn_slow_blas() -> None:
     """Say once, in one line, that a Linux CPU process runs MLX's reference BLAS (the
     commands restart themselves with OpenBLAS; a Python program cannot)."""
-    from .blas import REFERENCE_BLAS, blas_in_use, find_openblas
-
     if blas_in_use() != REFERENCE_BLAS or os.environ.get("MLX_EAGLE_NO_OPENBLAS"):
         return
     library = find_openblas()
@@ -60,8 +62,6 @@ def converted_gguf(gguf: Path, name: Optional[str] = None, progress: bool = True
     On a CPU the weights become float32, the only fast path there; on a GPU
     the file's own quantization is kept.
     """
-    from .convert.target import convert_target, fastest_dtype
-
     gguf = gguf.resolve()
     if name is None:
         stat = gguf.stat()
@@ -110,17 +110,8 @@ def load_target(model: Optional[str] = None, tokenizer_config: Optional[Dict[str
     """Load a target model with mlx-lm: (model, tokenizer wrapper, its directory). A
     multimodal checkpoint whose text model the tree path drives (Gemma 3) gives that text
     model, an ordinary mlx-lm model."""
-    from mlx_lm.utils import load as mlx_lm_load
-
-    from .architectures import ARCHITECTURES, text_config
-    from .plan import drafter_kind
-
     path = resolve_model(model, progress=progress)
     config = read_config(path, "an MLX or Hugging Face model directory")
-    kind = drafter_kind(path, config)
-    if kind is not None and kind != "draft model":
-        raise UserError(f"{path} holds {kind} weights, a drafter, not a model: pass it as --draft, and the model it "
-                        "drafts for as --model")
     record = ARCHITECTURES.get(config.get("model_type"))
     if record is not None:  # configs whose sizes we know how to read
         check_model_config(text_config(config), path / "config.json", safetensors_bytes(path),
@@ -139,16 +130,3 @@ def load_target(model: Optional[str] = None, tokenizer_config: Optional[Dict[str
         # float32 there); quantized weights keep their bits, only scales widen.
         loaded.set_dtype(mx.float32, predicate=lambda dtype: dtype in (mx.float16, mx.bfloat16))
     return loaded, tokenizer, path
-
-
-def load(path_or_hf_repo: Optional[str] = None, draft: Optional[str] = None,
-         tokenizer_config: Optional[Dict[str, Any]] = None):
-    """Like mlx_lm.load: ``(model, tokenizer)``; with ``draft`` (a drafter's directory or
-    "auto", see plan.load_draft) ``(model, tokenizer, drafter weights)``, None when "auto"
-    finds none."""
-    from .plan import load_draft
-
-    model, tokenizer, path = load_target(path_or_hf_repo, tokenizer_config)
-    if draft is None:
-        return model, tokenizer
-    return model, tokenizer, load_draft(draft, model)

@@ -10,7 +10,7 @@ The draft choice (``--draft``, ``draft=``):
              for it: the one with the higher recorded acceptance), and drafts from the context
   "lookup"   drafts from the context alone (any model mlx-lm loads), as None does
   "none"     plain decoding through the same loop
-  a path     a drafter's directory; each kind in drafters.KINDS says whether it is its own
+  a path     a drafter's directory; each kind in drafters.kinds.KINDS says whether it is its own
   "package.module:Name", or the name of an installed entry point (group "mlx_eagle.drafters")
              your own drafter: a ``Drafter`` subclass or function making one (called with
              the ``model`` and ``tokenizer`` its parameters name), or a ``Drafter`` object
@@ -29,19 +29,21 @@ import inspect
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import mlx.nn as nn
 import numpy as np
 
-from .drafters import Budget, Drafter, DraftSettings, DraftSource, Outcome, Proposal, kind_modules
-from .drafters.composite import Composite, SourceStats
+from .calibrate import head_acceptance
 from .configs import read_config
+from .drafters import Budget, Drafter, Outcome, Proposal
+from .drafters.composite import Composite, SourceStats
+from .drafters.history import History, for_model, model_identity
+from .drafters.kinds import DraftSettings, DraftSource, kind_modules
 from .errors import UserError, did_you_mean
+from .hub import from_hub
+from .models import load_target, resolve_model
 from .trees import TreeSpec
-
-if TYPE_CHECKING:
-    from .drafters.history import History
 
 WORDS = ("auto", "lookup", "none")
 
@@ -208,8 +210,6 @@ def best_shipped(drafters: List[object]) -> Optional[object]:
     """Of the drafters that come with a model (its own MTP module, a head shipped for it),
     the one whose recorded acceptance promises the longest chains (tokens per round on a
     chain of its recorded depth); the first on a tie, in KINDS order (the model's own first)."""
-    from .calibrate import head_acceptance
-
     def chain_tokens(drafter: object) -> float:
         return 1.0 + float(np.cumprod(head_acceptance(drafter)[0][:, 0]).sum())
 
@@ -232,9 +232,7 @@ def load_draft(draft: Union[str, Path, None, object], model: nn.Module):
     if isinstance(draft, (str, Path)):
         path = Path(draft).expanduser()
         if not path.exists() and isinstance(draft, str) and draft.count("/") == 1 and not draft.startswith((".", "~")):
-            from .hub import from_hub  # a Hugging Face repo id: a head or a draft model, fetched when online
-
-            path = from_hub(draft)
+            path = from_hub(draft)  # a Hugging Face repo id: a head or a draft model, fetched when online
         if not path.exists():
             raise UserError(f"draft {draft} does not exist{did_you_mean(str(draft), WORDS)}; pass a drafter's "
                             f"directory, or one of {', '.join(WORDS)}")
@@ -242,11 +240,32 @@ def load_draft(draft: Union[str, Path, None, object], model: nn.Module):
     return draft
 
 
+def open_target(model: Optional[str] = None, tokenizer_config: Optional[Dict[str, Any]] = None
+                ) -> Tuple[nn.Module, Any, Path]:
+    """models.load_target for a --model value, refusing a drafter's directory in one line
+    before anything loads: (model, tokenizer, its directory)."""
+    path = resolve_model(model)
+    kind = drafter_kind(path, read_config(path, "an MLX or Hugging Face model directory"))
+    if kind is not None and kind != "draft model":
+        raise UserError(f"{path} holds {kind} weights, a drafter, not a model: pass it as --draft, and the model it "
+                        "drafts for as --model")
+    return load_target(str(path), tokenizer_config)
+
+
+def load(path_or_hf_repo: Optional[str] = None, draft: Optional[str] = None,
+         tokenizer_config: Optional[Dict[str, Any]] = None):
+    """Like mlx_lm.load: ``(model, tokenizer)``; with ``draft`` (a drafter's directory or
+    "auto", see load_draft) ``(model, tokenizer, drafter weights)``, None when "auto" finds
+    none."""
+    model, tokenizer, _ = open_target(path_or_hf_repo, tokenizer_config)
+    if draft is None:
+        return model, tokenizer
+    return model, tokenizer, load_draft(draft, model)
+
+
 def history_of(model: nn.Module, history: Union[bool, str, Path, "History", None], key: str = ""):
     """The earlier replies to draft from: True, this process's for ``model`` (and ``key``,
     the server's model id); a path, the file's (loaded and saved); False or None, none."""
-    from .drafters.history import History, for_model, model_identity
-
     if history is None or history is False:
         return None
     if history is True:

@@ -6,6 +6,8 @@ from __future__ import annotations
 import sys
 from typing import Any
 
+from tqdm import tqdm
+
 
 class _Lines:
     """A stream for tqdm that turns each redraw into a line of its own."""
@@ -24,7 +26,6 @@ class _Lines:
 
 def progress_bar(iterable: Any = None, **options: Any):
     """``tqdm(iterable, **options)``, on standard error, log-safe as the module says."""
-    from tqdm import tqdm
 
     stream = options.pop("file", sys.stderr)
     if not (hasattr(stream, "isatty") and stream.isatty()):

@@ -44,9 +44,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Sequence
 
 from .cli import add_history_arguments, add_model_arguments, history_choice, new_parser, run_cli
-from .errors import UserError
-from .errors import check_text
-from .generate import MAX_SEED, GenerationResponse, chat_tokens, check_messages
+from .errors import UserError, check_text
+from .generate import MAX_SEED, GenerationResponse, chat_tokens, check_messages, check_options
+from .trees import parse_tree
 
 if TYPE_CHECKING:
     from .session import Engine
@@ -527,10 +527,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     add_history_arguments(parser)
     parser.add_argument("--quiet", action="store_true", help="no line per request")
     args = parser.parse_args(argv)
-    from .generate import check_options
     from .plan import user_drafter
     from .session import Engine
-    from .trees import parse_tree
 
     # Everything that can be wrong with the arguments is said before the model loads.
     if args.tree != "auto":

@@ -26,8 +26,8 @@ from .decoder import make_prompt_cache
 from .drafters import Drafter
 from .errors import UserError
 from .generate import GenerationResponse, chat_tokens, check_messages, check_prompt, stream_generate
-from .models import DEFAULT_MODEL, load_target
-from .plan import DraftPlan, history_of, load_draft, plan_drafts
+from .models import DEFAULT_MODEL
+from .plan import DraftPlan, history_of, load_draft, open_target, plan_drafts
 
 Message = Dict[str, str]
 
@@ -88,7 +88,7 @@ class Engine:
 
     @staticmethod
     def _load(model: Optional[str], draft: Optional[str]):
-        target, tokenizer, path = load_target(model)
+        target, tokenizer, path = open_target(model)
         return target, tokenizer, load_draft(draft, target), path
 
     def plan(self, tree: Any = None, history_key: str = "") -> DraftPlan:

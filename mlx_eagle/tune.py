@@ -33,10 +33,13 @@ from typing import TYPE_CHECKING, List, Optional, Sequence, Tuple
 import mlx.core as mx
 import numpy as np
 
+from .bench import mlx_lm_method, speculative_method
 from .cli import add_model_arguments, new_parser, run_cli
+from .data import sharegpt_prompts
 from .errors import UserError
 from .files import write_atomically
 from .generate import chat_tokens
+from .trees import TreeSpec, node_count, parse_tree
 
 if TYPE_CHECKING:  # imported where used, so that --help need not load MLX's model code
     import mlx.nn as nn
@@ -57,9 +60,7 @@ def confirm_speedup(model: nn.Module, tokenizer, head, paths: List[RankPath], pr
                     max_tokens: int = 64) -> Tuple[float, float]:
     """Decode ``prompts`` greedily with the tree and with plain mlx-lm, alternating;
     returns (tree tokens/s, plain tokens/s), measured."""
-    from .bench import mlx_lm_method, speculative_method
     from .plan import plan_drafts
-    from .trees import TreeSpec
     from .verify import Sampling
 
     sampling = Sampling()  # greedy
@@ -85,7 +86,6 @@ def measure_costs(model: nn.Module, tokenizer, head, context: int = 256, repeats
     from .costs import Costs, median_ms, time_forwards
     from .decoder import SpeculativeDecoder
     from .drafters.eagle import EagleDrafter
-    from .trees import parse_tree
     from .verify import Sampling
 
     verify_ms = time_forwards(model, VERIFY_SIZES, context, repeats, head.taps(model.args.num_hidden_layers),
@@ -131,12 +131,10 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     if args.objective == "tau" and args.out is None:
         raise UserError("--objective tau needs --out FILE (the tree kept for --tree auto is the fastest one)")
 
-    from . import load
     from .calibrate import TreeChoice, best_tree, save_acceptance, tuned_tree_file, user_head_dir
     from .costs import device_key
     from .drafters import eagle
-    from .data import sharegpt_prompts
-    from .plan import user_drafter
+    from .plan import load, user_drafter
     from .train.evaluate import calibration_pieces, measure_acceptance
 
     if user_drafter(args.draft) is not None:
@@ -185,7 +183,6 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     depth1 = ", ".join(f"{p:.2f}" for p in acceptance[:, 0])
     print(f"acceptance of the top draft by depth: {depth1}")
     if choice.paths:
-        from .trees import node_count
 
         print(f"tree: {node_count(len(choice.paths))}, depth {max(len(p) for p in choice.paths)}, expected tau "
               f"{choice.expected_tau:.2f}" + (f", {choice.expected_tokens_per_s:.1f} tokens/s vs "

@@ -90,10 +90,10 @@ TREE_FILES = [(["--tree", f"static:{{{name}}}"], words) for name, words in TREES
 
 @pytest.mark.parametrize("argv, words", OPTIONS + GENERATE_ONLY + TREE_FILES)
 def test_generate_refuses_bad_arguments_before_loading(argv, words, bad_trees, capsys, monkeypatch):
-    import mlx_eagle.models
+    import mlx_eagle.plan
 
     generate = importlib.import_module("mlx_eagle.generate.__main__")  # the command
-    forbid_loading(monkeypatch, mlx_eagle.models, "load")
+    forbid_loading(monkeypatch, mlx_eagle.plan, "load")
     argv = [a.format(**bad_trees) for a in argv]
     assert_one_line(*run_command(generate.main, argv, capsys, monkeypatch), words)
 
@@ -217,10 +217,10 @@ HEADS = [  # (what the source is, words in the line)
 
 @pytest.mark.parametrize("source, words", HEADS)
 def test_convert_head_refuses_bad_sources_before_loading_a_target(source, words, tmp_path, capsys, monkeypatch):
-    import mlx_eagle.models
+    import mlx_eagle.plan
     from mlx_eagle.convert import head
 
-    forbid_loading(monkeypatch, mlx_eagle.models, "load_target")
+    forbid_loading(monkeypatch, mlx_eagle.plan, "open_target")
     (tmp_path / "file").write_text("x")
     paths = {"missing": str(tmp_path / "absent"), "file": str(tmp_path / "file"),
              "no-config": write_head_dir(tmp_path, "no-config"),
@@ -238,15 +238,15 @@ def test_convert_head_refuses_bad_sources_before_loading_a_target(source, words,
     (["--tokens-per-batch", "-4"], "tokens-per-batch"), (["--clip", "-1"], "clip"),
     (["--draft-vocab", "0"], "draft-vocab"),
     (["--held-out", "-1"], "held-out"), (["--work", "{file}"], "cannot use"),
-    (["--store-features", "{file}"], "cannot keep"), (["--mix-self", "0"], "mix-self"),
+    (["--store-features", "{file}"], "to keep the target"), (["--mix-self", "0"], "mix-self"),
     (["--answers", "self", "--mix-self", "3"], "--answers sharegpt"),
     (["--feature-noise", "-0.1"], "feature-noise"), (["--family", "eagle1", "--mask-outside-draft"], "EAGLE-3"),
 ])
 def test_train_refuses_bad_arguments_before_loading(argv, words, tmp_path, capsys, monkeypatch):
-    import mlx_eagle.models
+    import mlx_eagle.plan
     from mlx_eagle.train import __main__ as train
 
-    forbid_loading(monkeypatch, mlx_eagle.models, "load")
+    forbid_loading(monkeypatch, mlx_eagle.plan, "load")
     (tmp_path / "a-file").write_text("x")
     argv = [a.format(file=tmp_path / "a-file") for a in argv]
     code, lines = run_command(train.main, ["--out", str(tmp_path / "head")] + argv, capsys, monkeypatch)

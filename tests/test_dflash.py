@@ -242,7 +242,7 @@ def test_the_converter_checks_casts_and_quantizes_a_dflash_checkpoint(smollm, tm
 
 
 def test_the_tree_setting_shapes_what_a_dflash_drafter_proposes(tmp_path):
-    from mlx_eagle.drafters import DraftSettings
+    from mlx_eagle.drafters.kinds import DraftSettings
     from mlx_eagle.drafters.dflash import source
 
     target = tiny_target()

@@ -340,7 +340,7 @@ def test_an_eagle3_head_drafts_chains_on_a_hybrid_losslessly(name):
 
 
 def test_a_tree_asked_of_a_hybrid_is_drafted_as_its_chain():
-    from mlx_eagle.drafters import DraftSettings
+    from mlx_eagle.drafters.kinds import DraftSettings
     from mlx_eagle.drafters.eagle import source
     from mlx_eagle.heads import new_head
 

@@ -144,3 +144,101 @@ def test_the_drafter_protocol_imports_no_model_code():
              "print([m for m in sys.modules if m.split('.')[0] in ('mlx_lm', 'transformers')])")
     loaded = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, cwd=ROOT, check=True)
     assert loaded.stdout.strip() == "[]", loaded.stdout
+
+
+# Function-local imports kept for a reason other than --help's speed: (module, what it imports) -> why.
+LOCAL_IMPORTS_FOR_A_REASON = {
+    ("mlx_eagle.chat", "readline"): "imported for its effect on input() (line editing), only when the app starts",
+}
+SLOW_IMPORTS = ("mlx_lm", "transformers", "matplotlib")  # what takes a second or more to import
+
+
+def top_level_imports() -> Dict[str, Set[str]]:
+    """Each module's imports at its top level (package modules and third-party roots)."""
+    found = modules()
+    known = set(found)
+    result = {}
+    for name, path in found.items():
+        body = ast.parse(path.read_text()).body
+        top = set()
+        for node in body:
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                top |= resolved(name, path, node, known)
+        result[name] = top
+    return result
+
+
+def resolved(name: str, path: Path, node: ast.AST, known: Set[str]) -> Set[str]:
+    """The package modules an import statement names, or the third-party package's root."""
+    if isinstance(node, ast.ImportFrom) and not node.level and not (node.module or "").startswith("mlx_eagle"):
+        return {node.module.split(".")[0]}
+    if isinstance(node, ast.Import) and not node.names[0].name.startswith("mlx_eagle"):
+        return {alias.name.split(".")[0] for alias in node.names}
+    module = ast.Module(body=[node], type_ignores=[])
+    return imports_of(name, path, module, known)
+
+
+def imports_of(name: str, path: Path, tree: ast.AST, known: Set[str]) -> Set[str]:
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.ImportFrom):
+            continue
+        base = node.module or ""
+        if node.level:
+            anchor = package.split(".")[:len(package.split(".")) - (node.level - 1)]
+            base = ".".join(anchor + ([base] if base else []))
+        for alias in node.names:
+            target = f"{base}.{alias.name}" if f"{base}.{alias.name}" in known else base
+            while target and target not in known:
+                target = target.rpartition(".")[0]
+            if target and target != name:
+                found.add(target)
+    return found
+
+
+def loads_model_code(name: str, top: Dict[str, Set[str]], seen: Set[str]) -> bool:
+    """Whether importing ``name`` imports mlx-lm, transformers or matplotlib (its packages
+    run too)."""
+    if not name.startswith("mlx_eagle"):
+        return name in SLOW_IMPORTS
+    if name in seen:
+        return False
+    seen.add(name)
+    parents = {name.rsplit(".", i)[0] for i in range(1, name.count(".") + 1)}
+    return any(loads_model_code(other, top, seen) for other in top.get(name, set()) | parents)
+
+
+def is_command(name: str, path: Path) -> bool:
+    """A module run as a command (python -m), or the package of one: it must import light."""
+    return (path.name == "__main__.py" or 'if __name__ == "__main__"' in path.read_text()
+            or (path.name == "__init__.py" and (path.parent / "__main__.py").exists()))
+
+
+def test_dependencies_are_imported_at_the_top_of_each_module():
+    """A function-local import hides a dependency; one is kept only in a command's module,
+    of what loads mlx-lm, transformers or matplotlib, so that --help answers at once (or for a reason
+    named in LOCAL_IMPORTS_FOR_A_REASON)."""
+    found = modules()
+    known, top = set(found), top_level_imports()
+    hidden = []
+    for name, path in found.items():
+        tree = ast.parse(path.read_text())
+        functions = [node for node in ast.walk(tree) if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))]
+        for function in functions:
+            for node in ast.walk(function):
+                if not isinstance(node, (ast.Import, ast.ImportFrom)):
+                    continue
+                for target in resolved(name, path, node, known):
+                    if (name, target) in LOCAL_IMPORTS_FOR_A_REASON:
+                        continue
+                    if not (is_command(name, path) and loads_model_code(target, top, set())):
+                        hidden.append(f"{name}:{node.lineno} {function.name} imports {target}")
+    assert hidden == []
+
+
+def test_loading_a_model_knows_no_drafter():
+    """models.py (finding, converting and loading targets) sits below the drafters, which
+    load draft models through it: it imports no plan, drafter, decoder or app."""
+    above = ("mlx_eagle.plan", "mlx_eagle.drafters", "mlx_eagle.decoder", "mlx_eagle.generate", "mlx_eagle.session")
+    assert [m for m in graph()["mlx_eagle.models"] if m.startswith(above)] == []

@@ -12,7 +12,7 @@ from pathlib import Path
 import openai
 import pytest
 
-import mlx_eagle.models
+import mlx_eagle.plan
 from mlx_eagle import stream_generate
 from mlx_eagle.errors import UserError
 from mlx_eagle.generate import chat_tokens
@@ -46,7 +46,7 @@ def test_generate_takes_a_module_and_name(smollm, capsys):
     ("table_drafter:Counter", "Counter is a class, not an mlx_eagle.Drafter"),
 ])
 def test_a_bad_drafter_is_one_line_before_the_model_loads(spec, problem, monkeypatch):
-    monkeypatch.setattr(mlx_eagle.models, "load", lambda *a, **k: pytest.fail("the model loaded"))
+    monkeypatch.setattr(mlx_eagle.plan, "load", lambda *a, **k: pytest.fail("the model loaded"))
     with pytest.raises(UserError, match=problem):
         generate_main(["--draft", spec])
 

@@ -3,6 +3,7 @@ maps round-trip, a resumed run equals an uninterrupted one, padded batches see w
 sequence alone sees, the ShareGPT readers survive the truncated file and keep every turn."""
 
 import json
+from dataclasses import replace
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -14,7 +15,7 @@ from mlx_eagle.data import read_sharegpt, sharegpt_path, sharegpt_prompts, mtben
 from mlx_eagle.heads import new_head
 from mlx_eagle.errors import UserError
 from mlx_eagle.train import StateStore, TrainConfig, Trainer, d2t_t2d, draft_vocabulary, epoch_batches, \
-    head_to_train, make_batch, shift, target_states, ttt_unroll
+    drafter_to_train, make_batch, shift, target_states, ttt_unroll
 from synthetic import write_model
 
 
@@ -86,7 +87,7 @@ def test_ttt_attention_equals_the_dense_tree_mask(training_setup, smollm, which)
     """TTTCache scores L + k keys per query instead of (k + 1) L: the logits of every
     unrolled step, and the gradients through them, equal attention under the full mask."""
     model = training_setup[0] if which == "tiny" else smollm[0]
-    head = head_to_train(model, "eagle3", np.arange(96), seed=3)
+    head = drafter_to_train(model, TrainConfig(seed=3), np.arange(96))
     rng = np.random.default_rng(0)
     tokens = mx.array(rng.integers(3, 96, (2, 37)).astype(np.int32))
     features, _ = target_states(model, tokens, head.taps(model.args.num_hidden_layers))
@@ -122,9 +123,7 @@ def test_a_few_steps_lower_the_loss(training_setup, tmp_path, family):
                          checkpoint_every=1000)
     losses = []
     for attempt in range(2):  # deterministic: two runs give the same losses
-        head = new_head(model, family, draft_vocab_size=len(used), seed=1)
-        if family == "eagle3":
-            head.d2t = mx.array(d2t_t2d(used, model.args.vocab_size)[0])
+        head = drafter_to_train(model, replace(config, seed=1), used)
         work = tmp_path / f"run{attempt}"
         work.mkdir()
         Trainer(model, head, pieces, config, work, used=used, progress=False).run()
@@ -138,7 +137,7 @@ def ten_step_trainer(training_setup, work, store=None, **levers):
     model, pieces, used = training_setup
     config = TrainConfig(steps=10, tokens_per_batch=128, grad_accum=2, lr=2e-3, warmup=3, ttt_steps=2,
                          checkpoint_every=4, **levers)
-    head = head_to_train(model, "eagle3", used, seed=2, train_embeddings=config.train_embeddings)
+    head = drafter_to_train(model, replace(config, seed=2), used)
     return Trainer(model, head, pieces, config, work, used=used, progress=False, store=store)
 
 
@@ -312,7 +311,7 @@ def test_stored_states_are_the_targets_and_train_as_recomputed_ones(training_set
     alone (to float16's precision); a fill killed part-way resumes to the same store; a
     run reading them trains as one recomputing them; another data set is refused."""
     model, pieces, used = training_setup
-    taps = head_to_train(model, "eagle3", used).taps(model.args.num_hidden_layers)
+    taps = drafter_to_train(model, TrainConfig(), used).taps(model.args.num_hidden_layers)
     # lengths differ
     pieces = [(tokens[: 13 + 2 * i], answer[: 13 + 2 * i]) for i, (tokens, answer) in enumerate(pieces)]
     store = StateStore(tmp_path / "store", model, pieces, taps, seq_len=1024)
@@ -421,12 +420,10 @@ def test_a_full_disk_never_leaves_a_truncated_vocabulary(tmp_path, disk_of):
 
 def dflash_trainer(training_setup, work, steps=10, lr=2e-3):
     """The same DFlash run (blocks of 4, checkpoints every 4 steps) wherever ``work`` is."""
-    from mlx_eagle.train.trainer import dflash_to_train
-
     model, pieces, _ = training_setup
     config = TrainConfig(family="dflash", steps=steps, tokens_per_batch=128, grad_accum=2, lr=lr, warmup=3,
-                         checkpoint_every=4, block_size=4, anchors=6, dflash_layers=1)
-    return Trainer(model, dflash_to_train(model, config, mask_token=2), pieces, config, work, progress=False)
+                         checkpoint_every=4, block_size=4, anchors=6, dflash_layers=1, mask_token=2)
+    return Trainer(model, drafter_to_train(model, config), pieces, config, work, progress=False)
 
 
 def test_a_dflash_drafter_learns_deterministically_and_a_resumed_run_reaches_the_same_weights(training_setup,
@@ -454,7 +451,7 @@ def test_dflash_training_sees_each_block_as_drafting_does(training_setup):
     from mlx_lm.models.cache import KVCache
 
     from mlx_eagle.drafters.dflash import new_dflash
-    from mlx_eagle.train.blocks import blocks_logits
+    from mlx_eagle.train.dflash import blocks_logits
 
     model, pieces, _ = training_setup
     drafter = new_dflash(model, layers=2, block_size=4, mask_token_id=2, seed=3)

@@ -19,9 +19,8 @@ from typing import Dict, Optional, Sequence
 import mlx.core as mx
 
 from ..cli import new_parser, run_cli
-
-from .target import DTYPES
 from ..files import replace_directory
+from .target import DTYPES
 
 
 def dequantized(weights: Dict[str, mx.array], config: dict) -> Dict[str, mx.array]:
@@ -41,34 +40,35 @@ def dequantized(weights: Dict[str, mx.array], config: dict) -> Dict[str, mx.arra
 
 
 def official_config(config: dict, dtype: mx.Dtype) -> dict:
-    family = config["family"]
+    from ..heads import HEADS
+
+    kind = HEADS[config["family"]]
     keep = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
             "rms_norm_eps", "rope_theta", "rope_scaling", "max_position_embeddings", "vocab_size")
     result = {k: config[k] for k in keep if config.get(k) is not None}
     result.update(model_type="llama", num_hidden_layers=1, tie_word_embeddings=False,
-                  torch_dtype=str(dtype).split(".")[-1], bias=bool(config.get("bias")))
-    if family == "eagle3":
-        result.update(architectures=["LlamaForCausalLMEagle3"], draft_vocab_size=config["draft_vocab_size"],
+                  torch_dtype=str(dtype).split(".")[-1], bias=bool(config.get("bias")),
+                  architectures=[kind.official_architecture])
+    if kind.draft_vocabulary:
+        result.update(draft_vocab_size=config["draft_vocab_size"],
                       target_hidden_size=config.get("target_hidden_size") or config["hidden_size"])
         if config.get("taps"):
             result["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": list(config["taps"])}
         for flag in ("norm_before_residual", "norm_before_fc"):  # speculators' names, which vLLM reads
             if config.get(flag):
                 result[flag] = True
-    else:
-        result["architectures"] = ["LlamaForCausalLM"]
     return result
 
 
 def export_head(head: Path, out: Path, dtype: Optional[str] = None, overwrite: bool = False) -> Path:
-    from ..heads import read_head_weights
+    from ..heads import HEADS, read_head_weights
 
     config, weights = read_head_weights(Path(head))
     weights = dequantized(weights, config)
     floats = [v.dtype for v in weights.values() if mx.issubdtype(v.dtype, mx.floating)]
     target_dtype = DTYPES[dtype] if dtype else floats[0]
     weights = {k: v.astype(target_dtype) if mx.issubdtype(v.dtype, mx.floating) else v for k, v in weights.items()}
-    if config["family"] == "eagle3":
+    if HEADS[config["family"]].draft_vocabulary:
         d2t = weights["d2t"].astype(mx.int64)
         used = mx.arange(d2t.shape[0]) + d2t
         t2d = mx.zeros((config["vocab_size"],), dtype=mx.bool_)

@@ -6,9 +6,9 @@ from pathlib import Path
 from typing import Callable, Dict, List
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
+from transformers import PreTrainedTokenizerFast
 
 from ..errors import UserError
-
 from .gguf_weights import field
 
 # llama.cpp token types (llama_token_type)
@@ -101,7 +101,6 @@ def build_tokenizer(reader, path: Path, context_length: int):
 
 
 def _build_tokenizer(reader, path: Path, context_length: int):
-    from transformers import PreTrainedTokenizerFast
 
     tokens = field(reader, "tokenizer.ggml.tokens")
     kind = field(reader, "tokenizer.ggml.model")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import struct
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -12,7 +13,6 @@ import numpy as np
 from ..architectures import GGUF_ARCHITECTURES, architecture, text_config
 from ..configs import check_model_config
 from ..errors import UserError
-
 from .tensors import QuantizedWeight, SourceTensor
 
 try:
@@ -84,7 +84,6 @@ def check_gguf_layout(path: Path) -> None:
     length it declares against the bytes the file has, before gguf.GGUFReader (which
     believes them: a 69-byte file declaring an array of 10**12 values made it allocate
     without bound). One line for the first that cannot fit."""
-    import struct
 
     size = path.stat().st_size
     with open(path, "rb") as file:

@@ -26,17 +26,20 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
+from ..architectures import target_identity
 from ..cli import new_parser, run_cli
 from ..configs import read_config
 from ..errors import UserError
-
-from .target import DTYPES
 from ..files import replace_directory
+from ..hub import from_hub
+from ..progress import progress_bar
+from .target import DTYPES
+from .torch_pickle import load_torch_bin
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # the command's module: what loads mlx-lm is imported where it is used, so --help answers at once
     from ..heads import HeadConfig
 
-_HUB_FILES = ["*.json", "*.safetensors", "*.bin"]
+_HUB_FILES = ("*.json", "*.safetensors", "*.bin")
 
 
 def _locate(src: str) -> Path:
@@ -46,14 +49,7 @@ def _locate(src: str) -> Path:
     if path.exists():
         raise UserError(f"{path} is a file; pass the head's directory (config.json and weights)")
     if src.count("/") == 1 and not src.startswith((".", "/", "~")):
-        try:
-            from huggingface_hub import snapshot_download
-
-            return Path(snapshot_download(src, allow_patterns=_HUB_FILES))
-        except Exception as exc:
-            reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-            raise UserError(f"cannot fetch {src} from the Hugging Face Hub ({reason}); "
-                            "when offline, pass a local head directory") from None
+        return from_hub(src, _HUB_FILES, "pass a local head directory")
     raise UserError(f"{src} does not exist; pass an EAGLE head directory or a Hugging Face repo id")
 
 
@@ -77,10 +73,6 @@ def _weight_files(path: Path) -> Sequence[Path]:
 
 def read_checkpoint(path: Path) -> Tuple[dict, Dict[str, mx.array]]:
     """config.json and every tensor, read without running pickled code."""
-    from ..progress import progress_bar
-
-    from .torch_pickle import load_torch_bin
-
     config = read_config(path, "an EAGLE head checkpoint")
     tensors: Dict[str, mx.array] = {}
     for file in progress_bar(_weight_files(path), desc="reading head", unit="file", leave=False):
@@ -137,7 +129,7 @@ def _from_speculators(raw: dict, tensors: Dict[str, mx.array], source: str) -> T
     flat["rope_theta"] = rope.get("rope_theta", full.get("rope_theta"))
     if rope.get("rope_type", "default") != "default":
         flat["rope_scaling"] = {k: v for k, v in rope.items() if k != "rope_theta"}
-    if kind == "eagle":
+    if kind == "eagle":  # speculators' name for EAGLE-1/2
         if raw.get("layernorms"):
             raise UserError(f"{source}: a speculators EAGLE head with layernorms true (extra embedding and "
                             "pre-LM-head norms) is not supported; only layernorms false")
@@ -211,15 +203,15 @@ def published_layout(raw: dict, tensors: Dict[str, mx.array], source: str) -> Tu
 def head_config(raw: dict, family: str, tensors: Dict[str, mx.array], target: nn.Module,
                 official_code: bool = False) -> HeadConfig:
     """``official_code``: the checkpoint is in the official code's own layout (``midlayer``)."""
-    from ..heads import HeadConfig
+    from ..heads import HEADS, HeadConfig
 
-    args = target.args
+    kind, args = HEADS[family], target.args
     hidden = raw.get("hidden_size")
     if hidden is None:
         raise UserError("the head's config.json has no hidden_size")
-    layer = "midlayer" if family == "eagle3" else "layers.0"
+    layer = kind.layer_prefix
     rope_scaling = raw.get("rope_scaling")
-    if family == "eagle3" and official_code and (rope_scaling or {}).get("rope_type") == "llama3":
+    if official_code and (rope_scaling or {}).get("rope_type") == "llama3":
         rope_scaling = None  # the official EAGLE code and SpecForge run such heads on plain RoPE
     config = HeadConfig(
         family=family, hidden_size=hidden, intermediate_size=raw.get("intermediate_size") or 0,
@@ -233,7 +225,7 @@ def head_config(raw: dict, family: str, tensors: Dict[str, mx.array], target: nn
         norm_before_residual=bool(raw.get("norm_before_residual")),
         norm_before_fc="input_norm.weight" in tensors,
     )
-    if family == "eagle3":
+    if kind.draft_vocabulary:
         config.draft_vocab_size = int(tensors["lm_head.weight"].shape[0]) if "lm_head.weight" in tensors else None
         config.target_hidden_size = raw.get("target_hidden_size") or int(tensors["fc.weight"].shape[1]) // 3
         taps = (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
@@ -243,7 +235,9 @@ def head_config(raw: dict, family: str, tensors: Dict[str, mx.array], target: nn
 
 def normalise(family: str, tensors: Dict[str, mx.array]) -> Dict[str, mx.array]:
     """Our key layout (the official one): some EAGLE-3 exporters call midlayer layers.0."""
-    return _renamed(tensors, [("layers.0.", "midlayer.")]) if family == "eagle3" else tensors
+    from ..heads import HEADS
+
+    return _renamed(tensors, [("layers.0.", HEADS[family].layer_prefix + ".")])
 
 
 def _embedding_matches(own: mx.array, target: nn.Module) -> bool:
@@ -257,20 +251,21 @@ def _embedding_matches(own: mx.array, target: nn.Module) -> bool:
 
 def build_head(raw: dict, tensors: Dict[str, mx.array], target: nn.Module, source: str) -> nn.Module:
     """The head as an MLX module holding the checkpoint's tensors, checked against ``target``."""
-    from ..heads import Eagle1Head, Eagle3Head, check_draft_vocabulary, check_fits
+    from ..heads import HEADS, check_draft_vocabulary, check_fits
 
     raw, tensors = published_layout(raw, tensors, source)
     family = raw.get("family") or detect_family(tensors)
     official_code = any(k.startswith("midlayer.") for k in tensors)
     tensors = normalise(family, tensors)
     config = head_config(raw, family, tensors, target, official_code)
-    if family == "eagle3" and "d2t" not in tensors:
+    kind = HEADS[family]
+    if kind.draft_vocabulary and "d2t" not in tensors:
         if config.draft_vocab_size not in (None, config.vocab_size):
             raise UserError(f"{source}: no d2t for its draft vocabulary of {config.draft_vocab_size}; "
                             "download the whole checkpoint")
         # Model Optimizer: a head over the whole vocabulary comes without a map.
         tensors["d2t"] = mx.zeros((config.vocab_size,), dtype=mx.int64)
-    head = (Eagle3Head if family == "eagle3" else Eagle1Head)(config)
+    head = kind(config)
     t2d = tensors.pop("t2d", None)  # implied by d2t
     own = tensors.pop("embed_tokens.weight", None)
     if own is not None and not _embedding_matches(own, target):
@@ -289,7 +284,7 @@ def build_head(raw: dict, tensors: Dict[str, mx.array], target: nn.Module, sourc
         if tuple(value.shape) != tuple(expected[name].shape):
             raise UserError(f"{source}: {name} has shape {tuple(value.shape)}, its config.json implies "
                             f"{tuple(expected[name].shape)}")
-    if family == "eagle3":
+    if kind.draft_vocabulary:
         tensors["d2t"] = tensors["d2t"].astype(mx.int64)
         check_draft_vocabulary(tensors["d2t"], target.args.vocab_size, source, t2d)
     head.load_weights(list(tensors.items()), strict=True)
@@ -298,18 +293,13 @@ def build_head(raw: dict, tensors: Dict[str, mx.array], target: nn.Module, sourc
 
 def convert_head(src: str, out: Path, target: Optional[str] = None, q_bits: Optional[int] = None,
                  q_group_size: int = 64, dtype: Optional[str] = None, overwrite: bool = False) -> Path:
-    from ..heads import save_head
-
-    from ..heads import load_head
-    from ..heads import TARGET_FILE
-    from ..architectures import target_identity
-    from ..models import load_target
-
     from ..drafters import dflash
+    from ..heads import TARGET_FILE, load_head, save_head
+    from ..plan import open_target
 
     path = _locate(src)  # a wrong SRC fails before the target is loaded
     raw, tensors = read_checkpoint(path)
-    model, _, _ = load_target(target)
+    model, _, _ = open_target(target)
     if dflash.recognizes(path, raw):
         return _convert_dflash(raw, tensors, path, out, model, q_bits, q_group_size, dtype, overwrite)
     head = build_head(raw, tensors, model, str(path))

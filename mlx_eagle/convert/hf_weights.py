@@ -8,12 +8,13 @@ from typing import Any, Dict, List, Optional
 
 import mlx.core as mx
 
-from ..configs import check_model_config, read_config as read_config_json, safetensors_bytes
+from ..architectures import ARCHITECTURES, model_classes, text_config
+from ..architectures import SUPPORTED_MODEL_TYPES as MODEL_TYPES
+from ..configs import check_model_config, safetensors_bytes
+from ..configs import read_config as read_config_json
+from ..drafters.mtp import is_mtp, is_raw, quantized, sanitize_mtp
 from ..errors import UserError
-from ..architectures import ARCHITECTURES, SUPPORTED_MODEL_TYPES as MODEL_TYPES, model_classes, text_config
-
 from .tensors import SourceTensor
-
 
 TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
@@ -52,7 +53,6 @@ def read_tensors(path: Path, config: Dict[str, Any]) -> List[SourceTensor]:
             weights.update(mx.load(str(file)))
         except Exception as exc:
             raise UserError(f"{file} is damaged or truncated ({exc}); download it again") from exc
-    from ..drafters.mtp import is_mtp
 
     layers = text_config(config).get("num_hidden_layers", 0)
     weights = {k: v for k, v in weights.items() if not is_mtp(k, config["model_type"], layers)}  # see mtp_tensors
@@ -69,7 +69,6 @@ def mtp_tensors(path: Path, config: Dict[str, Any], dtype: mx.Dtype, bits: Optio
     """The model's MTP module (drafters/mtp.py), which mlx-lm's sanitize drops, in mlx-lm's
     layout as ``dtype`` (its projections quantized to ``bits`` where given): the converter
     keeps it in mtp.safetensors, a file mlx-lm does not read."""
-    from ..drafters.mtp import is_mtp, is_raw, quantized, sanitize_mtp
 
     weights: Dict[str, mx.array] = {}
     for file in sorted(path.glob("model*.safetensors")) or sorted(path.glob("*.safetensors")):

@@ -13,8 +13,7 @@ import mlx.core as mx
 
 from ..cli import new_parser, run_cli
 from ..errors import UserError
-
-from .writer import OutputFormat, write_model_dir
+from . import gguf_weights
 
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 
@@ -34,6 +33,9 @@ def convert_target(
     stays float, GGUF quantization that MLX holds exactly (Q4_0, Q4_1, Q5_0,
     Q5_1, Q8_0) is kept bit for bit, K-quants are re-quantized.
     """
+    # Imported here, not above: they load mlx-lm and transformers, and --help answers at once.
+    from .writer import OutputFormat, write_model_dir
+
     src = Path(src)
     if dtype is not None and dtype not in DTYPES:
         raise UserError(f"unknown dtype {dtype!r}; use one of {', '.join(DTYPES)}")
@@ -47,7 +49,6 @@ def convert_target(
         group_size=q_group_size or (32 if is_gguf else 64),
     )
     if is_gguf:
-        from . import gguf_weights
         from .gguf_tokenizer import build_tokenizer
 
         reader = gguf_weights.open_gguf(src)

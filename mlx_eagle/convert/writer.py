@@ -10,10 +10,12 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Union
 
 import mlx.core as mx
-from ..progress import progress_bar
+from mlx_lm.utils import load_model, load_tokenizer
 
+from ..architectures import ARCHITECTURES, model_classes
 from ..errors import UserError
 from ..files import replace_directory
+from ..progress import progress_bar
 from .tensors import QuantizedWeight, SourceTensor
 
 _SHARD_BYTES = 2 << 30
@@ -39,7 +41,6 @@ def quantizable_layers(config: Dict[str, Any]) -> Optional[Dict[str, Union[bool,
     False (kept float: no quantized form, such as DeepSeek's expert router, or the model's
     ``quant_predicate`` says so), True, or that predicate's own {bits, group_size}. None:
     not an architecture this runtime builds (every matrix is then taken for a layer)."""
-    from ..architectures import ARCHITECTURES, model_classes
 
     if config.get("model_type") not in ARCHITECTURES:
         return None
@@ -161,7 +162,6 @@ def _name_shards(staging: Path, shard_keys: List[List[str]]) -> None:
 
 
 def _check_loads(staging: Path) -> None:
-    from mlx_lm.utils import load_model, load_tokenizer
 
     try:
         load_model(staging, lazy=True)

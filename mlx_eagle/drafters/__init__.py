@@ -1,4 +1,4 @@
-"""Draft sources behind one seam: the ``Drafter`` protocol, and the registry of kinds.
+"""Draft sources behind one seam: the ``Drafter`` protocol.
 
 A round asks the drafter for a ``Proposal``, a tree of candidate tokens after the root
 (the token the target already chose), within a ``Budget``; the target verifies it in one
@@ -9,69 +9,19 @@ learns the committed state the same way whether it came from a prompt or a round
 
 Several sources draft together through ``Composite`` (composite.py), which merges their
 trees so that a shared prefix is verified once. A new kind of drafter is one module in
-this package that defines a ``Drafter`` and the kind's hooks (see ``KINDS``), one line
-in ``KINDS``, and its tests.
+this package that defines a ``Drafter`` and the kind's hooks (see ``kinds.KINDS``), one
+line in ``KINDS``, and its tests.
 """
 
 from __future__ import annotations
 
 import copy
-import importlib
 from dataclasses import dataclass, field
-from types import ModuleType
-from typing import TYPE_CHECKING, Callable, List, Optional, Sequence, Tuple, Union
+from typing import Callable, List, Optional, Sequence, Tuple, Union
 
 import mlx.core as mx
 
 from ..trees import DraftTree
-
-if TYPE_CHECKING:
-    import mlx.nn as nn
-
-    from ..costs import Costs
-    from .history import History
-    from ..trees import TreeSpec
-
-# The kinds of drafter, one module each: mlx_eagle.drafters.<kind>. A kind module defines
-#   NAME                         what the drafts: line calls it
-#   recognizes(path, config) -> bool   whether a --draft path holds this kind (config: its
-#                                config.json, None for a file)
-#   load(directory, model)       its weights for ``model``, as load_draft returns them
-#   accepts(draft) -> bool       whether a loaded draft (or an object the API is handed) is this kind's
-#   source(draft, model, settings) -> DraftSource   the drafter factory the plan keeps
-# The first that recognizes a path (or accepts a loaded draft, or ships for a model) takes it.
-KINDS = ("dflash", "mtp", "eagle", "draft_model", "lookup")
-
-
-def kind_modules() -> List[ModuleType]:
-    return [importlib.import_module(f"{__name__}.{kind}") for kind in KINDS]
-
-
-@dataclass
-class DraftSettings:
-    """What the plan tells a kind when it makes its source."""
-
-    model: "nn.Module"  # the target
-    tree: Union[str, "TreeSpec", None] = "auto"  # the tree a head or a tree-drafting kind grows
-    history: Optional["History"] = None  # earlier replies to draft from (drafters/history.py)
-
-    @property
-    def costs(self) -> "Costs":
-        """This device's verify-cost curve for the target (timed once, then cached)."""
-        from .. import costs
-
-        return costs.verify_costs(self.model)
-
-
-@dataclass
-class DraftSource:
-    """One source of drafts in a plan: what it is called, and how to make a fresh
-    drafter for each conversation (None: it decided not to draft here, for ``note``)."""
-
-    name: str
-    make: Optional[Callable[[], "Drafter"]]
-    note: Optional[str] = None  # why it drafts the way it does (a tree's calibration, ...)
-    draft: object = None  # what it drafts with (a head), for reports
 
 
 @dataclass

@@ -20,6 +20,7 @@ exactly, greedy or sampled.
 from __future__ import annotations
 
 import heapq
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
@@ -30,12 +31,17 @@ import numpy as np
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import KVCache
 from mlx_lm.models.rope_utils import initialize_rope
+from mlx_lm.utils import dequantize_model
 
+from ..configs import read_config as read_json_config
 from ..errors import UserError
-from ..target import compute_dtype, embed, keep_cache_entries, layer_count, lm_head, rotate
-from ..trees import DraftTree
-from . import Budget, DraftSettings, DraftSource, Outcome, Proposal
+from ..heads import read_safetensors
+from ..target import check_target, compute_dtype, embed, keep_cache_entries, layer_count, lm_head, rotate
+from ..trees import DraftTree, TreeSpec, parse_tree
+from ..trees import chain as chain_paths
+from . import Budget, Outcome, Proposal
 from .chains import ChainDrafter
+from .kinds import DraftSettings, DraftSource
 
 NAME = "dflash"
 TOP_K = 4  # tokens kept per block position: the tree's ranks
@@ -318,8 +324,6 @@ def recognizes(path: Path, config: Optional[dict]) -> bool:
 
 def load(directory: Path, model: nn.Module) -> DFlashModel:
     """The checkpoint in ``directory`` for the target ``model``, checked against it."""
-    from ..configs import read_config as read_json_config
-    from ..heads import read_safetensors
 
     directory = Path(directory)
     drafter = build(read_json_config(directory, "a DFlash checkpoint"), read_safetensors(directory), model,
@@ -332,7 +336,6 @@ def build(raw: dict, weights: Dict[str, mx.array], model: nn.Module, source) -> 
     """The drafter holding a checkpoint's ``weights`` (its config.json: ``raw``), checked
     against the target ``model``; a quantized one (``quantization`` in its config, as the
     converter writes it) is widened on a CPU, as heads are."""
-    from mlx_lm.utils import dequantize_model
 
     config = dflash_config(raw, source)
     check_fits(config, model, Path(source).parent)
@@ -384,9 +387,7 @@ def accepts(draft: object) -> bool:
 
 
 def source(draft: DFlashModel, model: nn.Module, settings: DraftSettings) -> DraftSource:
-    from ..target import check_target
 
-    from ..trees import TreeSpec, chain as chain_paths, parse_tree
 
     check_target(model, draft.config.taps)
     name = f"dflash {Path(getattr(draft, 'directory', 'drafter')).name}, block {draft.config.block_size}"
@@ -430,7 +431,6 @@ def new_dflash(target: nn.Module, layers: int = 5, block_size: int = 16, mask_to
 
 def save_dflash(model: DFlashModel, path: Path, dtype: Optional[mx.Dtype] = None) -> None:
     """Write config.json and model.safetensors in the z-lab layout (``dtype``: the weights')."""
-    import json
 
     config = model.config
     raw = {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_size": config.hidden_size,

@@ -23,17 +23,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
-import numpy as np
-
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 
+from ..costs import time_forwards
 from ..errors import UserError
+from ..models import load_target
 from ..rewind import Rewind
 from ..trees import DraftTree
-from . import Budget, DraftSettings, DraftSource, Outcome, Proposal
+from . import Budget, Outcome, Proposal
 from .chains import ChainDrafter
+from .kinds import DraftSettings, DraftSource
 
 NAME = "draft model"
 PREFILL_CHUNK = 512
@@ -176,7 +178,6 @@ def recognizes(path: Path, config: Optional[dict]) -> bool:
 
 
 def load(path: Path, model: nn.Module) -> DraftModel:
-    from ..models import load_target
 
     draft, _, _ = load_target(str(path))
     return DraftModel(draft, Path(path).name)
@@ -192,7 +193,6 @@ _STEP_COSTS = {}  # (draft model, target) ids -> a draft step in target steps, t
 
 def step_cost(draft: nn.Module, target: nn.Module, settings: DraftSettings) -> float:
     """One draft token (a forward over one token after a few hundred cached) in target steps."""
-    from ..costs import time_forwards
 
     key = (id(draft), id(target))
     if key not in _STEP_COSTS:

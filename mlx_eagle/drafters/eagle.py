@@ -17,10 +17,12 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import KVCache
 
-from ..heads import FAMILIES, Head, load_head
+from ..calibrate import auto_tree
+from ..heads import HEADS, Head, load_head, shipped_head_dir
 from ..target import check_target, is_driven, keep_cache_entries, layer_count
-from ..trees import TreeSpec
-from . import Budget, Drafter, DraftSettings, DraftSource, Outcome, Proposal
+from ..trees import TreeSpec, chain_of, parse_tree
+from . import Budget, Drafter, Outcome, Proposal
+from .kinds import DraftSettings, DraftSource
 from .tree_growth import TreeDrafter
 
 NAME = "eagle"
@@ -114,7 +116,7 @@ def recognizes(path: Path, config: Optional[dict]) -> bool:
         return False
     architectures = config.get("architectures") or []
     tokenizer = any((path / name).exists() for name in ("tokenizer.json", "tokenizer.model"))
-    return (config.get("family") in FAMILIES or "draft_vocab_size" in config
+    return (config.get("family") in HEADS or "draft_vocab_size" in config
             or any(isinstance(a, str) and "eagle" in a.lower() for a in architectures)
             or (config.get("num_hidden_layers") == 1 and not tokenizer))
 
@@ -129,7 +131,6 @@ def accepts(draft: object) -> bool:
 
 def shipped(model: nn.Module) -> Optional[Head]:
     """The head shipped in this package for ``model``, if any."""
-    from ..heads import shipped_head_dir
 
     found = shipped_head_dir(model)
     return load_head(found, model) if found is not None else None
@@ -138,8 +139,6 @@ def shipped(model: nn.Module) -> Optional[Head]:
 def source(head: Head, model: nn.Module, settings: DraftSettings) -> DraftSource:
     """The head drafting the tree ``settings.tree`` names (``auto``: tuned or calibrated for
     this device; none where it is expected to lose)."""
-    from ..calibrate import auto_tree
-    from ..trees import chain_of, parse_tree
 
     tree, why, cost = settings.tree, None, None
     if tree is None or tree == "auto":

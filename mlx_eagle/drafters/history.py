@@ -23,8 +23,10 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
+import mlx.core as mx
 import numpy as np
 
+from ..architectures import target_identity
 from ..errors import UserError
 from ..files import write_atomically
 
@@ -206,9 +208,7 @@ class History:
 
 def model_identity(model) -> str:
     """What a history is kept for: the model's architecture and a sample of its weights."""
-    import mlx.core as mx
 
-    from ..architectures import target_identity
 
     digest = hashlib.sha256(json.dumps(target_identity(model), sort_keys=True, default=str).encode())
     embedding = getattr(getattr(model, "model", None), "embed_tokens", None)

@@ -31,9 +31,10 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..trees import DraftTree
-from . import Budget, DraftSettings, DraftSource, Outcome, Proposal
+from . import Budget, Outcome, Proposal
 from .chains import ChainDrafter
 from .history import History
+from .kinds import DraftSettings, DraftSource
 
 NAME = "lookup"
 

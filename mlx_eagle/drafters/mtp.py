@@ -30,11 +30,13 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
+from mlx_lm.utils import dequantize_model
 
 from ..errors import UserError
-
-from ..target import Mask, Positions, compute_dtype, decoder_layer, is_driven, embedding_layer, inner_model, lm_head
-from . import DraftSettings, DraftSource
+from ..heads import read_safetensors
+from ..target import Mask, Positions, compute_dtype, decoder_layer, embedding_layer, inner_model, is_driven, lm_head
+from . import eagle
+from .kinds import DraftSettings, DraftSource
 
 NAME = "mtp"
 # What peers measure for Qwen's MTP modules (mlx-vlm #2040: 3.72 tokens a round at depth 4),
@@ -206,7 +208,6 @@ class MTPModule(nn.Module):
 def module_for(model: nn.Module, weights: Dict[str, mx.array], source) -> Optional[MTPModule]:
     """The MTP module held in a checkpoint's ``weights`` for ``model`` (None: it holds none),
     or one line when its MTP tensors are partial or of another shape."""
-    from mlx_lm.utils import dequantize_model
 
     tensors = sanitize_mtp(weights, model)
     if not tensors:
@@ -291,7 +292,6 @@ def shipped(model: nn.Module) -> Optional[MTPModule]:
     directory = getattr(model, "directory", None)
     if directory is None or getattr(model.args, "model_type", None) not in MODEL_TYPES:
         return None
-    from ..heads import read_safetensors
 
     module = module_for(model, read_safetensors(directory), directory)
     if module is not None:
@@ -301,7 +301,6 @@ def shipped(model: nn.Module) -> Optional[MTPModule]:
 
 def source(draft: MTPModule, model: nn.Module, settings: DraftSettings) -> DraftSource:
     """The module drafting chains, as an EAGLE head does (eagle.source), named for what it is."""
-    from . import eagle
 
     made = eagle.source(draft, model, settings)
     return DraftSource(made.name.replace("mtp head", "the model's MTP module"), made.make, made.note, draft)

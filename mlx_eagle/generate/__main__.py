@@ -9,11 +9,20 @@ import argparse
 import sys
 from typing import List, Optional, Sequence
 
+import mlx.core as mx
+
 from ..blas import blas_in_use
-from ..cli import (add_history_arguments, add_model_arguments, add_sampling_arguments, history_choice,
-                   new_parser, run_cli)
+from ..cli import (
+    add_history_arguments,
+    add_model_arguments,
+    add_sampling_arguments,
+    history_choice,
+    new_parser,
+    run_cli,
+)
 from ..errors import UserError, check_text
-from . import chat_tokens, check_options, check_prompt
+from ..trees import parse_tree
+from . import chat_tokens, check_options, check_prompt, print_stats, stream_generate
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -48,13 +57,9 @@ def prompt_tokens(tokenizer, prompt: str, system: Optional[str], use_chat_templa
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
     args = build_parser().parse_args(argv)
-    import mlx.core as mx
 
-    from ..models import load
-    from ..plan import plan_drafts, user_drafter
-    from ..trees import parse_tree
+    from ..plan import load, plan_drafts, user_drafter
     from ..verify import Sampling
-    from . import print_stats, stream_generate
 
     # What is wrong with the arguments (and the prompt) is said before the model loads.
     tree = parse_tree(args.tree) if args.tree != "auto" else "auto"

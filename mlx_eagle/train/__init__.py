@@ -1,4 +1,4 @@
-"""Train an EAGLE draft head for any supported target, resumably.
+"""Train a drafter (an EAGLE head or a DFlash block drafter) for any supported target, resumably.
 
     python -m mlx_eagle.train --out my-head [--model M] [--family eagle3] [--answers sharegpt]
 
@@ -20,13 +20,13 @@ import importlib
 
 # Imported on first use, so that the command's --help need not load MLX's model code.
 _EXPORTS = {
-    "acceptance_by_depth": "evaluate", "calibration_pieces": "evaluate", "measure_acceptance": "evaluate",
-    "Piece": "pieces", "d2t_t2d": "pieces", "draft_vocabulary": "pieces", "make_batch": "pieces",
-    "self_distilled_pieces": "pieces", "sharegpt_pieces": "pieces",
+    "calibration_pieces": "evaluate", "chain_estimate": "evaluate", "evaluate_head": "evaluate",
+    "measure_acceptance": "evaluate", "FAMILIES": "families", "TrainedFamily": "families",
+    "drafter_to_train": "families", "Piece": "pieces", "d2t_t2d": "pieces", "draft_vocabulary": "pieces",
+    "make_batch": "pieces", "self_distilled_pieces": "pieces", "sharegpt_pieces": "pieces",
     "TrainConfig": "recipe", "epoch_batches": "recipe", "learning_rate": "recipe", "padded_length": "recipe",
-    "StateStore": "store", "Trainer": "trainer", "head_to_train": "trainer", "plot_curves": "trainer",
-    "steps_within": "trainer", "TTTCache": "ttt", "eagle1_loss": "ttt", "eagle3_loss": "ttt", "shift": "ttt",
-    "target_states": "ttt", "ttt_unroll": "ttt",
+    "StateStore": "store", "Trainer": "trainer", "plot_curves": "trainer", "steps_within": "trainer",
+    "TTTCache": "ttt", "head_to_train": "ttt", "shift": "ttt", "target_states": "ttt", "ttt_unroll": "ttt",
 }
 __all__ = list(_EXPORTS)
 

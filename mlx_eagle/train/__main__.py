@@ -1,29 +1,37 @@
-"""Train a draft head for any supported target, resumably (the mlx_eagle.train command).
+"""Train a drafter (an EAGLE head or a DFlash block drafter) for any supported target,
+resumably (the mlx_eagle.train command).
 
     python -m mlx_eagle.train --out my-head [--model M] [--family eagle3] [--answers sharegpt]
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 import time
-from dataclasses import asdict
+from argparse import ArgumentParser, Namespace
+from dataclasses import fields
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
+import mlx.core as mx
+import numpy as np
+
+from ..architectures import target_identity
 from ..cli import add_model_arguments, new_parser, run_cli
 from ..errors import UserError
+from ..files import replace_directory, write_atomically, write_npz
+from .families import FAMILIES, drafter_to_train
 from .recipe import TrainConfig
 
-
-RECIPE_HELP = {  # TrainConfig's numbers, as flags
+RECIPE_HELP = {  # TrainConfig's settings, as flags (a family's own are prefixed with its title)
     "steps": "optimizer steps",
     "tokens_per_batch": "tokens in one micro-batch (rows times padded length)",
     "grad_accum": "micro-batches per optimizer step",
     "seq_len": "longest piece, in tokens (longer dialogues are cut)",
     "warmup": "steps of linear learning-rate warm-up, then cosine decay",
-    "ttt_steps": "training-time test: draft steps unrolled per position (EAGLE-3)",
+    "ttt_steps": "training-time test: draft steps unrolled per position",
     "checkpoint_every": "steps between checkpoints (a killed run resumes from the last)",
     "seed": "seed for the head's initial weights and the batch order",
     "pad_multiple": "batch lengths are rounded up to this, so compiled steps see few shapes",
@@ -32,24 +40,30 @@ RECIPE_HELP = {  # TrainConfig's numbers, as flags
     "clip": "gradient norm clip",
     "step_decay": "weight of unrolled step k's loss is this to the power k",
     "feature_noise": "uniform noise in (-X, X) on the target's states, as EAGLE-1 trains",
-    "block_size": "DFlash: tokens a block holds (the root and block-size - 1 drafts)",
-    "anchors": "DFlash: blocks trained per sequence, at random positions redrawn every step",
-    "dflash_layers": "DFlash: the drafter's decoder layers",
+    "block_size": "tokens a block holds (the root and block-size - 1 drafts)",
+    "anchors": "blocks trained per sequence, at random positions redrawn every step",
+    "dflash_layers": "the drafter's decoder layers",
+    "mask_token": "the token id that fills a block after its root (default: the tokenizer's unknown token, else 0)",
+    "mask_outside_draft": "positions whose target choice is no draft token do not count in the loss",
+    "train_embeddings": "train an embedding of the head's own (a copy of the target's to start) instead of "
+                        "reading the target's",
 }
 
 
-def main(argv: Optional[Sequence[str]] = None) -> None:
+def recipe_help(name: str) -> str:
+    owners = [family.title for family in FAMILIES.values() if name in family.settings]
+    return (f"{', '.join(owners)}: " if owners else "") + RECIPE_HELP[name]
+
+
+def build_parser() -> ArgumentParser:
     parser = new_parser("mlx_eagle.train", __doc__)
-    parser.add_argument("--out", required=True, type=Path, help="the head directory to write")
+    parser.add_argument("--out", required=True, type=Path, help="the drafter directory to write")
     add_model_arguments(parser, draft=False, tree=False)
     parser.add_argument("--work", type=Path, help="checkpoints, log and curves (default: OUT.work)")
     parser.add_argument("--data", type=Path, help="tokenized data and vocabularies, shareable between runs "
                         "(default: --work)")
-    parser.add_argument("--family", choices=["eagle3", "eagle1", "dflash"], default="eagle3", help="EAGLE-3 (three "
-                        "tapped states, its own draft vocabulary), EAGLE-1/2 (the last state, the target's LM head) "
-                        "or a DFlash block drafter (five tapped states; one pass drafts a block)")
-    parser.add_argument("--mask-token", type=int, help="DFlash: the token id that fills a block after its root "
-                        "(default: the tokenizer's unknown token, else 0)")
+    parser.add_argument("--family", choices=list(FAMILIES), default="eagle3", help="what to train: " + "; ".join(
+        f"{family.name}: {family.title} ({family.about})" for family in FAMILIES.values()))
     parser.add_argument("--answers", choices=["sharegpt", "self"], default="sharegpt",
                         help="ShareGPT's own answers, every turn of every dialogue, or first prompts "
                         "answered by the target itself (self-distillation)")
@@ -57,15 +71,18 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                         "default 2000) to train on")
     parser.add_argument("--held-out", type=int, default=20, help="further prompts kept for measuring acceptance")
     parser.add_argument("--max-answer-tokens", type=int, default=256, help="self-distilled answers' length")
-    parser.add_argument("--draft-vocab", type=int, default=8192, help="EAGLE-3 draft vocabulary size")
+    parser.add_argument("--draft-vocab", type=int, default=8192, help="the draft vocabulary's size, for "
+                        + ", ".join(f.title for f in FAMILIES.values() if f.draft_vocabulary))
     defaults = TrainConfig()
-    for name, what in RECIPE_HELP.items():
-        parser.add_argument(f"--{name.replace('_', '-')}", type=type(getattr(defaults, name)),
-                            default=getattr(defaults, name), help=what)
-    parser.add_argument("--mask-outside-draft", action="store_true", help="positions whose target choice is "
-                        "no draft token do not count in the loss")
-    parser.add_argument("--train-embeddings", action="store_true", help="train an embedding of the head's own "
-                        "(a copy of the target's to start) instead of reading the target's")
+    for setting in fields(TrainConfig):
+        if setting.name in ("family", "compile"):
+            continue
+        flag, default = f"--{setting.name.replace('_', '-')}", getattr(defaults, setting.name)
+        if isinstance(default, bool):
+            parser.add_argument(flag, action="store_true", help=recipe_help(setting.name))
+        else:
+            parser.add_argument(flag, type=type(default) if default is not None else int, default=default,
+                                help=recipe_help(setting.name))
     parser.add_argument("--mix-self", type=int, metavar="N", help="with --answers sharegpt: also train on N "
                         "ShareGPT first prompts answered by the target itself (self-distilled, made as --answers "
                         "self makes them; prompts over 256 tokens are skipped)")
@@ -85,29 +102,16 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                         "SECONDS of wall clock (--steps is then ignored): a few probe steps measure a step's time, "
                         "the schedule is sized to end in time, and the head is written after every sixth of the "
                         "steps, so a run cut off still leaves its latest head (for a lent GPU's fixed time)")
-    parser.add_argument("--init", type=Path, metavar="HEAD", help="start from a head this trainer wrote (the same "
-                        "draft vocabulary), to add epochs to it")
+    parser.add_argument("--init", type=Path, metavar="HEAD", help="start from a drafter this trainer wrote (the "
+                        "same draft vocabulary), to add epochs to it")
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
-    args = parser.parse_args(argv)
-    started = time.monotonic()
+    return parser
 
-    import mlx.core as mx
-    import numpy as np
 
-    from ..heads import load_head, save_head
-    from ..heads import TARGET_FILE
-    from ..architectures import target_identity
-    from ..models import load
-    from ..calibrate import save_acceptance
-    from ..drafters.dflash import load as load_dflash, save_dflash
-    from .evaluate import calibration_pieces, chain_estimate, dflash_tau, measure_acceptance
-    from .pieces import d2t_t2d, draft_vocabulary, self_distilled_pieces, sharegpt_pieces
-    from .store import StateStore
-    from ..files import replace_directory, write_atomically, write_npz
-    from .trainer import Trainer, dflash_to_train, head_to_train, plot_curves, steps_within
-
-    # What is wrong with the arguments is said before the model loads.
-    config = TrainConfig(family=args.family, **{k: getattr(args, k) for k in asdict(defaults) if k != "family"})
+def checked(args: Namespace) -> Tuple[TrainConfig, Path]:
+    """The recipe and the work directory, or one line naming what is wrong, before the
+    model loads."""
+    config = TrainConfig(**{f.name: getattr(args, f.name) for f in fields(TrainConfig)})
     for name, value, low in (("draft-vocab", args.draft_vocab, 1), ("held-out", args.held_out, 0),
                              ("prompts", args.prompts, 1), ("subset", args.subset, 1), ("mix-self", args.mix_self, 1),
                              ("max-answer-tokens", args.max_answer_tokens, 1)):
@@ -120,23 +124,23 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     if args.mix_self and args.answers != "sharegpt":
         raise UserError("--mix-self adds the target's own answers to ShareGPT's; it needs --answers sharegpt")
     work = args.work or args.out.with_name(args.out.name + ".work")
-    try:
-        work.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise UserError(f"cannot use {work} for checkpoints and logs ({exc.strerror}); pass another --work") from None
-    if args.store_features:
+    for directory, use, flag in ((work, "for checkpoints and logs", "--work"),
+                                 (args.store_features, "to keep the target's states", "--store-features")):
+        if directory is None:
+            continue
         try:
-            args.store_features.mkdir(parents=True, exist_ok=True)
+            directory.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
-            raise UserError(f"cannot keep the target's states in {args.store_features} ({exc.strerror}); pass "
-                            "another --store-features") from None
-    progress = not args.quiet
-    world = mx.distributed.init()
-    model, tokenizer = load(args.model)
+            raise UserError(f"cannot use {directory} {use} ({exc.strerror}); pass another {flag}") from None
+    return config, work
 
-    root = args.data or work
-    if world.size() > 1 and not list(root.glob("vocab-*.npz")):
-        raise UserError(f"prepare the data once without mlx.launch first: {parser.prog} ... --prepare-only")
+
+def training_pieces(args: Namespace, model, tokenizer, root: Path, config: TrainConfig,
+                    progress: bool) -> Tuple[List, List[str], Path]:
+    """(pieces, held-out prompts, the draft vocabulary's file), each made once in ``root``."""
+
+    from .pieces import d2t_t2d, draft_vocabulary, self_distilled_pieces, sharegpt_pieces
+
     if args.answers == "sharegpt":
         pieces, held_out = sharegpt_pieces(tokenizer, root, config.seq_len, args.prompts, args.held_out, progress)
         vocab_path = root / f"vocab-sharegpt-{args.prompts or 'all'}-{args.draft_vocab}.npz"
@@ -154,18 +158,37 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     if args.mix_self:  # after --subset, so that --subset N --mix-self M trains on N + M pieces
         pieces = pieces + self_distilled_pieces(model, tokenizer, root, args.mix_self, 0, args.max_answer_tokens,
                                                 progress)[0]
-    vocab = np.load(vocab_path)
+    return pieces, held_out, vocab_path
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    started = time.monotonic()
+    config, work = checked(args)
+    # What --help needs stops here; what training needs loads now.
+
+
+    from ..heads import TARGET_FILE
+    from ..plan import load
+    from .store import StateStore
+    from .trainer import Trainer, plot_curves, steps_within
+
+    progress = not args.quiet
+    world = mx.distributed.init()
+    model, tokenizer = load(args.model)
+    family = FAMILIES[config.family].code()
+    if config.mask_token is None:
+        config = dataclasses.replace(config, mask_token=tokenizer.unk_token_id or 0)
+    root = args.data or work
+    if world.size() > 1 and not list(root.glob("vocab-*.npz")):
+        raise UserError(f"prepare the data once without mlx.launch first: {parser.prog} ... --prepare-only")
+    pieces, held_out, vocab_path = training_pieces(args, model, tokenizer, root, config, progress)
+    used = np.load(vocab_path)["used"] if FAMILIES[config.family].draft_vocabulary else None
     print(f"data: {len(pieces)} pieces, {sum(int(a.sum()) for _, a in pieces):,} answer tokens, {len(held_out)} "
           f"held-out prompts, draft vocabulary {vocab_path.name} (in {root}), {time.monotonic() - started:.0f} s",
           file=sys.stderr)
-    mask_token = args.mask_token if args.mask_token is not None else (tokenizer.unk_token_id or 0)
-
-    def fresh_head():
-        if config.family == "dflash":
-            return dflash_to_train(model, config, mask_token, args.init)
-        return head_to_train(model, config.family, vocab["used"], config.seed, config.train_embeddings, args.init)
-
-    head = fresh_head()
+    head = drafter_to_train(model, config, used, args.init)
     store = None
     if args.store_features:
         store = StateStore(args.store_features, model, pieces, head.taps(model.args.num_hidden_layers),
@@ -182,22 +205,19 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
 
     def write_head() -> None:
         def fill(staging: Path) -> None:
-            (save_dflash if config.family == "dflash" else save_head)(head, staging, dtype=getattr(mx, args.save_dtype))
+            family.save(head, staging, dtype=getattr(mx, args.save_dtype))
             # Whom it drafts for, so that shipped in mlx_eagle/weights/ it is found by --draft auto.
             (staging / TARGET_FILE).write_text(json.dumps(target_identity(model), indent=1) + "\n")
 
         replace_directory(args.out, fill, overwrite=True)
 
     def make_trainer(run_config: TrainConfig, run_work: Path) -> Trainer:
-        return Trainer(model, head, pieces, run_config, run_work, used=vocab["used"], progress=progress, store=store)
+        return Trainer(model, head, pieces, run_config, run_work, used=used, progress=progress, store=store)
 
     if args.time_budget is not None:
         config = steps_within(make_trainer, config, args.time_budget - (time.monotonic() - started), work)
-        head = fresh_head()
+        head = drafter_to_train(model, config, used, args.init)
     trainer = make_trainer(config, work)
-    if config.family == "eagle3" and not np.array_equal(np.array(head.d2t), vocab["d2t"]):
-        raise UserError(f"the checkpoint in {work} was trained with another draft vocabulary than {vocab_path}; "
-                        "pass a new --work")
     chunk = max(1, config.steps // 6) if args.time_budget is not None else config.steps
     tic, first = time.monotonic(), trainer.step
     while trainer.step < config.steps:
@@ -213,25 +233,11 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     if args.skip_eval:
         return
     tic = time.monotonic()
-    if config.family == "dflash":  # decoded: a block's drafts depend on the whole block, not a path to them
-        result = dflash_tau(model, load_dflash(args.out, model), tokenizer, held_out, 64, progress)
-        write_atomically(work / "eval.json", json.dumps(result, indent=2))
-        print(f"evaluated in {time.monotonic() - tic:.0f} s: held-out tau {result['tau']:.2f} on chains of "
-              f"{config.block_size - 1}, acceptance by block position "
-              + " ".join(f"{r:.2f}" for r in result["acceptance_by_position"]) + f"; wrote {args.out}")
-        return
-    # Measured on the head as written (saved dtype), as users will load it.
-    written = load_head(args.out, model)
-    answers = calibration_pieces(model, tokenizer, held_out, 128, progress)
-    table = measure_acceptance(model, written, answers, progress=progress)
-    result = chain_estimate(table)
+    result, line = family.evaluate(model, tokenizer, args.out, held_out, config, progress)
     result.update(answers=args.answers, steps=config.steps,
                   tokens=int(sum(int(answer[:config.seq_len].sum()) for _, answer in pieces)))
     write_atomically(work / "eval.json", json.dumps(result, indent=2))
-    # Acceptance by (depth, rank), beside the head: --tree auto builds its tree from it on any device.
-    save_acceptance(args.out, table, f"python -m mlx_eagle.train, {len(held_out)} held-out ShareGPT prompts")
-    print(f"evaluated in {time.monotonic() - tic:.0f} s: held-out tau {result['tau']:.2f}, acceptance by depth "
-          + " ".join(f"{r:.2f}" for r in result["acceptance_by_depth"]) + f"; wrote {args.out}")
+    print(f"evaluated in {time.monotonic() - tic:.0f} s: {line}; wrote {args.out}")
 
 
 def cli() -> None:

@@ -1,16 +1,20 @@
-"""How well a head drafts: acceptance by (depth, rank) unrolled along the target's own
-answers to held-out prompts (what --tree auto and tune build trees from), and what a
+"""How well an EAGLE head drafts: acceptance by (depth, rank) unrolled along the target's
+own answers to held-out prompts (what --tree auto and tune build trees from), and what a
 greedy chain would yield from it."""
 
 from __future__ import annotations
 
-from typing import Dict, List, Sequence
+from pathlib import Path
+from typing import Dict, List, Sequence, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from ..calibrate import save_acceptance
+from ..features import greedy_batch
 from ..generate import chat_tokens
+from ..heads import load_head
 from ..progress import progress_bar
 from .pieces import make_batch
 from .ttt import shift, target_states, ttt_unroll
@@ -30,8 +34,6 @@ def chain_estimate(acceptance: np.ndarray, depth: int = 6) -> Dict[str, object]:
 def calibration_pieces(model: nn.Module, tokenizer, prompts: Sequence[str], max_tokens: int,
                        progress: bool = False) -> List[tuple]:
     """The target's greedy answers to ``prompts``, as (token ids, answer) pieces."""
-    from ..features import greedy_batch
-
     ids = [chat_tokens(tokenizer, [{"role": "user", "content": p}]) for p in prompts]
     ids = sorted((i for i in ids if len(i) <= 256), key=len)
     pieces = []
@@ -49,7 +51,7 @@ def measure_acceptance(model: nn.Module, head, pieces: Sequence[tuple], depths: 
     hits = np.zeros((depths, ranks))
     totals = np.zeros(depths)
     lookup = None
-    if head.family == "eagle3":  # target ids -> draft ids; -1 where the draft vocabulary lacks one
+    if getattr(head, "draft_vocabulary", False):  # target ids -> draft ids; -1 where the draft vocabulary lacks one
         draft_size = head.d2t.shape[0]
         lookup = mx.full((model.args.vocab_size,), -1, dtype=mx.int32)
         lookup[head.target_ids(mx.arange(draft_size))] = mx.arange(draft_size, dtype=mx.int32)
@@ -75,25 +77,14 @@ def measure_acceptance(model: nn.Module, head, pieces: Sequence[tuple], depths: 
     return hits / np.maximum(totals, 1)[:, None]
 
 
-def dflash_tau(model: nn.Module, drafter, tokenizer, prompts: Sequence[str], max_tokens: int,
-               progress: bool = False) -> Dict[str, object]:
-    """A DFlash drafter's tau on chains of block - 1 drafts (as a flat cost curve sizes
-    them), greedy, over the held-out prompts, and its acceptance by block position."""
-    from ..decoder import SpeculativeDecoder
-    from ..drafters.dflash import DFlashDrafter
-    from ..verify import Sampling
-
-    generated = rounds = 0
-    tried = accepted = 0
-    for prompt in progress_bar(prompts, desc="held-out tau", unit="prompt", disable=not progress):
-        ids = chat_tokens(tokenizer, [{"role": "user", "content": prompt}])
-        chains = DFlashDrafter(drafter, model, lambda tokens: 1.0, trees=False)
-        decoder = SpeculativeDecoder(model, chains, Sampling())
-        tokens = [decoder.prefill(ids)]
-        while len(tokens) < max_tokens and tokens[-1] not in tokenizer.eos_token_ids:
-            tokens += decoder.round(max_tokens - len(tokens)).tokens
-            rounds += 1
-        generated += len(tokens) - 1
-        tried, accepted = tried + chains.tried[0], accepted + chains.accepted[0]
-    return {"tau": generated / max(rounds, 1), "acceptance_by_position": [float(a) for a in accepted / np.maximum(
-        tried, 1)], "rounds": rounds, "prompts": len(prompts)}
+def evaluate_head(target: nn.Module, tokenizer, out: Path, held_out: Sequence[str], config,
+                  progress: bool = False) -> Tuple[Dict[str, object], str]:
+    """The head written at ``out``, measured as users will load it (its saved dtype): its
+    acceptance by (depth, rank) is saved beside it, where --tree auto builds trees from it
+    on any device, and a greedy chain's tau is estimated from it."""
+    answers = calibration_pieces(target, tokenizer, held_out, 128, progress)
+    table = measure_acceptance(target, load_head(out, target), answers, progress=progress)
+    save_acceptance(out, table, f"python -m mlx_eagle.train, {len(held_out)} held-out ShareGPT prompts")
+    result = chain_estimate(table)
+    return result, (f"held-out tau {result['tau']:.2f}, acceptance by depth "
+                    + " ".join(f"{r:.2f}" for r in result["acceptance_by_depth"]))

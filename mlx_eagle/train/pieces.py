@@ -12,10 +12,11 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from ..data import dialogue_tokens, load_dialogues, load_shards, save_dialogues, sharegpt_dialogues, sharegpt_prompts
 from ..errors import UserError
-from ..files import write_atomically
 from ..features import self_distill
-
+from ..files import write_atomically
+from ..progress import progress_bar
 
 # (token ids, answer) with answer[i] True where the model itself generated token i.
 Piece = Tuple[np.ndarray, np.ndarray]
@@ -55,9 +56,7 @@ def sharegpt_pieces(tokenizer, root: Path, seq_len: int, dialogues: Optional[int
     """ShareGPT's dialogues with their own answers, every assistant turn in its context,
     tokenized once into ``root`` (resumed from there); the last ``held_out`` dialogues are
     kept out, their first prompts returned for measuring acceptance."""
-    from ..progress import progress_bar
 
-    from ..data import dialogue_tokens, load_dialogues, save_dialogues, sharegpt_dialogues
 
     path = root / f"dialogues-{seq_len}-{dialogues or 'all'}-{held_out}.npz"
     if not path.exists():
@@ -75,7 +74,6 @@ def self_distilled_pieces(model: nn.Module, tokenizer, root: Path, prompts: int,
                           max_answer_tokens: int, progress: bool) -> Tuple[List[Piece], List[str]]:
     """ShareGPT's first prompts answered by the target itself (greedy), resumably; more
     prompts than before extend the answers made before."""
-    from ..data import load_shards, sharegpt_prompts
 
     every = sharegpt_prompts(limit=prompts + held_out)
     data, marker = root / "data-self", root / "data-self" / "done"

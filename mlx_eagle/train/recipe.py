@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import List, Sequence
+from typing import List, Optional, Sequence
 
+import mlx.optimizers as optim
 import numpy as np
 
 from ..errors import UserError
+from .families import FAMILIES
 
 
 @dataclass
@@ -38,9 +40,12 @@ class TrainConfig:
     block_size: int = 16  # tokens a block holds: the root and block_size - 1 drafts
     anchors: int = 64  # blocks trained per sequence, at random positions redrawn each step
     dflash_layers: int = 5  # the drafter's decoder layers (5 in the published drafters)
+    mask_token: Optional[int] = None  # the id filling a block after its root (None: the tokenizer's unknown token)
 
     def __post_init__(self) -> None:
         """One line naming a setting no run could train with."""
+        if self.family not in FAMILIES:
+            raise UserError(f"family must be one of {', '.join(FAMILIES)}, not {self.family!r}")
         at_least = {"steps": 1, "tokens_per_batch": 1, "grad_accum": 1, "seq_len": 2, "warmup": 0, "ttt_steps": 1,
                     "checkpoint_every": 1, "seed": 0, "pad_multiple": 1, "block_size": 2, "anchors": 1,
                     "dflash_layers": 1}
@@ -57,13 +62,16 @@ class TrainConfig:
         if self.block_size > 64 or self.dflash_layers > 64:
             raise UserError(f"block-size and dflash-layers must be 64 or fewer, not {self.block_size} and "
                             f"{self.dflash_layers}")
-        if self.mask_outside_draft and self.family != "eagle3":
-            raise UserError("mask-outside-draft is for EAGLE-3 heads, which draft from a draft vocabulary")
+        if self.mask_outside_draft and not FAMILIES[self.family].draft_vocabulary:
+            raise UserError("mask-outside-draft is for drafters with a draft vocabulary of their own ("
+                            + ", ".join(f.title for f in FAMILIES.values() if f.draft_vocabulary)
+                            + f"), not {FAMILIES[self.family].title}")
+        if self.mask_token is not None and (isinstance(self.mask_token, bool) or not isinstance(self.mask_token, int)
+                                            or self.mask_token < 0):
+            raise UserError(f"mask-token must be a token id, 0 or more, not {self.mask_token!r}")
 
 
 def learning_rate(config: TrainConfig):
-    import mlx.optimizers as optim
-
     warmup = max(1, min(config.warmup, config.steps - 1))
     return optim.join_schedules(
         [optim.linear_schedule(config.lr / warmup, config.lr, warmup),

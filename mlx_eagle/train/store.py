@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 import time
@@ -12,9 +13,10 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from ..architectures import target_identity
 from ..errors import UserError
 from ..files import write_atomically
-from ..architectures import target_identity
+from ..progress import progress_bar
 from .pieces import Piece, make_batch
 from .recipe import padded_length
 from .ttt import target_states
@@ -31,7 +33,6 @@ class StateStore:
 
     def __init__(self, path: Path, target: nn.Module, pieces: Sequence[Piece], taps: Optional[Sequence[int]],
                  seq_len: int):
-        import hashlib
 
         self.path, self.target, self.taps = path, target, taps
         self.tokens = [np.asarray(t[:seq_len], dtype=np.int32) for t, _ in pieces]
@@ -77,7 +78,6 @@ class StateStore:
     def fill(self, tokens_per_batch: int, progress: bool = True) -> float:
         """Compute what is missing, longest pieces first, packed by tokens so that little is
         padding; returns the target's tokens/s (0.0 when nothing was missing)."""
-        from ..progress import progress_bar
 
         order = sorted(range(len(self.tokens)), key=lambda i: -len(self.tokens[i]))
         done = self._filled()

@@ -16,71 +16,18 @@ import mlx.core as mx
 import mlx.nn as nn
 import mlx.optimizers as optim
 import numpy as np
+from matplotlib.figure import Figure
 from mlx.utils import tree_flatten, tree_unflatten
 
+from ..errors import UserError
 from ..files import disk_error, replace_directory, retired, write_atomically
-from ..target import layer_count, lm_head_rows
-from .pieces import Piece, d2t_t2d, make_batch
+from ..progress import progress_bar
+from ..target import layer_count
+from .families import FAMILIES
+from .pieces import Piece, make_batch
 from .recipe import TrainConfig, epoch_batches, learning_rate, padded_length
 from .store import StateStore
-from .blocks import decay, dflash_loss
-from .ttt import eagle1_loss, eagle3_loss, target_states
-
-
-def head_to_train(target, family: str, used: np.ndarray, seed: int = 0, train_embeddings: bool = False,
-                  init: Optional[Path] = None):
-    """A new head for training, in float32 whatever the target's dtype (a bfloat16 or
-    quantized target on a GPU would otherwise give a bfloat16 head to AdamW). An EAGLE-3
-    head starts speaking the target's output language: its final norm and reduced LM head
-    begin as the target's own (the draft vocabulary's rows of it), so training spends its
-    steps on prediction rather than on relearning the vocabulary. ``train_embeddings``:
-    the head gets an embedding of its own, a copy of the target's, which training moves.
-    ``init``: a head this trainer wrote before, whose weights it starts from."""
-    from ..errors import UserError
-    from ..heads import load_head, new_head
-
-    head = new_head(target, family, draft_vocab_size=len(used), seed=seed)
-    if train_embeddings:
-        vocab = target.args.vocab_size
-        head.embed_tokens = nn.Embedding(vocab, target.args.hidden_size)
-        head.embed_tokens.weight = target.model.embed_tokens(mx.arange(vocab)).astype(mx.float32)
-    head.set_dtype(mx.float32)
-    if family == "eagle3":
-        head.d2t = mx.array(d2t_t2d(used, target.args.vocab_size)[0])
-        head.norm.weight = target.model.norm.weight.astype(mx.float32)
-        head.lm_head.weight = lm_head_rows(target, mx.eye(target.args.hidden_size), mx.array(used)).T.astype(mx.float32)
-    if init is not None:  # a quantized head (as shipped) is widened first
-        from mlx_lm.utils import dequantize_model
-
-        start = dequantize_model(load_head(init, target))
-        if family == "eagle3" and not np.array_equal(np.array(start.d2t), np.array(head.d2t)):
-            raise UserError(f"--init {init} drafts from another draft vocabulary than this run's")
-        try:
-            head.load_weights([(k, v.astype(mx.float32) if mx.issubdtype(v.dtype, mx.floating) else v)
-                               for k, v in tree_flatten(start.parameters())])
-        except ValueError as exc:
-            raise UserError(f"--init {init} is not a {family} head for this target ({str(exc)[:80]})") from None
-    return head
-
-
-def dflash_to_train(target, config: TrainConfig, mask_token: int, init: Optional[Path] = None):
-    """A new DFlash drafter for training, in float32 (``init``: one this trainer wrote, to
-    start from)."""
-    from ..drafters.dflash import load, new_dflash
-
-    if init is not None:
-        model = load(init, target)
-        block, layers = model.config.block_size, model.config.num_hidden_layers
-        if (block, layers) != (config.block_size, config.dflash_layers):
-            from ..errors import UserError
-
-            raise UserError(f"--init {init} has blocks of {block} and {layers} layers; this run asks for "
-                            f"{config.block_size} and {config.dflash_layers}")
-    else:
-        model = new_dflash(target, config.dflash_layers, config.block_size, mask_token, config.seed)
-    model.set_dtype(mx.float32)
-    mx.eval(model.parameters())
-    return model
+from .ttt import target_states
 
 
 def steps_within(make_trainer, config: TrainConfig, seconds: float, work: Path, probe_steps: int = 10) -> TrainConfig:
@@ -109,6 +56,7 @@ class Trainer:
                  work: Path, used: Optional[np.ndarray] = None, progress: bool = True,
                  store: Optional[StateStore] = None):
         self.target, self.head, self.pieces, self.config, self.work = target, head, pieces, config, work
+        self.family = FAMILIES[config.family].code()
         self.store = store
         self.used = mx.array(used if used is not None else [0])
         self.lengths = [min(len(t), config.seq_len) for t, _ in pieces]
@@ -152,15 +100,8 @@ class Trainer:
         if self.config.feature_noise:
             features = features + mx.random.uniform(-self.config.feature_noise, self.config.feature_noise,
                                                     features.shape, key=key).astype(features.dtype)
-        if self.config.family == "dflash":
-            total, losses, accuracies = dflash_loss(head, self.target, tokens, mask, features, last, key,
-                                                    self.config.anchors, decay(self.config.block_size))
-        elif self.config.family == "eagle3":
-            total, losses, accuracies = eagle3_loss(head, self.target, tokens, mask, features, last, used,
-                                                    self.config.ttt_steps, self.config.step_decay,
-                                                    self.config.mask_outside_draft)
-        else:
-            total, losses, accuracies = eagle1_loss(head, self.target, tokens, mask, features, last)
+        total, losses, accuracies = self.family.loss(head, self.target, tokens, mask, features, last, used, key,
+                                                     self.config)
         return total, (losses, accuracies)
 
     def _micro_batch(self, tokens, mask, accumulated, used, key, *stored):
@@ -208,8 +149,6 @@ class Trainer:
 
     def run(self, stop_after: Optional[int] = None) -> None:
         """Train to ``config.steps``, or only up to step ``stop_after``."""
-        from ..progress import progress_bar
-
         config = self.config
         bar = progress_bar(total=config.steps, initial=self.step, unit="step", desc=f"training {config.family}",
                    disable=not self.progress)
@@ -257,7 +196,14 @@ class Trainer:
             if not (directory / "state.json").exists():
                 return
         state = json.loads((directory / "state.json").read_text())
-        self.head.load_weights(str(directory / "head.safetensors"))
+        weights = mx.load(str(directory / "head.safetensors"))
+        own = dict(tree_flatten(self.head.parameters()))
+        for name, value in weights.items():  # integer tensors map a draft vocabulary: not trained, chosen by the data
+            if not mx.issubdtype(value.dtype, mx.floating) and name in own and \
+                    not np.array_equal(np.array(value), np.array(own[name])):
+                raise UserError(f"the checkpoint in {self.work} was trained with another draft vocabulary than "
+                                "this run's; pass a new --work")
+        self.head.load_weights(list(weights.items()))
         self.optimizer.state.update(tree_unflatten(list(mx.load(str(directory / "optimizer.safetensors")).items())))
         self.step = state["step"]
         mx.eval(self.head.parameters(), self.optimizer.state)
@@ -285,16 +231,12 @@ def _logged_step(line: str) -> int:
 
 def plot_curves(log_path: Path, out: Path) -> None:
     """Loss and draft accuracy per unrolled step, over training."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     entries = [json.loads(line) for line in log_path.read_text().splitlines() if line.strip()]
     if not entries:
         return
     steps = [e["step"] for e in entries]
-    figure, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    figure = Figure(figsize=(11, 4))
+    left, right = figure.subplots(1, 2)
     left.plot(steps, [e["loss"] for e in entries], label="total")
     for k in range(len(entries[0]["step_losses"])):
         left.plot(steps, [e["step_losses"][k] for e in entries], alpha=0.6, label=f"step {k}")
@@ -306,4 +248,3 @@ def plot_curves(log_path: Path, out: Path) -> None:
     right.legend()
     figure.tight_layout()
     figure.savefig(out, dpi=110)
-    plt.close(figure)

@@ -1,16 +1,23 @@
-"""The losses: EAGLE-3's training-time test (the head unrolled on its own outputs, each
-step attending as a tree node of that depth does at inference) and EAGLE-1's feature
-regression, on the target's states."""
+"""What training an EAGLE head needs, whichever its family: the target's states it reads,
+a head to start from, and training-time test (the head unrolled on its own outputs, each
+step attending as a tree node of that depth does at inference), which EAGLE-3 trains with
+and acceptance is measured by."""
 
 from __future__ import annotations
 
-from typing import Iterator, List, Optional, Sequence, Tuple
+from pathlib import Path
+from typing import Callable, Iterator, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
+from mlx.utils import tree_flatten
 from mlx_lm.models.cache import KVCache
+from mlx_lm.utils import dequantize_model
 
-from ..target import lm_head, lm_head_rows, target_forward
+from ..errors import UserError
+from ..heads import EagleHead, load_head, new_head
+from ..target import target_forward
 
 
 def target_states(target, tokens: mx.array, taps: Optional[Sequence[int]]) -> Tuple[mx.array, mx.array]:
@@ -88,40 +95,32 @@ def ttt_unroll(head, target, tokens: mx.array, features: mx.array, steps: int) -
         hidden = shift(out, 1)  # position t next reads the head's own output at t - 1
 
 
-def eagle3_loss(head, target, tokens, mask, features, last, used: mx.array, ttt_steps: int, step_decay: float,
-                mask_outside_draft: bool = False):
-    """Training-time test; returns (loss, per-step losses, per-step accuracies). The target
-    distribution at t is the target's next-token distribution at t + 1, renormalised over
-    the draft vocabulary, as EAGLE-3 trains. ``mask_outside_draft``: positions where the
-    target's own choice (over its whole vocabulary) is no draft token do not count, since
-    no draft can be accepted there (this computes the full LM head once)."""
-    target_logits = lm_head_rows(target, shift(last, -1).astype(mx.float32), used)
-    wanted = mx.softmax(target_logits, axis=-1)
-    target_choice = mx.argmax(target_logits, axis=-1)
-    if mask_outside_draft:
-        in_draft = mx.zeros((target.args.vocab_size,)).at[used].add(1.0) > 0
-        mask = mask & in_draft[mx.argmax(lm_head(target, shift(last, -1)), axis=-1)]
-    position = mx.arange(tokens.shape[1])[None]
-    total, losses, accuracies = 0.0, [], []
-    for step, logits in ttt_unroll(head, target, tokens, features, ttt_steps):
-        logprobs = nn.log_softmax(logits, axis=-1)
-        valid = mask & (position >= step)  # a step-k draft needs k tokens of context before it
-        count = mx.maximum(valid.sum(), 1)
-        loss = (-(wanted * logprobs).sum(-1) * valid).sum() / count
-        accuracies.append(((mx.argmax(logits, axis=-1) == target_choice) & valid).sum() / count)
-        losses.append(loss)
-        total = total + (step_decay ** step) * loss
-    return total, losses, accuracies
-
-
-def eagle1_loss(head, target, tokens, mask, features, last):
-    """EAGLE-1/2: regress the next feature (smooth L1) + 0.1 x token cross-entropy."""
-    features = features.astype(mx.float32)
-    out = head.step(target, features, shift(tokens, -1), [KVCache()], 0, "causal")
-    count = mx.maximum(mask.sum(), 1)
-    regression = (nn.losses.smooth_l1_loss(out, shift(features, -1), reduction="none").mean(-1) * mask).sum() / count
-    target_logits = lm_head(target, shift(features, -1)).astype(mx.float32)
-    logprobs = nn.log_softmax(lm_head(target, out).astype(mx.float32), axis=-1)
-    cross_entropy = (-(mx.softmax(target_logits, axis=-1) * logprobs).sum(-1) * mask).sum() / count
-    correct = mx.argmax(logprobs, axis=-1) == mx.argmax(target_logits, axis=-1)
-    return regression + 0.1 * cross_entropy, [regression, cross_entropy], [(correct & mask).sum() / count]
+def head_to_train(target, config, used: Optional[np.ndarray], init: Optional[Path],
+                  start: Optional[Callable[[EagleHead], None]] = None) -> EagleHead:
+    """A new head of ``config.family`` for training, in float32 whatever the target's dtype
+    (a bfloat16 or quantized target on a GPU would otherwise give a bfloat16 head to AdamW).
+    ``start`` sets the family's own starting weights. ``config.train_embeddings``: the head
+    gets an embedding of its own, a copy of the target's, which training moves. ``init``: a
+    head this trainer wrote before, whose weights it starts from; its integer tensors (a
+    draft vocabulary's map) must equal the new head's."""
+    head = new_head(target, config.family, draft_vocab_size=None if used is None else len(used), seed=config.seed)
+    if config.train_embeddings:
+        vocab = target.args.vocab_size
+        head.embed_tokens = nn.Embedding(vocab, target.args.hidden_size)
+        head.embed_tokens.weight = target.model.embed_tokens(mx.arange(vocab)).astype(mx.float32)
+    head.set_dtype(mx.float32)
+    if start is not None:
+        start(head)
+    if init is not None:  # a quantized head (as shipped) is widened first
+        weights = tree_flatten(dequantize_model(load_head(init, target)).parameters())
+        own = dict(tree_flatten(head.parameters()))
+        for name, value in weights:
+            if not mx.issubdtype(value.dtype, mx.floating) and name in own and \
+                    not np.array_equal(np.array(value), np.array(own[name])):
+                raise UserError(f"--init {init} drafts from another draft vocabulary than this run's")
+        try:
+            head.load_weights([(k, v.astype(mx.float32) if mx.issubdtype(v.dtype, mx.floating) else v)
+                               for k, v in weights])
+        except ValueError as exc:
+            raise UserError(f"--init {init} is not a {config.family} head for this target ({str(exc)[:80]})") from None
+    return head

@@ -1,4 +1,5 @@
-"""DFlash's training objective, as published (arXiv 2602.06036; SpecForge's recipe): each
+"""Training a DFlash block drafter (the trained family "dflash", families.py). Its
+objective, as published (arXiv 2602.06036; SpecForge's recipe): each
 sequence gets random anchor positions, redrawn every step; at each anchor a block [the
 anchor's token, mask, ..., mask] attends to the fused target states before the anchor and,
 bidirectionally, to its own block, all blocks of a sequence in one pass under one mask.
@@ -8,14 +9,52 @@ with, count most."""
 
 from __future__ import annotations
 
-from typing import List, Tuple
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 
-from ..drafters.dflash import DFlashModel
+from ..decoder import SpeculativeDecoder
+from ..drafters.dflash import DFlashDrafter, DFlashModel, load, new_dflash, save_dflash
+from ..errors import UserError
+from ..generate import chat_tokens
+from ..progress import progress_bar
 from ..target import embed, lm_head
+from ..verify import Sampling
 from .ttt import shift
+
+__all__ = ["new_drafter", "loss", "save", "evaluate", "block_loss", "blocks_logits", "dflash_tau"]
+save = save_dflash
+
+
+def new_drafter(target, config, used: Optional[np.ndarray], init: Optional[Path]) -> DFlashModel:
+    """A new drafter for training, in float32 (``init``: one this trainer wrote, to start
+    from). Its blocks are filled after their root with ``config.mask_token``."""
+    if init is not None:
+        model = load(init, target)
+        block, layers = model.config.block_size, model.config.num_hidden_layers
+        if (block, layers) != (config.block_size, config.dflash_layers):
+            raise UserError(f"--init {init} has blocks of {block} and {layers} layers; this run asks for "
+                            f"{config.block_size} and {config.dflash_layers}")
+    else:
+        mask_token = config.mask_token if config.mask_token is not None else 0
+        model = new_dflash(target, config.dflash_layers, config.block_size, mask_token, config.seed)
+    model.set_dtype(mx.float32)
+    mx.eval(model.parameters())
+    return model
+
+
+def loss(model, target, tokens, mask, features, last, used, key, config):
+    return block_loss(model, target, tokens, mask, features, last, key, config.anchors, decay(config.block_size))
+
+
+def evaluate(target, tokenizer, out: Path, held_out: Sequence[str], config, progress: bool) -> Tuple[dict, str]:
+    """Decoded, not unrolled: a block's drafts depend on the whole block, not a path to them."""
+    result = dflash_tau(target, load(out, target), tokenizer, held_out, 64, progress)
+    return result, (f"held-out tau {result['tau']:.2f} on chains of {config.block_size - 1}, acceptance by block "
+                    "position " + " ".join(f"{r:.2f}" for r in result["acceptance_by_position"]))
 
 
 def decay(block_size: int) -> float:
@@ -62,7 +101,7 @@ def blocks_logits(model: DFlashModel, target: nn.Module, tokens: mx.array, featu
     return lm_head(target, model.norm(h).reshape(starts.shape[0], block, -1)[:, 1:]).astype(mx.float32)
 
 
-def dflash_loss(model: DFlashModel, target: nn.Module, tokens: mx.array, mask: mx.array, features: mx.array,
+def block_loss(model: DFlashModel, target: nn.Module, tokens: mx.array, mask: mx.array, features: mx.array,
                 last: mx.array, key: mx.array, anchors: int, gamma: float) -> Tuple[mx.array, List, List]:
     """The weighted cross-entropy against the target's distributions; returns (loss, [loss],
     accuracy by block position 1..block - 1). ``mask`` is make_batch's (position t counts
@@ -88,3 +127,23 @@ def dflash_loss(model: DFlashModel, target: nn.Module, tokens: mx.array, mask: m
     loss = total / mx.maximum(seen, 1e-6)
     accuracy = hits / mx.maximum(counts, 1)
     return loss, [loss], [accuracy[i] for i in range(block - 1)]
+
+
+def dflash_tau(model: nn.Module, drafter, tokenizer, prompts: Sequence[str], max_tokens: int,
+               progress: bool = False) -> Dict[str, object]:
+    """A DFlash drafter's tau on chains of block - 1 drafts (as a flat cost curve sizes
+    them), greedy, over the held-out prompts, and its acceptance by block position."""
+    generated = rounds = 0
+    tried = accepted = 0
+    for prompt in progress_bar(prompts, desc="held-out tau", unit="prompt", disable=not progress):
+        ids = chat_tokens(tokenizer, [{"role": "user", "content": prompt}])
+        chains = DFlashDrafter(drafter, model, lambda tokens: 1.0, trees=False)
+        decoder = SpeculativeDecoder(model, chains, Sampling())
+        tokens = [decoder.prefill(ids)]
+        while len(tokens) < max_tokens and tokens[-1] not in tokenizer.eos_token_ids:
+            tokens += decoder.round(max_tokens - len(tokens)).tokens
+            rounds += 1
+        generated += len(tokens) - 1
+        tried, accepted = tried + chains.tried[0], accepted + chains.accepted[0]
+    return {"tau": generated / max(rounds, 1), "acceptance_by_position": [float(a) for a in accepted / np.maximum(
+        tried, 1)], "rounds": rounds, "prompts": len(prompts)}
