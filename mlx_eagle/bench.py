@@ -15,6 +15,7 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -139,7 +140,21 @@ def edit_and_mtbench(doc: str, out: Path, limit: int, measure: Callable, line: C
 
 def machine() -> Dict[str, str]:
     return {"platform": platform.platform(), "processor": platform.machine(), "cpus": str(os.cpu_count()),
-            "device": str(mx.default_device()), "blas": blas_in_use(), "mlx": mx.__version__}
+            "device": str(mx.default_device()), "blas": blas_in_use(), "mlx": mx.__version__, "commit": commit()}
+
+
+def commit() -> str:
+    """The code that measured: this checkout's commit, "+changes" when it differs from it
+    ("unknown" outside a git checkout)."""
+    root = Path(__file__).resolve().parent.parent
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
+                              timeout=10, check=True).stdout.strip()
+        changed = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", "mlx_eagle"],
+                                 cwd=root, capture_output=True, text=True, timeout=10, check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return head + ("+changes" if changed else "")
 
 
 Generator = Callable[[List[int]], Answer]
