@@ -31,15 +31,6 @@ def test_moe_verify_cost(tmp_path):
     assert len(result["verify_ms"]) == 3 and all(len(curve) == 9 for curve in result["verify_ms"].values())
 
 
-def test_train_ablations_collects_runs(tmp_path):
-    work = tmp_path / "runs" / "reference.work"
-    work.mkdir(parents=True)
-    (work / "eval.json").write_text(json.dumps({"tau": 1.2, "acceptance_by_depth": [0.2, 0.1]}))
-    (work / "log.jsonl").write_text(json.dumps({"step": 2, "step_accuracy": [0.1], "tokens_per_s": 100.0}) + "\n")
-    run("train_ablations.py", tmp_path / "runs", tmp_path / "table.json")
-    assert json.loads((tmp_path / "table.json").read_text())["reference"]["tau"] == 1.2
-
-
 @pytest.mark.slow  # reads ShareGPT and MT-bench
 def test_edit_prompts(tmp_path):
     run("edit_prompts.py", "--out", tmp_path / "edit.jsonl")

@@ -242,3 +242,15 @@ def test_loading_a_model_knows_no_drafter():
     load draft models through it: it imports no plan, drafter, decoder or app."""
     above = ("mlx_eagle.plan", "mlx_eagle.drafters", "mlx_eagle.decoder", "mlx_eagle.generate", "mlx_eagle.session")
     assert [m for m in graph()["mlx_eagle.models"] if m.startswith(above)] == []
+
+
+def test_benchmarks_results_holds_what_the_docs_cite():
+    """Every file in benchmarks/results is cited by path in README or docs/, and every path
+    cited there exists (an --out stem counts for the files it writes)."""
+    results = ROOT / "benchmarks" / "results"
+    texts = [(ROOT / "README.md").read_text()] + [p.read_text() for p in (ROOT / "docs").glob("*.md")]
+    cited = {m.rstrip(".") for text in texts for m in re.findall(r"benchmarks/results/[\w./-]+", text)}
+    missing = sorted(c for c in cited if not (ROOT / c).is_file() and not list(ROOT.glob(c + ".*")))
+    stored = {str(p.relative_to(ROOT)) for p in results.rglob("*") if p.is_file()}
+    uncited = sorted(f for f in stored if f not in cited and f.rsplit(".", 1)[0] not in cited)
+    assert (missing, uncited) == ([], [])

@@ -28,7 +28,7 @@ KINDS = ("dflash", "mtp", "eagle", "draft_model", "lookup")
 
 
 def kind_modules() -> List[ModuleType]:
-    return [importlib.import_module(f"{__name__}.{kind}") for kind in KINDS]
+    return [importlib.import_module(f"{__package__}.{kind}") for kind in KINDS]
 
 
 @dataclass
