@@ -490,9 +490,10 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
             draft_model, _ = load(args.draft_model)
             generators[name] = mlx_lm_method(model, tokenizer, args.max_tokens, sampling, args.seed, draft_model,
                                              args.num_draft_tokens)
+    measuring = machine()  # before the run: the code that measures is the code as it starts
     results = run_bench(prompts, tokenizer, generators, greedy=sampling.greedy, progress=not args.quiet)
     results.update(
-        machine=machine(), model=str(resolve_model(args.model)), weights=weight_format(model),
+        machine=measuring, model=str(resolve_model(args.model)), weights=weight_format(model),
         head=str(getattr(draft, "directory", None)) if draft is not None else None, tree=args.tree,
         drafts={name: {"drafts": plans[name].describe(), "notes": plans[name].notes} for name in methods
                 if name in plans},

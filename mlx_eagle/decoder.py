@@ -27,12 +27,14 @@ the next round reads the accepted tokens again in front of its own chain ("unrea
 
 from __future__ import annotations
 
+import copy
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Callable, List, Optional, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.models.cache import can_trim_prompt_cache
 
 from .costs import Costs
 from .drafters import Budget, Drafter, Outcome, TargetStates
@@ -64,6 +66,52 @@ def make_prompt_cache(model: nn.Module) -> PromptCache:
     return PromptCache(target=make_cache(model))
 
 
+def cache_bytes(cache: PromptCache) -> int:
+    """What a conversation's target caches hold, in bytes (its drafter's own are small)."""
+    return sum(getattr(layer, "nbytes", 0) for layer in cache.target)
+
+
+class PromptCaches:
+    """Several conversations' caches, so that requests that interleave each continue their
+    own, and a new conversation that begins as a kept one did (a long system prompt, the
+    same tools) does not read that beginning again. A prompt that goes on with what a slot
+    holds decodes in that slot; any other starts a slot of its own, from a copy of the
+    slot sharing its longest beginning (at least ``MIN_SHARED`` tokens) cut back to that
+    beginning, where the caches can be cut back (a hybrid model's recurrent state cannot:
+    such a prompt starts empty). The least recently used slots go first while the slots
+    hold more than ``max_bytes``."""
+
+    MIN_SHARED = 16  # fewer shared tokens are not worth a copy (a chat template's header)
+    CONTINUES = 0.9  # a prompt sharing this much of what a slot holds goes on with its conversation
+
+    def __init__(self, model: nn.Module, max_bytes: int):
+        self.model, self.max_bytes = model, max_bytes
+        self.slots: List[PromptCache] = []  # the most recently used last
+
+    def take(self, prompt: List[int]) -> PromptCache:
+        """The slot to decode ``prompt`` in, marked most recently used."""
+        best = max(self.slots, key=lambda slot: common_prefix(slot.tokens, prompt), default=None)
+        shared = common_prefix(best.tokens, prompt) if best is not None else 0
+        if best is not None and shared >= self.CONTINUES * len(best.tokens):
+            self.slots.remove(best)
+            slot = best
+        else:
+            slot = make_prompt_cache(self.model)
+            cached = len(best.tokens) - 1 - best.unread if best is not None else 0
+            if min(shared, cached) >= self.MIN_SHARED and can_trim_prompt_cache(best.target):
+                slot.target = copy.deepcopy(best.target)
+                keep_cache_entries(slot.target, min(shared, cached), [])
+                slot.tokens = best.tokens[:min(shared, cached) + 1]
+        self.slots.append(slot)
+        self.evict(keep=slot)
+        return slot
+
+    def evict(self, keep: Optional[PromptCache] = None) -> None:
+        """Drop the least recently used slots (never ``keep``) while all hold more than the bound."""
+        while sum(cache_bytes(slot) for slot in self.slots) > self.max_bytes and len(self.slots) > 1:
+            self.slots.remove(next(slot for slot in self.slots if slot is not keep))
+
+
 def common_prefix(a: List[int], b: List[int]) -> int:
     count = 0
     for x, y in zip(a, b):
@@ -77,6 +125,7 @@ def common_prefix(a: List[int], b: List[int]) -> int:
 class Round:
     tokens: List[int]  # the accepted draft tokens, then the bonus token
     drafted: int  # tree nodes the target verified
+    logits: Optional[mx.array] = None  # with keep_logits: the rows each token was chosen from [tokens, vocab]
 
 
 # The points of a round a phase hook hears about, in order (benchmarks time them).
@@ -117,6 +166,10 @@ class SpeculativeDecoder:
         self.tolerance: Optional[float] = None if sampling.greedy else 0.0
         self.vocab: Optional[int] = None  # the target's, known from its first logits
         self.root: Optional[int] = None
+        # Keep the logits each committed token was chosen from (Round.logits, root_logits):
+        # the verify pass's own rows along the accepted path, for log-probabilities.
+        self.keep_logits = False
+        self.root_logits: Optional[mx.array] = None
         # Caches mlx-lm cannot cut back (recurrent layers, wrapped sliding windows) are rewound.
         self.rewind = Rewind(target, self.target_cache) if needs_rewind(self.target_cache) else None
         self._last_round: Optional[Tuple[object, int, int]] = None  # (snapshot, tokens, unread) before it
@@ -191,7 +244,8 @@ class SpeculativeDecoder:
                 self.forwards += 1
                 self.target(mx.array([prompt[start:min(start + chunk, len(prompt) - 1)]]), cache=self.target_cache)
                 mx.eval([layer_cache.state for layer_cache in self.target_cache])
-            self.root = self._choose(self._forward(mx.array(prompt[-1:]), len(prompt) - 1, None).logits[-1])
+            logits = self._forward(mx.array(prompt[-1:]), len(prompt) - 1, None).logits[-1]
+            self.root = self._choose(logits)
         else:
             blocks = [prompt[start:start + chunk] for start in range(self.reused, len(prompt), chunk)]
             if not self.drives_target and len(blocks[-1]) > 1:
@@ -217,6 +271,7 @@ class SpeculativeDecoder:
                 self.rechecked += 1
             self.root = self._choose(logits)
             states = TargetStates(mx.concatenate(features), mx.concatenate(hidden), self.taps)
+        self.root_logits = logits if self.keep_logits else None
         tokens = list(prompt) + [self.root]
         if self.drafter is not None:
             self.drafter.observe(Outcome(tokens, self.reused, states, from_prompt=True))
@@ -272,11 +327,14 @@ class SpeculativeDecoder:
         verdict = accept(tree, tokens, out.logits, self.sampling, self._next_key(),
                          self._tolerance() if exact else 0.0)
         kept = [0] + [n + 1 for n in verdict.path]
+        chosen_from = out.logits[mx.array(kept)] if self.keep_logits else None
         self.state.unread = 0
         if verdict.unsure:  # the last kept position read again alone, and its choice made there
             keep_cache_entries(self.target_cache, start, kept[:-1])
             alone = self._forward(mx.array(([self.root] + verdict.tokens)[-1:]), start + len(kept) - 1, None)
             verdict.bonus = self._choose(alone.logits[-1])
+            if chosen_from is not None:
+                chosen_from = mx.concatenate([chosen_from[:-1], alone.logits[-1:]])
             self.rechecked += 1
             if self.reads_states:
                 rows = mx.array(kept[:-1], dtype=mx.int32)
@@ -300,7 +358,7 @@ class SpeculativeDecoder:
         self.on_phase("observed")
         self.root = verdict.bonus
         self.state.tokens = committed + new
-        return Round(tokens=new, drafted=len(tree))
+        return Round(tokens=new, drafted=len(tree), logits=chosen_from)
 
     def truncate(self, count: int) -> None:
         """Keep only the first ``count`` committed tokens (what was handed out: a round may

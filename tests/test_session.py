@@ -167,3 +167,37 @@ def test_the_stats_line_gives_a_speed_only_from_two_tokens():
     reply = TurnStats(tokens=24, tokens_per_s=10.61, tau=1.5, prompt_tokens=60, prompt_reused=40,
                       prompt_seconds=0.2, finish_reason="stop")
     assert reply.line() == "24 tokens, 10.6 tokens/s, tau 1.50, prompt 20 read + 40 cached in 0.20 s"
+
+
+def test_interleaved_conversations_each_keep_their_cache_and_share_their_beginning(smollm):
+    """Two conversations with one long system prompt, their turns interleaved through one
+    engine: the second reads the shared beginning from a copy of the first's cache, each
+    later turn reads only its new tokens, and every reply is the one a fresh cache gives.
+    A bound of one byte keeps only the conversation in use."""
+    model, tokenizer = smollm
+    system = {"role": "system", "content": "You are a careful assistant for a hardware shop. " * 12}
+    engine = Engine(loaded=(model, tokenizer, None), history=False)
+    try:
+        conversations = {"a": [system], "b": [system]}
+        asked = [("a", "Do you sell hammers?"), ("b", "Do you sell nails?"), ("a", "How much is one?"),
+                 ("b", "And a box of them?")]
+        reused = []
+        for name, text in asked:
+            conversation = conversations[name]
+            conversation.append({"role": "user", "content": text})
+            ids = chat_tokens(tokenizer, conversation)
+            responses = list(engine.generate(ids, max_tokens=12))
+            reply = "".join(r.text for r in responses)
+            assert reply == "".join(r.text for r in stream_generate(model, tokenizer, ids, max_tokens=12, draft=None))
+            reused.append((responses[-1].prompt_reused, len(ids)))
+            conversation.append({"role": "assistant", "content": reply})
+        shared = len(chat_tokens(tokenizer, [system])) - 2
+        assert reused[0][0] == 0 and shared <= reused[1][0] < reused[1][1]
+        assert all(count > 0.8 * total for count, total in reused[2:])
+        assert len(engine.caches.slots) == 2
+        engine.caches.max_bytes = 1
+        list(engine.generate(chat_tokens(tokenizer, conversations["a"] + [{"role": "user", "content": "Thanks"}]),
+                             max_tokens=2))
+        assert len(engine.caches.slots) == 1
+    finally:
+        engine.close()

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 from dataclasses import dataclass, field
@@ -24,7 +25,9 @@ if TYPE_CHECKING:
 @dataclass
 class GenerationResponse:
     """One generated token, as mlx-lm's stream_generate yields them, plus speculation
-    statistics: ``accepted`` draft tokens in this token's round; ``tokens_per_forward``
+    statistics: ``accepted`` draft tokens in this token's round; ``logprobs`` (asked
+    for with ``logprobs=True``, as mlx-lm always gives them): the target's log-probabilities
+    over its vocabulary at this token, from the very pass that chose it; ``tokens_per_forward``
     (tau): tokens produced per target forward pass so far, the target's own (bonus) token
     of each round included; ``prompt_reused``: prompt tokens found already in the
     ``prompt_cache`` (not read again); ``sources``: per drafter, the nodes it added to
@@ -47,6 +50,7 @@ class GenerationResponse:
     prompt_reused: int = 0
     sources: Dict[str, "SourceStats"] = field(default_factory=dict)
     rechecked: int = 0
+    logprobs: Optional[mx.array] = None  # with logprobs=True: the target's log-probabilities the token was chosen from
 
 
 def _prompt_ids(tokenizer, prompt: Union[str, List[int], mx.array]) -> List[int]:
@@ -57,38 +61,82 @@ def _prompt_ids(tokenizer, prompt: Union[str, List[int], mx.array]) -> List[int]
     return list(prompt)
 
 
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "user", "assistant", "tool")
 
 
-def check_messages(messages: Any, where: str = "messages", allow_empty: bool = False) -> List[Dict[str, str]]:
+def check_messages(messages: Any, where: str = "messages", allow_empty: bool = False) -> List[Dict[str, Any]]:
     """A conversation as plain data, checked once for every entry point (the API, the
-    server, bench): a list of {"role": system|user|assistant, "content": text}, where
+    server, bench): a list of {"role": system|user|assistant|tool, "content": text}, where
     "developer" (OpenAI's newer name) means system and content may also be a list of
-    text parts, OpenAI-style. One line names the first problem."""
+    text parts, OpenAI-style. An assistant message may carry ``tool_calls`` (OpenAI's
+    shape; its content may then be null), whose JSON arguments become objects for the chat
+    template; a tool message names the call it answers by ``tool_call_id``. One line names
+    the first problem."""
     if not isinstance(messages, list) or not (messages or allow_empty):
         raise UserError(f"{where} must be a {'' if allow_empty else 'non-empty '}list of "
                         "{'role': ..., 'content': ...} objects")
-    checked = []
+    checked, calls = [], set()
     for index, message in enumerate(messages):
+        at = f"{where}[{index}]"
         role = message.get("role") if isinstance(message, dict) else None
         role = "system" if role == "developer" else role
         if role not in ROLES:
-            raise UserError(f"{where}[{index}] must be an object whose role is {', '.join(ROLES)}")
+            raise UserError(f"{at} must be an object whose role is {', '.join(ROLES)}")
         content = message.get("content")
+        tool_calls = message.get("tool_calls") if role == "assistant" else None
+        if content is None and tool_calls:
+            content = ""
         if isinstance(content, list) and all(isinstance(part, dict) and part.get("type") == "text"
                                              and isinstance(part.get("text"), str) for part in content):
             content = "".join(part["text"] for part in content)
         if not isinstance(content, str):
-            raise UserError(f"{where}[{index}].content must be a string or a list of text parts")
-        checked.append({"role": role, "content": check_text(content, f"{where}[{index}].content")})
+            raise UserError(f"{at}.content must be a string or a list of text parts")
+        entry: Dict[str, Any] = {"role": role, "content": check_text(content, f"{at}.content")}
+        if tool_calls:
+            entry["tool_calls"] = _check_tool_calls(tool_calls, f"{at}.tool_calls")
+            calls.update(call["id"] for call in entry["tool_calls"])
+        if role == "tool":
+            call_id = message.get("tool_call_id")
+            if not isinstance(call_id, str) or call_id not in calls:
+                raise UserError(f"{at}.tool_call_id must name a call of an earlier assistant message")
+            entry["tool_call_id"] = call_id
+        checked.append(entry)
     return checked
 
 
-def chat_tokens(tokenizer, messages: Sequence[Dict[str, str]]) -> List[int]:
-    """The prompt for ``messages`` through the model's chat template, ready for the
-    assistant's turn (a plain "role: text" rendering for models without a template)."""
+def _check_tool_calls(tool_calls: Any, where: str) -> List[Dict[str, Any]]:
+    """An assistant message's calls, their arguments read from JSON strings."""
+    if not isinstance(tool_calls, list):
+        raise UserError(f"{where} must be a list of calls")
+    checked = []
+    for index, call in enumerate(tool_calls):
+        at = f"{where}[{index}]"
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(call.get("id"), str) or \
+                not isinstance(function.get("name"), str):
+            raise UserError(f"{at} must be {{'id': ..., 'type': 'function', 'function': {{'name': ..., "
+                            "'arguments': ...}}")
+        arguments = function.get("arguments", "{}")
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments or "{}")
+            except ValueError:
+                raise UserError(f"{at}.function.arguments is not valid JSON") from None
+        if not isinstance(arguments, dict):
+            raise UserError(f"{at}.function.arguments must be a JSON object")
+        checked.append({"id": call["id"], "type": "function",
+                        "function": {"name": function["name"], "arguments": arguments}})
+    return checked
+
+
+def chat_tokens(tokenizer, messages: Sequence[Dict[str, Any]],
+                tools: Optional[Sequence[Dict[str, Any]]] = None) -> List[int]:
+    """The prompt for ``messages`` (and the ``tools`` offered) through the model's chat
+    template, ready for the assistant's turn (a plain "role: text" rendering for models
+    without a template)."""
     if tokenizer.chat_template is not None:
-        return list(tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True))
+        return list(tokenizer.apply_chat_template(list(messages), tools=list(tools) if tools else None,
+                                                  add_generation_prompt=True, tokenize=True))
     text = "\n\n".join(f"{m['role']}: {m['content']}" for m in messages) + "\n\nassistant:"
     return tokenizer.encode(text)
 
@@ -156,6 +204,7 @@ def stream_generate(
     stop: Optional[Sequence[str]] = None,
     prompt_cache: Optional["PromptCache"] = None,
     history: Union[bool, str, None, object] = True,
+    logprobs: bool = False,
 ) -> Generator[GenerationResponse, None, None]:
     """Yield the continuation of ``prompt`` token by token.
 
@@ -177,6 +226,7 @@ def stream_generate(
     read again. Stopping the iteration between tokens leaves it usable. ``history``: the
     earlier replies context drafts also draft from (True: this process's for this model;
     a path: a file kept across processes; False: none); a plan says this itself.
+    ``logprobs``: each response carries the target's log-probabilities at its token.
     """
     from ..decoder import SpeculativeDecoder, make_prompt_cache
     from ..plan import plan_drafts, source_statistics
@@ -193,6 +243,7 @@ def stream_generate(
         cache.drafter, cache.plan_key = plan.drafter(), plan.key
     decoder = SpeculativeDecoder(model, cache.drafter, sampling, seed, cache,
                                  costs=(lambda: plan.settings.costs) if plan.active else None)
+    decoder.keep_logits = logprobs
     eos = set(tokenizer.eos_token_ids)
     stops = StopMatcher(stop or [])
     detokenizer = tokenizer.detokenizer
@@ -202,13 +253,14 @@ def stream_generate(
     try:
         tic = time.perf_counter()
         round_tokens = [decoder.prefill(ids)]
+        round_logprobs = _log_softmax(decoder.root_logits[None]) if logprobs else None
         prompt_tps = (len(ids) - decoder.reused) / (time.perf_counter() - tic)
         tic = time.perf_counter()
         generated, produced, rounds, accepted = 0, 0, 0, 0
         from_draft = [False]
         sources = source_statistics(cache.drafter)
         while True:
-            for token, drafted in zip(round_tokens, from_draft):
+            for index, (token, drafted) in enumerate(zip(round_tokens, from_draft)):
                 generated += 1
                 finish = None
                 if token in eos:
@@ -233,6 +285,7 @@ def stream_generate(
                     accepted=accepted, tokens_per_forward=produced / rounds if rounds else 0.0,
                     target_forwards=decoder.forwards, prompt_reused=decoder.reused,
                     sources=sources, rechecked=decoder.rechecked,
+                    logprobs=round_logprobs[index] if round_logprobs is not None else None,
                 )
                 if finish is not None:
                     return
@@ -241,6 +294,7 @@ def stream_generate(
                 room = min(room, limit - decoder.length)
             result = decoder.round(room)
             round_tokens = result.tokens
+            round_logprobs = _log_softmax(result.logits) if logprobs else None
             rounds += 1
             produced += len(result.tokens)
             accepted = len(result.tokens) - 1
@@ -250,6 +304,12 @@ def stream_generate(
         decoder.truncate(len(ids) + generated)
         if cache.drafter is not None:
             cache.drafter.finish()
+
+
+def _log_softmax(logits: mx.array) -> mx.array:
+    """Rows of logits as log-probabilities, in float32, as mlx-lm computes them."""
+    logits = logits.astype(mx.float32)
+    return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
 
 
 def generate(model: nn.Module, tokenizer, prompt: Union[str, List[int]], verbose: bool = False,

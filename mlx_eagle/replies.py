@@ -1,0 +1,288 @@
+"""What a chat reply holds besides its text: the model's reasoning and its tool calls.
+
+The tools a request offers are checked here (one line naming the field), rendered by the
+model's chat template, and the model's tool-call text is turned into calls as the reply
+streams: mlx-lm's ``TextStateMachine`` splits the text at the template's markers
+(``<think>``, ``<tool_call>``, ...), and the tokenizer's own tool parser (mlx-lm's
+``tool_parsers``, chosen from the chat template) reads each call.
+
+Small models often write a call as bare JSON without the template's tags
+(``{"name": ..., "arguments": {...}}``, possibly in a ```` ```json ```` fence). When tools
+are offered, a reply that is exactly one such object (or a list of them) naming an offered
+tool is returned as that call; while a reply may still become one (it begins with ``{``,
+``[`` or a fence), its text is held back. A tool call the parser cannot read (cut off by
+``max_tokens``, or malformed) is returned as text, never as an error.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass, field, fields
+from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
+
+from mlx_lm.generate import TextStateMachine, make_text_state_machine
+
+from .errors import UserError
+from .generate import GenerationResponse, chat_tokens
+
+TOOL_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+FENCE = re.compile(r"^```(?:json)?\s*(.*?)\s*```$", re.S)
+
+
+@dataclass
+class ToolCall:
+    """One call the model made: OpenAI's shape, its arguments a JSON string."""
+
+    name: str
+    arguments: str
+    id: str = field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
+
+    def openai(self, index: Optional[int] = None) -> Dict[str, Any]:
+        call = {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+        return call if index is None else {"index": index, **call}
+
+
+@dataclass
+class ReplyPiece:
+    """What a stretch of the reply added: answer text, reasoning and finished tool calls."""
+
+    content: str = ""
+    reasoning: str = ""
+    tool_calls: List[ToolCall] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.content or self.reasoning or self.tool_calls)
+
+
+def check_tools(tools: Any) -> List[Dict[str, Any]]:
+    """OpenAI's ``tools``: a list of {"type": "function", "function": {"name", "description"?,
+    "parameters"?}}, checked; one line names the first problem."""
+    if not isinstance(tools, list):
+        raise UserError("tools must be a list of {'type': 'function', 'function': {...}} objects")
+    names = set()
+    for index, tool in enumerate(tools):
+        where = f"tools[{index}]"
+        if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(tool.get("function"), dict):
+            raise UserError(f"{where} must be an object with type 'function' and a 'function' object")
+        function = tool["function"]
+        name = function.get("name")
+        if not isinstance(name, str) or not TOOL_NAME.fullmatch(name):
+            raise UserError(f"{where}.function.name must be 1 to 64 letters, digits, '_', '.' or '-'")
+        if name in names:
+            raise UserError(f"{where}.function.name {name!r} is given twice")
+        names.add(name)
+        if not isinstance(function.get("description", ""), str):
+            raise UserError(f"{where}.function.description must be a string")
+        parameters = function.get("parameters", {})
+        if not isinstance(parameters, dict) or parameters.get("type", "object") != "object":
+            raise UserError(f"{where}.function.parameters must be a JSON schema object of type 'object'")
+    return tools
+
+
+def check_tool_choice(choice: Any, tools: Sequence[Dict[str, Any]]) -> Any:
+    """``tool_choice``: "auto", "none", "required" or {"type": "function", "function": {"name"}}
+    naming one of ``tools``."""
+    if choice is None:
+        return "auto"
+    if choice in ("auto", "none", "required"):
+        if choice == "required" and not tools:
+            raise UserError("tool_choice 'required' needs tools")
+        return choice
+    name = choice.get("function", {}).get("name") if isinstance(choice, dict) and \
+        choice.get("type") == "function" and isinstance(choice.get("function"), dict) else None
+    if not isinstance(name, str):
+        raise UserError("tool_choice must be 'auto', 'none', 'required' or {'type': 'function', "
+                        "'function': {'name': ...}}")
+    offered = [t["function"]["name"] for t in tools]
+    if name not in offered:
+        raise UserError(f"tool_choice names {name!r}, which is not in tools ({', '.join(offered) or 'none given'})")
+    return choice
+
+
+def check_tool_support(tokenizer) -> None:
+    """One line when the model's chat template cannot render tools or read calls back."""
+    template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else ""
+    if not tokenizer.has_tool_calling or "tools" not in template:
+        raise UserError("this model's chat template has no tool calling; send the request without tools")
+
+
+def forced_opening(tokenizer, choice: Any) -> str:
+    """The text the reply is made to begin with for tool_choice "required" or a named
+    function: the template's call opening (and the name), which the model continues; ""
+    for "auto" and "none". One line where the model's call format has no JSON opening."""
+    if choice in ("auto", "none"):
+        return ""
+    if tokenizer.tool_call_start != "<tool_call>" or "tool_call.name" not in (tokenizer.chat_template or ""):
+        raise UserError("tool_choice 'required' or a named function needs a model that writes calls as "
+                        "<tool_call> JSON (Qwen, Hermes); use 'auto'")
+    opening = tokenizer.tool_call_start + '\n{"name": "'
+    return opening if choice == "required" else opening + choice["function"]["name"] + '", "arguments": '
+
+
+def bare_calls(text: str, tools: Sequence[Dict[str, Any]]) -> Optional[List[ToolCall]]:
+    """The calls in a reply written as bare JSON (see the module's docstring), or None."""
+    text = text.strip()
+    fenced = FENCE.match(text)
+    try:
+        value = json.loads(fenced.group(1) if fenced else text)
+    except ValueError:
+        return None
+    offered = {t["function"]["name"] for t in tools}
+    calls = value if isinstance(value, list) else [value]
+    if not calls or not all(isinstance(c, dict) and set(c) <= {"name", "arguments", "parameters"}
+                            and c.get("name") in offered for c in calls):
+        return None
+    return [ToolCall(c["name"], json.dumps(c.get("arguments", c.get("parameters", {})), ensure_ascii=False))
+            for c in calls]
+
+
+def may_become_call(text: str) -> bool:
+    """Whether a reply beginning with ``text`` may still turn out to be a bare JSON call."""
+    text = text.lstrip()
+    if not text or text[0] in "{[":
+        return True
+    if not text.startswith("```"):
+        return "```".startswith(text)
+    body = text[3:]
+    if "json".startswith(body):  # "```" up to "```json": not decided yet
+        return True
+    body = (body[4:] if body.startswith("json") else body).lstrip()
+    return not body or body[0] in "{["
+
+
+def parsed_calls(parser, text: str, tools: Sequence[Dict[str, Any]]) -> Optional[List[ToolCall]]:
+    """The tokenizer's parser on one call's text, as ToolCalls (None: it could not read it)."""
+    try:
+        parsed = parser(text, tools)
+    except (ValueError, KeyError, TypeError, AttributeError, IndexError):
+        return None
+    calls = parsed if isinstance(parsed, list) else [parsed]
+    if not all(isinstance(c, dict) and isinstance(c.get("name"), str) for c in calls):
+        return None
+    return [ToolCall(c["name"], c["arguments"] if isinstance(c.get("arguments"), str)
+                     else json.dumps(c.get("arguments", {}), ensure_ascii=False)) for c in calls]
+
+
+class ReplySplitter:
+    """Splits a reply's text, as it streams, into answer text, reasoning and tool calls.
+    ``tools``: those the request offered (None or empty: a call is left as text)."""
+
+    def __init__(self, tokenizer, tools: Optional[Sequence[Dict[str, Any]]] = None, opening: str = ""):
+        self.tools = list(tools or [])
+        self.parser = tokenizer.tool_parser if self.tools else None
+        self.machine = make_text_state_machine(tokenizer)
+        self.markers = (tokenizer.tool_call_start or "", tokenizer.tool_call_end or "")
+        self.state = self.machine.make_state("normal")
+        self.call_text = ""  # the call being written, between the template's markers
+        self.held = ""  # answer text held back while it may be a bare JSON call
+        self.content_seen = False  # answer text other than white space has been handed out
+        self.calls: List[ToolCall] = []
+        self.pending = opening  # text the reply was made to begin with: split with the first piece
+
+    def feed(self, text: str) -> ReplyPiece:
+        """The reply's next piece of text; what it completes."""
+        text, self.pending = self.pending + text, ""
+        self.state, segments = TextStateMachine.split(self.state, text)
+        return self._take(segments)
+
+    def finish(self, finish_reason: Optional[str]) -> Tuple[ReplyPiece, Optional[str]]:
+        """What is left at the end, and the finish reason: "tool_calls" when the reply made
+        calls and stopped by itself."""
+        self.state, rest, _ = TextStateMachine.flush(self.state)
+        piece = self._take([(self.state[0], rest)])
+        late: List[ToolCall] = []
+        if self.call_text:  # a call that never closed: cut off, or the format has no end marker
+            late += self._read_call(self.call_text, piece, closed=False)
+            self.call_text = ""
+        if self.held:
+            calls = bare_calls(self.held, self.tools)
+            if calls:
+                late += calls
+            else:
+                piece.content += self.held
+            self.held = ""
+        piece.tool_calls += late
+        self.calls += late
+        if self.calls and finish_reason == "stop":
+            finish_reason = "tool_calls"
+        return piece, finish_reason
+
+    def _take(self, segments: List[Tuple[Optional[str], str]]) -> ReplyPiece:
+        piece = ReplyPiece()
+        previous = None
+        for state, text in segments:
+            if previous == "tool" and state != "tool":  # the call's end marker
+                piece.tool_calls += self._read_call(self.call_text, piece)
+                self.call_text = ""
+            if state == "reasoning":
+                piece.reasoning += text
+            elif state == "tool":
+                self.call_text += text
+            else:
+                piece.content += self._answer(text)
+            previous = state
+        self.calls += piece.tool_calls
+        return piece
+
+    def _answer(self, text: str) -> str:
+        """Answer text to hand out now (held while the reply may still be a bare call)."""
+        if not self.tools or self.content_seen:
+            return text
+        self.held += text
+        if may_become_call(self.held):
+            return ""
+        self.content_seen = True
+        out, self.held = self.held, ""
+        return out
+
+    def _read_call(self, text: str, piece: ReplyPiece, closed: bool = True) -> List[ToolCall]:
+        calls = parsed_calls(self.parser, text, self.tools) if self.parser is not None else None
+        if calls is None:  # left as text, with the markers the model wrote around it
+            piece.content += self.markers[0] + text + (self.markers[1] if closed else "")
+            return []
+        return calls
+
+
+@dataclass
+class ChatResponse(GenerationResponse):
+    """A chat reply's piece: mlx-lm's fields, with ``text`` the answer text only, beside the
+    ``reasoning`` and the finished ``tool_calls`` this piece completed."""
+
+    reasoning: str = ""
+    tool_calls: List[ToolCall] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, response: GenerationResponse, piece: ReplyPiece, finish_reason: Optional[str]) -> "ChatResponse":
+        base = {f.name: getattr(response, f.name) for f in fields(GenerationResponse)}
+        base.update(text=piece.content, finish_reason=finish_reason)
+        return cls(**base, reasoning=piece.reasoning, tool_calls=piece.tool_calls)
+
+
+def chat_prompt(tokenizer, messages: Sequence[Dict[str, Any]], tools: Optional[Sequence[Dict[str, Any]]] = None,
+                tool_choice: Any = None) -> Tuple[List[int], ReplySplitter]:
+    """The prompt for checked ``messages`` with the ``tools`` offered (checked here) and
+    the splitter that reads the reply; one line for tools the model cannot take."""
+    tools = check_tools(tools) if tools else []
+    choice = check_tool_choice(tool_choice, tools)
+    if tools:
+        check_tool_support(tokenizer)
+    offered = tools if choice != "none" else []
+    opening = forced_opening(tokenizer, choice) if offered else ""
+    ids = chat_tokens(tokenizer, messages, offered)
+    if opening:
+        ids += tokenizer.encode(opening, add_special_tokens=False)
+    return ids, ReplySplitter(tokenizer, offered, opening)
+
+
+def split_reply(responses: Iterable[GenerationResponse], splitter: ReplySplitter) -> Iterator[ChatResponse]:
+    """``responses`` as chat pieces: answer text, reasoning and tool calls apart."""
+    for response in responses:
+        piece = splitter.feed(response.text)
+        finish = response.finish_reason
+        if finish is not None:
+            rest, finish = splitter.finish(finish)
+            piece = ReplyPiece(piece.content + rest.content, piece.reasoning + rest.reasoning,
+                               piece.tool_calls + rest.tool_calls)
+        yield ChatResponse.of(response, piece, finish)
