@@ -118,7 +118,7 @@ def forced_opening(tokenizer, choice: Any) -> str:
         raise UserError("tool_choice 'required' or a named function needs a model that writes calls as "
                         "<tool_call> JSON (Qwen, Hermes); use 'auto'")
     opening = tokenizer.tool_call_start + '\n{"name": "'
-    return opening if choice == "required" else opening + choice["function"]["name"] + '", "arguments": '
+    return opening if choice == "required" else opening + choice["function"]["name"] + '", "arguments": {'
 
 
 def bare_calls(text: str, tools: Sequence[Dict[str, Any]]) -> Optional[List[ToolCall]]:
@@ -159,10 +159,14 @@ def parsed_calls(parser, text: str, tools: Sequence[Dict[str, Any]]) -> Optional
     except (ValueError, KeyError, TypeError, AttributeError, IndexError):
         return None
     calls = parsed if isinstance(parsed, list) else [parsed]
-    if not all(isinstance(c, dict) and isinstance(c.get("name"), str) for c in calls):
+    try:
+        arguments = [json.loads(c["arguments"]) if isinstance(c.get("arguments"), str) else c.get("arguments", {})
+                     for c in calls]
+    except (ValueError, TypeError, KeyError, AttributeError):
         return None
-    return [ToolCall(c["name"], c["arguments"] if isinstance(c.get("arguments"), str)
-                     else json.dumps(c.get("arguments", {}), ensure_ascii=False)) for c in calls]
+    if not all(isinstance(c.get("name"), str) and isinstance(a, dict) for c, a in zip(calls, arguments)):
+        return None  # OpenAI's arguments are a JSON object
+    return [ToolCall(c["name"], json.dumps(a, ensure_ascii=False)) for c, a in zip(calls, arguments)]
 
 
 class ReplySplitter:

@@ -48,7 +48,7 @@ from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
-import mlx.core as mx
+import numpy as np
 
 from .cli import add_history_arguments, add_model_arguments, history_choice, new_parser, run_cli
 from .errors import UserError, check_text
@@ -227,14 +227,11 @@ def token_logprobs(tokenizer, response: GenerationResponse, top: int) -> Dict[st
         text = tokenizer.decode([token])
         return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
 
-    values = response.logprobs
+    values = np.array(response.logprobs)  # evaluated on the engine's thread; read here on the host
     result = entry(response.token, float(values[response.token]))
-    if top:
-        best = mx.argpartition(-values, top - 1)[:top]
-        pairs = sorted(zip(best.tolist(), values[best].tolist()), key=lambda pair: -pair[1])
-        result["top_logprobs"] = [entry(token, logprob) for token, logprob in pairs]
-    else:
-        result["top_logprobs"] = []
+    best = np.argpartition(-values, top - 1)[:top] if top else []
+    result["top_logprobs"] = [entry(int(token), float(values[token]))
+                              for token in sorted(best, key=lambda token: -values[token])]
     return result
 
 

@@ -14,6 +14,7 @@ from mlx_lm.generate import generate_step
 from mlx_lm.tool_parsers import json_tools
 
 from mlx_eagle.errors import UserError
+from mlx_eagle.generate import check_messages
 from mlx_eagle.replies import ReplySplitter, chat_prompt, may_become_call
 from mlx_eagle.session import ChatSession, Engine
 
@@ -29,6 +30,11 @@ TOOLS = [
 ]
 ASK = [{"role": "system", "content": "You are a helpful assistant. Use the tools when they help."},
        {"role": "user", "content": "What is the weather in Paris right now?"}]
+
+
+def prompt_ids(tokenizer, messages, tools, choice=None):
+    """The prompt the engine builds for ``messages``, as an agent sends them."""
+    return chat_prompt(tokenizer, check_messages(messages), tools, choice)[0]
 
 
 def plain_tokens(model, tokenizer, ids, max_tokens):
@@ -64,14 +70,14 @@ def replied(pieces):
 
 def test_a_tool_call_is_returned_as_a_call_and_a_tool_result_is_answered(engine, qwen_coder):
     model, tokenizer = qwen_coder
-    ids, _ = chat_prompt(tokenizer, ASK, TOOLS)
+    ids = prompt_ids(tokenizer, ASK, TOOLS)
     text, _, calls, finish, tokens = replied(engine.chat(ASK, tools=TOOLS, max_tokens=64))
     assert tokens == plain_tokens(model, tokenizer, ids, 64)  # the model's own text, drafting on
     assert finish == "tool_calls" and text.strip() == ""
     assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", {"city": "Paris"})]
     answered = ASK + [{"role": "assistant", "content": None, "tool_calls": [calls[0].openai()]},
                       {"role": "tool", "tool_call_id": calls[0].id, "content": '{"temperature_c": 18, "sky": "clear"}'}]
-    ids, _ = chat_prompt(tokenizer, answered, TOOLS)
+    ids = prompt_ids(tokenizer, answered, TOOLS)
     text, _, calls, finish, tokens = replied(engine.chat(answered, tools=TOOLS, max_tokens=48))
     assert tokens == plain_tokens(model, tokenizer, ids, 48)
     assert calls == [] and finish in ("stop", "length") and "18" in text
@@ -83,7 +89,7 @@ def test_tool_choice_none_hides_the_tools_and_a_named_function_is_called(engine,
     assert calls == [] and text and finish in ("stop", "length")
     named = {"type": "function", "function": {"name": "add"}}
     ask = ASK[:1] + [{"role": "user", "content": "What is 2 plus 40?"}]
-    ids, _ = chat_prompt(tokenizer, ask, TOOLS, named)
+    ids = prompt_ids(tokenizer, ask, TOOLS, named)
     _, _, calls, finish, tokens = replied(engine.chat(ask, tools=TOOLS, tool_choice=named, max_tokens=32))
     assert tokens == plain_tokens(model, tokenizer, ids, 32)
     assert finish == "tool_calls" and [c.name for c in calls] == ["add"]

@@ -89,7 +89,7 @@ def test_api_objects_and_classes_draft_fresh_per_conversation(smollm):
             ids = chat_tokens(tokenizer, session.messages()[:-1])
             assert reply == "".join(r.text for r in stream_generate(model, tokenizer, ids, draft="none",
                                                                      max_tokens=512))
-        drafter = engine.cache.drafter.drafters[0].current
+        drafter = engine.caches.slots[-1].drafter.drafters[0].current  # the first conversation's, used last
         assert drafter.conversations == 1, "every conversation met a drafter of its own"
         assert engine.drafting == "TableDrafter"
     finally:

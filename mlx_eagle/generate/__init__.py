@@ -306,10 +306,13 @@ def stream_generate(
             cache.drafter.finish()
 
 
-def _log_softmax(logits: mx.array) -> mx.array:
-    """Rows of logits as log-probabilities, in float32, as mlx-lm computes them."""
+def _log_softmax(logits: mx.array) -> List[mx.array]:
+    """Rows of logits as log-probabilities, in float32, as mlx-lm computes them; evaluated
+    here, row by row, so that another thread may read them (the Engine's callers)."""
     logits = logits.astype(mx.float32)
-    return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    rows = list(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
+    mx.eval(rows)
+    return rows
 
 
 def generate(model: nn.Module, tokenizer, prompt: Union[str, List[int]], verbose: bool = False,
