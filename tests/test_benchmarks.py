@@ -25,6 +25,18 @@ def test_every_benchmark_script_has_a_smoke_test_here():
     assert scripts and scripts == tested, scripts - tested
 
 
+def test_agent_runs_a_tool_loop_against_a_server(tmp_path, qwen_coder_gguf):
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    run("agent.py", "--model", qwen_coder_gguf, "--servers", "ours", "--tasks", 1, "--max-tokens", 24,
+        "--port", port, "--out", tmp_path / "agent.json")
+    result = json.loads((tmp_path / "agent.json").read_text())
+    assert result["identical"] and result["requests"]["ours"][0]["kind"] == "tool call"
+
+
 def test_moe_verify_cost(tmp_path):
     run("moe_verify_cost.py", "--layers", 1, "--out", tmp_path / "moe.json")
     result = json.loads((tmp_path / "moe.json").read_text())
