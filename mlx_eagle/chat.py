@@ -153,8 +153,8 @@ def reply(session, terminal: Terminal, text: str, show_stats: bool) -> None:
     """Stream one reply; Ctrl-C stops it and keeps what was shown."""
     chunks = session.send(text)
     try:
-        for chunk in chunks:
-            terminal.out.write(chunk.text)
+        for chunk in chunks:  # a reasoning model's thinking shows dimmed before its answer
+            terminal.out.write(terminal.dim(chunk.reasoning) + chunk.text if chunk.reasoning else chunk.text)
             terminal.out.flush()
     except KeyboardInterrupt:
         chunks.close()  # cancels the generation; the worker stops within a round
