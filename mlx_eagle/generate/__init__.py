@@ -142,6 +142,11 @@ def chat_tokens(tokenizer, messages: Sequence[Dict[str, Any]],
 
 
 MAX_SEED = (1 << 63) - 1
+# MLX keeps freed buffers for reuse; mlx-lm's plain loop frees them every 256 tokens. A
+# speculative round adds several tokens, so the cache is cleared whenever a round crosses
+# a multiple of this (never only at exact multiples, which rounds jump over), and after
+# every reply: on Metal a long reply's cache otherwise grows without bound.
+CLEAR_CACHE_EVERY = 256
 
 
 def check_options(max_tokens: int, seed: Optional[int]) -> None:
@@ -293,6 +298,8 @@ def stream_generate(
             if limit is not None:
                 room = min(room, limit - decoder.length)
             result = decoder.round(room)
+            if (decoder.length // CLEAR_CACHE_EVERY) != ((decoder.length - len(result.tokens)) // CLEAR_CACHE_EVERY):
+                mx.clear_cache()  # a round crossed a boundary (multi-token rounds jump over exact multiples)
             round_tokens = result.tokens
             round_logprobs = _log_softmax(result.logits) if logprobs else None
             rounds += 1
@@ -304,6 +311,7 @@ def stream_generate(
         decoder.truncate(len(ids) + generated)
         if cache.drafter is not None:
             cache.drafter.finish()
+        mx.clear_cache()
 
 
 def _log_softmax(logits: mx.array) -> List[mx.array]:
