@@ -233,10 +233,13 @@ class SpeculativeDecoder:
         self.state.unread = 0
         return reuse
 
-    def prefill(self, prompt: List[int], chunk: int = 512) -> int:
-        """Read the prompt (what the caches do not already hold of it); returns the
-        first generated token (the first root)."""
+    def prefill(self, prompt: List[int], chunk: int = 512,
+                on_read: Optional[Callable[[int, int], None]] = None) -> int:
+        """Read the prompt (what the caches do not already hold of it) ``chunk`` tokens at
+        a time; returns the first generated token (the first root). ``on_read(read, total)``
+        hears after each chunk how much of what is read so far (it may raise to stop)."""
         self.reused = self._reusable(prompt)
+        heard = on_read or (lambda read, total: None)
         self.state.tokens = []  # until this returns, the caches hold nothing certain
         states = None
         if not self.reads_states:  # as mlx-lm reads a prompt: only the last token's logits are computed
@@ -244,6 +247,7 @@ class SpeculativeDecoder:
                 self.forwards += 1
                 self.target(mx.array([prompt[start:min(start + chunk, len(prompt) - 1)]]), cache=self.target_cache)
                 mx.eval([layer_cache.state for layer_cache in self.target_cache])
+                heard(min(start + chunk, len(prompt) - 1) - self.reused, len(prompt) - self.reused)
             logits = self._forward(mx.array(prompt[-1:]), len(prompt) - 1, None).logits[-1]
             self.root = self._choose(logits)
         else:
@@ -260,6 +264,7 @@ class SpeculativeDecoder:
                 # computed apart from the outputs: evaluated too, so the graph does not grow.)
                 mx.eval(out.features, out.hidden, [] if self.drives_target else [c.state for c in self.target_cache])
                 start += len(block)
+                heard(start - self.reused, len(prompt) - self.reused)
             # (For a model's own forward pass, its LM head: models scale their logits their own ways.)
             logits = lm_head(self.target, out.hidden[-1]) if self.drives_target else out.logits[-1]
             if len(blocks[-1]) > 1 and self._unsure(logits):  # read the last token alone, as plain decoding does

@@ -36,6 +36,23 @@ def progress_bar(iterable: Any = None, **options: Any):
     return tqdm(iterable, **options)
 
 
+class PromptProgress:
+    """``prompt_progress_callback`` for the commands: a bar while a long prompt is read
+    (``at_least`` tokens or more to read), nothing for a short one."""
+
+    def __init__(self, at_least: int = 2048):
+        self.at_least = at_least
+        self.bar = None
+
+    def __call__(self, read: int, total: int) -> None:
+        if self.bar is None and total >= self.at_least:
+            self.bar = progress_bar(total=total, desc="reading the prompt", unit="token", leave=False)
+        if self.bar is not None:
+            self.bar.update(read - self.bar.n)
+            if read >= total:
+                self.bar.close()
+
+
 def close_bars() -> None:
     """End any bar still drawn (a command failing inside its loop), so that the error
     that follows starts a line of its own."""

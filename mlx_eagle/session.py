@@ -34,6 +34,11 @@ Message = Dict[str, Any]
 
 
 _DONE = object()
+
+
+class _Cancelled(Exception):
+    """A generation cancelled while its prompt was being read."""
+
 PROMPT_CACHE_BYTES = 2 << 30  # what the conversations' caches may hold together, by default
 
 
@@ -158,12 +163,19 @@ class Engine:
                 if cancel.is_set():
                     return
                 cache = self.caches.take(ids)
+
+                def reading(read: int, total: int) -> None:  # a long prompt stops between chunks
+                    if cancel.is_set():
+                        raise _Cancelled
+
                 for response in stream_generate(self.model, self.tokenizer, ids, draft=self.plan(tree, history_key),
-                                                prompt_cache=cache, **options):
+                                                prompt_cache=cache, prompt_progress_callback=reading, **options):
                     out.put(response)
                     if cancel.is_set():
                         break
                 self.caches.evict(keep=cache)
+            except _Cancelled:
+                pass
             except BaseException as exc:
                 out.put(exc)
             finally:

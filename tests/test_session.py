@@ -201,3 +201,26 @@ def test_interleaved_conversations_each_keep_their_cache_and_share_their_beginni
         assert len(engine.caches.slots) == 1
     finally:
         engine.close()
+
+
+def test_a_request_is_cancelled_while_its_long_prompt_is_read(smollm):
+    """Cancelling stops a long prompt between two of its chunks: no token comes, and the
+    engine serves the next request with the text a fresh cache gives."""
+    model, tokenizer = smollm
+    engine = Engine(loaded=(model, tokenizer, None), history=False)
+    try:
+        ids = chat_tokens(tokenizer, [{"role": "user", "content": "word " * 2500 + "How many words?"}])
+        cancel = threading.Event()
+
+        def cancel_once_busy():
+            while engine._current is None:
+                threading.Event().wait(0.01)
+            cancel.set()
+
+        threading.Thread(target=cancel_once_busy, daemon=True).start()
+        assert list(engine.generate(ids, cancel, max_tokens=4)) == []
+        question = chat_tokens(tokenizer, [{"role": "user", "content": "Name a color."}])
+        reply = "".join(r.text for r in engine.generate(question, max_tokens=8))
+        assert reply == "".join(r.text for r in stream_generate(model, tokenizer, question, max_tokens=8, draft=None))
+    finally:
+        engine.close()

@@ -7,7 +7,7 @@ import json
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Dict, Generator, List, Optional, Sequence, Tuple, Union
+from typing import TYPE_CHECKING, Any, Callable, Dict, Generator, List, Optional, Sequence, Tuple, Union
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -210,6 +210,7 @@ def stream_generate(
     prompt_cache: Optional["PromptCache"] = None,
     history: Union[bool, str, None, object] = True,
     logprobs: bool = False,
+    prompt_progress_callback: Optional[Callable[[int, int], None]] = None,
 ) -> Generator[GenerationResponse, None, None]:
     """Yield the continuation of ``prompt`` token by token.
 
@@ -232,6 +233,8 @@ def stream_generate(
     earlier replies context drafts also draft from (True: this process's for this model;
     a path: a file kept across processes; False: none); a plan says this itself.
     ``logprobs``: each response carries the target's log-probabilities at its token.
+    ``prompt_progress_callback(read, total)``: called as the prompt is read, chunk by chunk,
+    as mlx-lm's is (an exception it raises stops the reading and the generation).
     """
     from ..decoder import SpeculativeDecoder, make_prompt_cache
     from ..plan import plan_drafts, source_statistics
@@ -257,7 +260,7 @@ def stream_generate(
     generated = 0
     try:
         tic = time.perf_counter()
-        round_tokens = [decoder.prefill(ids)]
+        round_tokens = [decoder.prefill(ids, on_read=prompt_progress_callback)]
         round_logprobs = _log_softmax(decoder.root_logits[None]) if logprobs else None
         prompt_tps = (len(ids) - decoder.reused) / (time.perf_counter() - tic)
         tic = time.perf_counter()

@@ -21,6 +21,7 @@ from ..cli import (
     run_cli,
 )
 from ..errors import UserError, check_text
+from ..progress import PromptProgress
 from ..trees import parse_tree
 from . import chat_tokens, check_options, check_prompt, print_stats, stream_generate
 
@@ -86,7 +87,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     response = None
     for response in stream_generate(model, tokenizer, ids, max_tokens=args.max_tokens, draft=plan, temp=args.temp,
                                     top_p=args.top_p, min_p=args.min_p, top_k=args.top_k, seed=args.seed,
-                                    stop=args.stop):
+                                    stop=args.stop, prompt_progress_callback=PromptProgress()):
         print(response.text, end="", flush=True)
     print()
     if args.verbose and response is not None:
