@@ -64,7 +64,8 @@ def test_the_cache_is_cleared_at_every_crossing_and_memory_stays_flat(looping_mo
     assert crossings >= REPLY // CLEAR_CACHE_EVERY - 1
     assert len(cleared) == crossings + 1  # each crossing, and once after the reply
     # What a round leaves allocated grows with the KV cache alone (a few KB a token here),
-    # not with the reply's rounds: the second half of the reply adds what the first did.
+    # not with the reply's rounds: the second half of the reply adds about what the first
+    # did (a buffer kept per round would add megabytes over a thousand rounds).
     quarter = len(active) // 4
     first, second = active[2 * quarter] - active[quarter], active[-1] - active[2 * quarter]
-    assert second <= 1.5 * max(first, 1 << 20), (first, second)
+    assert second <= first + (8 << 20), (first, second, len(active))
