@@ -182,7 +182,7 @@ class ReplySplitter:
         self.state = self.machine.make_state("normal")
         self.call_text = ""  # the call being written, between the template's markers
         self.held = ""  # answer text held back while it may be a bare JSON call
-        self.content_seen = False  # answer text other than white space has been handed out
+        self.content_seen = False  # the reply is known not to be a bare call: its text goes out as it comes
         self.calls: List[ToolCall] = []
         self.pending = opening  # text the reply was made to begin with: split with the first piece
 
