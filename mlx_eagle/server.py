@@ -17,7 +17,8 @@ an error event and no [DONE]), never in a reply that looks finished.
 
 A client that closes its sending side after the request (``nc -N``, shutdown(SHUT_WR))
 still gets its whole reply: a closed read side is not taken for a departed client. A
-client that has gone is found by the next write: a streamed reply writes every round; a
+client that has gone is found by the next write: a streamed reply writes every round (and
+an SSE comment after each 512-token chunk of a long prompt); a
 plain reply to a client whose read side has closed starts at once and writes a space (JSON
 allows leading white space) every round, so a departed client cancels its generation
 within two rounds either way. Fields the server does not implement (response_format
@@ -437,14 +438,14 @@ class Handler(BaseHTTPRequestHandler):
         except (OSError, ValueError):
             raise ConnectionResetError("the connection failed") from None
 
-    def _generate(self, request: Request) -> Iterator[GenerationResponse]:
+    def _generate(self, request: Request, on_prompt_read=None) -> Iterator[GenerationResponse]:
         """The engine's responses (a chat reply's split into answer text, reasoning and tool
         calls); the caller's writes find a departed client (a broken pipe ends the loop, and
         so cancels the generation)."""
         from .replies import split_reply
 
         responses = self.server.engine.generate(request.ids, tree=self.server.tree, history_key=request.model,
-                                                **request.options)
+                                                on_prompt_read=on_prompt_read, **request.options)
         for response in split_reply(responses, request.splitter) if request.chat else responses:
             yield response
             if not self.read_closed and self._read_side_closed():
@@ -532,7 +533,14 @@ class Handler(BaseHTTPRequestHandler):
                 event({"delta": {"role": "assistant", "content": ""}, "finish_reason": None})
             calls = 0
             tokenizer = self.server.engine.tokenizer
-            for last in self._generate(request):
+
+            def reading(read: int, total: int) -> None:
+                # An SSE comment (clients skip it) after each chunk of a long prompt: a client
+                # that has gone breaks the pipe, which cancels the reading.
+                self.wfile.write(b": reading the prompt\n\n")
+                self.wfile.flush()
+
+            for last in self._generate(request, reading):
                 finish = last.finish_reason
                 logprobs = ([token_logprobs(tokenizer, last, request.top_logprobs)]
                             if request.top_logprobs is not None else None)

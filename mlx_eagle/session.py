@@ -146,10 +146,14 @@ class Engine:
         return getattr(self.model.args, "max_position_embeddings", None)
 
     def generate(self, ids: List[int], cancel: Optional[threading.Event] = None,
+                 on_prompt_read: Optional[Callable[[int, int], None]] = None,
                  **options) -> Iterator[GenerationResponse]:
         """Stream the continuation of ``ids``; ``options`` as for stream_generate.
         Leaving the loop early, setting ``cancel`` (also before it starts: it then never
-        runs) or ``Engine.cancel()`` stops the generation within a round."""
+        runs) or ``Engine.cancel()`` stops the generation within a round, or between two
+        chunks of a long prompt. ``on_prompt_read(read, total)`` is called on the engine's
+        thread after each chunk of the prompt (an error it raises ends the generation
+        with that error)."""
         self._check_open()
         check_prompt(self.model, ids)  # before planning, which may time this device
         out: "queue.Queue" = queue.Queue()
@@ -167,6 +171,8 @@ class Engine:
                 def reading(read: int, total: int) -> None:  # a long prompt stops between chunks
                     if cancel.is_set():
                         raise _Cancelled
+                    if on_prompt_read is not None:
+                        on_prompt_read(read, total)
 
                 for response in stream_generate(self.model, self.tokenizer, ids, draft=self.plan(tree, history_key),
                                                 prompt_cache=cache, prompt_progress_callback=reading, **options):
