@@ -90,8 +90,8 @@ class PromptCaches:
 
     def take(self, prompt: List[int]) -> PromptCache:
         """The slot to decode ``prompt`` in, marked most recently used."""
-        best = max(self.slots, key=lambda slot: common_prefix(slot.tokens, prompt), default=None)
-        shared = common_prefix(best.tokens, prompt) if best is not None else 0
+        shared, best = max(((common_prefix(slot.tokens, prompt), slot) for slot in self.slots),
+                           key=lambda pair: pair[0], default=(0, None))
         if best is not None and shared >= self.CONTINUES * len(best.tokens):
             self.slots.remove(best)
             slot = best

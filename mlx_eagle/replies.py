@@ -183,7 +183,7 @@ class ReplySplitter:
         self.call_text = ""  # the call being written, between the template's markers
         self.held = ""  # answer text held back while it may be a bare JSON call
         self.content_seen = False  # the reply is known not to be a bare call: its text goes out as it comes
-        self.calls: List[ToolCall] = []
+        self.called = False  # the reply has made a call
         self.pending = opening  # text the reply was made to begin with: split with the first piece
 
     def feed(self, text: str) -> ReplyPiece:
@@ -209,8 +209,8 @@ class ReplySplitter:
                 piece.content += self.held
             self.held = ""
         piece.tool_calls += late
-        self.calls += late
-        if self.calls and finish_reason == "stop":
+        self.called = self.called or bool(late)
+        if self.called and finish_reason == "stop":
             finish_reason = "tool_calls"
         return piece, finish_reason
 
@@ -228,7 +228,7 @@ class ReplySplitter:
             else:
                 piece.content += self._answer(text)
             previous = state
-        self.calls += piece.tool_calls
+        self.called = self.called or bool(piece.tool_calls)
         return piece
 
     def _answer(self, text: str) -> str:
@@ -268,17 +268,27 @@ class ChatResponse(GenerationResponse):
 def chat_prompt(tokenizer, messages: Sequence[Dict[str, Any]], tools: Optional[Sequence[Dict[str, Any]]] = None,
                 tool_choice: Any = None) -> Tuple[List[int], ReplySplitter]:
     """The prompt for checked ``messages`` with the ``tools`` offered (checked here) and
-    the splitter that reads the reply; one line for tools the model cannot take."""
-    tools = check_tools(tools) if tools else []
-    choice = check_tool_choice(tool_choice, tools)
+    the splitter that reads the reply; one line for tools the model cannot take, whose
+    ``field`` names the request field at fault (the server's 400 says it)."""
+    tools = _in_field("tools", lambda: check_tools(tools) if tools is not None else [])
+    choice = _in_field("tool_choice", lambda: check_tool_choice(tool_choice, tools))
     if tools:
-        check_tool_support(tokenizer)
+        _in_field("tools", lambda: check_tool_support(tokenizer))
     offered = tools if choice != "none" else []
-    opening = forced_opening(tokenizer, choice) if offered else ""
+    opening = _in_field("tool_choice", lambda: forced_opening(tokenizer, choice)) if offered else ""
     ids = chat_tokens(tokenizer, messages, offered)
     if opening:
         ids += tokenizer.encode(opening, add_special_tokens=False)
     return ids, ReplySplitter(tokenizer, offered, opening)
+
+
+def _in_field(name: str, check):
+    """``check()``, its UserError marked with the request field ``name``."""
+    try:
+        return check()
+    except UserError as error:
+        error.field = name
+        raise
 
 
 def split_reply(responses: Iterable[GenerationResponse], splitter: ReplySplitter) -> Iterator[ChatResponse]:

@@ -113,24 +113,16 @@ def _body_number(body: dict, name: str, default: float, low: float, high: float)
 
 def _chat_prompt(body: dict, tokenizer) -> Tuple[List[int], "ReplySplitter"]:
     """The prompt and reply reader of a chat request; a 400 names the field at fault."""
-    from .replies import chat_prompt, check_tool_choice, check_tool_support, check_tools
+    from .replies import chat_prompt
 
     try:
         messages = check_messages(body.get("messages"))
     except UserError as error:
         raise RequestError(400, str(error), "messages") from None
-    tools = body.get("tools")
-    for name, check in (("tools", lambda: check_tools(tools) if tools is not None else []),
-                        ("tool_choice", lambda: check_tool_choice(body.get("tool_choice"), tools or [])),
-                        ("tools", lambda: check_tool_support(tokenizer) if tools else None)):
-        try:
-            check()
-        except UserError as error:
-            raise RequestError(400, str(error), name) from None
     try:
-        return chat_prompt(tokenizer, messages, tools, body.get("tool_choice"))
+        return chat_prompt(tokenizer, messages, body.get("tools"), body.get("tool_choice"))
     except UserError as error:
-        raise RequestError(400, str(error), "tool_choice") from None
+        raise RequestError(400, str(error), getattr(error, "field", None)) from None
 
 
 def _prompt(body: dict, tokenizer) -> List[int]:

@@ -39,6 +39,7 @@ _DONE = object()
 class _Cancelled(Exception):
     """A generation cancelled while its prompt was being read."""
 
+
 PROMPT_CACHE_BYTES = 2 << 30  # what the conversations' caches may hold together, by default
 
 
@@ -375,7 +376,7 @@ class ChatSession:
                     answer: Message = {"role": "assistant", "content": reply}
                     if calls:
                         answer["tool_calls"] = [call.openai() for call in calls]
-                    self._history += new + check_messages(self.messages([answer]))[-1:]
+                    self._history += new + check_messages([answer], "reply")
                     self.stats = TurnStats(
                         tokens=last.generation_tokens, tokens_per_s=last.generation_tps, tau=last.tokens_per_forward,
                         prompt_tokens=last.prompt_tokens, prompt_reused=last.prompt_reused,

@@ -116,7 +116,7 @@ def recognizes(path: Path, config: Optional[dict]) -> bool:
         return False
     architectures = config.get("architectures") or []
     tokenizer = any((path / name).exists() for name in ("tokenizer.json", "tokenizer.model"))
-    return (config.get("family") in tuple(HEADS) or "draft_vocab_size" in config
+    return ((isinstance(config.get("family"), str) and config["family"] in HEADS) or "draft_vocab_size" in config
             or any(isinstance(a, str) and "eagle" in a.lower() for a in architectures)
             or (config.get("num_hidden_layers") == 1 and not tokenizer))
 

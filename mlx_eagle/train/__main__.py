@@ -6,12 +6,11 @@ resumably (the mlx_eagle.train command).
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import sys
 import time
 from argparse import ArgumentParser, Namespace
-from dataclasses import fields
+from dataclasses import fields, replace
 from pathlib import Path
 from typing import List, Optional, Sequence, Tuple
 
@@ -179,7 +178,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     model, tokenizer = load(args.model)
     family = FAMILIES[config.family].code()
     if config.mask_token is None:
-        config = dataclasses.replace(config, mask_token=tokenizer.unk_token_id or 0)
+        config = replace(config, mask_token=tokenizer.unk_token_id or 0)
     root = args.data or work
     if world.size() > 1 and not list(root.glob("vocab-*.npz")):
         raise UserError(f"prepare the data once without mlx.launch first: {parser.prog} ... --prepare-only")

@@ -27,7 +27,7 @@ from .families import FAMILIES
 from .pieces import Piece, make_batch
 from .recipe import TrainConfig, epoch_batches, learning_rate, padded_length
 from .store import StateStore
-from .ttt import target_states
+from .ttt import same_draft_vocabulary, target_states
 
 
 def steps_within(make_trainer, config: TrainConfig, seconds: float, work: Path, probe_steps: int = 10) -> TrainConfig:
@@ -197,12 +197,9 @@ class Trainer:
                 return
         state = json.loads((directory / "state.json").read_text())
         weights = mx.load(str(directory / "head.safetensors"))
-        own = dict(tree_flatten(self.head.parameters()))
-        for name, value in weights.items():  # integer tensors map a draft vocabulary: not trained, chosen by the data
-            if not mx.issubdtype(value.dtype, mx.floating) and name in own and \
-                    not np.array_equal(np.array(value), np.array(own[name])):
-                raise UserError(f"the checkpoint in {self.work} was trained with another draft vocabulary than "
-                                "this run's; pass a new --work")
+        if not same_draft_vocabulary(self.head, weights.items()):
+            raise UserError(f"the checkpoint in {self.work} was trained with another draft vocabulary than "
+                            "this run's; pass a new --work")
         self.head.load_weights(list(weights.items()))
         self.optimizer.state.update(tree_unflatten(list(mx.load(str(directory / "optimizer.safetensors")).items())))
         self.step = state["step"]

@@ -6,7 +6,7 @@ and acceptance is measured by."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Callable, Iterator, List, Optional, Sequence, Tuple
+from typing import Callable, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -95,6 +95,14 @@ def ttt_unroll(head, target, tokens: mx.array, features: mx.array, steps: int) -
         hidden = shift(out, 1)  # position t next reads the head's own output at t - 1
 
 
+def same_draft_vocabulary(head: nn.Module, weights: Iterable[Tuple[str, mx.array]]) -> bool:
+    """Whether ``weights`` (a checkpoint's) hold the integer tensors ``head`` holds: those map
+    a draft vocabulary, chosen by the data, never trained."""
+    own = dict(tree_flatten(head.parameters()))
+    return all(mx.issubdtype(value.dtype, mx.floating) or name not in own
+               or np.array_equal(np.array(value), np.array(own[name])) for name, value in weights)
+
+
 def head_to_train(target, config, used: Optional[np.ndarray], init: Optional[Path],
                   start: Optional[Callable[[EagleHead], None]] = None) -> EagleHead:
     """A new head of ``config.family`` for training, in float32 whatever the target's dtype
@@ -113,11 +121,8 @@ def head_to_train(target, config, used: Optional[np.ndarray], init: Optional[Pat
         start(head)
     if init is not None:  # a quantized head (as shipped) is widened first
         weights = tree_flatten(dequantize_model(load_head(init, target)).parameters())
-        own = dict(tree_flatten(head.parameters()))
-        for name, value in weights:
-            if not mx.issubdtype(value.dtype, mx.floating) and name in own and \
-                    not np.array_equal(np.array(value), np.array(own[name])):
-                raise UserError(f"--init {init} drafts from another draft vocabulary than this run's")
+        if not same_draft_vocabulary(head, weights):
+            raise UserError(f"--init {init} drafts from another draft vocabulary than this run's")
         try:
             head.load_weights([(k, v.astype(mx.float32) if mx.issubdtype(v.dtype, mx.floating) else v)
                                for k, v in weights])
