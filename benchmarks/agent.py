@@ -15,9 +15,14 @@ writes a call as bare JSON (small models do) is read as that call on the client 
 mlx-lm's server, as ours reads it (mlx_eagle/replies.py). Tasks rotate which server goes
 first. Greedy; all servers get OpenBLAS on Linux.
 
-Reported: whether the transcripts are identical across servers; total time and its ratio
-to mlx-lm's; per request kind (a reply that calls tools, an answer after tool results) the
-time, tokens and, for ours, the tokens drafted and accepted from each source.
+Then structured replies (``response_format`` json_schema: a file's functions, an edit as
+search/replace, a test report), to ours with and without drafting only: mlx-lm's server has
+no structured outputs.
+
+Reported: whether the transcripts are identical across servers; the tool loop's total time
+and its ratio to mlx-lm's; the structured replies' time against plain constrained decoding;
+per request kind (a reply that calls tools, an answer after tool results, a JSON-schema
+reply) the time, tokens and, for ours, the tokens drafted and accepted from each source.
 """
 
 import argparse
@@ -65,6 +70,35 @@ TASKS = [
     "Run the tests and tell me whether they pass.",
     "Read test_utils.py and show me the test for slugify.",
 ]
+
+# Structured replies an agent asks for (response_format json_schema): a file's functions, an
+# edit as search/replace, a test report. mlx-lm's server has no response_format (it ignores
+# the field), so these go to ours only: default drafting against plain constrained decoding.
+JSON_TASKS = [
+    ("List every function of utils.py with its parameters and its whole source code.\n\nutils.py:\n"
+     + PROJECT["utils.py"],
+     {"type": "object", "properties": {"functions": {"type": "array", "items": {
+         "type": "object", "properties": {"name": {"type": "string"},
+                                          "parameters": {"type": "array", "items": {"type": "string"}},
+                                          "source": {"type": "string"}},
+         "required": ["name", "parameters", "source"], "additionalProperties": False}}},
+      "required": ["functions"], "additionalProperties": False}),
+    ("Rename word_count to count_words in utils.py. Give the edit as the exact text to search for and its "
+     "replacement.\n\nutils.py:\n" + PROJECT["utils.py"],
+     {"type": "object", "properties": {"path": {"type": "string"}, "search": {"type": "string"},
+                                       "replace": {"type": "string"}},
+      "required": ["path", "search", "replace"], "additionalProperties": False}),
+    ("Report this test run.\n\n" + "test_utils.py::test_slugify PASSED\ntest_utils.py::test_word_count PASSED\n"
+     "2 passed in 0.01s",
+     {"type": "object", "properties": {"passed": {"type": "integer"}, "failed": {"type": "integer"},
+                                       "tests": {"type": "array", "items": {
+                                           "type": "object", "properties": {
+                                               "file": {"type": "string"}, "name": {"type": "string"},
+                                               "status": {"enum": ["PASSED", "FAILED"]}},
+                                           "required": ["file", "name", "status"], "additionalProperties": False}}},
+      "required": ["passed", "failed", "tests"], "additionalProperties": False}),
+]
+JSON_KIND = "JSON-schema reply"
 
 
 def run_tool(name: str, arguments: dict) -> str:
@@ -143,6 +177,20 @@ def run_task(client: openai.OpenAI, task: str, max_tokens: int) -> Tuple[List[di
     return transcript, requests
 
 
+def run_json_task(client: openai.OpenAI, task: str, schema: dict, max_tokens: int) -> Tuple[List[dict], List[dict]]:
+    """One structured reply: its text, and the request's figures."""
+    tic = time.perf_counter()
+    reply = client.chat.completions.create(
+        model="default_model", max_tokens=max_tokens, temperature=0,
+        messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": task}],
+        response_format={"type": "json_schema", "json_schema": {"name": "reply", "schema": schema, "strict": True}})
+    seconds = time.perf_counter() - tic
+    speculation = (reply.usage.model_extra or {}).get("speculation") or {}
+    return [{"content": reply.choices[0].message.content, "calls": []}], [
+        {"kind": JSON_KIND, "seconds": seconds, "tokens": reply.usage.completion_tokens,
+         "cached_tokens": None, "drafters": speculation.get("drafters", {})}]
+
+
 def summary(requests: List[dict]) -> Dict[str, dict]:
     kinds: Dict[str, dict] = {}
     for r in requests:
@@ -163,7 +211,8 @@ def main(argv: Optional[List[str]] = None) -> None:
                                               "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"),
                         help="a GGUF or model directory (default: Qwen2.5-Coder-0.5B-Instruct, from "
                         "benchmarks/qwen_models.py)")
-    parser.add_argument("--tasks", type=int, default=len(TASKS))
+    parser.add_argument("--tasks", type=int, default=len(TASKS), help="tool-loop tasks to run")
+    parser.add_argument("--json-tasks", type=int, default=len(JSON_TASKS), help="structured-reply tasks to run")
     parser.add_argument("--max-tokens", type=int, default=160)
     parser.add_argument("--servers", default="mlx-lm,ours,ours-none")
     parser.add_argument("--port", type=int, default=8391, help="the first of three consecutive ports")
@@ -190,26 +239,43 @@ def main(argv: Optional[List[str]] = None) -> None:
             print(f"task {index + 1}/{args.tasks}: " + ", ".join(
                 f"{k} {sum(r['seconds'] for r in requests[k][-len(transcripts[k][-1]):]):.1f} s" for k in kinds),
                 file=sys.stderr)
+        ours = [kind for kind in kinds if kind != "mlx-lm"]
+        json_transcripts = {kind: [] for kind in ours}
+        for index, (task, schema) in enumerate(JSON_TASKS[:args.json_tasks]):
+            for kind in ours[index % len(ours):] + ours[:index % len(ours)]:
+                transcript, figures = run_json_task(clients[kind], task, schema, args.max_tokens)
+                json_transcripts[kind].append(transcript)
+                requests[kind] += figures
+            print(f"JSON task {index + 1}/{args.json_tasks}: " + ", ".join(
+                f"{k} {requests[k][-1]['seconds']:.1f} s" for k in ours), file=sys.stderr)
     finally:
         for process in processes.values():
             process.terminate()
         for process in processes.values():
             process.wait(timeout=60)
-    totals = {kind: sum(r["seconds"] for r in requests[kind]) for kind in kinds}
+    loop = {kind: [r for r in requests[kind] if r["kind"] != JSON_KIND] for kind in kinds}
+    totals = {kind: sum(r["seconds"] for r in loop[kind]) for kind in kinds}
     reference = "mlx-lm" if "mlx-lm" in kinds else kinds[0]
+    structured = {kind: sum(r["seconds"] for r in requests[kind] if r["kind"] == JSON_KIND) for kind in ours}
     result = {
-        "model": str(model_dir), "tasks": args.tasks, "max_tokens": args.max_tokens,
+        "model": str(model_dir), "tasks": args.tasks, "json_tasks": args.json_tasks, "max_tokens": args.max_tokens,
         "identical": all(transcripts[k] == transcripts[reference] for k in kinds),
+        "json_identical": all(json_transcripts[k] == json_transcripts[ours[0]] for k in ours) if ours else None,
         "seconds": totals, "speedup_vs_" + reference: {k: totals[reference] / totals[k] for k in kinds},
+        "json_seconds": structured,
         "by_kind": {kind: summary(requests[kind]) for kind in kinds},
         "requests": requests, "transcripts": transcripts[reference],
+        "json_transcripts": json_transcripts[ours[0]] if ours else [],
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
-    print(f"identical transcripts: {result['identical']}")
-    print(f"{'server':10} {'seconds':>8} {'vs ' + reference:>10}")
+    print(f"identical transcripts: tool loop {result['identical']}, JSON-schema replies {result['json_identical']}")
+    print(f"{'server':10} {'tool loop s':>11} {'vs ' + reference:>10}")
     for kind in kinds:
-        print(f"{kind:10} {totals[kind]:8.1f} {totals[reference] / totals[kind]:9.2f}x")
+        print(f"{kind:10} {totals[kind]:11.1f} {totals[reference] / totals[kind]:9.2f}x")
+    if "ours" in structured and "ours-none" in structured and structured["ours"]:
+        print(f"JSON-schema replies: ours {structured['ours']:.1f} s, ours-none {structured['ours-none']:.1f} s: "
+              f"{structured['ours-none'] / structured['ours']:.2f}x plain constrained decoding")
     for kind in kinds:
         for name, k in result["by_kind"][kind].items():
             drafted = ", ".join(f"{d}: {s['accepted']}/{s['proposed']}" for d, s in k["drafters"].items())

@@ -23,6 +23,8 @@ their recurrence over the accepted steps only. (Nor can a sliding-window cache o
 target.py does not drive, once it has wrapped.) Where a model's layers are not ones
 rewind.py knows, the round restores the caches to before its forward pass instead, and
 the next round reads the accepted tokens again in front of its own chain ("unread" tokens).
+A reply held to a grammar (structured outputs) has each round's tree shaped by it before
+the forward pass, and the rows masked after it (grammar.py): the same loop, the same walk.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from .costs import Costs
 from .drafters import Budget, Drafter, Outcome, TargetStates
 from .drafters.admit import admit_or_warn
 from .errors import UserError
+from .grammar import Grammar, mask_logits
 from .rewind import Rewind, needs_rewind
 from .compiled import compiles_verification, verify_block
 from .target import TargetOutput, check_target, is_driven, keep_cache_entries, \
@@ -173,6 +176,8 @@ class SpeculativeDecoder:
         # Caches mlx-lm cannot cut back (recurrent layers, wrapped sliding windows) are rewound.
         self.rewind = Rewind(target, self.target_cache) if needs_rewind(self.target_cache) else None
         self._last_round: Optional[Tuple[object, int, int]] = None  # (snapshot, tokens, unread) before it
+        # A reply held to a grammar (structured outputs, grammar.py): set before the prompt is read.
+        self.grammar: Optional[Grammar] = None
 
     @property
     def length(self) -> int:
@@ -248,7 +253,7 @@ class SpeculativeDecoder:
                 self.target(mx.array([prompt[start:min(start + chunk, len(prompt) - 1)]]), cache=self.target_cache)
                 mx.eval([layer_cache.state for layer_cache in self.target_cache])
                 heard(min(start + chunk, len(prompt) - 1) - self.reused, len(prompt) - self.reused)
-            logits = self._forward(mx.array(prompt[-1:]), len(prompt) - 1, None).logits[-1]
+            logits = self._held(self._forward(mx.array(prompt[-1:]), len(prompt) - 1, None).logits[-1])
             self.root = self._choose(logits)
         else:
             blocks = [prompt[start:start + chunk] for start in range(self.reused, len(prompt), chunk)]
@@ -266,22 +271,28 @@ class SpeculativeDecoder:
                 start += len(block)
                 heard(start - self.reused, len(prompt) - self.reused)
             # (For a model's own forward pass, its LM head: models scale their logits their own ways.)
-            logits = lm_head(self.target, out.hidden[-1]) if self.drives_target else out.logits[-1]
+            logits = self._held(lm_head(self.target, out.hidden[-1]) if self.drives_target else out.logits[-1])
             if len(blocks[-1]) > 1 and self._unsure(logits):  # read the last token alone, as plain decoding does
                 keep_cache_entries(self.target_cache, len(prompt) - 1, [])
                 out = self._forward(mx.array(prompt[-1:]), len(prompt) - 1, None)
                 features[-1] = mx.concatenate([features[-1][:-1], out.features])
                 hidden[-1] = mx.concatenate([hidden[-1][:-1], out.hidden])
-                logits = lm_head(self.target, out.hidden[-1]) if self.drives_target else out.logits[-1]
+                logits = self._held(lm_head(self.target, out.hidden[-1]) if self.drives_target else out.logits[-1])
                 self.rechecked += 1
             self.root = self._choose(logits)
             states = TargetStates(mx.concatenate(features), mx.concatenate(hidden), self.taps)
         self.root_logits = logits if self.keep_logits else None
+        if self.grammar is not None:
+            self.grammar.commit([self.root])
         tokens = list(prompt) + [self.root]
         if self.drafter is not None:
             self.drafter.observe(Outcome(tokens, self.reused, states, from_prompt=True))
         self.state.tokens = tokens
         return self.root
+
+    def _held(self, logits: mx.array) -> mx.array:
+        """The prompt's last logits, held to the grammar (if any) where the reply begins."""
+        return mask_logits(logits[None], self.grammar.mask_now())[0] if self.grammar is not None else logits
 
     def _unsure(self, logits: mx.array) -> bool:
         """Whether a greedy choice read from a block row may differ from a one-row pass's."""
@@ -316,12 +327,16 @@ class SpeculativeDecoder:
         committed, self.state.tokens = self.state.tokens, []  # an interrupted round leaves nothing certain
         unread = committed[len(committed) - 1 - self.state.unread:-1]
         proposal = None
+        nodes = MAX_TREE_NODES - len(unread) if self.drafter is not None and len(unread) < MAX_UNREAD else 0
         if self.drafter is not None:
-            nodes = MAX_TREE_NODES - len(unread) if len(unread) < MAX_UNREAD else 0
             budget = Budget(room=room - 1, nodes=nodes, verified=1 + len(unread), chain=not self.drives_target,
                             costs=self._steps if self._costs_of is not None else None, vocab=self.vocab)
             proposal = admit_or_warn(self.drafter, self.drafter.propose(budget), budget)
         tree, tokens = (proposal.tree, proposal.tokens) if proposal else (DraftTree(), NO_TOKENS)
+        shaped = None
+        if self.grammar is not None:  # the nodes it allows, with masks, and the tokens it forces (grammar.py)
+            shaped = self.grammar.shape(proposal.host_tokens() if proposal else [], tree.parents, room - 1, nodes)
+            tree, tokens = shaped.tree, shaped.tokens
         self.on_phase("drafted")
         start = len(committed) - 1  # the root's position
         snapshot = self.rewind.snapshot() if self.rewind is not None and len(tree) else None
@@ -329,17 +344,21 @@ class SpeculativeDecoder:
         with self.rewind.recording() if snapshot is not None else nullcontext() as recorded:
             out = self._verify(tree, tokens, unread)
         exact = self.rewind is None and len(tree) > 0  # (a recurrent state is not re-read one row at a time)
-        verdict = accept(tree, tokens, out.logits, self.sampling, self._next_key(),
+        logits = mask_logits(out.logits, shaped.allowed) if shaped is not None else out.logits
+        verdict = accept(tree, tokens, logits, self.sampling, self._next_key(),
                          self._tolerance() if exact else 0.0)
         kept = [0] + [n + 1 for n in verdict.path]
-        chosen_from = out.logits[mx.array(kept)] if self.keep_logits else None
+        chosen_from = logits[mx.array(kept)] if self.keep_logits else None
         self.state.unread = 0
         if verdict.unsure:  # the last kept position read again alone, and its choice made there
             keep_cache_entries(self.target_cache, start, kept[:-1])
             alone = self._forward(mx.array(([self.root] + verdict.tokens)[-1:]), start + len(kept) - 1, None)
-            verdict.bonus = self._choose(alone.logits[-1])
+            alone_logits = alone.logits[-1:]
+            if shaped is not None:
+                alone_logits = mask_logits(alone_logits, shaped.allowed[kept[-1]:kept[-1] + 1])
+            verdict.bonus = self._choose(alone_logits[0])
             if chosen_from is not None:
-                chosen_from = mx.concatenate([chosen_from[:-1], alone.logits[-1:]])
+                chosen_from = mx.concatenate([chosen_from[:-1], alone_logits])
             self.rechecked += 1
             if self.reads_states:
                 rows = mx.array(kept[:-1], dtype=mx.int32)
@@ -354,12 +373,14 @@ class SpeculativeDecoder:
                 self.state.unread = len(unread) + len(kept)
         self.on_phase("verified")
         new = verdict.tokens + [verdict.bonus]
+        if self.grammar is not None:
+            self.grammar.commit(new, shaped, verdict.path)
         if self.drafter is not None:
             states = None
             if self.reads_states:
                 states = TargetStates(out.features, out.hidden, self.taps, rows=mx.array(kept))
-            self.drafter.observe(Outcome(committed + new, start, states, proposal if proposal else None,
-                                         verdict.path))
+            path = shaped.drafters_path(verdict.path) if shaped is not None else verdict.path
+            self.drafter.observe(Outcome(committed + new, start, states, proposal if proposal else None, path))
         self.on_phase("observed")
         self.root = verdict.bonus
         self.state.tokens = committed + new

@@ -21,9 +21,11 @@ client that has gone is found by the next write: a streamed reply writes every r
 an SSE comment after each 512-token chunk of a long prompt); a
 plain reply to a client whose read side has closed starts at once and writes a space (JSON
 allows leading white space) every round, so a departed client cancels its generation
-within two rounds either way. Fields the server does not implement (response_format
-json, penalties, logit_bias) get a 400 naming the field, unless they ask for what it does
-anyway. ``logprobs`` (and ``top_logprobs`` up to 20) are the target's own, from the pass
+within two rounds either way. Fields the server does not implement (penalties,
+logit_bias) get a 400 naming the field, unless they ask for what it does anyway.
+``response_format`` (``json_object``, ``json_schema``) holds the reply to the grammar it
+asks for (grammar.py), drafting still on; a schema the grammar engine cannot follow gets a
+400 naming what is wrong. ``logprobs`` (and ``top_logprobs`` up to 20) are the target's own, from the pass
 that chose each token.
 
 Chat replies come back split (replies.py): the model's thinking as ``reasoning_content``,
@@ -54,6 +56,7 @@ import numpy as np
 from .cli import add_history_arguments, add_model_arguments, history_choice, new_parser, run_cli
 from .errors import UserError, check_text
 from .generate import MAX_SEED, GenerationResponse, check_messages, check_options
+from .grammar import response_grammar
 from .trees import parse_tree
 
 if TYPE_CHECKING:  # they load mlx-lm: imported where used, so that --help answers at once
@@ -72,7 +75,6 @@ CONTENT_LENGTH = re.compile(r"[0-9]{1,15}")  # ASCII digits only ("\xb2".isdigit
 UNSUPPORTED = {
     "functions": lambda v: v in (None, []),  # the older names of tools and tool_choice: send those
     "function_call": lambda v: v in (None, "none", "auto"),
-    "response_format": lambda v: v is None or v == {"type": "text"},
     "frequency_penalty": lambda v: v in (None, 0),
     "presence_penalty": lambda v: v in (None, 0),
     "logit_bias": lambda v: v in (None, {}),
@@ -178,9 +180,13 @@ def parse_request(body: Any, chat: bool, engine: Engine, default_max_tokens: int
     if not isinstance(stream_options, dict):
         raise RequestError(400, "stream_options must be an object", "stream_options")
     top_logprobs = _logprobs(body, chat)
+    try:
+        response_grammar(body.get("response_format"))
+    except UserError as error:
+        raise RequestError(400, str(error), "response_format") from None
     options = dict(max_tokens=max_tokens, temp=_body_number(body, "temperature", 0.0, 0.0, 2.0),
                    top_p=_body_number(body, "top_p", 1.0, 0.0, 1.0), seed=seed, stop=stop,
-                   logprobs=top_logprobs is not None)
+                   logprobs=top_logprobs is not None, response_format=body.get("response_format"))
     if options["top_p"] == 0.0:
         raise RequestError(400, "top_p must be above 0", "top_p")
     model = body.get("model")
@@ -223,8 +229,8 @@ def token_logprobs(tokenizer, response: GenerationResponse, top: int) -> Dict[st
     values = np.array(response.logprobs)  # evaluated on the engine's thread; read here on the host
     result = entry(response.token, float(values[response.token]))
     best = np.argpartition(-values, top - 1)[:top] if top else []
-    result["top_logprobs"] = [entry(int(token), float(values[token]))
-                              for token in sorted(best, key=lambda token: -values[token])]
+    result["top_logprobs"] = [entry(int(token), float(values[token]))  # (none a grammar refused: -inf)
+                              for token in sorted(best, key=lambda token: -values[token]) if values[token] > -np.inf]
     return result
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Callable, Dict, Generator, List, Optional, Sequence, Tuple, Union
 
 import mlx.core as mx
@@ -142,6 +142,7 @@ def chat_tokens(tokenizer, messages: Sequence[Dict[str, Any]],
 
 
 MAX_SEED = (1 << 63) - 1
+FORCED = "grammar (forced tokens)"  # the source name of the tokens a grammar forces, in statistics
 # MLX keeps freed buffers for reuse; mlx-lm's plain loop frees them every 256 tokens. A
 # speculative round adds several tokens, so the cache is cleared whenever a round crosses
 # a multiple of this (never only at exact multiples, which rounds jump over), and after
@@ -211,6 +212,7 @@ def stream_generate(
     history: Union[bool, str, None, object] = True,
     logprobs: bool = False,
     prompt_progress_callback: Optional[Callable[[int, int], None]] = None,
+    response_format: Optional[Dict[str, Any]] = None,
 ) -> Generator[GenerationResponse, None, None]:
     """Yield the continuation of ``prompt`` token by token.
 
@@ -235,8 +237,13 @@ def stream_generate(
     ``logprobs``: each response carries the target's log-probabilities at its token.
     ``prompt_progress_callback(read, total)``: called as the prompt is read, chunk by chunk,
     as mlx-lm's is (an exception it raises stops the reading and the generation).
+    ``response_format``: hold the reply to a grammar, as OpenAI's field asks:
+    ``{"type": "json_object"}``, or ``{"type": "json_schema", "json_schema": {"schema": {...}}}``
+    (mlx_eagle.grammar); drafting goes on, and the text is exactly what the target produces
+    with the grammar's mask applied at every step.
     """
     from ..decoder import SpeculativeDecoder, make_prompt_cache
+    from ..grammar import grammar_for
     from ..plan import plan_drafts, source_statistics
     from ..verify import Sampling
 
@@ -244,6 +251,7 @@ def stream_generate(
     sampling = Sampling(temp, top_p, min_p, top_k)
     ids = _prompt_ids(tokenizer, prompt)
     check_prompt(model, ids)
+    grammar = grammar_for(tokenizer, model.args.vocab_size, response_format)
     limit = _context_length(model)
     plan = plan_drafts(model, draft, tree, lookup, history, tokenizer)
     cache = prompt_cache if prompt_cache is not None else make_prompt_cache(model)
@@ -252,6 +260,7 @@ def stream_generate(
     decoder = SpeculativeDecoder(model, cache.drafter, sampling, seed, cache,
                                  costs=(lambda: plan.settings.costs) if plan.active else None)
     decoder.keep_logits = logprobs
+    decoder.grammar = grammar
     eos = set(tokenizer.eos_token_ids)
     stops = StopMatcher(stop or [])
     detokenizer = tokenizer.detokenizer
@@ -310,6 +319,8 @@ def stream_generate(
             accepted = len(result.tokens) - 1
             from_draft = [True] * accepted + [False]
             sources = source_statistics(cache.drafter)
+            if grammar is not None and grammar.forced.proposed:
+                sources = {**sources, FORCED: replace(grammar.forced)}
     finally:  # the reply is final, however it ended: the caches hold what was shown, drafters keep it
         decoder.truncate(len(ids) + generated)
         if cache.drafter is not None:

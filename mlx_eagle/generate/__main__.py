@@ -21,6 +21,7 @@ from ..cli import (
     run_cli,
 )
 from ..errors import UserError, check_text
+from ..grammar import schema_file_format
 from ..progress import PromptProgress
 from ..trees import parse_tree
 from . import chat_tokens, check_options, check_prompt, print_stats, stream_generate
@@ -35,6 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_history_arguments(parser)
     add_sampling_arguments(parser)
     parser.add_argument("--stop", action="append", help="stop when this text appears (repeatable)")
+    parser.add_argument("--json-schema", metavar="FILE",
+                        help="hold the reply to the JSON schema in FILE (structured output; drafting stays on)")
     parser.add_argument("--no-chat-template", action="store_true", help="send the prompt as raw text")
     parser.add_argument("--verbose", action="store_true", help="report tau, speed, memory and the BLAS in use")
     return parser
@@ -68,6 +71,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     Sampling(args.temp, args.top_p, args.min_p, args.top_k)
     prompt = read_stdin() if args.prompt == "-" else check_text(args.prompt, "--prompt")
     system = check_text(args.system, "--system") if args.system else None
+    response_format = schema_file_format(args.json_schema) if args.json_schema else None
     user_drafter(args.draft)  # your own drafter, imported now: one line if it cannot be
     if args.verbose:
         print(f"device: {mx.default_device()}, BLAS: {blas_in_use()}", file=sys.stderr)
@@ -87,7 +91,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     response = None
     for response in stream_generate(model, tokenizer, ids, max_tokens=args.max_tokens, draft=plan, temp=args.temp,
                                     top_p=args.top_p, min_p=args.min_p, top_k=args.top_k, seed=args.seed,
-                                    stop=args.stop, prompt_progress_callback=PromptProgress()):
+                                    stop=args.stop, prompt_progress_callback=PromptProgress(),
+                                    response_format=response_format):
         print(response.text, end="", flush=True)
     print()
     if args.verbose and response is not None:

@@ -1,0 +1,264 @@
+"""Structured outputs: a reply held to a grammar (a JSON schema, or any JSON object), with
+speculation on.
+
+The grammar engine is llguidance (chosen by measurement, docs/benchmarks.md: a schema is
+ready in about 1 ms, a mask over a 152k-token vocabulary takes 0.03-0.08 ms on this CPU,
+it rolls back, and it names the tokens the grammar forces; it needs no torch).
+
+A round's tree is shaped by the grammar before the target verifies it (``Grammar.shape``):
+- every node whose token the grammar does not allow after its path is cut, with its
+  subtree: its masked probability is 0, so it could never be accepted;
+- the tokens the grammar forces after the drafter's best path (the first child from the
+  root down) are grafted there: drafted for free, as context drafts are;
+- each row the target computes, the root's and every node's, gets the grammar's mask of
+  allowed tokens at that point of its path (``Shaped.allowed``), applied to the logits
+  before the round accepts (``mask_logits``). Greedy choices and sampled distributions are
+  then exactly those of plain decoding with the mask applied at each step, as mlx-lm
+  applies a logits processor: the log-probabilities too are the masked ones.
+
+The JSON is written as ``json.dumps`` writes it (", " and ": ", no other white space): a
+rigid layout leaves no room for runs of white space, and makes keys and punctuation
+forced tokens.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, List, Optional, Sequence
+
+import llguidance
+import mlx.core as mx
+import numpy as np
+
+from .drafters.composite import SourceStats
+from .errors import UserError
+from .files import read_json
+from .trees import DraftTree
+
+# How JSON is laid out (see the module's docstring).
+JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+# Forced tokens grafted after the best path, at most: a long constant string is drafted in pieces.
+MAX_FORCED = 16
+
+
+def response_grammar(response_format: Any, where: str = "response_format") -> Optional[str]:
+    """The grammar an OpenAI-style ``response_format`` asks for (None: plain text), checked:
+    {"type": "text"}, {"type": "json_object"}, or {"type": "json_schema", "json_schema":
+    {"name": ..., "schema": {...}, "strict": ...}}. A bare JSON schema (an object with no
+    "type" of those three) is taken as the schema itself. One line names the problem."""
+    if response_format is None:
+        return None
+    if not isinstance(response_format, dict):
+        raise _field_error(f"{where} must be an object such as {{'type': 'json_object'}}", where)
+    kind = response_format.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        schema: Any = {"type": "object"}
+    elif kind == "json_schema":
+        spec = response_format.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), (dict, bool)):
+            raise _field_error(f"{where}.json_schema must be an object with a 'schema' object", f"{where}.json_schema")
+        schema = spec.get("schema", {})
+        where = f"{where}.json_schema.schema"
+    else:
+        raise _field_error(f"{where}.type must be 'text', 'json_object' or 'json_schema', not {kind!r}",
+                           f"{where}.type")
+    return schema_grammar(schema, where)
+
+
+def schema_grammar(schema: Any, where: str = "the JSON schema") -> str:
+    """llguidance's grammar for a JSON schema (a dict, or its JSON text), checked with the
+    engine: a schema it cannot follow gets one line naming what is wrong."""
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except ValueError as exc:
+            raise _field_error(f"{where} is not JSON ({exc})", where) from None
+    if not isinstance(schema, (dict, bool)):
+        raise _field_error(f"{where} must be a JSON schema object", where)
+    try:
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=JSON_LAYOUT)
+    except (ValueError, TypeError) as exc:
+        raise _field_error(f"{where} is not a valid JSON schema: {exc}", where) from None
+    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
+    if is_error:
+        raise _field_error(f"{where} cannot be followed: {_first_line(messages[0])}", where)
+    return grammar
+
+
+def schema_file_format(name: str) -> dict:
+    """The response format holding a reply to the JSON schema in file ``name``
+    (``generate --json-schema``), checked: one line says what is wrong."""
+    if not Path(name).expanduser().exists():
+        raise UserError(f"JSON schema file {name} does not exist")
+    try:
+        schema = read_json(Path(name).expanduser())
+    except ValueError as problem:
+        raise UserError(f"JSON schema file {name}: {problem}; give a JSON schema such as "
+                        '{"type": "object", "properties": {...}}') from None
+    schema_grammar(schema, f"JSON schema file {name}")
+    return {"type": "json_schema", "json_schema": {"name": Path(name).stem, "schema": schema}}
+
+
+def _first_line(message: str) -> str:
+    return message.strip().splitlines()[0] if message.strip() else "the grammar engine refused it"
+
+
+def _field_error(message: str, where: str) -> UserError:
+    error = UserError(message)
+    error.field = where.split(".")[0]  # type: ignore[attr-defined]  (the server names the request's field)
+    return error
+
+
+@lru_cache(maxsize=4)
+def _engine_tokenizer(tokenizer, vocab: int) -> "llguidance.LLTokenizer":
+    """llguidance's view of ``tokenizer`` (an mlx-lm TokenizerWrapper over a fast Hugging Face
+    tokenizer), built from the tokenizers library's own description of it: about a second,
+    so kept."""
+    backend = copy.copy(getattr(getattr(tokenizer, "_tokenizer", None), "backend_tokenizer", None))
+    if backend is None:
+        raise UserError("structured outputs need a fast (Hugging Face tokenizers) tokenizer; this model's is not one")
+    backend.no_padding()
+    backend.no_truncation()
+    try:
+        return llguidance.LLTokenizer(backend.to_str(), n_vocab=vocab, eos_token=sorted(tokenizer.eos_token_ids))
+    except ValueError as exc:
+        raise UserError(f"structured outputs cannot read this model's tokenizer: {exc}") from None
+
+
+@dataclass
+class Shaped:
+    """A round's tree after the grammar: the drafter's kept nodes, then the forced ones."""
+
+    tree: DraftTree
+    tokens: mx.array  # [nodes] int32
+    placed: List[Optional[int]]  # per node of the drafter's proposal: its index here (None: cut)
+    allowed: mx.array  # [1 + nodes, vocab words] uint32: the mask of the root's row, then each node's
+    forced_from: int  # the first node the grammar forced (they come after the drafter's)
+
+    def drafters_path(self, path: List[int]) -> List[int]:
+        """The drafter's own nodes among the accepted ``path``."""
+        accepted = set(path)
+        return [own for own, node in enumerate(self.placed) if node in accepted]
+
+
+class Grammar:
+    """One reply's grammar state: what its committed tokens have matched so far."""
+
+    def __init__(self, tokenizer, grammar: str, vocab: int):
+        self.vocab = vocab
+        self.matcher = llguidance.LLMatcher(_engine_tokenizer(tokenizer, vocab), grammar)
+        if self.matcher.is_error():
+            raise UserError(f"the grammar cannot be followed: {_first_line(self.matcher.get_error())}")
+        self.words = (vocab + 31) // 32
+        self.forced = SourceStats()  # the forced tokens drafted in this reply, and how many were accepted
+
+    def _mask(self, rows: np.ndarray, row: int) -> None:
+        """The allowed tokens at the matcher's state into ``rows[row]``; after the grammar's
+        end (an end of sequence was taken), every token: the reply is over there."""
+        if self.matcher.is_stopped():
+            rows[row] = -1
+        else:
+            self.matcher.unsafe_compute_mask_ptr(rows[row].ctypes.data, rows[row].nbytes)
+
+    def mask_now(self) -> mx.array:
+        """[1, words]: the allowed tokens after what was committed."""
+        rows = np.zeros((1, self.words), dtype=np.int32)
+        self._mask(rows, 0)
+        return mx.array(rows.view(np.uint32))
+
+    def commit(self, tokens: Sequence[int], shaped: Optional[Shaped] = None, path: Sequence[int] = ()) -> None:
+        """Tokens the reply now holds (each one the mask allowed); after a round, the
+        ``shaped`` tree it verified and the nodes of it accepted (``path``)."""
+        if shaped is not None:
+            self.forced.proposed += len(shaped.tree) - shaped.forced_from
+            self.forced.accepted += sum(1 for node in path if node >= shaped.forced_from)
+        for token in tokens:
+            if self.matcher.is_stopped():
+                return
+            if not self.matcher.consume_token(int(token)):
+                raise RuntimeError(f"the grammar refused committed token {token}: {self.matcher.get_error()}")
+
+    def shape(self, tokens: Sequence[int], parents: Sequence[int], room: int, nodes: int) -> Shaped:
+        """The tree the target verifies this round, from a drafter's (``tokens``, ``parents``;
+        none for an empty one), in the drafter's node order: see the module's docstring.
+        ``room``: how deep a node may be; ``nodes``: how many the tree may hold."""
+        rows = np.zeros((1 + len(tokens) + MAX_FORCED, self.words), dtype=np.int32)
+        self._mask(rows, 0)
+        tree, placed = DraftTree(), []
+        path: List[int] = []  # the tokens the matcher holds past the root: the path to the last node visited
+        stopped = [self.matcher.is_stopped()]  # per row: the grammar has ended there
+        for token, parent in zip(tokens, parents):
+            at = placed[parent] if parent >= 0 else -1
+            if (parent >= 0 and at is None) or stopped[at + 1] or not _allowed(rows[at + 1], token):
+                placed.append(None)
+                continue
+            self._walk_to(path, tree.tokens, tree.parents, at)
+            if self.matcher.try_consume_tokens([token]) != 1:
+                placed.append(None)
+                continue
+            node = tree.add(token, at)
+            path.append(token)
+            placed.append(node)
+            self._mask(rows, node + 1)
+            stopped.append(self.matcher.is_stopped())
+        forced_from, best = len(tree), -1
+        children = tree.children()
+        while children.get(best):
+            best = children[best][0]
+        self._walk_to(path, tree.tokens, tree.parents, best)
+        if not stopped[best + 1]:
+            depth = tree.depths[best] if best >= 0 else 0
+            forced = self.matcher.compute_ff_tokens()[:max(0, min(room - depth, nodes - len(tree), MAX_FORCED))]
+            for token in forced:
+                if self.matcher.try_consume_tokens([token]) != 1:
+                    break
+                best = tree.add(token, best)
+                path.append(token)
+                self._mask(rows, best + 1)
+        self.matcher.rollback(len(path))
+        return Shaped(tree, mx.array(tree.tokens, dtype=mx.int32), placed,
+                      mx.array(rows[:len(tree) + 1].view(np.uint32)), forced_from)
+
+    def _walk_to(self, path: List[int], tokens: List[int], parents: List[int], node: int) -> None:
+        """Bring the matcher from ``path`` (the tokens it holds past the root) to ``node``'s
+        path, rolling back to where they part and consuming the rest."""
+        target: List[int] = []
+        while node >= 0:
+            target.append(tokens[node])
+            node = parents[node]
+        target.reverse()
+        shared = 0
+        while shared < min(len(path), len(target)) and path[shared] == target[shared]:
+            shared += 1
+        if len(path) > shared:
+            self.matcher.rollback(len(path) - shared)
+        if self.matcher.try_consume_tokens(target[shared:]) != len(target) - shared:
+            raise RuntimeError(f"the grammar refused a path it allowed: {self.matcher.get_error()}")
+        path[:] = target
+
+
+def _allowed(row: np.ndarray, token: int) -> bool:
+    return 0 <= token < row.size * 32 and bool((int(row[token >> 5]) >> (token & 31)) & 1)
+
+
+def mask_logits(logits: mx.array, allowed: mx.array) -> mx.array:
+    """``logits`` [rows, vocab] with every token a row's mask (``allowed`` [rows, words]
+    uint32 bits) leaves out set to -inf."""
+    bits = (allowed[:, :, None] >> mx.arange(32, dtype=mx.uint32)) & 1
+    bits = bits.reshape(allowed.shape[0], -1)
+    vocab = logits.shape[-1]
+    if bits.shape[1] < vocab:
+        bits = mx.concatenate([bits, mx.zeros((bits.shape[0], vocab - bits.shape[1]), dtype=bits.dtype)], axis=1)
+    return mx.where(bits[:, :vocab].astype(mx.bool_), logits, mx.array(-float("inf"), dtype=logits.dtype))
+
+
+def grammar_for(tokenizer, vocab: int, response_format: Any) -> Optional[Grammar]:
+    """A fresh grammar state for one reply (None: plain text)."""
+    grammar = response_grammar(response_format)
+    return Grammar(tokenizer, grammar, vocab) if grammar is not None else None
