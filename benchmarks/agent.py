@@ -261,7 +261,7 @@ def main(argv: Optional[List[str]] = None) -> None:
         "model": str(model_dir), "tasks": args.tasks, "json_tasks": args.json_tasks, "max_tokens": args.max_tokens,
         "identical": all(transcripts[k] == transcripts[reference] for k in kinds),
         "json_identical": all(json_transcripts[k] == json_transcripts[ours[0]] for k in ours) if ours else None,
-        "seconds": totals, "speedup_vs_" + reference: {k: totals[reference] / totals[k] for k in kinds},
+        "seconds": totals, "speedup_vs_" + reference: {k: totals[reference] / totals[k] if totals[k] else None for k in kinds},
         "json_seconds": structured,
         "by_kind": {kind: summary(requests[kind]) for kind in kinds},
         "requests": requests, "transcripts": transcripts[reference],
@@ -271,7 +271,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     print(f"identical transcripts: tool loop {result['identical']}, JSON-schema replies {result['json_identical']}")
     print(f"{'server':10} {'tool loop s':>11} {'vs ' + reference:>10}")
-    for kind in kinds:
+    for kind in kinds if args.tasks else []:
         print(f"{kind:10} {totals[kind]:11.1f} {totals[reference] / totals[kind]:9.2f}x")
     if "ours" in structured and "ours-none" in structured and structured["ours"]:
         print(f"JSON-schema replies: ours {structured['ours']:.1f} s, ours-none {structured['ours-none']:.1f} s: "

@@ -202,9 +202,12 @@ MALFORMED = [
     ("POST", "/v1/chat/completions", json.dumps({"messages": QUESTION + [
         {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function", "function": {
             "name": "f", "arguments": "{not json"}}]}]}).encode(), 400),
+    ("POST", "/v1/chat/completions", json.dumps({"messages": QUESTION, "response_format": {"type": "xml"}}).encode(),
+     400),
+    ("POST", "/v1/chat/completions", json.dumps({"messages": QUESTION, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "properties": {
+            "a": {"type": "strng"}}}}}}).encode(), 400),
     # Fields the server does not implement: a 400 naming the field, never a silent 200.
-    ("POST", "/v1/chat/completions", json.dumps({"messages": QUESTION,
-                                                 "response_format": {"type": "json_object"}}).encode(), 400),
     ("POST", "/v1/chat/completions", json.dumps({"messages": QUESTION, "presence_penalty": 1.0}).encode(), 400),
     ("POST", "/v1/chat/completions", json.dumps({"messages": QUESTION, "logit_bias": {"5": 100}}).encode(), 400),
     ("POST", "/v1/completions", json.dumps({"prompt": "x", "echo": True}).encode(), 400),
@@ -240,6 +243,34 @@ def test_logprobs_are_the_targets_own_plain_and_streamed(server, smollm):
                                              temperature=0, logprobs=2)
     legacy = text.choices[0].logprobs
     assert len(legacy.tokens) == len(legacy.token_logprobs) == 6 and all(len(t) == 2 for t in legacy.top_logprobs)
+
+
+def test_structured_replies_follow_their_schema_plain_and_streamed(server, smollm):
+    """A JSON-schema reply, drafting on, is plain constrained decoding's text (which
+    test_grammar checks against mlx-lm's own loop), whole and streamed; its log-probabilities
+    name no token the grammar refused; an unknown type in the schema is a 400 naming it."""
+    model, tokenizer = smollm
+    schema = {"type": "object", "properties": {"city": {"type": "string"}, "country": {"type": "string"},
+                                               "is_capital": {"type": "boolean"}},
+              "required": ["city", "country", "is_capital"], "additionalProperties": False}
+    response_format = {"type": "json_schema", "json_schema": {"name": "place", "schema": schema, "strict": True}}
+    expected = "".join(r.text for r in stream_generate(model, tokenizer, chat_tokens(tokenizer, QUESTION),
+                                                       max_tokens=60, draft=None, response_format=response_format))
+    reply = client(server).chat.completions.create(model="m", messages=QUESTION, max_tokens=60, temperature=0,
+                                                   response_format=response_format, logprobs=True, top_logprobs=20)
+    assert reply.choices[0].message.content == expected
+    assert set(json.loads(expected)) == {"city", "country", "is_capital"}
+    assert all(t.logprob > -float("inf") for e in reply.choices[0].logprobs.content for t in e.top_logprobs)
+    streamed = client(server).chat.completions.create(model="m", messages=QUESTION, max_tokens=60, temperature=0,
+                                                      response_format=response_format, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == expected
+    anything = client(server).chat.completions.create(model="m", messages=QUESTION, max_tokens=40, temperature=0,
+                                                      response_format={"type": "json_object"})
+    assert anything.choices[0].message.content.startswith("{")
+    with pytest.raises(openai.BadRequestError, match="strng") as raised:
+        client(server).chat.completions.create(model="m", messages=QUESTION, response_format={
+            "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strng"}}})
+    assert raised.value.body["param"] == "response_format"
 
 
 def test_malformed_requests_get_4xx_and_the_server_keeps_serving(server):
