@@ -16,7 +16,8 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
-from .cli import add_history_arguments, add_model_arguments, add_sampling_arguments, history_choice, new_parser, run_cli
+from .cli import add_history_arguments, add_kv_arguments, add_model_arguments, add_sampling_arguments, history_choice, \
+    kv_options, new_parser, run_cli
 from .errors import UserError
 from .files import cache_dir, write_atomically
 from .generate import check_options
@@ -171,6 +172,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_arguments(parser)
     parser.add_argument("--system", help="a system prompt")
     add_sampling_arguments(parser, filters=False)
+    add_kv_arguments(parser)
     parser.add_argument("--max-tokens", "-m", type=int, default=512, help="longest reply, in tokens")
     add_history_arguments(parser)
     parser.add_argument("--no-stats", action="store_true", help="hide the line after each reply")
@@ -184,6 +186,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     signal.signal(signal.SIGINT, signal.default_int_handler)
     from .plan import user_drafter
     from .session import ChatSession
+    from .target import kv_quantization
     from .verify import Sampling
 
     # What is wrong with the arguments is said before the model loads.
@@ -191,12 +194,14 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         parse_tree(args.tree)
     check_options(args.max_tokens, args.seed)
     Sampling(args.temp, args.top_p)
+    kv_quantization(**kv_options(args))
     user_drafter(args.draft)  # your own drafter, imported now: one line if it cannot be
     terminal = Terminal()
     terminal.say(terminal.dim("loading..."))
     session = ChatSession(args.model, args.draft, system=args.system, tree=args.tree, temp=args.temp,
                           top_p=args.top_p, max_tokens=args.max_tokens, seed=args.seed, history=history_choice(args),
-                          lookup=not args.no_lookup, on_notice=lambda text: terminal.say(terminal.dim(f"({text})")))
+                          lookup=not args.no_lookup, on_notice=lambda text: terminal.say(terminal.dim(f"({text})")),
+                          **kv_options(args))
     engine = session.engine
     terminal.say(terminal.dim(f"{engine.name}, {engine.drafting}. /help for commands, Ctrl-D to leave."))
     state = {"stats": not args.no_stats}

@@ -77,6 +77,20 @@ def add_history_arguments(parser: argparse.ArgumentParser) -> None:
                        "earlier replies")
 
 
+def add_kv_arguments(parser: argparse.ArgumentParser) -> None:
+    """--kv-bits, --kv-group-size and --quantized-kv-start, as mlx-lm names them."""
+    parser.add_argument("--kv-bits", type=int, help="quantize the KV cache to this many bits (4 or 8; 2, 3, 5, 6 "
+                        "too) once it holds --quantized-kv-start tokens (default: not quantized)")
+    parser.add_argument("--kv-group-size", type=int, default=64, help="values per quantization group (32, 64, 128)")
+    parser.add_argument("--quantized-kv-start", type=int, default=5000, help="tokens the cache holds before it is "
+                        "quantized, as mlx-lm's default")
+
+
+def kv_options(args: argparse.Namespace) -> dict:
+    """What the --kv-* flags ask of stream_generate (and Engine)."""
+    return {"kv_bits": args.kv_bits, "kv_group_size": args.kv_group_size, "quantized_kv_start": args.quantized_kv_start}
+
+
 def history_choice(args: argparse.Namespace):
     """What --history / --no-history ask for, as plan_drafts takes it."""
     return False if args.no_history else (args.history or True)

@@ -45,7 +45,7 @@ from .errors import UserError
 from .grammar import Grammar, mask_logits
 from .rewind import Rewind, needs_rewind
 from .compiled import compiles_verification, verify_block
-from .target import TargetOutput, check_target, is_driven, keep_cache_entries, \
+from .target import KVQuantization, TargetOutput, check_target, is_driven, keep_cache_entries, \
     lm_head, make_cache, tapped_forward, target_forward, tree_mask
 from .trees import MAX_TREE_NODES, DraftTree
 from .verify import Sampling, accept, sample, too_close
@@ -178,6 +178,8 @@ class SpeculativeDecoder:
         self._last_round: Optional[Tuple[object, int, int]] = None  # (snapshot, tokens, unread) before it
         # A reply held to a grammar (structured outputs, grammar.py): set before the prompt is read.
         self.grammar: Optional[Grammar] = None
+        # Quantized KV caches (target.KVQuantization), checked against the caches: set before the prompt is read.
+        self.kv: Optional[KVQuantization] = None
 
     @property
     def length(self) -> int:
@@ -251,14 +253,17 @@ class SpeculativeDecoder:
             for start in range(self.reused, len(prompt) - 1, chunk):
                 self.forwards += 1
                 self.target(mx.array([prompt[start:min(start + chunk, len(prompt) - 1)]]), cache=self.target_cache)
+                self._quantize_when_due()
                 mx.eval([layer_cache.state for layer_cache in self.target_cache])
                 heard(min(start + chunk, len(prompt) - 1) - self.reused, len(prompt) - self.reused)
             logits = self._held(self._forward(mx.array(prompt[-1:]), len(prompt) - 1, None).logits[-1])
+            self._quantize_when_due()
             self.root = self._choose(logits)
         else:
             blocks = [prompt[start:start + chunk] for start in range(self.reused, len(prompt), chunk)]
-            if not self.drives_target and len(blocks[-1]) > 1:
+            if (not self.drives_target or self.kv is not None) and len(blocks[-1]) > 1:
                 # The model's own forward pass computes logits for every token: the last one alone.
+                # (So too where the cache may turn quantized before it, as plain decoding's does.)
                 blocks[-1:] = [blocks[-1][:-1], blocks[-1][-1:]]
             features, hidden, start = [], [], self.reused
             for block in blocks:
@@ -267,6 +272,7 @@ class SpeculativeDecoder:
                 hidden.append(out.hidden)
                 # The prompt's own logits are never needed: only the last. (A recurrent state is
                 # computed apart from the outputs: evaluated too, so the graph does not grow.)
+                self._quantize_when_due()
                 mx.eval(out.features, out.hidden, [] if self.drives_target else [c.state for c in self.target_cache])
                 start += len(block)
                 heard(start - self.reused, len(prompt) - self.reused)
@@ -289,6 +295,10 @@ class SpeculativeDecoder:
             self.drafter.observe(Outcome(tokens, self.reused, states, from_prompt=True))
         self.state.tokens = tokens
         return self.root
+
+    def _quantize_when_due(self) -> None:
+        if self.kv is not None:
+            self.kv.quantize_when_due(self.target_cache)
 
     def _held(self, logits: mx.array) -> mx.array:
         """The prompt's last logits, held to the grammar (if any) where the reply begins."""
@@ -326,6 +336,8 @@ class SpeculativeDecoder:
         The host waits for the device once, in ``accept``."""
         committed, self.state.tokens = self.state.tokens, []  # an interrupted round leaves nothing certain
         unread = committed[len(committed) - 1 - self.state.unread:-1]
+        if self.kv is not None:  # a round ends where the cache turns quantized
+            room = self.kv.room(self.target_cache, len(committed) - 1, room)
         proposal = None
         nodes = MAX_TREE_NODES - len(unread) if self.drafter is not None and len(unread) < MAX_UNREAD else 0
         if self.drafter is not None:
@@ -371,6 +383,7 @@ class SpeculativeDecoder:
             if not self.rewind.cut_back(snapshot, recorded, len(unread) + len(kept)):
                 self.rewind.restore(snapshot)  # (and read the accepted tokens again next round)
                 self.state.unread = len(unread) + len(kept)
+        self._quantize_when_due()
         self.on_phase("verified")
         new = verdict.tokens + [verdict.bonus]
         if self.grammar is not None:

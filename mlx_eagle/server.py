@@ -53,7 +53,8 @@ from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Sequence,
 
 import numpy as np
 
-from .cli import add_history_arguments, add_model_arguments, history_choice, new_parser, run_cli
+from .cli import add_history_arguments, add_kv_arguments, add_model_arguments, history_choice, kv_options, new_parser, \
+    run_cli
 from .errors import UserError, check_text
 from .generate import MAX_SEED, GenerationResponse, check_messages, check_options
 from .grammar import response_grammar
@@ -634,6 +635,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parser.add_argument("--idle-seconds", type=float, default=IDLE_SECONDS,
                         help="drop a client silent this long, reading or writing")
     add_history_arguments(parser)
+    add_kv_arguments(parser)
     parser.add_argument("--prompt-cache-bytes", type=int, default=2 << 30, metavar="BYTES",
                         help="what the caches of the conversations kept may hold together (default 2 GiB): a "
                         "request continuing one, or beginning as one did, reads only what is new")
@@ -641,6 +643,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     args = parser.parse_args(argv)
     from .plan import user_drafter
     from .session import Engine
+    from .target import kv_quantization
 
     # Everything that can be wrong with the arguments is said before the model loads.
     if args.tree != "auto":
@@ -652,6 +655,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         raise UserError(f"--idle-seconds {args.idle_seconds:g} is out of range; give seconds above 0, up to 86400")
     if args.prompt_cache_bytes < 0:
         raise UserError(f"--prompt-cache-bytes must be 0 or more, not {args.prompt_cache_bytes}")
+    kv_quantization(**kv_options(args))
     user_drafter(args.draft)  # your own drafter, imported now: one line if it cannot be
     try:
         server = Server((args.host, args.port), None, args.tree, args.max_tokens, quiet=args.quiet,
@@ -661,7 +665,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         raise UserError(f"cannot listen on {args.host}:{args.port} ({reason}); pick another --port or --host") from None
     try:
         server.engine = engine = Engine(args.model, args.draft, tree=args.tree, history=history_choice(args),
-                                        lookup=not args.no_lookup, prompt_cache_bytes=args.prompt_cache_bytes)
+                                        lookup=not args.no_lookup, prompt_cache_bytes=args.prompt_cache_bytes,
+                                        **kv_options(args))
     except BaseException:
         server.server_close()
         raise

@@ -29,6 +29,7 @@ from .generate import GenerationResponse, check_messages, check_prompt, stream_g
 from .models import DEFAULT_MODEL
 from .plan import DraftPlan, history_of, load_draft, open_target, plan_drafts
 from .replies import ChatResponse, ReplySplitter, chat_prompt, check_tool_support, check_tools, split_reply
+from .target import kv_quantization
 
 Message = Dict[str, Any]
 
@@ -65,7 +66,8 @@ class Engine:
 
     def __init__(self, model: Optional[str] = None, draft: Union[str, Drafter, type, None] = "auto",
                  loaded: Optional[tuple] = None, name: Optional[str] = None, tree: Any = "auto", history: Any = True,
-                 lookup: bool = True, prompt_cache_bytes: int = PROMPT_CACHE_BYTES):
+                 lookup: bool = True, prompt_cache_bytes: int = PROMPT_CACHE_BYTES, kv_bits: Optional[int] = None,
+                 kv_group_size: int = 64, quantized_kv_start: Optional[int] = None):
         """``draft``: a drafter's directory, "auto" (the model's own drafter, if any),
         "lookup" (drafts from the context alone), "none" (plain decoding), or your own
         drafter: a ``Drafter`` object or class, or "package.module:Name" (fresh for every
@@ -77,7 +79,11 @@ class Engine:
         ``history``: the earlier replies context drafts draft from (True: this engine's, in
         memory; a path: kept in that file; False: none), kept apart per history key.
         ``prompt_cache_bytes``: what the caches of the conversations kept (decoder.PromptCaches)
-        may hold; a request continuing one of them reads only its new tokens."""
+        may hold; a request continuing one of them reads only its new tokens. ``kv_bits``,
+        ``kv_group_size``, ``quantized_kv_start``: every conversation's KV caches quantized, as
+        mlx-lm's settings ask (target.KVQuantization)."""
+        kv_quantization(kv_bits, kv_group_size, quantized_kv_start)  # one line, before anything loads
+        self.kv_options = {"kv_bits": kv_bits, "kv_group_size": kv_group_size, "quantized_kv_start": quantized_kv_start}
         self._jobs: "queue.Queue" = queue.Queue()
         self._current: Optional[threading.Event] = None
         self._closed = False
@@ -176,7 +182,8 @@ class Engine:
                         on_prompt_read(read, total)
 
                 for response in stream_generate(self.model, self.tokenizer, ids, draft=self.plan(tree, history_key),
-                                                prompt_cache=cache, prompt_progress_callback=reading, **options):
+                                                prompt_cache=cache, prompt_progress_callback=reading,
+                                                **{**self.kv_options, **options}):
                     out.put(response)
                     if cancel.is_set():
                         break
@@ -261,13 +268,16 @@ class ChatSession:
                  system: Optional[str] = None, tree: str = "auto", temp: float = 0.0, top_p: float = 1.0,
                  max_tokens: int = 512, seed: Optional[int] = None, engine: Optional[Engine] = None,
                  history: Any = True, lookup: bool = True, tools: Optional[Sequence[Dict[str, Any]]] = None,
-                 on_notice: Callable[[str], None] = lambda text: None):
+                 on_notice: Callable[[str], None] = lambda text: None, kv_bits: Optional[int] = None,
+                 kv_group_size: int = 64, quantized_kv_start: Optional[int] = None):
         """``draft``, ``tree``, ``history`` and ``lookup`` as for ``Engine`` (or share one:
-        ``engine``); your own drafter drafts afresh for this conversation. ``tools``: the
+        ``engine``), and ``kv_bits``, ``kv_group_size``, ``quantized_kv_start``; your own drafter
+        drafts afresh for this conversation. ``tools``: the
         function tools (OpenAI's shape) the model may call: a reply's ``tool_calls``,
         answered with ``send_tool_results``."""
         self.tools = check_tools(tools) if tools else []
-        self.engine = engine or Engine(model, draft, tree=tree, history=history, lookup=lookup)
+        self.engine = engine or Engine(model, draft, tree=tree, history=history, lookup=lookup, kv_bits=kv_bits,
+                                       kv_group_size=kv_group_size, quantized_kv_start=quantized_kv_start)
         if self.tools:
             check_tool_support(self.engine.tokenizer)
         self.system, self.tree, self.temp, self.top_p = system, tree, temp, top_p

@@ -22,7 +22,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import cache as mlx_lm_cache
 from mlx_lm.models.base import create_causal_mask, scaled_dot_product_attention
-from mlx_lm.models.cache import KVCache
+from mlx_lm.generate import DEFAULT_QUANTIZED_KV_START, maybe_quantize_kv_cache
+from mlx_lm.models.cache import KVCache, QuantizedKVCache
 from mlx_lm.models.gemma3_text import clip_residual
 
 from .architectures import ARCHITECTURES, DRIVEN_MODEL_TYPES
@@ -376,10 +377,71 @@ def keep_cache_entries(cache: List, start: int, kept: Sequence[int]) -> None:
     if not contiguous:
         source = mx.array([start + k for k in kept])
     for layer_cache in cache:
-        if not contiguous:
-            layer_cache.keys[..., start:start + count, :] = layer_cache.keys[..., source, :]
-            layer_cache.values[..., start:start + count, :] = layer_cache.values[..., source, :]
+        if not contiguous:  # (a quantized cache holds each of keys and values as packed values, scales, biases)
+            for stored in (layer_cache.keys, layer_cache.values):
+                for part in stored if isinstance(stored, tuple) else (stored,):
+                    part[..., start:start + count, :] = part[..., source, :]
         layer_cache.trim(max(0, layer_cache.offset - (start + count)))  # as each cache kind rewinds
+
+
+KV_BITS = (2, 3, 4, 5, 6, 8)  # what mx.quantize packs
+KV_GROUP_SIZES = (32, 64, 128)
+
+
+@dataclass(frozen=True)
+class KVQuantization:
+    """Quantized KV caches, as mlx-lm's ``kv_bits``, ``kv_group_size`` and
+    ``quantized_kv_start`` set them: once the target's cache holds ``start`` entries, each
+    layer's cache becomes mlx-lm's QuantizedKVCache (``bits`` per value, a scale and bias per
+    ``group_size`` values), and every later forward pass attends to quantized keys and values,
+    its own included. A verified tree attends the same way, and cutting a rejected branch out
+    moves the packed entries (keep_cache_entries)."""
+
+    bits: int
+    group_size: int = 64
+    start: int = DEFAULT_QUANTIZED_KV_START
+
+    def __post_init__(self) -> None:
+        if isinstance(self.bits, bool) or self.bits not in KV_BITS:
+            raise UserError(f"kv_bits must be one of {', '.join(map(str, KV_BITS))}, not {self.bits!r}")
+        if isinstance(self.group_size, bool) or self.group_size not in KV_GROUP_SIZES:
+            raise UserError(f"kv_group_size must be one of {', '.join(map(str, KV_GROUP_SIZES))}, "
+                            f"not {self.group_size!r}")
+        if isinstance(self.start, bool) or not isinstance(self.start, int) or self.start < 0:
+            raise UserError(f"quantized_kv_start must be a whole number, 0 or more, not {self.start!r}")
+
+    def check(self, cache: List) -> None:
+        """One line where ``cache`` cannot be quantized: mlx-lm quantizes only full KV caches
+        (not a sliding window's rotating one, nor a recurrent state's, which speculation
+        also rewinds)."""
+        for layer_cache in cache:
+            kind = type(layer_cache)
+            if kind not in (KVCache, QuantizedKVCache):
+                raise UserError(f"quantized KV caches (kv_bits) do not work with this model's {kind.__name__} "
+                                "layers (sliding windows or recurrent state); leave kv_bits out")
+
+    def quantize_when_due(self, cache: List) -> None:
+        """Quantize the layers' caches once they hold ``start`` entries, as mlx-lm does
+        after each forward pass."""
+        maybe_quantize_kv_cache(cache, self.start, self.group_size, self.bits)
+
+    def room(self, cache: List, position: int, room: int) -> int:
+        """How many tokens a round from ``position`` may produce: while the cache is not yet
+        quantized, none of its drafts past ``start`` (their rows would attend to what plain
+        decoding attends to quantized), so that the round ends where the cache turns."""
+        if isinstance(cache[0], QuantizedKVCache) or position >= self.start:
+            return room
+        return max(1, min(room, self.start - position))
+
+
+def kv_quantization(kv_bits: Optional[int] = None, kv_group_size: int = 64,
+                    quantized_kv_start: Optional[int] = None) -> Optional[KVQuantization]:
+    """The quantization mlx-lm's settings ask for (None: none, ``kv_bits`` None;
+    ``quantized_kv_start`` None: mlx-lm's default)."""
+    if kv_bits is None:
+        return None
+    return KVQuantization(kv_bits, kv_group_size,
+                          DEFAULT_QUANTIZED_KV_START if quantized_kv_start is None else quantized_kv_start)
 
 
 def default_taps(num_layers: int) -> Tuple[int, int, int]:

@@ -46,13 +46,14 @@ def bad_trees(tmp_path_factory):
     root = tmp_path_factory.mktemp("bad-trees")
     files = {"dir": root / "a-directory", "list": root / "list.json", "nulls": root / "nulls.json",
              "deep": root / "deep.json", "huge": root / "huge.json", "text": root / "text.json",
-             "zero": Path("/dev/zero")}
+             "zero": Path("/dev/zero"), "bad_schema": root / "bad-schema.json"}
     files["dir"].mkdir()
     files["list"].write_text("[1, 2]")
     files["nulls"].write_text("[[null]]")
     files["deep"].write_text("[" * 100_000 + "]" * 100_000)
     files["huge"].write_text(json.dumps([[i] for i in range(5000)]))
     files["text"].write_text("not a tree")
+    files["bad_schema"].write_text('{"type": "object", "properties": {"a": {"type": "strng"}}}')
     return {name: str(path) for name, path in files.items()}
 
 
@@ -75,7 +76,11 @@ OPTIONS = [(["--seed", "-1"], "seed"), (["--temp", "nan"], "temp"), (["--temp", 
            (["--top-p", "2"], "top_p"), (["--top-p", "0"], "top_p"), (["--max-tokens", "0"], "max_tokens"),
            (["--max-tokens", "-5"], "max_tokens"), (["--tree", "chain:100"], "chain"),
            (["--tree", "dynamic:depth=0"], "depth"), (["--tree", "dynamic:size=3"], "size")]
-GENERATE_ONLY = [(["--min-p", "2"], "min_p"), (["--top-k", "-3"], "top_k")]
+GENERATE_ONLY = [(["--min-p", "2"], "min_p"), (["--top-k", "-3"], "top_k"),
+                 (["--json-schema", "{dir}"], "not a regular file"), (["--json-schema", "{text}"], "not JSON"),
+                 (["--json-schema", "{list}"], "JSON schema object"),
+                 (["--json-schema", "{bad_schema}"], "cannot be followed"),
+                 (["--json-schema", "/no/such/schema.json"], "does not exist")]
 
 
 def forbid_loading(monkeypatch, module, name):

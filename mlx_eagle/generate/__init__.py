@@ -213,6 +213,9 @@ def stream_generate(
     logprobs: bool = False,
     prompt_progress_callback: Optional[Callable[[int, int], None]] = None,
     response_format: Optional[Dict[str, Any]] = None,
+    kv_bits: Optional[int] = None,
+    kv_group_size: int = 64,
+    quantized_kv_start: Optional[int] = None,
 ) -> Generator[GenerationResponse, None, None]:
     """Yield the continuation of ``prompt`` token by token.
 
@@ -241,9 +244,13 @@ def stream_generate(
     ``{"type": "json_object"}``, or ``{"type": "json_schema", "json_schema": {"schema": {...}}}``
     (mlx_eagle.grammar); drafting goes on, and the text is exactly what the target produces
     with the grammar's mask applied at every step.
+    ``kv_bits``, ``kv_group_size``, ``quantized_kv_start``: quantized KV caches, as mlx-lm's
+    (target.KVQuantization; ``quantized_kv_start`` None: mlx-lm's default, 5000): the text is
+    plain mlx-lm decoding's with the same settings.
     """
     from ..decoder import SpeculativeDecoder, make_prompt_cache
     from ..grammar import grammar_for
+    from ..target import kv_quantization
     from ..plan import plan_drafts, source_statistics
     from ..verify import Sampling
 
@@ -252,6 +259,7 @@ def stream_generate(
     ids = _prompt_ids(tokenizer, prompt)
     check_prompt(model, ids)
     grammar = grammar_for(tokenizer, model.args.vocab_size, response_format)
+    kv = kv_quantization(kv_bits, kv_group_size, quantized_kv_start)
     limit = _context_length(model)
     plan = plan_drafts(model, draft, tree, lookup, history, tokenizer)
     cache = prompt_cache if prompt_cache is not None else make_prompt_cache(model)
@@ -261,6 +269,9 @@ def stream_generate(
                                  costs=(lambda: plan.settings.costs) if plan.active else None)
     decoder.keep_logits = logprobs
     decoder.grammar = grammar
+    if kv is not None:
+        kv.check(decoder.target_cache)
+        decoder.kv = kv
     eos = set(tokenizer.eos_token_ids)
     stops = StopMatcher(stop or [])
     detokenizer = tokenizer.detokenizer

@@ -14,9 +14,11 @@ import mlx.core as mx
 from ..blas import blas_in_use
 from ..cli import (
     add_history_arguments,
+    add_kv_arguments,
     add_model_arguments,
     add_sampling_arguments,
     history_choice,
+    kv_options,
     new_parser,
     run_cli,
 )
@@ -35,6 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-tokens", "-m", type=int, default=256, help="longest reply, in tokens")
     add_history_arguments(parser)
     add_sampling_arguments(parser)
+    add_kv_arguments(parser)
     parser.add_argument("--stop", action="append", help="stop when this text appears (repeatable)")
     parser.add_argument("--json-schema", metavar="FILE",
                         help="hold the reply to the JSON schema in FILE (structured output; drafting stays on)")
@@ -63,12 +66,14 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     args = build_parser().parse_args(argv)
 
     from ..plan import load, plan_drafts, user_drafter
+    from ..target import kv_quantization
     from ..verify import Sampling
 
     # What is wrong with the arguments (and the prompt) is said before the model loads.
     tree = parse_tree(args.tree) if args.tree != "auto" else "auto"
     check_options(args.max_tokens, args.seed)
     Sampling(args.temp, args.top_p, args.min_p, args.top_k)
+    kv_quantization(**kv_options(args))
     prompt = read_stdin() if args.prompt == "-" else check_text(args.prompt, "--prompt")
     system = check_text(args.system, "--system") if args.system else None
     response_format = schema_file_format(args.json_schema) if args.json_schema else None
@@ -92,7 +97,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     for response in stream_generate(model, tokenizer, ids, max_tokens=args.max_tokens, draft=plan, temp=args.temp,
                                     top_p=args.top_p, min_p=args.min_p, top_k=args.top_k, seed=args.seed,
                                     stop=args.stop, prompt_progress_callback=PromptProgress(),
-                                    response_format=response_format):
+                                    response_format=response_format, **kv_options(args)):
         print(response.text, end="", flush=True)
     print()
     if args.verbose and response is not None:
