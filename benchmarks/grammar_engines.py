@@ -55,7 +55,8 @@ def walk(make: Callable[[], object], mask: Callable[[object], None], consume: Ca
             raise RuntimeError(f"the engine refused token {token} of a valid document")
         consumes.append(time.perf_counter() - tic)
     return {"build_ms": 1e3 * build, "mask_ms_mean": 1e3 * statistics.mean(masks),
-            "mask_ms_p90": 1e3 * sorted(masks)[int(0.9 * len(masks))], "consume_ms_mean": 1e3 * statistics.mean(consumes)}
+            "mask_ms_p90": 1e3 * sorted(masks)[int(0.9 * len(masks))],
+            "consume_ms_mean": 1e3 * statistics.mean(consumes)}
 
 
 def llguidance_engine(hf_tokenizer, vocab: int):

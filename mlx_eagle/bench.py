@@ -24,7 +24,8 @@ from typing import TYPE_CHECKING, Callable, Dict, Iterable, List, Optional, Sequ
 import mlx.core as mx
 
 from .blas import blas_in_use
-from .cli import TREE_HELP, add_model_arguments, add_sampling_arguments, new_parser, run_cli, use_fast_blas
+from .cli import TREE_HELP, add_kv_arguments, add_model_arguments, add_sampling_arguments, kv_options, new_parser, \
+    run_cli, use_fast_blas
 from .data import mtbench_questions
 from .drafters.history import History, model_identity
 from .errors import UserError
@@ -40,8 +41,9 @@ if TYPE_CHECKING:
 # default the model's own drafter and drafts from the context and earlier replies);
 # default-no-history: the same without earlier replies; drafter: the --draft drafter alone (a head, a
 # DFlash drafter or a draft model); lookup: drafts
-# from the context (and earlier replies) alone; drafter+lookup: both in one tree; draft-model: mlx-lm's.
-METHODS = ("baseline", "default", "default-no-history", "drafter", "lookup", "drafter+lookup", "draft-model")
+# from the context (and earlier replies) alone; drafter+lookup: both in one tree; draft-model: mlx-lm's;
+# none: plain decoding through our own loop (--draft none).
+METHODS = ("baseline", "default", "default-no-history", "drafter", "lookup", "drafter+lookup", "draft-model", "none")
 
 
 @dataclass
@@ -186,12 +188,13 @@ def timed(responses: Iterable) -> Tuple[list, float, float]:
 
 
 def speculative_method(model, tokenizer, plan, max_tokens: int, sampling: Sampling,
-                       seed: Optional[int] = None) -> Generator:
-    """Our decoding with the drafters of ``plan`` (a DraftPlan)."""
+                       seed: Optional[int] = None, kv: Optional[dict] = None) -> Generator:
+    """Our decoding with the drafters of ``plan`` (a DraftPlan); ``kv``: quantized KV caches
+    (cli.kv_options)."""
 
     def run(ids: List[int]) -> Answer:
         responses, seconds, first = timed(stream_generate(model, tokenizer, ids, max_tokens=max_tokens, draft=plan,
-                                                          seed=seed, **asdict(sampling)))
+                                                          seed=seed, **asdict(sampling), **(kv or {})))
         sources = responses[-1].sources if responses else {}
         return Answer([r.token for r in responses], seconds, first,
                       accepted_per_round([r.from_draft for r in responses]),
@@ -202,8 +205,10 @@ def speculative_method(model, tokenizer, plan, max_tokens: int, sampling: Sampli
 
 
 def mlx_lm_method(model, tokenizer, max_tokens: int, sampling: Sampling, seed: Optional[int] = None,
-                  draft_model=None, num_draft_tokens: int = 3) -> Generator:
-    """Plain mlx-lm decoding, or its draft-model speculative decoding."""
+                  draft_model=None, num_draft_tokens: int = 3, kv: Optional[dict] = None) -> Generator:
+    """Plain mlx-lm decoding, or its draft-model speculative decoding; ``kv``: quantized KV
+    caches (cli.kv_options), the prompt then read 512 tokens at a time as ours is, so that
+    the cache turns quantized at the same point."""
     from mlx_lm import stream_generate
     from mlx_lm.sample_utils import make_sampler
 
@@ -213,6 +218,8 @@ def mlx_lm_method(model, tokenizer, max_tokens: int, sampling: Sampling, seed: O
         if seed is not None:
             mx.random.seed(seed)
         extra = {"draft_model": draft_model, "num_draft_tokens": num_draft_tokens} if draft_model is not None else {}
+        if kv and kv["kv_bits"] is not None:
+            extra.update(kv, prefill_step_size=512)
         # Every token, the end-of-sequence one too, as ours yields it.
         responses, seconds, first = timed(stream_generate(model, tokenizer, mx.array(ids), max_tokens=max_tokens,
                                                           sampler=sampler, **extra))
@@ -273,6 +280,7 @@ def run_bench(prompts: List[BenchPrompt], tokenizer, generators: Dict[str, Gener
     per_prompt: Dict[str, List[dict]] = {n: [] for n in names}
     rounds: Dict[str, List[int]] = {n: [] for n in names}
     peaks = {n: 0.0 for n in names}
+    cached = {n: 0.0 for n in names}  # MLX's buffer cache after each request (what it keeps for reuse)
     texts: Dict[str, List[List[int]]] = {n: [] for n in names}
     sources: Dict[str, Dict[str, List[int]]] = {n: {} for n in names}
     rechecked = {n: 0 for n in names}
@@ -282,6 +290,7 @@ def run_bench(prompts: List[BenchPrompt], tokenizer, generators: Dict[str, Gener
             mx.reset_peak_memory()
             answers = conversation(prompt, tokenizer, generators[name])
             peaks[name] = max(peaks[name], mx.get_peak_memory() / 1e9)
+            cached[name] = max(cached[name], mx.get_cache_memory() / 1e9)
             new_tokens = sum(len(a.tokens) for a in answers)
             seconds = sum(a.seconds for a in answers)
             prompt_rounds = [r for a in answers for r in a.rounds]
@@ -304,6 +313,7 @@ def run_bench(prompts: List[BenchPrompt], tokenizer, generators: Dict[str, Gener
     for name in names:  # what each drafter added to the verified trees, and what of it was accepted
         methods[name]["drafters"] = {source: {"proposed": p, "accepted": a} for source, (p, a) in sources[name].items()}
         methods[name]["rechecked"] = rechecked[name]
+        methods[name]["cache_memory_gb"] = cached[name]
     by_request = {}
     if "baseline" in methods:
         by_request = speedup_by_request(per_prompt)
@@ -346,12 +356,12 @@ def print_by_request(results: dict) -> None:
 
 def print_table(results: dict) -> None:
     rows = [("method", "tok/s median", "tok/s mean", "tokens", "tau", "speedup", "decode speedup", "identical",
-             "peak GB")]
+             "peak GB", "MLX cache GB")]
     for name, m in results["methods"].items():
         rows.append((name, f"{m['tokens_per_s_median']:.1f}", f"{m['tokens_per_s_mean']:.1f}", str(m["total_tokens"]),
                      f"{m['tau']:.2f}" if m["tau"] else "-", f"{m['speedup']:.2f}x" if "speedup" in m else "-",
                      f"{m['decode_speedup']:.2f}x" if "decode_speedup" in m else "-",
-                     str(m.get("identical", "-")), f"{m['peak_memory_gb']:.2f}"))
+                     str(m.get("identical", "-")), f"{m['peak_memory_gb']:.2f}", f"{m.get('cache_memory_gb', 0):.2f}"))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for row in rows:
         print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)))
@@ -433,6 +443,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parser.add_argument("--limit", type=int, help="only the first N prompts")
     parser.add_argument("--max-tokens", type=int, default=128, help="new tokens per turn")
     add_sampling_arguments(parser, seed=0)
+    add_kv_arguments(parser)
     parser.add_argument("--methods", default="baseline,default",
                         help=f"comma-separated: {', '.join(METHODS)}; default is what the commands do with no "
                              "flags, baseline plain mlx-lm")
@@ -456,9 +467,11 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     from .costs import weight_format
     from .models import resolve_model
     from .plan import load, plan_drafts, user_drafter
+    from .target import kv_quantization
     from .verify import Sampling
 
     tree = parse_tree(args.tree) if args.tree != "auto" else "auto"
+    kv_quantization(**kv_options(args))
     prompts = read_prompts(args.prompts) if args.prompts else mtbench_suite()
     for prompt in prompts:
         prompt.turns = prompt.turns[: args.max_turns] if args.max_turns else prompt.turns
@@ -472,7 +485,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     chosen = draft if args.draft != "none" else "none"
     plans = {"default": plan_drafts(model, chosen, tree, history=history(), tokenizer=tokenizer),
              "default-no-history": plan_drafts(model, chosen, tree, history=False, tokenizer=tokenizer),
-             "lookup": plan_drafts(model, "lookup", tree, history=history())}
+             "lookup": plan_drafts(model, "lookup", tree, history=history()),
+             "none": plan_drafts(model, "none", tree, history=False)}
     if {"drafter", "drafter+lookup"} & set(methods):
         if draft is None:
             raise UserError("no drafter for this model: pass --draft DIR (a head, a DFlash drafter or a draft model; "
@@ -480,12 +494,14 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         plans["drafter"] = plan_drafts(model, draft, tree, lookup=False, tokenizer=tokenizer)
         plans["drafter+lookup"] = plan_drafts(model, draft, tree, lookup=True, history=history(), tokenizer=tokenizer)
     sampling = Sampling(args.temp, args.top_p, args.min_p, args.top_k)
+    kv = kv_options(args)
     generators: Dict[str, Generator] = {}
     for name in methods:
         if name == "baseline":
-            generators[name] = mlx_lm_method(model, tokenizer, args.max_tokens, sampling, args.seed)
+            generators[name] = mlx_lm_method(model, tokenizer, args.max_tokens, sampling, args.seed, kv=kv)
         elif name in plans:
-            generators[name] = speculative_method(model, tokenizer, plans[name], args.max_tokens, sampling, args.seed)
+            generators[name] = speculative_method(model, tokenizer, plans[name], args.max_tokens, sampling, args.seed,
+                                                  kv)
         else:
             draft_model, _ = load(args.draft_model)
             generators[name] = mlx_lm_method(model, tokenizer, args.max_tokens, sampling, args.seed, draft_model,

@@ -18,7 +18,7 @@ import statistics
 import sys
 import time
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -32,7 +32,7 @@ from .blas import REFERENCE_BLAS, blas_in_use, openblas_loaded
 from .compiled import compiles_verification, verify_block
 from .files import cache_dir, read_json, writable, write_json
 from .progress import progress_bar
-from .target import is_driven, make_cache, target_forward
+from .target import KVQuantization, is_driven, make_cache, target_forward
 
 CALIBRATION_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 32)
 
@@ -144,19 +144,22 @@ def time_forwards(model: nn.Module, sizes: Sequence[int] = CALIBRATION_SIZES, co
     return dict(zip(sizes, non_decreasing(timed)))
 
 
-def logit_drift(model: nn.Module, context: int = 256, size: int = 16) -> float:
+def logit_drift(model: nn.Module, context: int = 256, size: int = 16, kv: Optional[KVQuantization] = None) -> float:
     """How far the target's logits for ``size`` tokens verified in one pass (as the decoder
     verifies a chain) lie from the same tokens read one at a time through the model's own
     forward pass (as plain mlx-lm decodes): kernels differ by shape (a matrix-vector
     product for one row, a matrix product for a block), and so do their roundings. The
     decoder decides a greedy position whose top two logits lie closer than this (with a
-    margin) as plain decoding would."""
+    margin) as plain decoding would. ``kv``: with the cache quantized after the context, as
+    it is once quantized KV caches start: the quantized kernels' roundings drift further."""
 
 
     vocab = model.args.vocab_size
     tokens = np.random.default_rng(1).integers(min(100, vocab - 1), max(vocab - 100, 101), size=context + size)
     cache = make_cache(model)
     mx.eval(model(mx.array(tokens[None, :context]), cache=cache))
+    if kv is not None:
+        replace(kv, start=0).quantize_when_due(cache)
     block = mx.array(tokens[None, context:])
     if is_driven(model):
         together = target_forward(model, block, cache, context, "causal").logits[0]
@@ -169,6 +172,19 @@ def logit_drift(model: nn.Module, context: int = 256, size: int = 16) -> float:
 
 
 MAX_DRIFT = 1e3
+# Per model object (weakly held) and quantization: the drift with quantized caches, measured once a process.
+_KV_DRIFTS: Dict[Tuple[int, int, int], Tuple["weakref.ref", float]] = {}
+
+
+def kv_logit_drift(model: nn.Module, kv: KVQuantization) -> float:
+    """``logit_drift`` with the cache quantized as ``kv`` quantizes it (a few forward
+    passes, once per process and setting)."""
+    key = (id(model), kv.bits, kv.group_size)
+    known = _KV_DRIFTS.get(key)
+    if known is None or known[0]() is not model:
+        known = (weakref.ref(model), logit_drift(model, kv=kv))
+        _KV_DRIFTS[key] = known
+    return known[1]
 
 
 def check_drift(value: object) -> Optional[float]:

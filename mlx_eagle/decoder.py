@@ -38,7 +38,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import can_trim_prompt_cache
 
-from .costs import Costs
+from .costs import Costs, kv_logit_drift
 from .drafters import Budget, Drafter, Outcome, TargetStates
 from .drafters.admit import admit_or_warn
 from .errors import UserError
@@ -204,6 +204,8 @@ class SpeculativeDecoder:
     def _tolerance(self) -> float:
         if self.tolerance is None:
             drift = self._measured().logit_drift if self._costs_of is not None else None
+            if drift is not None and self.kv is not None:  # quantized kernels round their own ways
+                drift = max(drift, kv_logit_drift(self.target, self.kv))
             self.tolerance = DRIFT_MARGIN * drift if drift else 0.0
         return self.tolerance
 

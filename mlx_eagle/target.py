@@ -379,7 +379,7 @@ def keep_cache_entries(cache: List, start: int, kept: Sequence[int]) -> None:
     for layer_cache in cache:
         if not contiguous:  # (a quantized cache holds each of keys and values as packed values, scales, biases)
             for stored in (layer_cache.keys, layer_cache.values):
-                for part in stored if isinstance(stored, tuple) else (stored,):
+                for part in stored if isinstance(stored, (tuple, list)) else (stored,):
                     part[..., start:start + count, :] = part[..., source, :]
         layer_cache.trim(max(0, layer_cache.offset - (start + count)))  # as each cache kind rewinds
 
