@@ -100,9 +100,9 @@ def main(argv: List[str] = None) -> None:
                     "machine": result["machine"],
                 })
                 print(line(rows[-1]), flush=True)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"model": args.model or "SmolLM2-135M-Instruct", "max_tokens": args.max_tokens,
-                                    "rows": rows}, indent=1) + "\n")
+                args.out.parent.mkdir(parents=True, exist_ok=True)  # after every pair: a long run stopped keeps them
+                args.out.write_text(json.dumps({"model": args.model or "SmolLM2-135M-Instruct",
+                                                "max_tokens": args.max_tokens, "rows": rows}, indent=1) + "\n")
     print(f"wrote {args.out}")
 
 
