@@ -35,6 +35,15 @@ from .progress import progress_bar
 from .target import KVQuantization, is_driven, make_cache, target_forward
 
 CALIBRATION_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 32)
+CALIBRATION_CONTEXT = 256  # entries cached while the curve is timed
+# The curve is also timed after this many cached entries, at these sizes: attention's share
+# of a forward grows with the context it attends to, and faster for a block than for one
+# token (a block's queries each read every entry), so verifying k tokens costs more plain
+# steps deep in a long context than near its start.
+LONG_CONTEXT = 2048
+LONG_SIZES = (1, 4, 16)
+# Contexts are told apart in steps of this many tokens (what drafters keep per context).
+CONTEXT_STEP = 256
 
 
 @dataclass
@@ -51,6 +60,12 @@ class Costs:
     # The largest difference between the target's logits for a block verified in one pass
     # and the same tokens read one at a time, as plain decoding reads them (logit_drift).
     logit_drift: Optional[float] = None
+    # The same forwards after LONG_CONTEXT cached entries (None: not timed): costs at other
+    # contexts lie on the line through both curves (attention's work is linear in it).
+    long_verify_ms: Optional[Dict[int, float]] = None
+    # The context the next round attends to: the decoder sets it before each round, and what
+    # ``verify`` and ``steps`` answer is for it. (One generation at a time uses a model's costs.)
+    attending: int = CALIBRATION_CONTEXT
 
     def __post_init__(self) -> None:
         self.verify_ms = {int(k): float(v) for k, v in sorted(self.verify_ms.items())}
@@ -62,17 +77,15 @@ class Costs:
         return max(self.verify_ms)
 
     def verify(self, tokens: int) -> float:
-        """Milliseconds of a forward over ``tokens``: interpolated between measured sizes;
-        past the largest, extrapolated along the last measured slope (never flat: a size
-        nobody timed must not look free)."""
-        sizes = list(self.verify_ms)
-        values = list(self.verify_ms.values())
-        if len(sizes) == 1:
-            return values[0] * max(tokens, 1) / sizes[0] if tokens > sizes[0] else values[0]
-        if tokens > sizes[-1]:
-            slope = max((values[-1] - values[-2]) / (sizes[-1] - sizes[-2]), 0.0)
-            return values[-1] + slope * (tokens - sizes[-1])
-        return float(np.interp(tokens, sizes, values))
+        """Milliseconds of a forward over ``tokens`` at the context ``attending``:
+        interpolated between measured sizes; past the largest, extrapolated along the last
+        measured slope (never flat: a size nobody timed must not look free); past the
+        calibration context, plus what the long curve adds there, growing with the context."""
+        near = _along(self.verify_ms, tokens)
+        if self.long_verify_ms is None or self.attending <= CALIBRATION_CONTEXT:
+            return near
+        per_entry = max(_along(self.long_verify_ms, tokens) - near, 0.0) / (LONG_CONTEXT - CALIBRATION_CONTEXT)
+        return near + per_entry * (self.attending - CALIBRATION_CONTEXT)
 
     def steps(self, tokens: int) -> float:
         """A forward over ``tokens`` in plain decoding steps (one token = 1)."""
@@ -84,6 +97,18 @@ class Costs:
         """A round verifying ``nodes`` drafted to ``depth``: one draft step per depth and one
         to read the previous round's accepted tokens."""
         return self.verify(nodes + 1) + (depth + 1) * self.draft_step_ms + self.round_ms
+
+
+def _along(curve: Dict[int, float], tokens: int) -> float:
+    """A measured curve's milliseconds at ``tokens`` (see Costs.verify)."""
+    sizes = list(curve)
+    values = list(curve.values())
+    if len(sizes) == 1:
+        return values[0] * max(tokens, 1) / sizes[0] if tokens > sizes[0] else values[0]
+    if tokens > sizes[-1]:
+        slope = max((values[-1] - values[-2]) / (sizes[-1] - sizes[-2]), 0.0)
+        return values[-1] + slope * (tokens - sizes[-1])
+    return float(np.interp(tokens, sizes, values))
 
 
 def non_decreasing(values: Sequence[float]) -> List[float]:
@@ -288,13 +313,17 @@ def verify_costs(model: nn.Module) -> Costs:
     known = _CURVES.get((id(model), path))
     if known is not None and known[0]() is model:
         return known[1]
-    curve, drift = None, None
+    curve, drift, long_curve, record = None, None, None, {}
     if path.exists():
         try:
             record = read_json(path)
             curve, drift = check_curve(record), check_drift(record.get("logit_drift"))
+            if isinstance(record.get("long_verify_ms"), dict):
+                long_curve = check_curve({"verify_ms": record["long_verify_ms"]})
         except ValueError as exc:
             print(f"warning: timing again: the calibration {path} is unusable ({exc})", file=sys.stderr)
+            record = {}
+    timed_now = curve is None or drift is None
     if curve is None:
         kept = writable(path.parent)
         print(f"timing this device's forward passes {'once' if kept else 'for this run'} ({device_key(model)})"
@@ -309,11 +338,16 @@ def verify_costs(model: nn.Module) -> Costs:
                 curve = timed  # kept if every attempt is disturbed: the best this machine gives now
     if drift is None:
         drift = logit_drift(model)
+    if long_curve is None and (getattr(model.args, "max_position_embeddings", None) or 0) > LONG_CONTEXT + 64:
+        long_curve = time_forwards(model, LONG_SIZES, context=LONG_CONTEXT)
+        timed_now = True
+    if timed_now:
         kept = writable(path.parent)
-        record = {"device": device_key(model), "verify_ms": curve, "logit_drift": drift}
+        record = {"device": device_key(model), "verify_ms": curve, "logit_drift": drift,
+                  "long_verify_ms": long_curve}
         if kept and not write_json(path, record):
             print(f"note: could not keep the timing in {path.parent} (full?); set MLX_EAGLE_CACHE to a writable "
                   "directory to time once", file=sys.stderr)
-    costs = Costs(curve, logit_drift=drift)
+    costs = Costs(curve, logit_drift=drift, long_verify_ms=long_curve)
     _CURVES[(id(model), path)] = (weakref.ref(model), costs)
     return costs

@@ -38,7 +38,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import can_trim_prompt_cache
 
-from .costs import Costs, kv_logit_drift
+from .costs import CONTEXT_STEP, Costs, kv_logit_drift
 from .drafters import Budget, Drafter, Outcome, TargetStates
 from .drafters.admit import admit_or_warn
 from .errors import UserError
@@ -343,6 +343,8 @@ class SpeculativeDecoder:
         proposal = None
         nodes = MAX_TREE_NODES - len(unread) if self.drafter is not None and len(unread) < MAX_UNREAD else 0
         if self.drafter is not None:
+            if self._costs_of is not None:  # verifying costs more deep in a long context (costs.py)
+                self._measured().attending = CONTEXT_STEP * (len(committed) // CONTEXT_STEP)
             budget = Budget(room=room - 1, nodes=nodes, verified=1 + len(unread), chain=not self.drives_target,
                             costs=self._steps if self._costs_of is not None else None, vocab=self.vocab)
             proposal = admit_or_warn(self.drafter, self.drafter.propose(budget), budget)

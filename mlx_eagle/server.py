@@ -18,15 +18,15 @@ an error event and no [DONE]), never in a reply that looks finished.
 A client that closes its sending side after the request (``nc -N``, shutdown(SHUT_WR))
 still gets its whole reply: a closed read side is not taken for a departed client. A
 client that has gone is found by the next write: a streamed reply writes every round (and
-an SSE comment after each 512-token chunk of a long prompt); a
-plain reply to a client whose read side has closed starts at once and writes a space (JSON
-allows leading white space) every round, so a departed client cancels its generation
-within two rounds either way. Fields the server does not implement (penalties,
-logit_bias) get a 400 naming the field, unless they ask for what it does anyway.
+an SSE comment after each 512-token chunk of a long prompt); a plain reply to a client
+whose read side has closed starts at once and writes a space (JSON allows leading white
+space) every round and after each chunk of a long prompt, so a departed client cancels its
+generation within two rounds (or chunks) either way. Fields the server does not implement
+(penalties, logit_bias) get a 400 naming the field, unless they ask for what it does anyway.
 ``response_format`` (``json_object``, ``json_schema``) holds the reply to the grammar it
 asks for (grammar.py), drafting still on; a schema the grammar engine cannot follow gets a
-400 naming what is wrong. ``logprobs`` (and ``top_logprobs`` up to 20) are the target's own, from the pass
-that chose each token.
+400 naming what is wrong. ``logprobs`` (and ``top_logprobs`` up to 20) are the target's own,
+from the pass that chose each token.
 
 Chat replies come back split (replies.py): the model's thinking as ``reasoning_content``,
 its tool calls as ``tool_calls`` (``finish_reason: "tool_calls"``), streamed as deltas the
@@ -477,7 +477,15 @@ class Handler(BaseHTTPRequestHandler):
     def _complete(self, request: Request) -> None:
         text, reasoning, calls, last, logprobs = "", "", [], None, []
         tokenizer = self.server.engine.tokenizer
-        for last in self._generate(request):
+
+        def reading(read: int, total: int) -> None:
+            # After each chunk of a long prompt: a client whose read side has closed gets the
+            # heartbeat's space, and one that has gone breaks the pipe, which cancels the reading.
+            if self.read_closed or self._read_side_closed():
+                self.read_closed = self.close_connection = True
+                self._beat()
+
+        for last in self._generate(request, reading):
             text += last.text
             if request.top_logprobs is not None:
                 logprobs.append(token_logprobs(tokenizer, last, request.top_logprobs))

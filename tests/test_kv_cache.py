@@ -44,7 +44,8 @@ def test_greedy_text_is_mlx_lms_with_the_same_quantized_cache(smollm):
     decoding's and change a close call (on this prompt, 31 tokens after the cache turned; see
     docs/usage.md)."""
     model, tokenizer = smollm
-    document = " ".join(f"Item {i}: the {['red', 'green', 'blue'][i % 3]} box holds {i * 7} marbles." for i in range(42))
+    document = " ".join(f"Item {i}: the {['red', 'green', 'blue'][i % 3]} box holds {i * 7} marbles."
+                        for i in range(42))
     ids = chat_tokens(tokenizer, [{"role": "user", "content": document + "\n\nRepeat the last three items."}])
     assert 512 < len(ids) < 700
     for start in (256, len(ids) + 20):

@@ -62,6 +62,22 @@ def test_draft_length_follows_device_costs_and_acceptance():
     assert 0 < often.best_length(4, 16, verified=1, expected=1.0) < 16
 
 
+def test_draft_length_follows_the_context_a_round_attends_to():
+    """Deep in a long context a block's attention costs more than one token's: the same
+    acceptance buys a shorter draft there (costs timed at 256 and LONG_CONTEXT entries)."""
+    costs = Costs({1: 50.0, 2: 52.0, 4: 56.0, 8: 64.0, 16: 80.0},
+                  long_verify_ms={1: 60.0, 4: 90.0, 16: 200.0})
+    near = costs.verify(16)
+    costs.attending = 16384
+    assert costs.verify(1) > 50.0 and costs(16) > 5 * near / 50.0  # plain steps at that context
+    drafter = LookupDrafter(costs)
+    for index in range(50):
+        drafter.record(LookupDraft(list(range(16)), kind=1), accepted=[1, 3, 6, 9, 14][index % 5])
+    deep = drafter.best_length(1, 16, verified=1, expected=1.0)
+    costs.attending = 256
+    assert drafter.best_length(1, 16, verified=1, expected=1.0) > deep > 0
+
+
 def test_grafting_shares_prefixes():
     tree = DraftTree()
     a = tree.add(10, -1)

@@ -121,18 +121,21 @@ def test_a_client_that_leaves_mid_stream_cancels_its_generation(server):
     assert reply.choices[0].message.content
 
 
-def test_a_client_that_leaves_while_its_long_prompt_is_read_cancels_it(server):
-    """A streamed request whose client leaves while its 7,000-token prompt is read (a minute
-    and more on this CPU) is cancelled at the next 512-token chunk, when the server's
-    keep-alive comment finds the pipe broken; the server then serves on."""
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_client_that_leaves_while_its_long_prompt_is_read_cancels_it(server, stream):
+    """A request whose client leaves while its 7,000-token prompt is read (a minute and more
+    on this CPU) is cancelled at the next 512-token chunk, when the server's keep-alive
+    (an SSE comment, or a plain reply's leading space) finds the pipe broken; the server then
+    serves on."""
     before = health(server)["cancelled"]
     connection = http.client.HTTPConnection(*server, timeout=300)
     body = json.dumps({"messages": [{"role": "user", "content": "word " * 7000 + "How many words?"}],
-                       "max_tokens": 8, "stream": True})
+                       "max_tokens": 8, "stream": stream})
     connection.request("POST", "/v1/chat/completions", body=body, headers={"Content-Type": "application/json"})
-    response = connection.getresponse()
-    assert response.status == 200 and response.fp.readline().startswith(b"data:")  # the role, before reading
-    response.close()
+    if stream:
+        response = connection.getresponse()
+        assert response.status == 200 and response.fp.readline().startswith(b"data:")  # the role, before reading
+        response.close()
     connection.close()
     deadline = time.monotonic() + 45  # far less than reading the whole prompt takes
     while health(server)["cancelled"] == before:

@@ -4,7 +4,7 @@ this device. Where no length is expected to beat plain decoding, none is drafted
 
 from __future__ import annotations
 
-from typing import Callable, Dict
+from typing import Callable, Dict, Tuple
 
 import numpy as np
 
@@ -24,7 +24,7 @@ class ChainDrafter(Drafter):
 
     def __init__(self, cost: Callable[[int], float], max_tokens: int = 16, kinds: int = 1, step_cost: float = 0.0):
         self.cost, self.max_tokens, self.step_cost = cost, max_tokens, step_cost
-        self._costs: Dict[int, np.ndarray] = {}  # verified -> cost of verifying it and 0..max_tokens more
+        self._costs: Dict[Tuple[int, int], np.ndarray] = {}  # (verified, context) -> verifying it and 0.. more
         self.tried = np.zeros((kinds, max_tokens))  # by kind and position
         self.accepted = np.zeros((kinds, max_tokens))
 
@@ -40,11 +40,12 @@ class ChainDrafter(Drafter):
     def best_length(self, kind: int, limit: int, verified: int, expected: float) -> int:
         """The draft length with the most expected tokens per unit of cost, beside
         ``verified`` tokens already in the round that yield ``expected`` tokens."""
-        if verified not in self._costs:
-            self._costs[verified] = np.array([self.cost(verified + n) + self.step_cost * n
-                                              for n in range(self.max_tokens + 1)])
+        key = (verified, getattr(self.cost, "attending", 0))  # (the context a round attends to: costs.Costs)
+        if key not in self._costs:
+            self._costs[key] = np.array([self.cost(verified + n) + self.step_cost * n
+                                         for n in range(self.max_tokens + 1)])
         reach = np.cumprod(self.acceptance(kind)[:limit])
-        values = (expected + np.concatenate([[0.0], np.cumsum(reach)])) / self._costs[verified][:limit + 1]
+        values = (expected + np.concatenate([[0.0], np.cumsum(reach)])) / self._costs[key][:limit + 1]
         return int(np.argmax(values))  # the shortest of equals: 0 (no draft) on a tie
 
     def record_chain(self, kind: int, proposed: int, accepted: int) -> None:

@@ -41,6 +41,9 @@ class EagleDrafter(Drafter):
     WARMUP = 8  # rounds measured before the tree may be held back
     PROBE = 16  # while held back, one round in this many drafts
     MEMORY = 0.9  # weight of the past in the running means (about the last 10 rounds)
+    # A long prompt is read this many tokens at a time, as the target reads it: the head's
+    # attention over one block of n tokens holds n x n scores (150 MB at 2k on SmolLM2's head).
+    READ_CHUNK = 512
 
     def __init__(self, head: Head, target: nn.Module, tree: TreeSpec, cost: Optional[Callable[[int], float]] = None):
         self.taps = tuple(head.taps(layer_count(target)) or ())
@@ -72,6 +75,11 @@ class EagleDrafter(Drafter):
             self.rounds += 1
         tokens = mx.array(outcome.new_tokens)
         features = outcome.states.read(self.taps)
+        while tokens.size > self.READ_CHUNK:
+            self.head.step(self.target, self.head.project(features[:self.READ_CHUNK])[None],
+                           tokens[None, :self.READ_CHUNK], self.cache, self.cache[0].offset, "causal")
+            mx.eval([c.state for c in self.cache])
+            tokens, features = tokens[self.READ_CHUNK:], features[self.READ_CHUNK:]
         drafting = not 0 < self.held < self.PROBE - 1  # (held back next round too: no tree to grow)
         if drafting and self.grower.reads_and_drafts(tokens.size, self.cache):
             tree, tree_tokens = self.grower.read_and_draft(features, tokens, self.cache)  # one compiled call
