@@ -38,17 +38,14 @@ def document() -> str:
 
 
 def cut(text: str, tokenizer, tokens: int) -> str:
-    """The longest run of whole paragraphs from the start of ``text`` within ``tokens`` tokens."""
-    paragraphs, kept, count = text.split("\n\n"), [], 0
-    for paragraph in paragraphs:
-        size = len(tokenizer.encode(paragraph + "\n\n"))
-        if count + size > tokens:
-            break
-        kept.append(paragraph)
-        count += size
-    if count < tokens * 0.9:
-        raise SystemExit(f"error: the documentation holds only {count} tokens; cannot build a {tokens}-token prompt")
-    return "\n\n".join(kept)
+    """The first ``tokens`` tokens of ``text``, ended at a paragraph's end where one lies in
+    their last tenth."""
+    ids = tokenizer.encode(text)
+    if len(ids) < tokens:
+        raise SystemExit(f"error: the documentation holds only {len(ids)} tokens; cannot build a {tokens}-token prompt")
+    head = tokenizer.decode(ids[:tokens])
+    end = head.rfind("\n\n")
+    return head[:end] if end >= 0.9 * len(head) else head
 
 
 def prompts_file(tokenizer, length: int, directory: Path) -> Path:

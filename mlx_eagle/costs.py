@@ -18,7 +18,7 @@ import statistics
 import sys
 import time
 import weakref
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -63,6 +63,9 @@ class Costs:
     # The same forwards after LONG_CONTEXT cached entries (None: not timed): costs at other
     # contexts lie on the line through both curves (attention's work is linear in it).
     long_verify_ms: Optional[Dict[int, float]] = None
+    # Times them when a round first attends past LONG_CONTEXT / 2 (a few forwards over a
+    # long context: paid only by replies that go that deep).
+    time_long: Optional[Callable[[], Optional[Dict[int, float]]]] = field(default=None, repr=False, compare=False)
     # The context the next round attends to: the decoder sets it before each round, and what
     # ``verify`` and ``steps`` answer is for it. (One generation at a time uses a model's costs.)
     attending: int = CALIBRATION_CONTEXT
@@ -82,6 +85,8 @@ class Costs:
         measured slope (never flat: a size nobody timed must not look free); past the
         calibration context, plus what the long curve adds there, growing with the context."""
         near = _along(self.verify_ms, tokens)
+        if self.long_verify_ms is None and self.time_long is not None and self.attending >= LONG_CONTEXT // 2:
+            self.long_verify_ms, self.time_long = self.time_long(), None
         if self.long_verify_ms is None or self.attending <= CALIBRATION_CONTEXT:
             return near
         per_entry = max(_along(self.long_verify_ms, tokens) - near, 0.0) / (LONG_CONTEXT - CALIBRATION_CONTEXT)
@@ -338,16 +343,23 @@ def verify_costs(model: nn.Module) -> Costs:
                 curve = timed  # kept if every attempt is disturbed: the best this machine gives now
     if drift is None:
         drift = logit_drift(model)
-    if long_curve is None and (getattr(model.args, "max_position_embeddings", None) or 0) > LONG_CONTEXT + 64:
-        long_curve = time_forwards(model, LONG_SIZES, context=LONG_CONTEXT)
-        timed_now = True
-    if timed_now:
-        kept = writable(path.parent)
-        record = {"device": device_key(model), "verify_ms": curve, "logit_drift": drift,
-                  "long_verify_ms": long_curve}
-        if kept and not write_json(path, record):
+    record = {"device": device_key(model), "verify_ms": curve, "logit_drift": drift, "long_verify_ms": long_curve}
+
+    def keep() -> None:
+        if writable(path.parent) and not write_json(path, record):
             print(f"note: could not keep the timing in {path.parent} (full?); set MLX_EAGLE_CACHE to a writable "
                   "directory to time once", file=sys.stderr)
-    costs = Costs(curve, logit_drift=drift, long_verify_ms=long_curve)
+
+    def time_long() -> Optional[Dict[int, float]]:
+        if (getattr(model.args, "max_position_embeddings", None) or 0) <= LONG_CONTEXT + max(LONG_SIZES):
+            return None
+        record["long_verify_ms"] = time_forwards(model, LONG_SIZES, context=LONG_CONTEXT)
+        keep()
+        return record["long_verify_ms"]
+
+    if timed_now:
+        keep()
+    costs = Costs(curve, logit_drift=drift, long_verify_ms=long_curve,
+                  time_long=time_long if long_curve is None else None)
     _CURVES[(id(model), path)] = (weakref.ref(model), costs)
     return costs

@@ -31,10 +31,26 @@ def test_agent_runs_a_tool_loop_against_a_server(tmp_path, qwen_coder_gguf):
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    run("agent.py", "--model", qwen_coder_gguf, "--servers", "ours-none", "--tasks", 1, "--max-tokens", 6,
-        "--port", port, "--out", tmp_path / "agent.json")
+    run("agent.py", "--model", qwen_coder_gguf, "--servers", "ours-none", "--tasks", 1, "--json-tasks", 1,
+        "--max-tokens", 6, "--port", port, "--out", tmp_path / "agent.json")
     result = json.loads((tmp_path / "agent.json").read_text())
     assert result["identical"] and result["requests"]["ours-none"][0]["tokens"] == 6
+    assert result["requests"]["ours-none"][-1]["kind"] == "JSON-schema reply"
+    assert result["json_transcripts"][0][0]["content"].startswith("{")
+
+
+def test_grammar_engines(tmp_path, qwen_coder_gguf):
+    """llguidance (a dependency) is measured; engines not installed are reported as such."""
+    run("grammar_engines.py", "--model", qwen_coder_gguf, "--out", tmp_path / "engines.json")
+    engines = json.loads((tmp_path / "engines.json").read_text())["engines"]
+    assert set(engines["llguidance"]["schemas"]) == {"person", "tool_call"}
+    assert all(row["mask_ms_mean"] > 0 for row in engines["llguidance"]["schemas"].values())
+
+
+def test_long_context(tmp_path):
+    run("long_context.py", "--lengths", 300, "--kv", "none", "--max-tokens", 3, "--out", tmp_path / "long.json")
+    [row] = json.loads((tmp_path / "long.json").read_text())["rows"]
+    assert row["length"] == 300 and row["identical"] and row["none_identical"]
 
 
 def test_moe_verify_cost(tmp_path):

@@ -182,8 +182,8 @@ def test_greedy_json_equals_plain_constrained_decoding_on_qwen(qwen_coder):
     prompt = chat_tokens(tokenizer, [{"role": "user", "content": "Give Ada Lovelace's name, birth year and fields "
                                                                  "as JSON."}])
     response_format = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
-    got = speculative(model, tokenizer, prompt, response_format, "auto", 40)
-    assert got == plain_constrained(model, tokenizer, prompt, response_grammar(response_format), 40)
+    got = speculative(model, tokenizer, prompt, response_format, "auto", 32)
+    assert got == plain_constrained(model, tokenizer, prompt, response_grammar(response_format), 32)
 
 
 @pytest.mark.parametrize("response_format, says", [

@@ -13,6 +13,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..errors import UserError, check_text
+from ..grammar import grammar_for
 
 if TYPE_CHECKING:
     from ..decoder import PromptCache
@@ -249,7 +250,6 @@ def stream_generate(
     plain mlx-lm decoding's with the same settings.
     """
     from ..decoder import SpeculativeDecoder, make_prompt_cache
-    from ..grammar import grammar_for
     from ..target import kv_quantization
     from ..plan import plan_drafts, source_statistics
     from ..verify import Sampling
