@@ -71,10 +71,19 @@ TASKS = [
     "Read test_utils.py and show me the test for slugify.",
 ]
 
-# Structured replies an agent asks for (response_format json_schema): a file's functions, an
-# edit as search/replace, a test report. mlx-lm's server has no response_format (it ignores
+# Structured replies an agent asks for (response_format json_schema): a test report, a file's
+# functions, an edit as search/replace. mlx-lm's server has no response_format (it ignores
 # the field), so these go to ours only: default drafting against plain constrained decoding.
 JSON_TASKS = [
+    ("Report this test run.\n\n" + "test_utils.py::test_slugify PASSED\ntest_utils.py::test_word_count PASSED\n"
+     "2 passed in 0.01s",
+     {"type": "object", "properties": {"passed": {"type": "integer"}, "failed": {"type": "integer"},
+                                       "tests": {"type": "array", "items": {
+                                           "type": "object", "properties": {
+                                               "file": {"type": "string"}, "name": {"type": "string"},
+                                               "status": {"enum": ["PASSED", "FAILED"]}},
+                                           "required": ["file", "name", "status"], "additionalProperties": False}}},
+      "required": ["passed", "failed", "tests"], "additionalProperties": False}),
     ("List every function of utils.py with its parameters and its whole source code.\n\nutils.py:\n"
      + PROJECT["utils.py"],
      {"type": "object", "properties": {"functions": {"type": "array", "items": {
@@ -87,16 +96,7 @@ JSON_TASKS = [
      "replacement.\n\nutils.py:\n" + PROJECT["utils.py"],
      {"type": "object", "properties": {"path": {"type": "string"}, "search": {"type": "string"},
                                        "replace": {"type": "string"}},
-      "required": ["path", "search", "replace"], "additionalProperties": False}),
-    ("Report this test run.\n\n" + "test_utils.py::test_slugify PASSED\ntest_utils.py::test_word_count PASSED\n"
-     "2 passed in 0.01s",
-     {"type": "object", "properties": {"passed": {"type": "integer"}, "failed": {"type": "integer"},
-                                       "tests": {"type": "array", "items": {
-                                           "type": "object", "properties": {
-                                               "file": {"type": "string"}, "name": {"type": "string"},
-                                               "status": {"enum": ["PASSED", "FAILED"]}},
-                                           "required": ["file", "name", "status"], "additionalProperties": False}}},
-      "required": ["passed", "failed", "tests"], "additionalProperties": False}),
+      "required": ["path", "search", "replace"], "additionalProperties": False})
 ]
 JSON_KIND = "JSON-schema reply"
 
