@@ -76,6 +76,9 @@ OPTIONS = [(["--seed", "-1"], "seed"), (["--temp", "nan"], "temp"), (["--temp", 
            (["--top-p", "2"], "top_p"), (["--top-p", "0"], "top_p"), (["--max-tokens", "0"], "max_tokens"),
            (["--max-tokens", "-5"], "max_tokens"), (["--tree", "chain:100"], "chain"),
            (["--tree", "dynamic:depth=0"], "depth"), (["--tree", "dynamic:size=3"], "size")]
+KV_OPTIONS = [(["--kv-bits", "7"], "kv_bits"), (["--kv-bits", "4", "--kv-group-size", "48"], "kv_group_size"),
+              (["--kv-bits", "8", "--quantized-kv-start", "-1"], "quantized_kv_start")]
+OPTIONS += KV_OPTIONS
 GENERATE_ONLY = [(["--min-p", "2"], "min_p"), (["--top-k", "-3"], "top_k"),
                  (["--json-schema", "{dir}"], "not a regular file"), (["--json-schema", "{text}"], "not JSON"),
                  (["--json-schema", "{list}"], "JSON schema object"),
@@ -131,7 +134,7 @@ def test_chat_app_refuses_bad_arguments_before_loading(argv, words, bad_trees, c
     (["--port", "99999"], "not a port"), (["--port", "-2"], "not a port"), (["--max-tokens", "0"], "max_tokens"),
     (["--tree", "static:{dir}"], "not a regular file"), (["--host", "no.such.host.invalid"], "cannot listen"),
     (["--port", "{busy}"], "cannot listen"),
-])
+] + KV_OPTIONS)
 def test_server_refuses_bad_arguments_before_loading(argv, words, bad_trees, capsys, monkeypatch):
     import mlx_eagle.session
     from mlx_eagle import server
