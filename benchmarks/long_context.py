@@ -11,10 +11,10 @@ the document's last paragraph fixing typos (a reply that copies the context), an
 question about it. Each (length, cache) pair is one ``python -m mlx_eagle.bench`` run, so the
 three methods alternate under the same machine load; quantized caches start at once
 (``--quantized-kv-start 0``; mlx-lm's default, 5000, would leave the shorter prompts
-unquantized). This device's costs, at a short and a 2k context, are timed first and kept, so
-that no measured reply pays for timing them. Reported per pair: speedup and τ of default drafting over plain mlx-lm, ours
-with ``--draft none``, whether the text is identical, peak memory and MLX's buffer cache
-after each request, per method.
+unquantized). This device's costs, at a short and a 2k context, are timed first and kept,
+so that no measured reply pays for timing them. Reported per pair: speedup and τ of default
+drafting over plain mlx-lm, ours with ``--draft none``, whether the text is identical, peak
+memory and MLX's buffer cache after each request, per method.
 """
 
 import argparse
