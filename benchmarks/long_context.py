@@ -69,12 +69,10 @@ def main(argv: List[str] = None) -> None:
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "long-context.json")
     args = parser.parse_args(argv)
     from mlx_eagle import load
-    from mlx_eagle.costs import LONG_CONTEXT, verify_costs
+    from mlx_eagle.costs import verify_costs
 
     model, tokenizer = load(args.model)
-    costs = verify_costs(model)  # timed now, once, and kept: never inside a measured reply
-    costs.attending = LONG_CONTEXT
-    costs.verify(1)
+    verify_costs(model).measure_long()  # timed now, once, and kept: never inside a measured reply
     rows = []
     with tempfile.TemporaryDirectory() as scratch:
         for length in [int(n) for n in args.lengths.split(",")]:

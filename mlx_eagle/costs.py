@@ -63,8 +63,7 @@ class Costs:
     # The same forwards after LONG_CONTEXT cached entries (None: not timed): costs at other
     # contexts lie on the line through both curves (attention's work is linear in it).
     long_verify_ms: Optional[Dict[int, float]] = None
-    # Times them when a round first attends past LONG_CONTEXT / 2 (a few forwards over a
-    # long context: paid only by replies that go that deep).
+    # Times them and keeps them in the calibration file (measure_long).
     time_long: Optional[Callable[[], Optional[Dict[int, float]]]] = field(default=None, repr=False, compare=False)
     # The context the next round attends to: the decoder sets it before each round, and what
     # ``verify`` and ``steps`` answer is for it. (One generation at a time uses a model's costs.)
@@ -85,12 +84,16 @@ class Costs:
         measured slope (never flat: a size nobody timed must not look free); past the
         calibration context, plus what the long curve adds there, growing with the context."""
         near = _along(self.verify_ms, tokens)
-        if self.long_verify_ms is None and self.time_long is not None and self.attending >= LONG_CONTEXT // 2:
-            self.long_verify_ms, self.time_long = self.time_long(), None
         if self.long_verify_ms is None or self.attending <= CALIBRATION_CONTEXT:
             return near
         per_entry = max(_along(self.long_verify_ms, tokens) - near, 0.0) / (LONG_CONTEXT - CALIBRATION_CONTEXT)
         return near + per_entry * (self.attending - CALIBRATION_CONTEXT)
+
+    def measure_long(self) -> None:
+        """Time the forwards after LONG_CONTEXT entries, where they are not yet (a few seconds,
+        kept). Not done inside a reply: a first long request must not stall for it."""
+        if self.long_verify_ms is None and self.time_long is not None:
+            self.long_verify_ms, self.time_long = self.time_long(), None
 
     def steps(self, tokens: int) -> float:
         """A forward over ``tokens`` in plain decoding steps (one token = 1)."""
