@@ -7,6 +7,8 @@ import argparse
 import os
 import signal
 import sys
+import threading
+import time
 from typing import Callable, NoReturn, Optional, Sequence
 
 from .blas import find_openblas, openblas_loaded
@@ -54,8 +56,9 @@ def add_sampling_arguments(parser: argparse.ArgumentParser, seed: Optional[int] 
 
 
 def add_model_arguments(parser: argparse.ArgumentParser, draft: bool = True, tree: bool = True,
-                        lookup: bool = True) -> None:
-    """--model, --draft (and --no-lookup) and --tree, the same in every command."""
+                        lookup: bool = True, shards: bool = True) -> None:
+    """--model, --draft (and --no-lookup), --tree and --pipeline (``shards``: the command
+    shards the model under mlx.launch), the same in every command."""
     parser.add_argument("--model", help="MLX or Hugging Face directory, .gguf file or Hugging Face repo id "
                                         "(default: SmolLM2-135M-Instruct)")
     if draft:
@@ -65,6 +68,9 @@ def add_model_arguments(parser: argparse.ArgumentParser, draft: bool = True, tre
                             "names drafts alone")
     if tree:
         parser.add_argument("--tree", default="auto", help=TREE_HELP)
+    if shards:
+        parser.add_argument("--pipeline", action="store_true", help="under mlx.launch: split the model by layers over "
+                        "the ranks (default: each layer by heads)")
 
 
 def add_history_arguments(parser: argparse.ArgumentParser) -> None:
@@ -131,19 +137,96 @@ def _terminated(signum, frame) -> None:
     raise SystemExit(128 + signum)
 
 
+class _ErrorsOnly:
+    """A stream that passes on only lines starting "error:" (another rank's standard error:
+    rank 0 speaks for all of them)."""
+
+    def __init__(self, stream):
+        self.stream, self.line = stream, ""
+
+    def write(self, text: str) -> int:
+        self.line += text
+        *lines, self.line = self.line.split("\n")
+        for line in lines:
+            if line.startswith("error:"):
+                self.stream.write(line + "\n")
+                self.stream.flush()
+        return len(text)
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+    def isatty(self) -> bool:
+        return False
+
+
+# Under mlx.launch, each process's rank (mlx.launch sets MLX_RANK; read here, before MLX loads).
+LAUNCHED = "MLX_RANK" in os.environ
+RANK = int(os.environ.get("MLX_RANK", "0") or 0)
+
+
+_SAID = threading.Lock()
+
+
+def _last_word(line: str) -> None:
+    """Print a rank's closing line, once: its connection may break as mlx.launch stops it."""
+    if _SAID.acquire(blocking=False):
+        print(line, file=sys.stderr, flush=True)
+    else:
+        threading.Event().wait()  # the other thread says it and ends the process
+
+
+def _stop_when_launch_stops() -> None:
+    """End this rank at once when mlx.launch stops it (SIGTERM: another rank ended). A
+    Python handler runs on the main thread, which may wait in a collective for ever; the
+    signal's number, written to a pipe as it arrives, wakes a thread that can end it."""
+    read, write = os.pipe()
+    os.set_blocking(write, False)
+    signal.signal(signal.SIGTERM, lambda signum, frame: None)
+    signal.set_wakeup_fd(write)
+
+    def wait() -> None:
+        while signal.SIGTERM not in os.read(read, 64):
+            pass
+        if RANK == 0:
+            _last_word("\nerror: rank 0 was stopped by mlx.launch: another rank ended; every rank stops")
+        os._exit(128 + signal.SIGTERM)
+
+    threading.Thread(target=wait, daemon=True).start()
+# Seconds a rank other than 0 waits before it reports an error of its own: where rank 0 met the
+# same error (a bad argument), rank 0 says it and mlx.launch stops this rank meanwhile.
+ECHO_WAIT = 2.0
+
+
 def run_cli(main: Callable[[Optional[Sequence[str]]], None], argv=None) -> NoReturn:
     """Run a command's main: fast BLAS first, then one line per user error. SIGTERM
     becomes an exit that unwinds, so what a command half wrote is cleaned up as on
-    Ctrl-C."""
+    Ctrl-C. Under mlx.launch only rank 0 prints, but for an error no other rank met; a
+    rank that lost its connection to the others ends with one line."""
     use_fast_blas()
-    signal.signal(signal.SIGTERM, _terminated)
+    if LAUNCHED:
+        _stop_when_launch_stops()
+    else:
+        signal.signal(signal.SIGTERM, _terminated)
+    if RANK:
+        sys.stdout, sys.stderr = open(os.devnull, "w"), _ErrorsOnly(sys.stderr)
     try:
         main(argv)
     except UserError as error:
-
+        if RANK:
+            if error.shared:  # every rank found it; rank 0 says it
+                sys.exit(1)
+            time.sleep(ECHO_WAIT)
         close_bars()  # the error starts a line of its own
-        print(f"error: {error}", file=sys.stderr)
+        print(f"error: {f'rank {RANK}: ' if RANK else ''}{error}", file=sys.stderr)
         sys.exit(1)
+    except RuntimeError as error:
+        if not str(error).startswith(("[ring]", "[jaccl]", "[mpi]", "[nccl]")):
+            raise
+        close_bars()
+        _last_word(f"error: rank {RANK} lost its connection to the other ranks ({error}): one of them ended; "
+                   "every rank stops")
+        os._exit(1)  # (not sys.exit: tearing down a broken ring can wait for ever)
     except KeyboardInterrupt:
         print("\ninterrupted", file=sys.stderr)
         sys.exit(130)

@@ -30,6 +30,7 @@ from mlx_lm.models.cache import trim_prompt_cache
 
 from .blas import REFERENCE_BLAS, blas_in_use, openblas_loaded
 from .compiled import compiles_verification, verify_block
+from .distributed import every_rank, first_rank_numbers, sharded, sharding
 from .files import cache_dir, read_json, writable, write_json
 from .progress import progress_bar
 from .target import KVQuantization, is_driven, make_cache, target_forward
@@ -217,7 +218,7 @@ def kv_logit_drift(model: nn.Module, kv: KVQuantization) -> float:
     key = (id(model), kv.bits, kv.group_size)
     known = _KV_DRIFTS.get(key)
     if known is None or known[0]() is not model:
-        known = (weakref.ref(model), logit_drift(model, kv=kv))
+        known = (weakref.ref(model), first_rank_numbers([logit_drift(model, kv=kv)])[0])
         _KV_DRIFTS[key] = known
     return known[1]
 
@@ -247,7 +248,8 @@ def device_key(model: nn.Module) -> str:
         name = mx.metal.device_info().get("device_name", name)
     elif device.type == mx.cpu and openblas_loaded():
         name += "-openblas"
-    return re.sub(r"[^A-Za-z0-9._-]+", "-", f"{device.type.name}-{name}-{weight_format(model)}").lower()
+    shards = f"-{sharding(model)}" if sharding(model) else ""  # a shard's forwards cost their own
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", f"{device.type.name}-{name}-{weight_format(model)}{shards}").lower()
 
 
 # Bumped when the way a verification runs changes, so that timings taken by older code
@@ -306,6 +308,15 @@ def check_curve(record: object) -> Dict[int, float]:
     return checked
 
 
+def _rank_zeros(curve: Dict[int, float], drift: float, long_curve: Optional[Dict[int, float]]):
+    """Rank 0's curve, drift and long curve on every rank (the long curve where every rank has one)."""
+    has_long = every_rank(long_curve is not None and set(long_curve) == set(LONG_SIZES))
+    sizes = list(curve) + (list(LONG_SIZES) if has_long else [])
+    values = first_rank_numbers(list(curve.values()) + (list(long_curve.values()) if has_long else []) + [drift])
+    shared = dict(zip(sizes[:len(curve)], values))
+    return shared, values[-1], (dict(zip(LONG_SIZES, values[len(curve):-1])) if has_long else None)
+
+
 def calibration_file(model: nn.Module) -> Path:
     return cache_dir() / "calibration" / f"{device_key(model)}-{model_digest(model)}.json"
 
@@ -333,13 +344,15 @@ def verify_costs(model: nn.Module) -> Costs:
         except ValueError as exc:
             print(f"warning: timing again: the calibration {path} is unusable ({exc})", file=sys.stderr)
             record = {}
+    if sharded() and not every_rank(curve is not None and set(curve) == set(CALIBRATION_SIZES) and drift is not None):
+        curve, drift = None, None  # the forwards are collectives: every rank times them, or none does
     timed_now = curve is None or drift is None
     if curve is None:
         kept = writable(path.parent)
         print(f"timing this device's forward passes {'once' if kept else 'for this run'} ({device_key(model)})"
               + ("" if kept else f"; {path.parent} is not writable: set MLX_EAGLE_CACHE to a writable directory "
                                  "to time once"), file=sys.stderr)
-        for _ in range(3):
+        for _ in range(1 if sharded() else 3):  # (ranks must agree on how many times they time)
             timed = time_forwards(model)
             try:
                 curve = check_curve({"verify_ms": {str(k): v for k, v in timed.items()}})
@@ -366,7 +379,9 @@ def verify_costs(model: nn.Module) -> Costs:
 
     if timed_now:
         keep()
+    if sharded():  # every rank sizes its drafts and rechecks by rank 0's numbers
+        curve, drift, long_curve = _rank_zeros(curve, drift, long_curve)
     costs = Costs(curve, logit_drift=drift, long_verify_ms=long_curve,
-                  time_long=time_long if long_curve is None else None)
+                  time_long=time_long if long_curve is None and not sharded() else None)
     _CURVES[(id(model), path)] = (weakref.ref(model), costs)
     return costs

@@ -41,6 +41,7 @@ from mlx_lm.models.cache import can_trim_prompt_cache
 from .costs import CONTEXT_STEP, Costs, kv_logit_drift
 from .drafters import Budget, Drafter, Outcome, TargetStates
 from .drafters.admit import admit_or_warn
+from .distributed import shared_proposal, sharded
 from .errors import UserError
 from .grammar import Grammar, mask_logits
 from .rewind import Rewind, needs_rewind
@@ -180,6 +181,8 @@ class SpeculativeDecoder:
         self.grammar: Optional[Grammar] = None
         # Quantized KV caches (target.KVQuantization), checked against the caches: set before the prompt is read.
         self.kv: Optional[KVQuantization] = None
+        # A target sharded over several ranks: every rank runs the same rounds (distributed.py).
+        self.shards = sharded()
 
     @property
     def length(self) -> int:
@@ -349,9 +352,13 @@ class SpeculativeDecoder:
                             costs=self._steps if self._costs_of is not None else None, vocab=self.vocab)
             proposal = admit_or_warn(self.drafter, self.drafter.propose(budget), budget)
         tree, tokens = (proposal.tree, proposal.tokens) if proposal else (DraftTree(), NO_TOKENS)
+        if self.shards:  # every rank verifies rank 0's tree, whatever its own drafters proposed (distributed.py)
+            tree, tokens, own = shared_proposal(tree, tokens, MAX_TREE_NODES)
+            proposal = proposal if own else None
         shaped = None
         if self.grammar is not None:  # the nodes it allows, with masks, and the tokens it forces (grammar.py)
-            shaped = self.grammar.shape(proposal.host_tokens() if proposal else [], tree.parents, room - 1, nodes)
+            shaped = self.grammar.shape(proposal.host_tokens() if proposal else tree.tokens, tree.parents, room - 1,
+                                        nodes)
             tree, tokens = shaped.tree, shaped.tokens
         self.on_phase("drafted")
         start = len(committed) - 1  # the root's position
@@ -396,7 +403,7 @@ class SpeculativeDecoder:
             states = None
             if self.reads_states:
                 states = TargetStates(out.features, out.hidden, self.taps, rows=mx.array(kept))
-            path = shaped.drafters_path(verdict.path) if shaped is not None else verdict.path
+            path = (shaped.drafters_path(verdict.path) if shaped is not None else verdict.path) if proposal else []
             self.drafter.observe(Outcome(committed + new, start, states, proposal if proposal else None, path))
         self.on_phase("observed")
         self.root = verdict.bonus

@@ -8,7 +8,12 @@ import difflib
 
 class UserError(ValueError):
     """A problem the user can fix. Commands print it as one line and exit 1; the server
-    answers it with a 400."""
+    answers it with a 400. ``shared``: every rank of a sharded model found it alike (only
+    rank 0 says it)."""
+
+    def __init__(self, message: str, shared: bool = False):
+        super().__init__(message)
+        self.shared = shared
 
 
 def did_you_mean(given: str, words) -> str:

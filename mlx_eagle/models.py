@@ -19,6 +19,7 @@ from .architectures import ARCHITECTURES, text_config
 from .blas import REFERENCE_BLAS, blas_in_use, find_openblas
 from .configs import check_model_config, read_config, safetensors_bytes
 from .convert.target import convert_target, fastest_dtype
+from .distributed import sharded, sharded_target, world
 from .errors import UserError
 from .files import cache_dir, writable
 from .hub import from_hub
@@ -106,21 +107,27 @@ def resolve_model(model: Optional[str] = None, progress: bool = True) -> Path:
 
 
 def load_target(model: Optional[str] = None, tokenizer_config: Optional[Dict[str, Any]] = None,
-                progress: bool = True) -> Tuple[nn.Module, Any, Path]:
+                progress: bool = True, pipeline: bool = False) -> Tuple[nn.Module, Any, Path]:
     """Load a target model with mlx-lm: (model, tokenizer wrapper, its directory). A
     multimodal checkpoint whose text model the tree path drives (Gemma 3) gives that text
-    model, an ordinary mlx-lm model."""
+    model, an ordinary mlx-lm model. Under mlx.launch each rank loads its shard, split by
+    heads (tensor parallel) or, with ``pipeline``, by layers (distributed.py)."""
     path = resolve_model(model, progress=progress)
     config = read_config(path, "an MLX or Hugging Face model directory")
     record = ARCHITECTURES.get(config.get("model_type"))
     if record is not None:  # configs whose sizes we know how to read
         check_model_config(text_config(config), path / "config.json", safetensors_bytes(path),
                            llama_shaped=record.llama_shaped)
-    try:
-        loaded, tokenizer = mlx_lm_load(str(path), tokenizer_config=tokenizer_config or {})
-    except (ValueError, FileNotFoundError, RuntimeError, OSError) as exc:
-        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise UserError(f"cannot load the model in {path} ({reason}); its files are damaged or incomplete") from None
+    if sharded():
+        loaded, tokenizer = sharded_target(path, tokenizer_config or {}, pipeline)
+        loaded.sharding = f"{'pipelined' if pipeline else 'split by heads'} over {world().size()} ranks"
+    else:
+        try:
+            loaded, tokenizer = mlx_lm_load(str(path), tokenizer_config=tokenizer_config or {})
+        except (ValueError, FileNotFoundError, RuntimeError, OSError) as exc:
+            reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            raise UserError(f"cannot load the model in {path} ({reason}); its files are damaged or incomplete"
+                            ) from None
     if record is not None and record.text_model is not None:
         loaded = getattr(loaded, record.text_model)
     loaded.directory = path  # where its files are (a model's own drafter is read from them: drafters/mtp.py)

@@ -240,24 +240,26 @@ def load_draft(draft: Union[str, Path, None, object], model: nn.Module):
     return draft
 
 
-def open_target(model: Optional[str] = None, tokenizer_config: Optional[Dict[str, Any]] = None
-                ) -> Tuple[nn.Module, Any, Path]:
+def open_target(model: Optional[str] = None, tokenizer_config: Optional[Dict[str, Any]] = None,
+                pipeline: bool = False) -> Tuple[nn.Module, Any, Path]:
     """models.load_target for a --model value, refusing a drafter's directory in one line
-    before anything loads: (model, tokenizer, its directory)."""
+    before anything loads: (model, tokenizer, its directory). ``pipeline``: under
+    mlx.launch, split the model by layers rather than by heads."""
     path = resolve_model(model)
     kind = drafter_kind(path, read_config(path, "an MLX or Hugging Face model directory"))
     if kind is not None and kind != "draft model":
         raise UserError(f"{path} holds {kind} weights, a drafter, not a model: pass it as --draft, and the model it "
                         "drafts for as --model")
-    return load_target(str(path), tokenizer_config)
+    return load_target(str(path), tokenizer_config, pipeline=pipeline)
 
 
 def load(path_or_hf_repo: Optional[str] = None, draft: Optional[str] = None,
-         tokenizer_config: Optional[Dict[str, Any]] = None):
+         tokenizer_config: Optional[Dict[str, Any]] = None, pipeline: bool = False):
     """Like mlx_lm.load: ``(model, tokenizer)``; with ``draft`` (a drafter's directory or
     "auto", see load_draft) ``(model, tokenizer, drafter weights)``, None when "auto" finds
-    none."""
-    model, tokenizer, _ = open_target(path_or_hf_repo, tokenizer_config)
+    none. Under mlx.launch, every rank loads its shard of the model (as mlx-lm's
+    ``sharded_load``: split by heads, or by layers with ``pipeline``)."""
+    model, tokenizer, _ = open_target(path_or_hf_repo, tokenizer_config, pipeline)
     if draft is None:
         return model, tokenizer
     return model, tokenizer, load_draft(draft, model)

@@ -109,7 +109,7 @@ def measure_costs(model: nn.Module, tokenizer, head, context: int = 256, repeats
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
     parser = new_parser("mlx_eagle.tune", __doc__)
-    add_model_arguments(parser, draft=False, tree=False)
+    add_model_arguments(parser, draft=False, tree=False, shards=False)
     parser.add_argument("--draft", default="auto", help="the EAGLE head directory to tune a tree for (default: "
                         "the head shipped for the model)")
     parser.add_argument("--prompts", type=int, default=24, help="calibration prompts")

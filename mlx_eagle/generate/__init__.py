@@ -250,6 +250,7 @@ def stream_generate(
     plain mlx-lm decoding's with the same settings.
     """
     from ..decoder import SpeculativeDecoder, make_prompt_cache
+    from ..distributed import Watchdog, shared_seed
     from ..target import kv_quantization
     from ..plan import plan_drafts, source_statistics
     from ..verify import Sampling
@@ -265,7 +266,7 @@ def stream_generate(
     cache = prompt_cache if prompt_cache is not None else make_prompt_cache(model)
     if cache.plan_key != plan.key:  # a conversation keeps its drafters (and their caches) while its plan holds
         cache.drafter, cache.plan_key = plan.drafter(), plan.key
-    decoder = SpeculativeDecoder(model, cache.drafter, sampling, seed, cache,
+    decoder = SpeculativeDecoder(model, cache.drafter, sampling, shared_seed(seed), cache,
                                  costs=(lambda: plan.settings.costs) if plan.active else None)
     decoder.keep_logits = logprobs
     decoder.grammar = grammar
@@ -278,9 +279,16 @@ def stream_generate(
     detokenizer.reset()
 
     generated = 0
+    watchdog = Watchdog()  # a rank that hangs ends the others (distributed.py; idle on one machine)
+
+    def reading(read: int, total: int) -> None:
+        watchdog.kick()
+        if prompt_progress_callback is not None:
+            prompt_progress_callback(read, total)
+
     try:
         tic = time.perf_counter()
-        round_tokens = [decoder.prefill(ids, on_read=prompt_progress_callback)]
+        round_tokens = [decoder.prefill(ids, on_read=reading)]
         round_logprobs = _log_softmax(decoder.root_logits[None]) if logprobs else None
         prompt_tps = (len(ids) - decoder.reused) / (time.perf_counter() - tic)
         tic = time.perf_counter()
@@ -321,6 +329,7 @@ def stream_generate(
             if limit is not None:
                 room = min(room, limit - decoder.length)
             result = decoder.round(room)
+            watchdog.kick()
             if (decoder.length // CLEAR_CACHE_EVERY) != ((decoder.length - len(result.tokens)) // CLEAR_CACHE_EVERY):
                 mx.clear_cache()  # a round crossed a boundary (multi-token rounds jump over exact multiples)
             round_tokens = result.tokens
@@ -333,6 +342,7 @@ def stream_generate(
             if grammar is not None and grammar.forced.proposed:
                 sources = {**sources, FORCED: replace(grammar.forced)}
     finally:  # the reply is final, however it ended: the caches hold what was shown, drafters keep it
+        watchdog.stop()
         decoder.truncate(len(ids) + generated)
         if cache.drafter is not None:
             cache.drafter.finish()

@@ -65,6 +65,7 @@ def prompt_tokens(tokenizer, prompt: str, system: Optional[str], use_chat_templa
 def main(argv: Optional[Sequence[str]] = None) -> None:
     args = build_parser().parse_args(argv)
 
+    from ..distributed import sharding
     from ..plan import load, plan_drafts, user_drafter
     from ..target import kv_quantization
     from ..verify import Sampling
@@ -80,7 +81,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     user_drafter(args.draft)  # your own drafter, imported now: one line if it cannot be
     if args.verbose:
         print(f"device: {mx.default_device()}, BLAS: {blas_in_use()}", file=sys.stderr)
-    model, tokenizer = load(args.model)
+    model, tokenizer = load(args.model, pipeline=args.pipeline)
+    if args.verbose and sharding(model):
+        print(f"model: {sharding(model)}", file=sys.stderr)
     ids = prompt_tokens(tokenizer, prompt, system, not args.no_chat_template)
     check_prompt(model, ids)  # before planning, which may time this device
     plan = plan_drafts(model, args.draft, tree, lookup=not args.no_lookup, history=history_choice(args),

@@ -57,7 +57,7 @@ def recipe_help(name: str) -> str:
 def build_parser() -> ArgumentParser:
     parser = new_parser("mlx_eagle.train", __doc__)
     parser.add_argument("--out", required=True, type=Path, help="the drafter directory to write")
-    add_model_arguments(parser, draft=False, tree=False)
+    add_model_arguments(parser, draft=False, tree=False, shards=False)
     parser.add_argument("--work", type=Path, help="checkpoints, log and curves (default: OUT.work)")
     parser.add_argument("--data", type=Path, help="tokenized data and vocabularies, shareable between runs "
                         "(default: --work)")

@@ -1,0 +1,133 @@
+"""A target sharded over several ranks (mlx.launch, ring backend, on this machine's
+loopback): every drafter commits plain decoding's tokens on every rank, the commands
+print once, and a rank that dies or hangs ends them all with one line."""
+
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+from mlx_lm import load as mlx_lm_load
+from mlx_lm import stream_generate as mlx_lm_stream_generate
+
+from mlx_eagle.heads import new_head, save_head
+from synthetic import write_model
+
+pytestmark = pytest.mark.slow  # every test starts several processes
+TESTS = Path(__file__).resolve().parent
+LAUNCHER = Path(sys.executable).parent / "mlx.launch"
+PROMPT = "The quick brown fox jumps over the lazy dog. It was 2024 and 42 dogs barked."
+
+
+def launch(ranks: int, *command: str, timeout: float = 300, **env: str) -> subprocess.CompletedProcess:
+    """``command`` under mlx.launch on ``ranks`` local ranks (ports drawn at random: xdist
+    workers may launch at once)."""
+    port = str(random.randrange(20000, 60000, 16))
+    return subprocess.run([str(LAUNCHER), "-n", str(ranks), "--backend", "ring", "--starting-port", port, "--",
+                           *command], capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "PYTHONPATH": str(TESTS), **env})
+
+
+def plain_tokens(model_dir, prompt, max_tokens: int):
+    model, tokenizer = mlx_lm_load(str(model_dir))
+    ids = tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+    return [r.token for r in mlx_lm_stream_generate(model, tokenizer, ids, max_tokens=max_tokens)]
+
+
+@pytest.fixture(scope="module")
+def sharp_llama(tmp_path_factory):
+    """A tiny llama (4 heads, 2 KV heads) whose projections are scaled up, so that its greedy
+    text varies, and a random EAGLE-3 head for it."""
+    root = tmp_path_factory.mktemp("sharded")
+    model_dir = write_model(root, "llama")["hf"]
+    weights = mx.load(str(model_dir / "model.safetensors"))
+    mx.save_safetensors(str(model_dir / "model.safetensors"),
+                        {k: v * 3 if k.endswith("proj.weight") else v for k, v in weights.items()})
+    model, _ = mlx_lm_load(str(model_dir))
+    save_head(new_head(model, "eagle3", seed=5), root / "head")
+    return model_dir, root / "head"
+
+
+def ranks_results(out: Path, ranks: int):
+    return [json.loads((out / f"rank{r}-of-{ranks}.json").read_text()) for r in range(ranks)]
+
+
+def test_every_drafter_commits_plain_decodings_tokens_on_every_rank(sharp_llama, tmp_path):
+    """Split by heads over 2 ranks: plain decoding, lookup, a head's tree and chain, and a
+    drafter proposing other trees on rank 1 than on rank 0 all give single-process plain
+    decoding's tokens (and mlx-lm's own sharded generation's) on both ranks."""
+    model_dir, head = sharp_llama
+    expected = plain_tokens(model_dir, PROMPT, 40)
+    assert len(set(expected)) > 20  # a text that varies
+    script = tmp_path / "script.json"
+    script.write_text(json.dumps(mlx_lm_load(str(model_dir))[1].encode(PROMPT) + expected))
+    drafts = ["none", "lookup", "rank_drafter:RankDrafter", f"{head}@static:default", f"{head}@chain:4"]
+    result = launch(2, sys.executable, str(TESTS / "sharded_worker.py"), str(model_dir), str(tmp_path), PROMPT, "40",
+                    ",".join(drafts), MLX_EAGLE_TEST_SCRIPT=str(script))
+    assert result.returncode == 0, result.stderr[-3000:]
+    for rank in ranks_results(tmp_path, 2):
+        assert rank["sharding"] == "split by heads over 2 ranks"
+        assert rank["mlx_lm"] == expected
+        for draft in drafts:
+            assert rank[draft]["tokens"] == expected, draft
+        assert rank["rank_drafter:RankDrafter"]["tau"] > 2  # rank 0's drafts, accepted part way
+
+
+def test_sampling_draws_the_same_tokens_on_every_rank(sharp_llama, tmp_path):
+    model_dir, head = sharp_llama
+    drafts = ["lookup", f"{head}@static:default"]
+    result = launch(2, sys.executable, str(TESTS / "sharded_worker.py"), str(model_dir), str(tmp_path), PROMPT, "30",
+                    ",".join(drafts), "1.0", "7")
+    assert result.returncode == 0, result.stderr[-3000:]
+    ranks = ranks_results(tmp_path, 2)
+    for draft in drafts:
+        assert ranks[0][draft]["tokens"] == ranks[1][draft]["tokens"], draft
+
+
+def test_smollm2_split_three_ways_answers_as_plain_decoding_printed_once(smollm_float32):
+    """The real SmolLM2 (9 heads, 3 KV heads) over 3 ranks, through the command as a user
+    runs it, default drafting: plain decoding's text, printed by rank 0 alone."""
+    prompt = "What is the capital of France? Answer in one sentence."
+    result = launch(3, sys.executable, "-m", "mlx_eagle.generate", "--model", str(smollm_float32), "--prompt", prompt,
+                    "-m", "24", "--no-history", "--verbose", timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    from mlx_eagle.generate import chat_tokens
+    _, tokenizer = mlx_lm_load(str(smollm_float32))
+    expected = tokenizer.decode([t for t in plain_tokens(smollm_float32, chat_tokens(tokenizer, [
+        {"role": "user", "content": prompt}]), 24) if t not in tokenizer.eos_token_ids])
+    assert result.stdout.strip() == expected.strip()
+    assert result.stderr.count("model: split by heads over 3 ranks") == 1
+
+
+def test_a_model_that_cannot_be_split_or_differs_between_ranks_gets_one_line(sharp_llama, smollm_float32, tmp_path):
+    result = launch(2, sys.executable, "-m", "mlx_eagle.generate", "--model", str(smollm_float32), "--prompt", "hi")
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert result.returncode != 0 or "exited with code 1" in result.stdout + result.stderr
+    assert errors == [f"error: {smollm_float32} cannot be sharded: its 9 attention heads, 3 KV heads cannot be split "
+                      "over 2 ranks; run 3 ranks"]
+    model_dir, _ = sharp_llama
+    other = tmp_path / "other"
+    write_model(other, "llama", seed=1)
+    (tmp_path / "model0").symlink_to(model_dir)
+    (tmp_path / "model1").symlink_to(other / "llama-hf")
+    result = launch(2, sys.executable, str(TESTS / "sharded_worker.py"), str(tmp_path / "model{rank}"), str(tmp_path),
+                    PROMPT, "4", "none")
+    assert result.returncode == 0, result.stderr[-3000:]
+    for rank in ranks_results(tmp_path, 2):
+        assert rank["error"].startswith("rank 1's model in") and "copy the same model directory" in rank["error"]
+
+
+@pytest.mark.parametrize("fault", ["exit", "hang"])
+def test_a_rank_that_dies_or_hangs_ends_every_rank_with_one_line(sharp_llama, fault):
+    model_dir, _ = sharp_llama
+    result = launch(2, sys.executable, "-m", "mlx_eagle.generate", "--model", str(model_dir), "--prompt", PROMPT,
+                    "-m", "60", "--draft", "rank_drafter:RankDrafter", "--no-history", timeout=90,
+                    MLX_EAGLE_TEST_FAULT=fault, MLX_EAGLE_RANK_TIMEOUT="5")
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, result.stderr[-3000:]
+    assert errors[0].endswith("every rank stops" if fault == "exit" else "every rank stops (MLX_EAGLE_RANK_TIMEOUT "
+                              "sets the wait)")
