@@ -107,18 +107,19 @@ def resolve_model(model: Optional[str] = None, progress: bool = True) -> Path:
 
 
 def load_target(model: Optional[str] = None, tokenizer_config: Optional[Dict[str, Any]] = None,
-                progress: bool = True, pipeline: bool = False) -> Tuple[nn.Module, Any, Path]:
+                progress: bool = True, pipeline: bool = False, shard: bool = True) -> Tuple[nn.Module, Any, Path]:
     """Load a target model with mlx-lm: (model, tokenizer wrapper, its directory). A
     multimodal checkpoint whose text model the tree path drives (Gemma 3) gives that text
     model, an ordinary mlx-lm model. Under mlx.launch each rank loads its shard, split by
-    heads (tensor parallel) or, with ``pipeline``, by layers (distributed.py)."""
+    heads (tensor parallel) or, with ``pipeline``, by layers (distributed.py); with
+    ``shard`` False, all of it (a draft model, which every rank runs whole)."""
     path = resolve_model(model, progress=progress)
     config = read_config(path, "an MLX or Hugging Face model directory")
     record = ARCHITECTURES.get(config.get("model_type"))
     if record is not None:  # configs whose sizes we know how to read
         check_model_config(text_config(config), path / "config.json", safetensors_bytes(path),
                            llama_shaped=record.llama_shaped)
-    if sharded():
+    if shard and sharded():
         loaded, tokenizer = sharded_target(path, tokenizer_config or {}, pipeline)
         loaded.sharding = f"{'pipelined' if pipeline else 'split by heads'} over {world().size()} ranks"
     else:

@@ -33,6 +33,9 @@ def main(model_dir: str, out: str, prompt: str, max_tokens: str, drafts: str, te
     results = {"sharding": sharding(model)}
     if float(temp) == 0:
         results["mlx_lm"] = [r.token for r in mlx_lm_stream_generate(model, tokenizer, ids, max_tokens=int(max_tokens))]
+        # mlx-lm computes a step ahead on a stream of its own: its collectives finish before
+        # any other stream's start, or the ranks could pair one stream's with the other's.
+        mx.synchronize()
     for draft in drafts.split(","):
         head, _, tree = draft.partition("@")
         responses = list(stream_generate(model, tokenizer, ids, max_tokens=int(max_tokens), draft=head,

@@ -60,15 +60,17 @@ def ranks_results(out: Path, ranks: int):
 
 
 def test_every_drafter_commits_plain_decodings_tokens_on_every_rank(sharp_llama, tmp_path):
-    """Split by heads over 2 ranks: plain decoding, lookup, a head's tree and chain, and a
-    drafter proposing other trees on rank 1 than on rank 0 all give single-process plain
-    decoding's tokens (and mlx-lm's own sharded generation's) on both ranks."""
+    """Split by heads over 2 ranks: plain decoding, lookup, a head's tree and chain, a draft
+    model, and a drafter proposing other trees on rank 1 than on rank 0 all give
+    single-process plain decoding's tokens (and mlx-lm's own sharded generation's) on both
+    ranks."""
     model_dir, head = sharp_llama
     expected = plain_tokens(model_dir, PROMPT, 40)
     assert len(set(expected)) > 20  # a text that varies
     script = tmp_path / "script.json"
     script.write_text(json.dumps(mlx_lm_load(str(model_dir))[1].encode(PROMPT) + expected))
-    drafts = ["none", "lookup", "rank_drafter:RankDrafter", f"{head}@static:default", f"{head}@chain:4"]
+    drafts = ["none", "lookup", "rank_drafter:RankDrafter", f"{head}@static:default", f"{head}@chain:4",
+              str(model_dir)]  # (the model drafting for itself as a draft model, whole on every rank)
     result = launch(2, sys.executable, str(TESTS / "sharded_worker.py"), str(model_dir), str(tmp_path), PROMPT, "40",
                     ",".join(drafts), MLX_EAGLE_TEST_SCRIPT=str(script))
     assert result.returncode == 0, result.stderr[-3000:]
@@ -78,6 +80,7 @@ def test_every_drafter_commits_plain_decodings_tokens_on_every_rank(sharp_llama,
         for draft in drafts:
             assert rank[draft]["tokens"] == expected, draft
         assert rank["rank_drafter:RankDrafter"]["tau"] > 2  # rank 0's drafts, accepted part way
+        assert rank[str(model_dir)]["tau"] > 1.5
 
 
 def test_sampling_draws_the_same_tokens_on_every_rank(sharp_llama, tmp_path):

@@ -179,7 +179,7 @@ def recognizes(path: Path, config: Optional[dict]) -> bool:
 
 def load(path: Path, model: nn.Module) -> DraftModel:
 
-    draft, _, _ = load_target(str(path))
+    draft, _, _ = load_target(str(path), shard=False)  # small: every rank of a sharded target runs all of it
     return DraftModel(draft, Path(path).name)
 
 
