@@ -14,6 +14,7 @@ from pathlib import Path
 
 import mlx.core as mx
 from mlx_lm import stream_generate as mlx_lm_stream_generate
+from mlx_lm.generate import generation_stream
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -35,7 +36,7 @@ def main(model_dir: str, out: str, prompt: str, max_tokens: str, drafts: str, te
         results["mlx_lm"] = [r.token for r in mlx_lm_stream_generate(model, tokenizer, ids, max_tokens=int(max_tokens))]
         # mlx-lm computes a step ahead on a stream of its own: its collectives finish before
         # any other stream's start, or the ranks could pair one stream's with the other's.
-        mx.synchronize()
+        mx.synchronize(generation_stream)
     for draft in drafts.split(","):
         head, _, tree = draft.partition("@")
         responses = list(stream_generate(model, tokenizer, ids, max_tokens=int(max_tokens), draft=head,

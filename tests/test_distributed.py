@@ -70,7 +70,7 @@ def test_every_drafter_commits_plain_decodings_tokens_on_every_rank(sharp_llama,
     script = tmp_path / "script.json"
     script.write_text(json.dumps(mlx_lm_load(str(model_dir))[1].encode(PROMPT) + expected))
     drafts = ["none", "lookup", "rank_drafter:RankDrafter", f"{head}@static:default", f"{head}@chain:4",
-              str(model_dir)]  # (the model drafting for itself as a draft model, whole on every rank)
+              str(model_dir)]  # the model as its own draft model, whole on every rank (drafting where its timing pays)
     result = launch(2, sys.executable, str(TESTS / "sharded_worker.py"), str(model_dir), str(tmp_path), PROMPT, "40",
                     ",".join(drafts), MLX_EAGLE_TEST_SCRIPT=str(script))
     assert result.returncode == 0, result.stderr[-3000:]
@@ -80,7 +80,6 @@ def test_every_drafter_commits_plain_decodings_tokens_on_every_rank(sharp_llama,
         for draft in drafts:
             assert rank[draft]["tokens"] == expected, draft
         assert rank["rank_drafter:RankDrafter"]["tau"] > 2  # rank 0's drafts, accepted part way
-        assert rank[str(model_dir)]["tau"] > 1.5
 
 
 def test_sampling_draws_the_same_tokens_on_every_rank(sharp_llama, tmp_path):
