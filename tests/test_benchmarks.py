@@ -39,6 +39,23 @@ def test_agent_runs_a_tool_loop_against_a_server(tmp_path, qwen_coder_gguf):
     assert result["json_transcripts"][0][0]["content"].startswith("{")
 
 
+@pytest.mark.slow  # two ranks
+def test_distributed(tmp_path):
+    import sys
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    from synthetic import write_model
+
+    model = write_model(tmp_path, "llama")["hf"]
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"id": "p", "prompt": "The quick brown fox. The quick brown fox."}) + "\n")
+    run("distributed.py", "--model", model, "--ranks", 2, "--latencies", "0,0.2", "--prompts", 1, "--prompts-file",
+        prompts, "--max-tokens", 12, "--out", tmp_path / "distributed.json")
+    rows = json.loads((tmp_path / "distributed.json").read_text())["rows"]
+    assert [row["latency_ms"] for row in rows] == [0, 0.2] and all(row["identical"] for row in rows)
+    assert rows[0]["sharding"] == "split by heads over 2 ranks" and rows[0]["predicted_speedup"] > 0
+
+
 def test_grammar_engines(tmp_path, qwen_coder_gguf):
     """llguidance (a dependency) is measured; engines not installed are reported as such."""
     run("grammar_engines.py", "--model", qwen_coder_gguf, "--out", tmp_path / "engines.json")
