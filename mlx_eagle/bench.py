@@ -434,7 +434,7 @@ def plot(results: dict, out: Path) -> None:
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
     parser = new_parser("mlx_eagle.bench", __doc__)
-    add_model_arguments(parser, tree=False, lookup=False)
+    add_model_arguments(parser, tree=False, lookup=False, shards=False)
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompts", type=Path, help="a JSONL file: one object a line with \"turns\" (a list of "
                         "user messages) and optionally \"category\"")

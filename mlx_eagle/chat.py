@@ -44,9 +44,9 @@ def history_file() -> Path:
 class Terminal:
     """Line input with editing and history (readline), and dim text where it shows."""
 
-    def __init__(self, out=sys.stdout):
-        self.out = out
-        self.styled = out.isatty() and os.environ.get("TERM") != "dumb" and "NO_COLOR" not in os.environ
+    def __init__(self, out=None):
+        self.out = out or sys.stdout  # (looked up now: another rank's is replaced at start, cli.py)
+        self.styled = self.out.isatty() and os.environ.get("TERM") != "dumb" and "NO_COLOR" not in os.environ
         try:
             import readline
         except ImportError:  # Windows without pyreadline: plain input() still works
@@ -184,6 +184,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     # Ctrl-C stops a reply: the app's own key, also when it was started with SIGINT ignored
     # (a background job of a non-interactive shell inherits that, and Python then keeps it).
     signal.signal(signal.SIGINT, signal.default_int_handler)
+    from .distributed import rank, sharding
     from .plan import user_drafter
     from .session import ChatSession
     from .target import kv_quantization
@@ -201,8 +202,14 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     session = ChatSession(args.model, args.draft, system=args.system, tree=args.tree, temp=args.temp,
                           top_p=args.top_p, max_tokens=args.max_tokens, seed=args.seed, history=history_choice(args),
                           lookup=not args.no_lookup, on_notice=lambda text: terminal.say(terminal.dim(f"({text})")),
-                          **kv_options(args))
+                          pipeline=args.pipeline, **kv_options(args))
     engine = session.engine
+    if rank():  # a sharded model: rank 0 talks to the terminal, this rank does what its engine does
+        engine.follow()
+        return
+    if sharding(engine.model):
+        terminal.say(terminal.dim(f"(model {sharding(engine.model)}; Ctrl-C stops showing a reply, which the ranks "
+                                  "finish together)"))
     terminal.say(terminal.dim(f"{engine.name}, {engine.drafting}. /help for commands, Ctrl-D to leave."))
     state = {"stats": not args.no_stats}
     try:

@@ -67,7 +67,7 @@ def first_rank(values: mx.array) -> mx.array:
     if group.size() == 1:
         return values
     mine = values if group.rank() == 0 else mx.zeros_like(values)
-    return mx.distributed.all_sum(mine, group=group, stream=mx.cpu)
+    return mx.distributed.all_sum(mine, group=group)
 
 
 def first_rank_numbers(values: Sequence[Optional[float]]) -> List[Optional[float]]:
@@ -84,7 +84,7 @@ def every_rank(flag: bool) -> bool:
     """Whether ``flag`` holds on every rank."""
     if not sharded():
         return flag
-    return int(mx.distributed.all_sum(mx.array(int(bool(flag))), stream=mx.cpu).item()) == world().size()
+    return int(mx.distributed.all_sum(mx.array(int(bool(flag)))).item()) == world().size()
 
 
 def shared_seed(seed: Optional[int]) -> Optional[int]:
@@ -96,12 +96,20 @@ def shared_seed(seed: Optional[int]) -> Optional[int]:
     return int(first_rank(mx.array(drawn, dtype=mx.int32)).item())
 
 
+def share_message(message: Optional[dict]) -> dict:
+    """Rank 0's ``message`` (JSON-able) on every rank: ``None`` on the others, which wait for it."""
+    data = json.dumps(message).encode() if world().rank() == 0 else b""
+    size = int(first_rank(mx.array(len(data), dtype=mx.int32)).item())
+    shared = first_rank(mx.array(np.frombuffer(data, dtype=np.uint8)) if data else mx.zeros(size, dtype=mx.uint8))
+    return json.loads(bytes(np.array(shared)).decode())
+
+
 def check_same(text: str, what: str, fix: str) -> None:
     """One line, on every rank, naming the first rank whose ``text`` differs from rank 0's."""
     if not sharded():
         return
     digest = np.frombuffer(hashlib.sha256(text.encode()).digest()[:8], dtype=np.int32)
-    gathered = np.array(mx.distributed.all_gather(mx.array(digest)[None], stream=mx.cpu))
+    gathered = np.array(mx.distributed.all_gather(mx.array(digest)[None]))
     odd = [r for r in range(1, len(gathered)) if not np.array_equal(gathered[r], gathered[0])]
     if odd:
         raise UserError(f"rank {odd[0]}'s {what} differs from rank 0's: {fix}", shared=True)

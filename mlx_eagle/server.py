@@ -53,8 +53,8 @@ from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Sequence,
 
 import numpy as np
 
-from .cli import add_history_arguments, add_kv_arguments, add_model_arguments, history_choice, kv_options, new_parser, \
-    run_cli
+from .cli import LAUNCHED, add_history_arguments, add_kv_arguments, add_model_arguments, history_choice, kv_options, \
+    new_parser, run_cli
 from .errors import UserError, check_text
 from .generate import MAX_SEED, GenerationResponse, check_messages, check_options
 from .grammar import response_grammar
@@ -649,6 +649,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                         "request continuing one, or beginning as one did, reads only what is new")
     parser.add_argument("--quiet", action="store_true", help="no line per request")
     args = parser.parse_args(argv)
+    from .distributed import rank, sharding
     from .plan import user_drafter
     from .session import Engine
     from .target import kv_quantization
@@ -665,6 +666,14 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         raise UserError(f"--prompt-cache-bytes must be 0 or more, not {args.prompt_cache_bytes}")
     kv_quantization(**kv_options(args))
     user_drafter(args.draft)  # your own drafter, imported now: one line if it cannot be
+
+    def make_engine() -> Engine:
+        return Engine(args.model, args.draft, tree=args.tree, history=history_choice(args), lookup=not args.no_lookup,
+                      prompt_cache_bytes=args.prompt_cache_bytes, pipeline=args.pipeline, **kv_options(args))
+
+    if rank():  # a sharded model: rank 0 serves, this rank does what its engine does
+        make_engine().follow()
+        return
     try:
         server = Server((args.host, args.port), None, args.tree, args.max_tokens, quiet=args.quiet,
                         allow_hosts=args.allow_host, idle_seconds=args.idle_seconds)
@@ -672,9 +681,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         reason = getattr(exc, "strerror", None) or str(exc)
         raise UserError(f"cannot listen on {args.host}:{args.port} ({reason}); pick another --port or --host") from None
     try:
-        server.engine = engine = Engine(args.model, args.draft, tree=args.tree, history=history_choice(args),
-                                        lookup=not args.no_lookup, prompt_cache_bytes=args.prompt_cache_bytes,
-                                        **kv_options(args))
+        server.engine = engine = make_engine()
     except BaseException:
         server.server_close()
         raise
@@ -686,8 +693,10 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     if exposed:
         print(f"warning: listening on {host}, reachable from other machines; the API has no authentication",
               file=sys.stderr)
-    print(f"serving {engine.name} ({engine.drafting}) at http://{host}:{port}/v1", file=sys.stderr, flush=True)
-    signal.signal(signal.SIGTERM, _stop)
+    shards = f", {sharding(engine.model)}" if sharding(engine.model) else ""
+    print(f"serving {engine.name} ({engine.drafting}{shards}) at http://{host}:{port}/v1", file=sys.stderr, flush=True)
+    if not LAUNCHED:  # (under mlx.launch, SIGTERM means another rank ended: cli.py ends this one at once)
+        signal.signal(signal.SIGTERM, _stop)
     try:
         server.serve_forever()
     except KeyboardInterrupt:

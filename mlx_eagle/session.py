@@ -23,6 +23,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 import mlx.core as mx
 
 from .decoder import PromptCaches
+from .distributed import rank, share_message, sharded
 from .drafters import Drafter
 from .errors import UserError
 from .generate import GenerationResponse, check_messages, check_prompt, stream_generate
@@ -67,7 +68,7 @@ class Engine:
     def __init__(self, model: Optional[str] = None, draft: Union[str, Drafter, type, None] = "auto",
                  loaded: Optional[tuple] = None, name: Optional[str] = None, tree: Any = "auto", history: Any = True,
                  lookup: bool = True, prompt_cache_bytes: int = PROMPT_CACHE_BYTES, kv_bits: Optional[int] = None,
-                 kv_group_size: int = 64, quantized_kv_start: Optional[int] = None):
+                 kv_group_size: int = 64, quantized_kv_start: Optional[int] = None, pipeline: bool = False):
         """``draft``: a drafter's directory, "auto" (the model's own drafter, if any),
         "lookup" (drafts from the context alone), "none" (plain decoding), or your own
         drafter: a ``Drafter`` object or class, or "package.module:Name" (fresh for every
@@ -81,7 +82,9 @@ class Engine:
         ``prompt_cache_bytes``: what the caches of the conversations kept (decoder.PromptCaches)
         may hold; a request continuing one of them reads only its new tokens. ``kv_bits``,
         ``kv_group_size``, ``quantized_kv_start``: every conversation's KV caches quantized, as
-        mlx-lm's settings ask (target.KVQuantization)."""
+        mlx-lm's settings ask (target.KVQuantization). Under mlx.launch the model is sharded
+        (by layers with ``pipeline``): rank 0's engine is the one to use, and every other
+        rank's runs ``follow``."""
         kv_quantization(kv_bits, kv_group_size, quantized_kv_start)  # one line, before anything loads
         self.kv_options = {"kv_bits": kv_bits, "kv_group_size": kv_group_size, "quantized_kv_start": quantized_kv_start}
         self._jobs: "queue.Queue" = queue.Queue()
@@ -92,7 +95,7 @@ class Engine:
         # also when the engine is collected, or at exit without close()
         self._stop = weakref.finalize(self, _stop_worker, self._jobs, worker)
         if loaded is None:
-            loaded = self._call(lambda: self._load(model, draft))
+            loaded = self._call(lambda: self._load(model, draft, pipeline))
         else:  # a lazy array can only be evaluated on the thread whose stream made it
             mx.eval([m.parameters() for m in loaded if hasattr(m, "parameters")])
         self.model, self.tokenizer, self.head, *path = loaded
@@ -101,11 +104,51 @@ class Engine:
         self._plans: Dict[Any, DraftPlan] = {}
         self.tree, self.history = tree, history
         self.caches = PromptCaches(self.model, prompt_cache_bytes)
+        # A sharded model: rank 0 tells the other ranks' engines what it does that runs the
+        # model (their collectives must pair with its own), and they do the same (follow).
+        self.shards = sharded()
 
     @staticmethod
-    def _load(model: Optional[str], draft: Optional[str]):
-        target, tokenizer, path = open_target(model)
+    def _load(model: Optional[str], draft: Optional[str], pipeline: bool = False):
+        target, tokenizer, path = open_target(model, pipeline=pipeline)
         return target, tokenizer, load_draft(draft, target), path
+
+    def _announce(self, *step: Any) -> None:
+        """On rank 0 of a sharded model, on the worker: send ``step`` to the followers."""
+        if self.shards and rank() == 0:
+            share_message(list(step))
+
+    def follow(self) -> None:
+        """On a rank other than 0 of a sharded model: do what rank 0's engine does (read
+        prompts, plan, generate, forget caches) until it closes."""
+        def job() -> None:
+            while True:
+                step, *args = share_message(None)
+                if step == "close":
+                    return
+                try:
+                    if step == "generate":
+                        for _ in self._generation(*args):
+                            pass
+                    elif step == "plan":
+                        self.plan(*args)
+                    elif step == "reset_cache":
+                        self.caches.slots.clear()
+                except UserError:  # rank 0 met it too, and answers it
+                    pass
+
+        self._call(job)
+
+    def _generation(self, ids: List[int], options: Dict[str, Any], tree: Any, history_key: str,
+                    reading: Optional[Callable[[int, int], None]] = None) -> Iterator[GenerationResponse]:
+        """A generation in its conversation's cache slot (on the worker)."""
+        cache = self.caches.take(ids)
+        try:
+            yield from stream_generate(self.model, self.tokenizer, ids, draft=self.plan(tree, history_key),
+                                       prompt_cache=cache, prompt_progress_callback=reading,
+                                       **{**self.kv_options, **options})
+        finally:
+            self.caches.evict(keep=cache)
 
     def plan(self, tree: Any = None, history_key: str = "") -> DraftPlan:
         """What drafts with ``tree`` (a --tree spec; None: the engine's), drafting from the
@@ -146,7 +189,11 @@ class Engine:
     @property
     def drafting(self) -> str:
         """What drafts each round with the engine's tree, in words."""
-        return self._call(lambda: self.plan().describe())
+        def describe() -> str:
+            self._announce("plan", getattr(self.tree, "text", self.tree), "")
+            return self.plan().describe()
+
+        return self._call(describe)
 
     @property
     def context_length(self) -> Optional[int]:
@@ -158,7 +205,8 @@ class Engine:
         """Stream the continuation of ``ids``; ``options`` as for stream_generate.
         Leaving the loop early, setting ``cancel`` (also before it starts: it then never
         runs) or ``Engine.cancel()`` stops the generation within a round, or between two
-        chunks of a long prompt. ``on_prompt_read(read, total)`` is called on the engine's
+        chunks of a long prompt (on a sharded model, whose ranks end a reply together, it
+        stops handing it out). ``on_prompt_read(read, total)`` is called on the engine's
         thread after each chunk of the prompt (an error it raises ends the generation
         with that error)."""
         self._check_open()
@@ -173,21 +221,19 @@ class Engine:
             try:
                 if cancel.is_set():
                     return
-                cache = self.caches.take(ids)
+                self._announce("generate", ids, options, getattr(tree, "text", tree), history_key)
 
                 def reading(read: int, total: int) -> None:  # a long prompt stops between chunks
-                    if cancel.is_set():
+                    if cancel.is_set() and not self.shards:
                         raise _Cancelled
                     if on_prompt_read is not None:
                         on_prompt_read(read, total)
 
-                for response in stream_generate(self.model, self.tokenizer, ids, draft=self.plan(tree, history_key),
-                                                prompt_cache=cache, prompt_progress_callback=reading,
-                                                **{**self.kv_options, **options}):
-                    out.put(response)
-                    if cancel.is_set():
+                for response in self._generation(ids, options, tree, history_key, reading):
+                    if not (cancel.is_set() and self.shards):
+                        out.put(response)
+                    if cancel.is_set() and not self.shards:
                         break
-                self.caches.evict(keep=cache)
             except _Cancelled:
                 pass
             except BaseException as exc:
@@ -228,11 +274,17 @@ class Engine:
 
     def reset_cache(self) -> None:
         """Forget every conversation's cache."""
-        self._call(lambda: self.caches.slots.clear())
+        def reset() -> None:
+            self._announce("reset_cache")
+            self.caches.slots.clear()
+
+        self._call(reset)
 
     def close(self) -> None:
         """Stop the generation in progress and the worker; later calls raise RuntimeError."""
         self.cancel()
+        if not self._closed and self.shards:
+            self._call(lambda: self._announce("close"))
         self._closed = True
         self._stop()
 
@@ -269,15 +321,16 @@ class ChatSession:
                  max_tokens: int = 512, seed: Optional[int] = None, engine: Optional[Engine] = None,
                  history: Any = True, lookup: bool = True, tools: Optional[Sequence[Dict[str, Any]]] = None,
                  on_notice: Callable[[str], None] = lambda text: None, kv_bits: Optional[int] = None,
-                 kv_group_size: int = 64, quantized_kv_start: Optional[int] = None):
+                 kv_group_size: int = 64, quantized_kv_start: Optional[int] = None, pipeline: bool = False):
         """``draft``, ``tree``, ``history`` and ``lookup`` as for ``Engine`` (or share one:
-        ``engine``), and ``kv_bits``, ``kv_group_size``, ``quantized_kv_start``; your own drafter
+        ``engine``), and ``kv_bits``, ``kv_group_size``, ``quantized_kv_start`` and ``pipeline``; your own drafter
         drafts afresh for this conversation. ``tools``: the
         function tools (OpenAI's shape) the model may call: a reply's ``tool_calls``,
         answered with ``send_tool_results``."""
         self.tools = check_tools(tools) if tools else []
         self.engine = engine or Engine(model, draft, tree=tree, history=history, lookup=lookup, kv_bits=kv_bits,
-                                       kv_group_size=kv_group_size, quantized_kv_start=quantized_kv_start)
+                                       kv_group_size=kv_group_size, quantized_kv_start=quantized_kv_start,
+                                       pipeline=pipeline)
         if self.tools:
             check_tool_support(self.engine.tokenizer)
         self.system, self.tree, self.temp, self.top_p = system, tree, temp, top_p

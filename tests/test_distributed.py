@@ -5,6 +5,7 @@ print once, and a rank that dies or hangs ends them all with one line."""
 import json
 import os
 import random
+import re
 import shutil
 import subprocess
 import sys
@@ -15,6 +16,7 @@ import pytest
 from mlx_lm import load as mlx_lm_load
 from mlx_lm import stream_generate as mlx_lm_stream_generate
 
+from mlx_eagle import load, stream_generate
 from mlx_eagle.costs import calibration_file, verify_costs
 from mlx_eagle.generate import chat_tokens
 from mlx_eagle.heads import new_head, save_head
@@ -26,12 +28,13 @@ LAUNCHER = Path(sys.executable).parent / "mlx.launch"
 PROMPT = "The quick brown fox jumps over the lazy dog. It was 2024 and 42 dogs barked."
 
 
-def launch(ranks: int, *command: str, timeout: float = 300, **env: str) -> subprocess.CompletedProcess:
+def launch(ranks: int, *command: str, timeout: float = 300, input: str = "", **env: str
+           ) -> subprocess.CompletedProcess:
     """``command`` under mlx.launch on ``ranks`` local ranks (ports drawn at random: xdist
-    workers may launch at once)."""
+    workers may launch at once), ``input`` its standard input (every rank's)."""
     port = str(random.randrange(20000, 60000, 16))
     return subprocess.run([str(LAUNCHER), "-n", str(ranks), "--backend", "ring", "--starting-port", port, "--",
-                           *command], capture_output=True, text=True, timeout=timeout,
+                           *command], capture_output=True, text=True, timeout=timeout, input=input,
                           env={**os.environ, "PYTHONPATH": str(TESTS), **env})
 
 
@@ -143,3 +146,66 @@ def test_a_rank_that_dies_or_hangs_ends_every_rank_with_one_line(sharp_llama, fa
     assert len(errors) == 1, result.stderr[-3000:]
     assert errors[0].endswith("every rank stops" if fault == "exit" else "every rank stops (MLX_EAGLE_RANK_TIMEOUT "
                               "sets the wait)")
+
+
+def plain_reply(model_dir, messages, max_tokens: int) -> str:
+    """Plain decoding's reply, detokenized as a reply streams (test_server.py's reference)."""
+    model, tokenizer = load(str(model_dir))
+    ids = chat_tokens(tokenizer, messages)
+    return "".join(r.text for r in stream_generate(model, tokenizer, ids, max_tokens=max_tokens, draft="none"))
+
+
+def test_the_server_on_rank_0_answers_as_plain_decoding(sharp_llama):
+    """Rank 0 serves, rank 1 follows: whole and streamed replies (the second read from the
+    prefix cache on both ranks), a client that leaves mid-reply, then SIGTERM ends both.
+    (Lookup drafts: a fresh head drafter cannot take over a copied cache slot yet.)"""
+    import signal
+
+    import openai
+
+    model_dir, _ = sharp_llama
+    port = str(random.randrange(20000, 60000, 16))
+    process = subprocess.Popen([str(LAUNCHER), "-n", "2", "--backend", "ring", "--starting-port", port, "--",
+                                sys.executable, "-m", "mlx_eagle.server", "--model", str(model_dir), "--draft",
+                                "lookup", "--port", "0", "--quiet"],
+                               stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(TESTS)})
+    try:
+        for line in process.stderr:
+            match = re.search(r"at http://127\.0\.0\.1:(\d+)/v1", line)
+            if match:
+                break
+        assert match and "split by heads over 2 ranks" in line, line
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{match.group(1)}/v1", api_key="-", max_retries=0,
+                               timeout=120)
+        messages = [{"role": "user", "content": PROMPT}]
+        expected = plain_reply(model_dir, messages, 30)
+        reply = client.chat.completions.create(model="m", messages=messages, max_tokens=30, temperature=0)
+        assert reply.choices[0].message.content == expected
+        chunks = list(client.chat.completions.create(model="m", messages=messages, max_tokens=30, temperature=0,
+                                                     stream=True, stream_options={"include_usage": True}))
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected
+        assert chunks[-1].usage.prompt_tokens_details.cached_tokens > 0
+        left = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "Tell a long story."}],
+                                              max_tokens=200, temperature=0, stream=True)
+        next(iter(left))
+        left.close()  # rank 0 stops handing it out; both ranks finish it together, and go on in step
+        reply = client.chat.completions.create(model="m", messages=messages, max_tokens=30, temperature=0)
+        assert reply.choices[0].message.content == expected
+    finally:
+        process.send_signal(signal.SIGTERM)
+        process.communicate(timeout=60)
+
+
+def test_chat_on_rank_0_answers_as_on_one_machine(sharp_llama):
+    """The chat app on 2 ranks prints what it prints on one machine (whose replies are plain
+    decoding's: test_chat_app.py), once."""
+    model_dir, _ = sharp_llama
+    command = [sys.executable, "-m", "mlx_eagle.chat", "--model", str(model_dir), "--no-stats", "--max-tokens", "24",
+               "--no-history"]
+    typed = f"{PROMPT}\n/quit\n"  # (mlx.launch passes no end of input on)
+    alone = subprocess.run(command, capture_output=True, text=True, input=typed, timeout=120)
+    result = launch(2, *command, input=typed)
+    assert result.returncode == 0, result.stderr[-3000:]
+    reply = alone.stdout.split(">>> ")[1]
+    assert len(reply.strip()) > 5 and result.stdout.count(reply) == 1
+    assert "(model split by heads over 2 ranks;" in result.stdout
