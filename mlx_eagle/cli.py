@@ -177,9 +177,10 @@ def _last_word(line: str) -> None:
 
 
 def _stop_when_launch_stops() -> None:
-    """End this rank at once when mlx.launch stops it (SIGTERM: another rank ended). A
-    Python handler runs on the main thread, which may wait in a collective for ever; the
-    signal's number, written to a pipe as it arrives, wakes a thread that can end it."""
+    """End this rank at once when mlx.launch stops it (SIGTERM: another rank ended), or
+    when mlx.launch is gone. A Python handler runs on the main thread, which may wait in a
+    collective for ever; the signal's number, written to a pipe as it arrives, wakes a
+    thread that can end it."""
     read, write = os.pipe()
     os.set_blocking(write, False)
     signal.signal(signal.SIGTERM, lambda signum, frame: None)
@@ -193,6 +194,16 @@ def _stop_when_launch_stops() -> None:
         os._exit(128 + signal.SIGTERM)
 
     threading.Thread(target=wait, daemon=True).start()
+
+    def orphaned() -> None:  # mlx.launch itself was killed: nothing will stop this rank, which would poll for ever
+        launcher = os.getppid()
+        while os.getppid() == launcher:
+            time.sleep(1)
+        os._exit(1)
+
+    threading.Thread(target=orphaned, daemon=True).start()
+
+
 # Seconds a rank other than 0 waits before it reports an error of its own: where rank 0 met the
 # same error (a bad argument), rank 0 says it and mlx.launch stops this rank meanwhile.
 ECHO_WAIT = 2.0

@@ -157,7 +157,7 @@ def plain_reply(model_dir, messages, max_tokens: int) -> str:
 
 def test_the_server_on_rank_0_answers_as_plain_decoding(sharp_llama):
     """Rank 0 serves, rank 1 follows: whole and streamed replies (the second read from the
-    prefix cache on both ranks), a client that leaves mid-reply, then SIGTERM ends both.
+    prefix cache on both ranks), a client that leaves mid-reply, then Ctrl-C ends both.
     (Lookup drafts: a fresh head drafter cannot take over a copied cache slot yet.)"""
     import signal
 
@@ -168,7 +168,8 @@ def test_the_server_on_rank_0_answers_as_plain_decoding(sharp_llama):
     process = subprocess.Popen([str(LAUNCHER), "-n", "2", "--backend", "ring", "--starting-port", port, "--",
                                 sys.executable, "-m", "mlx_eagle.server", "--model", str(model_dir), "--draft",
                                 "lookup", "--port", "0", "--quiet"],
-                               stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(TESTS)})
+                               stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(TESTS)},
+                               start_new_session=True)
     try:
         for line in process.stderr:
             match = re.search(r"at http://127\.0\.0\.1:(\d+)/v1", line)
@@ -191,9 +192,13 @@ def test_the_server_on_rank_0_answers_as_plain_decoding(sharp_llama):
         left.close()  # rank 0 stops handing it out; both ranks finish it together, and go on in step
         reply = client.chat.completions.create(model="m", messages=messages, max_tokens=30, temperature=0)
         assert reply.choices[0].message.content == expected
-    finally:
-        process.send_signal(signal.SIGTERM)
+        os.killpg(process.pid, signal.SIGINT)  # Ctrl-C in the terminal mlx.launch runs in: every rank ends
         process.communicate(timeout=60)
+        assert process.returncode is not None
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.communicate()
 
 
 def test_chat_on_rank_0_answers_as_on_one_machine(sharp_llama):
