@@ -308,7 +308,7 @@ def check_curve(record: object) -> Dict[int, float]:
     return checked
 
 
-def _rank_zeros(curve: Dict[int, float], drift: float, long_curve: Optional[Dict[int, float]]):
+def _rank_0s(curve: Dict[int, float], drift: float, long_curve: Optional[Dict[int, float]]):
     """Rank 0's curve, drift and long curve on every rank (the long curve where every rank has one)."""
     has_long = every_rank(long_curve is not None and set(long_curve) == set(LONG_SIZES))
     sizes = list(curve) + (list(LONG_SIZES) if has_long else [])
@@ -380,7 +380,7 @@ def verify_costs(model: nn.Module) -> Costs:
     if timed_now:
         keep()
     if sharded():  # every rank sizes its drafts and rechecks by rank 0's numbers
-        curve, drift, long_curve = _rank_zeros(curve, drift, long_curve)
+        curve, drift, long_curve = _rank_0s(curve, drift, long_curve)
     costs = Costs(curve, logit_drift=drift, long_verify_ms=long_curve,
                   time_long=time_long if long_curve is None and not sharded() else None)
     _CURVES[(id(model), path)] = (weakref.ref(model), costs)

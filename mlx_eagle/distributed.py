@@ -39,13 +39,13 @@ import mlx.nn as nn
 import numpy as np
 from mlx_lm.utils import load_model, sharded_load
 
+from .cli import ECHO_WAIT
 from .errors import UserError
 from .trees import DraftTree
 
 # Seconds a rank waits for the others to finish one step (a prefill chunk, a round) before it
 # decides one of them hangs. Long enough for a 512-token chunk of a very large model.
 RANK_TIMEOUT = float(os.environ.get("MLX_EAGLE_RANK_TIMEOUT", "120"))
-ECHO_WAIT = 2.0
 
 
 def world() -> mx.distributed.Group:
@@ -70,14 +70,12 @@ def first_rank(values: mx.array) -> mx.array:
     return mx.distributed.all_sum(mine, group=group)
 
 
-def first_rank_numbers(values: Sequence[Optional[float]]) -> List[Optional[float]]:
-    """Rank 0's numbers (None kept as None) on every rank, as float32: every rank, rank 0
-    too, then uses the very same values."""
+def first_rank_numbers(values: Sequence[float]) -> List[float]:
+    """Rank 0's numbers on every rank, as float32: every rank, rank 0 too, then uses the
+    very same values."""
     if not sharded():
         return list(values)
-    packed = mx.array([[0.0 if v is None else float(v), v is None] for v in values], dtype=mx.float32)
-    shared = np.array(first_rank(packed))
-    return [None if missing else float(value) for value, missing in shared]
+    return np.array(first_rank(mx.array(values, dtype=mx.float32))).tolist()
 
 
 def every_rank(flag: bool) -> bool:
