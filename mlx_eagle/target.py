@@ -170,8 +170,20 @@ class TargetOutput:
 
 def is_driven(model: nn.Module) -> bool:
     """Whether this module knows how to drive ``model``'s layers (tree masks, per-token
-    positions, feature taps, compiled pieces)."""
-    return getattr(getattr(model, "args", None), "model_type", None) in DRIVEN_MODEL_TYPES
+    positions, feature taps, compiled pieces): not where they are pipelined over several
+    machines, which only the model's own forward pass passes the state between."""
+    return getattr(getattr(model, "args", None), "model_type", None) in DRIVEN_MODEL_TYPES \
+        and pipeline_stage(model) is None
+
+
+def pipeline_stage(model: nn.Module) -> Optional[Tuple[int, int]]:
+    """The layers (first, past the last) this rank runs of a model mlx-lm pipelines over
+    several machines (``model.model.pipeline``), or None. Each rank keeps only its own
+    layers: the last ones on rank 0, the first ones on the last rank."""
+    inner = model.get("model") if isinstance(model, nn.Module) else None
+    if getattr(inner, "pipeline_size", 1) <= 1:
+        return None
+    return inner.start_idx, inner.end_idx
 
 
 def check_target(model: nn.Module, taps: Optional[Sequence[int]] = None) -> None:
@@ -198,6 +210,9 @@ def inner_model(model: nn.Module) -> nn.Module:
 
 
 def layer_count(model: nn.Module) -> int:
+    """The model's decoder layers, all of them where a rank runs only its stage."""
+    if pipeline_stage(model) is not None:
+        return model.args.num_hidden_layers
     return len(inner_model(model).layers)
 
 
@@ -239,11 +254,15 @@ def tapped_forward(model: nn.Module, tokens: mx.array, cache: List, taps: Sequen
     where it ends), with the states entering ``taps`` and the post-norm last state recorded
     on the way: what a drafter reads, from a model whose layers target.py does not drive
     (the hybrid families, each with its own recurrent masks and caches). ``taps`` empty:
-    the features are the post-norm last state. Only logits that are read get computed."""
+    the features are the post-norm last state. Only logits that are read get computed.
+    On a pipelined model each rank records the taps among its own layers, and one all-sum
+    gives every rank all of them (after the model's own all-gather: every rank's
+    collectives in the same order)."""
     inner = inner_model(model)
     layers, norm = inner.layers, next(name for name in FINAL_NORMS if name in inner)
+    stage = pipeline_stage(model)
     states: dict = {}
-    originals = {index: layers[index] for index in taps}
+    originals = {index: layers[index] for index in taps if stage is None or stage[0] <= index < stage[1]}
     final = inner[norm]
     try:
         for index, layer in originals.items():
@@ -254,8 +273,13 @@ def tapped_forward(model: nn.Module, tokens: mx.array, cache: List, taps: Sequen
         for index, layer in originals.items():
             layers[index] = layer
         inner[norm] = final
-    features = mx.concatenate([states[i] for i in taps], axis=-1) if taps else states["hidden"]
-    return TargetOutput(logits=logits, features=features, hidden=states["hidden"])
+    hidden = states["hidden"]
+    if not taps:
+        return TargetOutput(logits=logits, features=hidden, hidden=hidden)
+    features = mx.concatenate([states[i] if i in states else mx.zeros_like(hidden) for i in taps], axis=-1)
+    if stage is not None:
+        features = mx.distributed.all_sum(mx.depends(features, hidden))
+    return TargetOutput(logits=logits, features=features, hidden=hidden)
 
 
 def make_cache(model: nn.Module) -> List:

@@ -1,4 +1,4 @@
-"""A drafter that drafts differently on each rank of a sharded model, as a rank's own
+"""Drafters that draft differently on each rank of a sharded model, as a rank's own
 history file or timings could make it: rank 0 drafts the target's continuation with
 planned mistakes (oracle.ScriptedDrafter, from the token ids in the JSON file
 MLX_EAGLE_TEST_SCRIPT names, prompt included), the other ranks propose chains of their own.
@@ -10,8 +10,11 @@ import json
 import os
 import time
 
+import mlx.core as mx
+
 from mlx_eagle import Drafter, Proposal
 from mlx_eagle.distributed import rank
+from mlx_eagle.trees import DraftTree
 
 from oracle import ScriptedDrafter
 
@@ -39,3 +42,21 @@ class RankDrafter(Drafter):
             return None
         vocab = budget.vocab or 100
         return Proposal.chain([(self.rounds * 7 + i * rank()) % vocab for i in range(min(3, budget.room))])
+
+
+class RankTreeDrafter(Drafter):
+    """Rank 0 drafts two tokens after the root, whatever the context (the ids in the JSON
+    list MLX_EAGLE_TEST_TREE); the other ranks draft the second alone."""
+
+    def __init__(self):
+        self.tokens = json.loads(os.environ["MLX_EAGLE_TEST_TREE"])
+
+    def observe(self, outcome):
+        pass
+
+    def propose(self, budget):
+        if budget.room < 1:
+            return None
+        if rank() != 0:
+            return Proposal.chain(self.tokens[1:])
+        return Proposal(DraftTree(list(self.tokens), [-1, -1], [1, 1]), mx.array(self.tokens, dtype=mx.int32))

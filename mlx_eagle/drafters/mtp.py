@@ -34,7 +34,8 @@ from mlx_lm.utils import dequantize_model
 
 from ..errors import UserError
 from ..heads import read_safetensors
-from ..target import Mask, Positions, compute_dtype, decoder_layer, embedding_layer, inner_model, is_driven, lm_head
+from ..target import (Mask, Positions, compute_dtype, decoder_layer, embedding_layer, inner_model, is_driven,
+                      layer_count, lm_head)
 from . import eagle
 from .kinds import DraftSettings, DraftSource
 
@@ -266,13 +267,18 @@ def new_decoder_layer(model: nn.Module, after: bool = False) -> nn.Module:
     """A new decoder layer of the model's own kind: its first full-attention layer's class
     (mlx-lm's classes take the layer's index, or only the model's arguments), built as the
     layer after the model's last where ``after`` (DeepSeek's and GLM's module: a mixture of
-    experts where their later layers are)."""
+    experts where their later layers are). On a pipelined model, from this rank's layers
+    (the others' are None here)."""
     layers = inner_model(model).layers
-    index = next(i for i, layer in enumerate(layers) if not getattr(layer, "is_linear", False))
+    index = next((i for i, layer in enumerate(layers) if layer is not None and not getattr(layer, "is_linear", False)),
+                 None)
+    if index is None:
+        raise UserError("the model's MTP module copies an attention layer, and this rank's part of the model holds "
+                        "none; pipeline it over fewer ranks")
     kind = type(layers[index])
     if len(inspect.signature(kind).parameters) == 1:
         return kind(model.args)
-    return kind(model.args, len(layers) if after else index)
+    return kind(model.args, layer_count(model) if after else index)
 
 
 def recognizes(path: Path, config: Optional[dict]) -> bool:
