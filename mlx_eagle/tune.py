@@ -3,8 +3,8 @@
     python -m mlx_eagle.tune [--model M] [--draft HEAD] [--max-nodes 64]
 
 1. Costs, measured here: the target's forward pass over k = 1..64 tokens (a round's
-   verification), one head step (a tree depth), the rest of a round, and plain mlx-lm
-   decoding per token.
+   verification; only as far as a tree of --max-nodes reaches), one head step (a tree
+   depth), the rest of a round, and plain mlx-lm decoding per token.
 2. Acceptance by (depth, rank), estimated on calibration prompts from ShareGPT (the end
    of the file, which training does not reach; never MT-bench): the target answers them
    greedily, the head is unrolled along those answers, and p[d][r] is how often the
@@ -50,6 +50,14 @@ if TYPE_CHECKING:  # imported where used, so that --help need not load MLX's mod
 VERIFY_SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64)
 
 
+def verify_sizes(max_nodes: int) -> Tuple[int, ...]:
+    """The VERIFY_SIZES a tree of at most ``max_nodes`` (and its root) is verified within:
+    up to the first that holds them all (larger ones are never timed for nothing)."""
+    needed = max_nodes + 1
+    covering = [k for k in VERIFY_SIZES if k >= needed][:1]
+    return tuple(k for k in VERIFY_SIZES if k < needed) + tuple(covering)
+
+
 # A tuned tree is kept only if it decodes this much faster than plain mlx-lm when run: the
 # cost model leaves out host work per round and its timings are noisy, and a tree it
 # favours by a few percent can lose in practice.
@@ -78,8 +86,9 @@ def confirm_speedup(model: nn.Module, tokenizer, head, paths: List[RankPath], pr
 
 
 def measure_costs(model: nn.Module, tokenizer, head, context: int = 256, repeats: int = 5,
-                  progress: bool = True) -> Costs:
-    """Time verification, a draft step, a round's remainder and plain decoding here."""
+                  progress: bool = True, sizes: Sequence[int] = VERIFY_SIZES) -> Costs:
+    """Time verification (over ``sizes`` tokens), a draft step, a round's remainder and
+    plain decoding here."""
     from mlx_lm import stream_generate
 
     from .calibrate import time_draft_step
@@ -88,8 +97,7 @@ def measure_costs(model: nn.Module, tokenizer, head, context: int = 256, repeats
     from .drafters.eagle import EagleDrafter
     from .verify import Sampling
 
-    verify_ms = time_forwards(model, VERIFY_SIZES, context, repeats, head.taps(model.args.num_hidden_layers),
-                              progress)
+    verify_ms = time_forwards(model, sizes, context, repeats, head.taps(model.args.num_hidden_layers), progress)
     draft_step_ms = time_draft_step(model, head, context, repeats)
 
     # A whole round of a one-node chain, less its verification and draft steps.
@@ -160,7 +168,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     # what --tree auto builds trees from on devices nobody tuned
     save_acceptance(user_head_dir(head_dir), acceptance, f"python -m mlx_eagle.tune, {len(pieces)} ShareGPT "
                     "calibration prompts")
-    costs = measure_costs(model, tokenizer, head, progress=progress) if args.objective == "speed" else None
+    costs = (measure_costs(model, tokenizer, head, progress=progress, sizes=verify_sizes(args.max_nodes))
+             if args.objective == "speed" else None)
     choice = best_tree(acceptance, costs, args.max_nodes)
     key = device_key(model)
     measured = None

@@ -164,6 +164,13 @@ def test_measured_costs_cover_every_size_and_never_fall(tiny_target):
     assert costs.draft_step_ms > 0 and costs.plain_ms > 0 and costs.round_ms >= 0
 
 
+def test_a_smaller_tree_is_timed_only_as_far_as_it_reaches():
+    from mlx_eagle.tune import VERIFY_SIZES, verify_sizes
+
+    assert verify_sizes(4) == (1, 2, 3, 4, 5) and verify_sizes(10) == (1, 2, 3, 4, 5, 6, 8, 10, 12)
+    assert verify_sizes(64) == VERIFY_SIZES and verify_sizes(63) == VERIFY_SIZES
+
+
 # Verification costs in ms for k = 1, 2, 4, ..., 64 tokens: as timed on this repository's
 # 2-core CPU (SmolLM2, float32), and flat as on a GPU where one token costs what 64 do.
 CPU_CURVE = {1: 53.5, 2: 58.6, 4: 70.2, 8: 81.8, 16: 121.5, 32: 176.6, 64: 290.0}
