@@ -170,13 +170,13 @@ def test_a_pipelined_hybrid_and_an_moe_split_by_heads_commit_plain_decodings_tok
             assert rank["rank_drafter:RankDrafter"]["tau"] > 2
     prompt = "Tell me about foxes."
     result = launch(2, sys.executable, "-m", "mlx_eagle.generate", "--model", str(hybrid), "--pipeline", "--prompt",
-                    prompt, "-m", "24", "--no-history", "--verbose")
+                    prompt, "-m", "24", "--no-history", "--verbose", "--tree", "chain:3")  # (a tree: it drafts)
     assert result.returncode == 0, result.stderr[-3000:]
     ids = chat_tokens(tokenizer, [{"role": "user", "content": prompt}])
     assert result.stdout.strip() == tokenizer.decode([t for t in plain_tokens(hybrid, ids, 24)
                                                       if t not in tokenizer.eos_token_ids]).strip()
-    assert result.stderr.count("model: pipelined over 2 ranks") == 1 and "drafts: the model's MTP module" in \
-        result.stderr
+    assert result.stderr.count("model: pipelined over 2 ranks") == 1
+    assert "drafts: the model's MTP module, tree chain:3" in result.stderr, result.stderr[-2000:]
 
 
 def test_smollm2_split_three_ways_answers_as_plain_decoding_printed_once(smollm, smollm_float32):
