@@ -83,12 +83,12 @@ def test_api_objects_and_classes_draft_fresh_per_conversation(smollm):
 
     engine = Engine(loaded=(model, tokenizer, template), lookup=False)
     try:
-        first, second = ChatSession(engine=engine), ChatSession(engine=engine)
+        first, second = ChatSession(engine=engine, max_tokens=64), ChatSession(engine=engine, max_tokens=64)
         for session, text in ((first, COPYING), (second, "Count from one to ten."), (first, "Once more.")):
             reply = "".join(chunk.text for chunk in session.send(text))
             ids = chat_tokens(tokenizer, session.messages()[:-1])
             assert reply == "".join(r.text for r in stream_generate(model, tokenizer, ids, draft="none",
-                                                                     max_tokens=512))
+                                                                     max_tokens=64))
         drafter = engine.caches.slots[-1].drafter.drafters[0].current  # the first conversation's, used last
         assert drafter.conversations == 1, "every conversation met a drafter of its own"
         assert engine.drafting == "TableDrafter"
