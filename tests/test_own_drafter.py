@@ -68,6 +68,27 @@ def test_a_function_needing_more_than_model_and_tokenizer_is_refused():
 
 
 @pytest.mark.slow
+def test_a_fork_copies_the_conversation_state_and_shares_a_model():
+    import mlx.nn as nn
+
+    from mlx_eagle import Drafter
+
+    class WithModel(Drafter):
+        def __init__(self):
+            self.model, self.seen = nn.Linear(4, 4), [1, 2]
+
+        def propose(self, budget):
+            return None
+
+        def observe(self, outcome):
+            self.seen.append(outcome)
+
+    template = WithModel()
+    fresh = template.fork()
+    assert fresh.model is template.model  # an MLX module is a dict: it was copied whole for every conversation
+    assert fresh.seen == template.seen and fresh.seen is not template.seen
+
+
 def test_api_objects_and_classes_draft_fresh_per_conversation(smollm):
     model, tokenizer = smollm
     ids = chat_tokens(tokenizer, [{"role": "user", "content": COPYING}])

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Callable, List, Optional, Sequence, Tuple, Union
 
 import mlx.core as mx
+import mlx.nn as nn
 
 from ..trees import DraftTree
 
@@ -172,7 +173,8 @@ class Drafter:
         override it where fresh means something else."""
         fresh = copy.copy(self)
         for name, value in getattr(self, "__dict__", {}).items():
-            if isinstance(value, (list, dict, set, bytearray)):
+            # (an MLX module is a dict too: a model the drafter holds is shared, not copied)
+            if isinstance(value, (list, dict, set, bytearray)) and not isinstance(value, nn.Module):
                 setattr(fresh, name, copy.deepcopy(value))
         return fresh
 
