@@ -23,6 +23,7 @@ from mlx_lm.models.cache import KVCache
 
 from . import costs as device_costs
 from .costs import Costs, device_key, median_ms, model_digest
+from .distributed import share_message, sharded
 from .drafters.tree_growth import TreeDrafter
 from .errors import UserError
 from .files import cache_dir, read_json, write_json
@@ -242,7 +243,22 @@ def auto_tree(model: nn.Module, head) -> Tuple[TreeSpec, str]:
     """``--tree auto``: the tree ``tune`` built for this device and head (the user's own,
     else one shipped beside the head); untuned, the tree the cost model builds from the
     head's recorded acceptance and this device's timed forwards (``calibrated_tree``); no
-    tree where speculation is expected to lose. Returns the tree and why it was chosen."""
+    tree where speculation is expected to lose. Returns the tree and why it was chosen.
+
+    Under mlx.launch, rank 0's choice on every rank: each rank's own files and timings could
+    choose another (or none), and a rank drafting without the states the others read would
+    run other forward passes than theirs (distributed.py)."""
+    if not sharded():
+        return _auto_tree_here(model, head)
+    device_costs.verify_costs(model)  # (timed by every rank together, before any rank's files decide)
+    spec, why = _auto_tree_here(model, head)
+    chosen = share_message({"paths": [list(p) for p in spec.paths], "text": spec.text, "why": why})
+    paths = [tuple(p) for p in chosen["paths"]]
+    return (TreeSpec("static", paths, text=chosen["text"]) if paths else parse_tree("none")), chosen["why"]
+
+
+def _auto_tree_here(model: nn.Module, head) -> Tuple[TreeSpec, str]:
+    """``auto_tree`` from this process's files and timings alone."""
     if head is None:
         return parse_tree("none"), "no draft head"
     key = device_key(model)

@@ -41,7 +41,7 @@ from mlx_lm.models.cache import can_trim_prompt_cache
 from .costs import CONTEXT_STEP, Costs, kv_logit_drift
 from .drafters import Budget, Drafter, Outcome, TargetStates
 from .drafters.admit import admit_or_warn
-from .distributed import shared_proposal, sharded
+from .distributed import check_same, shared_proposal, sharded
 from .errors import UserError
 from .grammar import Grammar, mask_logits
 from .rewind import Rewind, needs_rewind
@@ -181,8 +181,12 @@ class SpeculativeDecoder:
         self.grammar: Optional[Grammar] = None
         # Quantized KV caches (target.KVQuantization), checked against the caches: set before the prompt is read.
         self.kv: Optional[KVQuantization] = None
-        # A target sharded over several ranks: every rank runs the same rounds (distributed.py).
+        # A target sharded over several ranks: every rank runs the same rounds (distributed.py),
+        # so every rank's drafters read the same states (a rank reading none runs other passes).
         self.shards = sharded()
+        if self.shards:
+            check_same(repr(self.taps), "drafting plan (the target states its drafters read)",
+                       "give every rank the same drafter files and settings")
 
     @property
     def length(self) -> int:

@@ -9,6 +9,8 @@ DRAFT: "none", "lookup", "auto", a drafter's directory, "DIR@tree" for a head wi
 spec, "module:Class" for a drafter of your own, or "sampled:N" for N seeded samples of two tokens (sampled).
 MODEL_DIR may hold "{rank}": each rank then loads its own (a load that must fail).
 MLX_EAGLE_TEST_PIPELINE=1: the target pipelined by layers rather than split by heads.
+MLX_EAGLE_TEST_TUNED=HEAD_DIR: each rank a cache of its own, where tune's tree for that head
+says a three-token chain on rank 0 and plain decoding on the others (what two Macs' caches can hold).
 """
 
 import json
@@ -23,6 +25,8 @@ from mlx_lm.generate import generation_stream
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from mlx_eagle import load, stream_generate  # noqa: E402
+from mlx_eagle.calibrate import tuned_tree_file  # noqa: E402
+from mlx_eagle.costs import device_key  # noqa: E402
 from mlx_eagle.decoder import SpeculativeDecoder  # noqa: E402
 from mlx_eagle.distributed import sharding, world  # noqa: E402
 from mlx_eagle.errors import UserError  # noqa: E402
@@ -54,6 +58,11 @@ def main(model_dir: str, out: str, prompt: str, max_tokens: str, drafts: str) ->
     except UserError as error:  # (the commands print it as one line)
         (Path(out) / f"rank{group.rank()}-of-{group.size()}.json").write_text(json.dumps({"error": str(error)}))
         return
+    if os.environ.get("MLX_EAGLE_TEST_TUNED"):
+        os.environ["MLX_EAGLE_CACHE"] = str(Path(out) / f"cache-rank{group.rank()}")
+        tuned = tuned_tree_file(Path(os.environ["MLX_EAGLE_TEST_TUNED"]), device_key(model))
+        tuned.parent.mkdir(parents=True)
+        tuned.write_text(json.dumps({"paths": [[0], [0, 0], [0, 0, 0]] if group.rank() == 0 else []}))
     ids = tokenizer.encode(prompt)
     # The states entering every layer, as a drafter reading taps gets them here.
     states = tapped_forward(model, mx.array([ids]), make_cache(model), range(layer_count(model))).features

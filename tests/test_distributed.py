@@ -64,13 +64,17 @@ def sharp_llama(tmp_path_factory):
     return model_dir, root / "head"
 
 
-def ranks_results(out: Path, ranks: int):
-    return [json.loads((out / f"rank{r}-of-{ranks}.json").read_text()) for r in range(ranks)]
+def ranks_results(out: Path, ranks: int, launched: subprocess.CompletedProcess):
+    """Every rank's results (mlx.launch may exit 0 when a rank fails: its output says so)."""
+    files = [out / f"rank{r}-of-{ranks}.json" for r in range(ranks)]
+    assert all(f.exists() for f in files), launched.stderr[-3000:]
+    return [json.loads(f.read_text()) for f in files]
 
 
 def test_every_drafter_commits_plain_decodings_tokens_on_every_rank(sharp_llama, tmp_path):
-    """Split by heads over 2 ranks: plain decoding, lookup, a head's tree and chain, DFlash, a
-    draft model, and a drafter proposing other trees on rank 1 than on rank 0 all give
+    """Split by heads over 2 ranks: plain decoding, lookup, a head's tree and chain, its auto
+    tree where the ranks' caches hold other tuned trees, DFlash, a draft model, and a drafter
+    proposing other trees on rank 1 than on rank 0 all give
     single-process plain decoding's tokens (and mlx-lm's own sharded generation's) on both
     ranks."""
     model_dir, head = sharp_llama
@@ -79,12 +83,13 @@ def test_every_drafter_commits_plain_decodings_tokens_on_every_rank(sharp_llama,
     script = tmp_path / "script.json"
     script.write_text(json.dumps(mlx_lm_load(str(model_dir))[1].encode(PROMPT) + expected))
     drafts = ["none", "lookup", "rank_drafter:RankDrafter", f"{head}@static:default", f"{head}@chain:4",
+              str(head),  # --tree auto, from a tuned tree that differs between the ranks' caches: rank 0's
               str(head.parent / "dflash"),
               str(model_dir)]  # the model as its own draft model, whole on every rank (drafting where its timing pays)
     result = launch(2, sys.executable, str(TESTS / "sharded_worker.py"), str(model_dir), str(tmp_path), PROMPT, "30",
-                    ",".join(drafts), MLX_EAGLE_TEST_SCRIPT=str(script))
+                    ",".join(drafts), MLX_EAGLE_TEST_SCRIPT=str(script), MLX_EAGLE_TEST_TUNED=str(head))
     assert result.returncode == 0, result.stderr[-3000:]
-    for rank in ranks_results(tmp_path, 2):
+    for rank in ranks_results(tmp_path, 2, result):
         assert rank["sharding"] == "split by heads over 2 ranks"
         assert rank["mlx_lm"] == expected
         for draft in drafts:
@@ -115,7 +120,7 @@ def test_sampling_is_the_same_on_every_rank_and_exact_by_chi_square(sharp_llama,
     result = launch(2, sys.executable, str(TESTS / "sharded_worker.py"), str(model_dir), str(tmp_path), PROMPT, "1",
                     f"sampled:{samples}", MLX_EAGLE_TEST_TREE=json.dumps(drafts))
     assert result.returncode == 0, result.stderr[-3000:]
-    ranks = [rank[f"sampled:{samples}"] for rank in ranks_results(tmp_path, 2)]
+    ranks = [rank[f"sampled:{samples}"] for rank in ranks_results(tmp_path, 2, result)]
     assert ranks[0]["tokens"] == ranks[1]["tokens"]
     assert ranks[0]["accepted"] > samples // 10  # rank 0's drafts, accepted part of the time
     counts = np.zeros((len(first), len(first)))
@@ -161,7 +166,7 @@ def test_a_pipelined_hybrid_and_an_moe_split_by_heads_commit_plain_decodings_tok
         single, _ = load(str(model_dir))
         states = tapped_forward(single, mx.array([tokenizer.encode(PROMPT)]), make_cache(single),
                                 range(layer_count(single))).features[0]
-        for rank in ranks_results(out, 2):
+        for rank in ranks_results(out, 2, result):
             assert rank["sharding"] == ("pipelined" if pipelined else "split by heads") + " over 2 ranks"
             assert np.allclose(rank["states"], np.array(states), atol=1e-4)
             assert rank["mlx_lm"] == expected
@@ -215,7 +220,7 @@ def test_a_model_that_cannot_be_split_or_differs_between_ranks_gets_one_line(sha
     result = launch(2, sys.executable, str(TESTS / "sharded_worker.py"), str(tmp_path / "model{rank}"), str(tmp_path),
                     PROMPT, "4", "none")
     assert result.returncode == 0, result.stderr[-3000:]
-    for rank in ranks_results(tmp_path, 2):
+    for rank in ranks_results(tmp_path, 2, result):
         assert rank["error"].startswith("rank 1's model in") and "copy the same model directory" in rank["error"]
 
 
