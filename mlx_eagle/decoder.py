@@ -82,7 +82,8 @@ class PromptCaches:
     holds decodes in that slot; any other starts a slot of its own, from a copy of the
     slot sharing its longest beginning (at least ``MIN_SHARED`` tokens) cut back to that
     beginning, where the caches can be cut back (a hybrid model's recurrent state cannot:
-    such a prompt starts empty). The least recently used slots go first while the slots
+    such a prompt starts empty), with a copy of that slot's drafters (``Drafter.branch``).
+    The least recently used slots go first while the slots
     hold more than ``max_bytes``."""
 
     MIN_SHARED = 16  # fewer shared tokens are not worth a copy (a chat template's header)
@@ -106,6 +107,9 @@ class PromptCaches:
                 slot.target = copy.deepcopy(best.target)
                 keep_cache_entries(slot.target, min(shared, cached), [])
                 slot.tokens = best.tokens[:min(shared, cached) + 1]
+                # Its drafters too, where they can be copied (else the plan makes fresh ones).
+                slot.drafter = best.drafter.branch() if best.drafter is not None else None
+                slot.plan_key = best.plan_key if slot.drafter is not None else ()
         self.slots.append(slot)
         self.evict(keep=slot)
         return slot
@@ -257,39 +261,40 @@ class SpeculativeDecoder:
         self.reused = self._reusable(prompt)
         heard = on_read or (lambda read, total: None)
         self.state.tokens = []  # until this returns, the caches hold nothing certain
+        last = len(prompt) - 1
+        turn = self.kv.turn(self.reused, last) if self.kv is not None else 0
         states = None
         if not self.reads_states:  # as mlx-lm reads a prompt: only the last token's logits are computed
-            for start in range(self.reused, len(prompt) - 1, chunk):
+            for begin, end in self._spans(last, chunk, turn):
                 self.forwards += 1
-                self.target(mx.array([prompt[start:min(start + chunk, len(prompt) - 1)]]), cache=self.target_cache)
-                self._quantize_when_due()
+                self.target(mx.array([prompt[begin:end]]), cache=self.target_cache)
+                self._quantize_when_due(end, turn)
                 mx.eval([layer_cache.state for layer_cache in self.target_cache])
-                heard(min(start + chunk, len(prompt) - 1) - self.reused, len(prompt) - self.reused)
-            logits = self._held(self._forward(mx.array(prompt[-1:]), len(prompt) - 1, None).logits[-1])
+                heard(end - self.reused, len(prompt) - self.reused)
+            logits = self._held(self._forward(mx.array(prompt[-1:]), last, None).logits[-1])
             self._quantize_when_due()
             self.root = self._choose(logits)
         else:
-            blocks = [prompt[start:start + chunk] for start in range(self.reused, len(prompt), chunk)]
-            if (not self.drives_target or self.kv is not None) and len(blocks[-1]) > 1:
-                # The model's own forward pass computes logits for every token: the last one alone.
-                # (So too where the cache may turn quantized before it, as plain decoding's does.)
-                blocks[-1:] = [blocks[-1][:-1], blocks[-1][-1:]]
-            features, hidden, start = [], [], self.reused
-            for block in blocks:
-                out = self._forward(mx.array(block), start, "causal" if len(block) > 1 else None)
+            # The model's own forward pass computes logits for every token: the last one alone.
+            # (So too where the cache may turn quantized before it, as plain decoding's does.)
+            last_alone = not self.drives_target or self.kv is not None
+            spans = self._spans(last, chunk, turn) + [(last, len(prompt))] if last_alone \
+                else self._spans(len(prompt), chunk, turn)
+            features, hidden = [], []
+            for begin, end in spans:
+                out = self._forward(mx.array(prompt[begin:end]), begin, "causal" if end - begin > 1 else None)
                 features.append(out.features)
                 hidden.append(out.hidden)
                 # The prompt's own logits are never needed: only the last. (A recurrent state is
                 # computed apart from the outputs: evaluated too, so the graph does not grow.)
-                self._quantize_when_due()
+                self._quantize_when_due(end, turn)
                 mx.eval(out.features, out.hidden, [] if self.drives_target else [c.state for c in self.target_cache])
-                start += len(block)
-                heard(start - self.reused, len(prompt) - self.reused)
+                heard(end - self.reused, len(prompt) - self.reused)
             # (For a model's own forward pass, its LM head: models scale their logits their own ways.)
             logits = self._held(lm_head(self.target, out.hidden[-1]) if self.drives_target else out.logits[-1])
-            if len(blocks[-1]) > 1 and self._unsure(logits):  # read the last token alone, as plain decoding does
-                keep_cache_entries(self.target_cache, len(prompt) - 1, [])
-                out = self._forward(mx.array(prompt[-1:]), len(prompt) - 1, None)
+            if end - begin > 1 and self._unsure(logits):  # read the last token alone, as plain decoding does
+                keep_cache_entries(self.target_cache, last, [])
+                out = self._forward(mx.array(prompt[-1:]), last, None)
                 features[-1] = mx.concatenate([features[-1][:-1], out.features])
                 hidden[-1] = mx.concatenate([hidden[-1][:-1], out.hidden])
                 logits = self._held(lm_head(self.target, out.hidden[-1]) if self.drives_target else out.logits[-1])
@@ -305,8 +310,17 @@ class SpeculativeDecoder:
         self.state.tokens = tokens
         return self.root
 
-    def _quantize_when_due(self) -> None:
-        if self.kv is not None:
+    def _spans(self, end: int, chunk: int, turn: int) -> List[Tuple[int, int]]:
+        """The (begin, end) spans of the prompt up to ``end`` read by one forward pass each:
+        ``chunk`` tokens at a time from what the caches hold, cut where plain decoding's cache
+        turns quantized (``turn``)."""
+        cuts = sorted(set(range(self.reused, end, chunk)) | {end} | ({turn} if self.reused < turn < end else set()))
+        return list(zip(cuts, cuts[1:]))
+
+    def _quantize_when_due(self, read: int = 0, turn: int = 0) -> None:
+        """Quantize the target's cache once it holds mlx-lm's ``start`` entries (while a
+        prompt is read: not before ``read`` reaches plain decoding's ``turn``)."""
+        if self.kv is not None and read >= turn:
             self.kv.quantize_when_due(self.target_cache)
 
     def _held(self, logits: mx.array) -> mx.array:

@@ -168,6 +168,9 @@ class FreshPerConversation(Drafter):
             self.current, self.prompt_length = self.make(), 0
         return self.current.reusable(common)
 
+    def branch(self) -> "FreshPerConversation":
+        return FreshPerConversation(self.make)  # your drafter, fresh
+
     def propose(self, budget: Budget) -> Optional[Proposal]:
         return self.current.propose(budget)
 

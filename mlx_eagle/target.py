@@ -16,13 +16,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import partial
+from inspect import signature
 from typing import Callable, List, Optional, Sequence, Tuple, Union
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import cache as mlx_lm_cache
 from mlx_lm.models.base import create_causal_mask, scaled_dot_product_attention
-from mlx_lm.generate import DEFAULT_QUANTIZED_KV_START, maybe_quantize_kv_cache
+from mlx_lm.generate import DEFAULT_QUANTIZED_KV_START, generate_step, maybe_quantize_kv_cache
 from mlx_lm.models.cache import KVCache, QuantizedKVCache
 from mlx_lm.models.gemma3_text import clip_residual
 
@@ -412,6 +413,9 @@ KV_BITS = (2, 3, 4, 5, 6, 8)  # what mx.quantize packs
 KV_GROUP_SIZES = (32, 64, 128)
 
 
+MLX_LM_PREFILL_STEP: int = signature(generate_step).parameters["prefill_step_size"].default
+
+
 @dataclass(frozen=True)
 class KVQuantization:
     """Quantized KV caches, as mlx-lm's ``kv_bits``, ``kv_group_size`` and
@@ -448,6 +452,15 @@ class KVQuantization:
         """Quantize the layers' caches once they hold ``start`` entries, as mlx-lm does
         after each forward pass."""
         maybe_quantize_kv_cache(cache, self.start, self.group_size, self.bits)
+
+    def turn(self, read_from: int, last: int) -> int:
+        """Where plain mlx-lm's cache turns quantized while it reads a prompt's tokens from
+        ``read_from`` up to ``last`` (the last token is read alone, after): at the end of the
+        first of its ``prefill_step_size`` chunks to reach ``start`` (``last + 1`` if none
+        does). The rows it read before attend to unquantized keys, so a reader in other
+        chunks turns at the same place, or the text changes."""
+        chunk_ends = list(range(read_from + MLX_LM_PREFILL_STEP, last, MLX_LM_PREFILL_STEP)) + [last]
+        return next((end for end in chunk_ends if end >= self.start), last + 1)
 
     def room(self, cache: List, position: int, room: int) -> int:
         """How many tokens a round from ``position`` may produce: while the cache is not yet

@@ -24,10 +24,11 @@ PROMPT = [1, 4, 2, 3, 0]
 
 
 def plain_quantized(model, tokenizer, ids, max_tokens, bits, start):
-    """mlx-lm's own greedy loop with quantized caches, reading the prompt 512 tokens at a time."""
+    """mlx-lm's own greedy loop with quantized caches, reading the prompt as it does (2,048
+    tokens at a time)."""
     out = []
     for (token, _), _ in zip(generate_step(mx.array(ids), model, max_tokens=max_tokens, kv_bits=bits,
-                                           quantized_kv_start=start, prefill_step_size=512), range(max_tokens)):
+                                           quantized_kv_start=start), range(max_tokens)):
         out.append(int(token))
         if int(token) in tokenizer.eos_token_ids:
             break

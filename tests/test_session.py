@@ -171,12 +171,14 @@ def test_the_stats_line_gives_a_speed_only_from_two_tokens():
 
 def test_interleaved_conversations_each_keep_their_cache_and_share_their_beginning(smollm):
     """Two conversations with one long system prompt, their turns interleaved through one
-    engine: the second reads the shared beginning from a copy of the first's cache, each
-    later turn reads only its new tokens, and every reply is the one a fresh cache gives.
-    A bound of one byte keeps only the conversation in use."""
+    engine drafting with a head and the context: the second reads the shared beginning
+    from a copy of the first's caches, the head's own included (Drafter.branch), each later
+    turn reads only its new tokens, and every reply is the one plain decoding gives. A
+    bound of one byte keeps only the conversation in use."""
     model, tokenizer = smollm
     system = {"role": "system", "content": "You are a careful assistant for a hardware shop. " * 12}
-    engine = Engine(loaded=(model, tokenizer, None), history=False)
+    head = new_head(model, "eagle3", seed=4)  # random: some drafts fail, so the copied caches are cut back
+    engine = Engine(loaded=(model, tokenizer, head), history=False, tree="static:default")
     try:
         conversations = {"a": [system], "b": [system]}
         asked = [("a", "Do you sell hammers?"), ("b", "Do you sell nails?"), ("a", "How much is one?"),

@@ -165,6 +165,14 @@ class Drafter:
         read again from the smallest answer, and ``observe`` then starts there)."""
         return common
 
+    def branch(self) -> Optional["Drafter"]:
+        """A copy of this drafter for a new conversation that begins as this one's did (the
+        prefix cache hands it a copy of this conversation's target caches): what it learned
+        and the state it holds, which ``reusable`` then cuts back to what the two share.
+        None (the default): the new conversation gets fresh drafters, and the shared
+        beginning is read again where their ``reusable`` keeps none of it."""
+        return None
+
     def fork(self) -> "Drafter":
         """A fresh drafter for a new conversation: the same settings and read-only data,
         none of this one's conversation state. Every conversation gets one (the plan forks

@@ -4,6 +4,7 @@ this device. Where no length is expected to beat plain decoding, none is drafted
 
 from __future__ import annotations
 
+import copy
 from typing import Callable, Dict, Tuple
 
 import numpy as np
@@ -27,6 +28,12 @@ class ChainDrafter(Drafter):
         self._costs: Dict[Tuple[int, int], np.ndarray] = {}  # (verified, context) -> verifying it and 0.. more
         self.tried = np.zeros((kinds, max_tokens))  # by kind and position
         self.accepted = np.zeros((kinds, max_tokens))
+
+    def twin(self) -> "ChainDrafter":
+        """A shallow copy with acceptance tables of its own (``branch`` starts from it)."""
+        twin = copy.copy(self)
+        twin.tried, twin.accepted, twin._costs = self.tried.copy(), self.accepted.copy(), dict(self._costs)
+        return twin
 
     def acceptance(self, kind: int) -> np.ndarray:
         """P(draft token j accepted | tokens before it were), j = 1..max_tokens."""

@@ -61,6 +61,15 @@ class Composite(Drafter):
         for drafter in self.drafters:
             drafter.finish()
 
+    def branch(self) -> Optional["Composite"]:
+        """Every source's copy (None where one cannot be copied), with fresh statistics."""
+        twins = [drafter.branch() for drafter in self.drafters]
+        if any(twin is None for twin in twins):
+            return None
+        composite = Composite(twins, self.names)
+        composite.yields = list(self.yields)
+        return composite
+
     def reusable(self, common: int) -> int:
         return min((d.reusable(common) for d in self.drafters), default=common)
 

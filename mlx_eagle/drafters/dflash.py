@@ -19,6 +19,7 @@ exactly, greedy or sampled.
 
 from __future__ import annotations
 
+import copy
 import heapq
 import json
 from dataclasses import dataclass, field
@@ -256,6 +257,11 @@ class DFlashDrafter(ChainDrafter):
 
     def reusable(self, common: int) -> int:
         return min(self.cache[0].offset, max(common - 1, 0))
+
+    def branch(self) -> "DFlashDrafter":
+        twin = self.twin()
+        twin.cache, twin.block = copy.deepcopy(self.cache), None
+        return twin
 
     def observe(self, outcome: Outcome) -> None:
         if outcome.proposal is not None and len(outcome.proposal):

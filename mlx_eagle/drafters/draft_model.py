@@ -18,6 +18,7 @@ the target's.
 
 from __future__ import annotations
 
+import copy
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -79,6 +80,14 @@ class DraftModelDrafter(ChainDrafter):
         self._layout: List[Tuple[int, bool]] = []  # per proposed node: (depth, is a runner-up)
         self.runner_up_tried = np.zeros(max_tokens)  # by depth: chain token refused, a runner-up there
         self.runner_up_taken = np.zeros(max_tokens)  # ... and the runner-up accepted
+
+    def branch(self) -> Optional["DraftModelDrafter"]:
+        if self.rewind is not None:  # (a recurrent draft model: fresh, reading the prompt again)
+            return None
+        twin = self.twin()
+        twin.cache, twin.held, twin.committed = copy.deepcopy(self.cache), list(self.held), list(self.committed)
+        twin.runner_up_tried, twin.runner_up_taken = self.runner_up_tried.copy(), self.runner_up_taken.copy()
+        return twin
 
     def _read(self, tokens: List[int]) -> Optional[mx.array]:
         """Bring the cache to hold ``tokens``: cut it back to where it agrees with them, then

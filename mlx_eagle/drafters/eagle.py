@@ -10,6 +10,7 @@ committed tokens: each round it reads the accepted tokens with the target's fres
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -62,6 +63,13 @@ class EagleDrafter(Drafter):
         # The head's entry at t pairs feature t with token t + 1: still good only where
         # token t + 1 is shared too.
         return min(self.cache[0].offset, max(common - 1, 0))
+
+    def branch(self) -> "EagleDrafter":
+        # The head's cache copied (cut back by reusable); its measured yield kept; the
+        # compiled tree grower shared, so a new conversation does not trace it again.
+        twin = copy.copy(self)
+        twin.cache, twin.queued = copy.deepcopy(self.cache), None
+        return twin
 
     def observe(self, outcome: Outcome) -> None:
         """Read the committed (feature, next token) pairs and grow the next round's tree,

@@ -204,6 +204,13 @@ class LookupDrafter(ChainDrafter):
         self.record_chain(draft.kind, len(draft.tokens), accepted)
         self.copying = accepted == len(draft.tokens)
 
+    def branch(self) -> "LookupDrafter":
+        # What drafts were accepted so far, kept; the index is rebuilt from the next prompt.
+        twin = self.twin()
+        twin.index = ContextIndex(self.index.min_ngram, self.index.max_ngram)
+        twin._reply_start = None
+        return twin
+
     def observe(self, outcome: Outcome) -> None:
         if outcome.proposal is not None and len(outcome.proposal):
             self.record(self._proposed, outcome.accepted)

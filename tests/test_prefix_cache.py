@@ -1,0 +1,92 @@
+"""The prefix cache's slots (decoder.PromptCaches) on tiny models: a new conversation that
+begins as a kept one did takes a copy of that one's target caches and of its drafters
+(Drafter.branch), for every built-in drafter kind, reads only what it does not share, and
+decodes plain decoding's tokens; the conversation it was copied from goes on unchanged."""
+
+import mlx.core as mx
+import pytest
+from mlx_lm.generate import generate_step
+
+from mlx_eagle.decoder import PromptCaches, SpeculativeDecoder
+from mlx_eagle.drafters import Drafter
+from mlx_eagle.drafters.composite import Composite
+from mlx_eagle.drafters.dflash import DFlashDrafter, load as load_dflash
+from mlx_eagle.drafters.draft_model import DraftModelDrafter
+from mlx_eagle.drafters.eagle import EagleDrafter
+from mlx_eagle.drafters.lookup import LookupDrafter
+from mlx_eagle.heads import new_head
+from mlx_eagle.plan import FreshPerConversation
+from mlx_eagle.trees import parse_tree
+from mlx_eagle.verify import Sampling
+from test_dflash import tiny_target, write_dflash
+
+SHARED = [5, 17, 33, 5, 17, 60, 2, 9, 41, 17, 5, 17, 33, 8, 8, 12, 40, 41, 17, 5, 17, 33]  # a "system prompt"
+FIRST, SECOND = SHARED + [70, 71, 5, 17], SHARED + [90, 5, 17, 33]
+
+
+def flat(tokens: int) -> float:
+    return 1.0
+
+
+def drafters(target, tmp_path):
+    """Every built-in kind, by name: a fresh one for each call."""
+    write_dflash(tmp_path / "dflash", target, [1, 3])
+    dflash = load_dflash(tmp_path / "dflash", target)
+    head = new_head(target, "eagle3", seed=3)
+    return {
+        "eagle head": lambda: EagleDrafter(head, target, parse_tree("static:default")),
+        "dflash": lambda: DFlashDrafter(dflash, target, flat),
+        "draft model": lambda: DraftModelDrafter(target, flat, 0.0, max_tokens=4),
+        "lookup": lambda: LookupDrafter(flat),
+        "head and lookup": lambda: Composite([EagleDrafter(head, target, parse_tree("chain:3")), LookupDrafter(flat)]),
+    }
+
+
+def reference(model, prompt, count):
+    return [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=count)]
+
+
+def decode(target, slot, prompt, count):
+    decoder = SpeculativeDecoder(target, slot.drafter, Sampling(), cache=slot)
+    tokens = [decoder.prefill(prompt)]
+    while len(tokens) < count:
+        tokens += decoder.round(count - len(tokens)).tokens
+    slot.drafter.finish()
+    return tokens[:count], decoder.reused
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_target()
+
+
+@pytest.mark.parametrize("kind", ["eagle head", "dflash", "draft model", "lookup", "head and lookup"])
+def test_a_new_conversation_takes_a_copy_of_the_shared_beginning_and_its_drafters(target, tmp_path, kind):
+    make = drafters(target, tmp_path)[kind]
+    caches = PromptCaches(target, max_bytes=1 << 30)
+    first = caches.take(FIRST)
+    first.drafter = make()
+    assert decode(target, first, FIRST, 24) == (reference(target, FIRST, 24), 0)
+
+    second = caches.take(SECOND)
+    assert second.drafter is not None and second.drafter is not first.drafter, "the drafters were copied"
+    tokens, reused = decode(target, second, SECOND, 24)
+    assert tokens == reference(target, SECOND, 24)
+    assert reused >= len(SHARED) - 1, "the shared beginning was not read again"
+
+    # The first conversation goes on from its own caches, untouched by the copy's rounds.
+    continued = FIRST + reference(target, FIRST, 24) + [3, 4]
+    again = caches.take(continued)
+    assert again is first
+    tokens, reused = decode(target, again, continued, 16)
+    assert tokens == reference(target, continued, 16) and reused > len(FIRST)
+
+
+def test_drafters_that_cannot_be_copied_start_fresh(target):
+    """Your own drafter (fresh for every conversation), and any drafter without ``branch``."""
+    assert Drafter().branch() is None
+    made = []
+    own = FreshPerConversation(lambda: made.append(Drafter()) or made[-1])
+    twin = own.branch()
+    assert twin.current is made[-1] and len(made) == 2
+    assert Composite([LookupDrafter(flat), Drafter()]).branch() is None
