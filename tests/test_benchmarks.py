@@ -68,6 +68,11 @@ def test_long_context(tmp_path):
     run("long_context.py", "--lengths", 300, "--kv", "none", "--max-tokens", 3, "--out", tmp_path / "long.json")
     [row] = json.loads((tmp_path / "long.json").read_text())["rows"]
     assert row["length"] == 300 and row["identical"] and row["none_identical"]
+    run("long_context.py", "--lengths", 300, "--kv", "none", "--tasks", "rewrite", "--max-tokens", 3,
+        "--cached-prompt", "--out", tmp_path / "long.json")
+    rows = json.loads((tmp_path / "long.json").read_text())["rows"]
+    assert [row["mode"] for row in rows] == ["cached prompt", "whole request"]
+    assert rows[0]["identical"] and rows[0]["none_identical"] and rows[0]["prompt_read_seconds"][0] > 0
 
 
 def test_moe_verify_cost(tmp_path):
