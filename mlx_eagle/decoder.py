@@ -63,6 +63,11 @@ class PromptCache:
     drafter: Optional[Drafter] = None  # made by a DraftPlan for this conversation
     plan_key: Tuple = ()  # that plan's key
     unread: int = 0  # committed tokens before the root that the target cache does not hold yet (see rewind.py)
+    # Caches that cannot be cut back (a hybrid's recurrent state): a copy kept of them as they
+    # were after ``keep_at`` prompt tokens (0: none), the beginning this prompt shares with
+    # another conversation's, for later conversations that begin the same way to start from.
+    keep_at: int = 0
+    beginning: Optional["PromptCache"] = None
 
 
 def make_prompt_cache(model: nn.Module) -> PromptCache:
@@ -75,16 +80,24 @@ def cache_bytes(cache: PromptCache) -> int:
     return sum(getattr(layer, "nbytes", 0) for layer in cache.target)
 
 
+def slots_bytes(slots: List[PromptCache]) -> int:
+    """What ``slots`` hold, the beginnings they keep counted once."""
+    beginnings = {id(slot.beginning): slot.beginning for slot in slots if slot.beginning is not None}
+    return sum(map(cache_bytes, slots)) + sum(map(cache_bytes, beginnings.values()))
+
+
 class PromptCaches:
     """Several conversations' caches, so that requests that interleave each continue their
     own, and a new conversation that begins as a kept one did (a long system prompt, the
     same tools) does not read that beginning again. A prompt that goes on with what a slot
     holds decodes in that slot; any other starts a slot of its own, from a copy of the
     slot sharing its longest beginning (at least ``MIN_SHARED`` tokens) cut back to that
-    beginning, where the caches can be cut back (a hybrid model's recurrent state cannot:
-    such a prompt starts empty), with a copy of that slot's drafters (``Drafter.branch``).
-    The least recently used slots go first while the slots
-    hold more than ``max_bytes``."""
+    beginning, with a copy of that slot's drafters (``Drafter.branch``). Caches that cannot
+    be cut back (a hybrid model's recurrent state) are copied from a beginning kept while
+    an earlier prompt was read: the first conversation that shares one with a kept slot
+    reads it whole and keeps a copy of its caches at the end of what they share, for the
+    next ones. The least recently used slots go first while the slots hold more than
+    ``max_bytes``."""
 
     MIN_SHARED = 16  # fewer shared tokens are not worth a copy (a chat template's header)
     CONTINUES = 0.9  # a prompt sharing this much of what a slot holds goes on with its conversation
@@ -102,21 +115,41 @@ class PromptCaches:
             slot = best
         else:
             slot = make_prompt_cache(self.model)
-            cached = len(best.tokens) - 1 - best.unread if best is not None else 0
-            if min(shared, cached) >= self.MIN_SHARED and can_trim_prompt_cache(best.target):
-                slot.target = copy.deepcopy(best.target)
-                keep_cache_entries(slot.target, min(shared, cached), [])
-                slot.tokens = best.tokens[:min(shared, cached) + 1]
-                # Its drafters too, where they can be copied (else the plan makes fresh ones).
-                slot.drafter = best.drafter.branch() if best.drafter is not None else None
-                slot.plan_key = best.plan_key if slot.drafter is not None else ()
+            cached = min(shared, len(best.tokens) - 1 - best.unread) if best is not None else 0
+            if cached >= self.MIN_SHARED and can_trim_prompt_cache(best.target):
+                self._copy(slot, best, best.target, best.tokens[:cached + 1])
+                keep_cache_entries(slot.target, cached, [])
+            elif cached >= self.MIN_SHARED:
+                origin = self._beginning_of(prompt)
+                if origin is not None:
+                    self._copy(slot, origin, origin.beginning.target, origin.beginning.tokens)
+                    slot.beginning = origin.beginning
+                if origin is None or len(origin.beginning.tokens) < cached:
+                    # (the root, the last token of a beginning, is shared too: drafters
+                    # pairing a state with the next token keep theirs up to it)
+                    slot.keep_at = cached - 1
         self.slots.append(slot)
         self.evict(keep=slot)
         return slot
 
+    def _beginning_of(self, prompt: List[int]) -> Optional[PromptCache]:
+        """The slot keeping the longest beginning that ``prompt`` begins with (None: none)."""
+        fits = [slot for slot in self.slots if slot.beginning is not None
+                and common_prefix(slot.beginning.tokens, prompt) == len(slot.beginning.tokens)]
+        return max(fits, key=lambda slot: len(slot.beginning.tokens), default=None)
+
+    @staticmethod
+    def _copy(slot: PromptCache, source: PromptCache, target: List, tokens: List[int]) -> None:
+        """``slot`` starts from a copy of ``target`` holding ``tokens`` (the root, the last, not
+        yet read) and of ``source``'s drafters, where they can be copied (else the plan
+        makes fresh ones)."""
+        slot.target, slot.tokens = copy.deepcopy(target), list(tokens)
+        slot.drafter = source.drafter.branch() if source.drafter is not None else None
+        slot.plan_key = source.plan_key if slot.drafter is not None else ()
+
     def evict(self, keep: Optional[PromptCache] = None) -> None:
         """Drop the least recently used slots (never ``keep``) while all hold more than the bound."""
-        while sum(cache_bytes(slot) for slot in self.slots) > self.max_bytes and len(self.slots) > 1:
+        while slots_bytes(self.slots) > self.max_bytes and len(self.slots) > 1:
             self.slots.remove(next(slot for slot in self.slots if slot is not keep))
 
 
@@ -270,6 +303,7 @@ class SpeculativeDecoder:
                 self.target(mx.array([prompt[begin:end]]), cache=self.target_cache)
                 self._quantize_when_due(end, turn)
                 mx.eval([layer_cache.state for layer_cache in self.target_cache])
+                self._keep_beginning(end, prompt)
                 heard(end - self.reused, len(prompt) - self.reused)
             logits = self._held(self._forward(mx.array(prompt[-1:]), last, None).logits[-1])
             self._quantize_when_due()
@@ -289,6 +323,7 @@ class SpeculativeDecoder:
                 # computed apart from the outputs: evaluated too, so the graph does not grow.)
                 self._quantize_when_due(end, turn)
                 mx.eval(out.features, out.hidden, [] if self.drives_target else [c.state for c in self.target_cache])
+                self._keep_beginning(end, prompt)
                 heard(end - self.reused, len(prompt) - self.reused)
             # (For a model's own forward pass, its LM head: models scale their logits their own ways.)
             logits = self._held(lm_head(self.target, out.hidden[-1]) if self.drives_target else out.logits[-1])
@@ -301,6 +336,7 @@ class SpeculativeDecoder:
                 self.rechecked += 1
             self.root = self._choose(logits)
             states = TargetStates(mx.concatenate(features), mx.concatenate(hidden), self.taps)
+        self.state.keep_at = 0  # (kept while this prompt was read, or not at all)
         self.root_logits = logits if self.keep_logits else None
         if self.grammar is not None:
             self.grammar.commit([self.root])
@@ -313,9 +349,16 @@ class SpeculativeDecoder:
     def _spans(self, end: int, chunk: int, turn: int) -> List[Tuple[int, int]]:
         """The (begin, end) spans of the prompt up to ``end`` read by one forward pass each:
         ``chunk`` tokens at a time from what the caches hold, cut where plain decoding's cache
-        turns quantized (``turn``)."""
-        cuts = sorted(set(range(self.reused, end, chunk)) | {end} | ({turn} if self.reused < turn < end else set()))
-        return list(zip(cuts, cuts[1:]))
+        turns quantized (``turn``) and where a copy of the caches is to be kept."""
+        cuts = set(range(self.reused, end, chunk)) | {end}
+        cuts |= {at for at in (turn, self.state.keep_at) if self.reused < at < end}
+        return list(zip(sorted(cuts), sorted(cuts)[1:]))
+
+    def _keep_beginning(self, read: int, prompt: List[int]) -> None:
+        """Having read ``read`` prompt tokens: where that is where the slot keeps a copy of
+        its caches (PromptCaches), keep one."""
+        if read == self.state.keep_at:
+            self.state.beginning = PromptCache(copy.deepcopy(self.target_cache), list(prompt[:read + 1]))
 
     def _quantize_when_due(self, read: int = 0, turn: int = 0) -> None:
         """Quantize the target's cache once it holds mlx-lm's ``start`` entries (while a

@@ -38,7 +38,9 @@ def plain_quantized(model, tokenizer, ids, max_tokens, bits, start):
 @pytest.mark.slow
 def test_greedy_text_is_mlx_lms_with_the_same_quantized_cache(smollm):
     """SmolLM2 with its head's trees and context drafts, 4-bit: the cache turns quantized
-    while the prompt is read (start 256), and between two rounds (8 tokens into the reply).
+    while the prompt is read (start 256: where mlx-lm's 2,048-token chunk ends, the prompt's
+    last token; ours reads 512 at a time and must not turn after its first chunk, which
+    changed the text from the first token), and between two rounds (8 tokens into the reply).
     The first 30 tokens are compared: a round that ran past the point where the cache turns
     diverges soon after (by about a logit; checked), while a verified block's keys, rounded
     differently from one row's, can later land on another quantization level than plain

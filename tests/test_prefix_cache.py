@@ -90,3 +90,29 @@ def test_drafters_that_cannot_be_copied_start_fresh(target):
     twin = own.branch()
     assert twin.current is made[-1] and len(made) == 2
     assert Composite([LookupDrafter(flat), Drafter()]).branch() is None
+
+
+@pytest.mark.parametrize("name", ["qwen3_next", "lfm2"])
+def test_a_hybrid_keeps_the_shared_beginning_for_the_next_conversations(name):
+    """A recurrent state cannot be cut back to a shared beginning: the second conversation
+    reads its prompt whole and keeps a copy of the caches where it leaves the first; the
+    third starts from that copy (its drafters copied from the second's), and every reply
+    is plain decoding's."""
+    import hybrids
+    from test_hybrid import text_model
+
+    model = text_model(hybrids.build(name))
+    head = new_head(model, "eagle3", seed=1)
+    caches = PromptCaches(model, max_bytes=1 << 30)
+    third = SHARED + [44, 45, 46, 5, 17]
+    reused = []
+    for prompt in (FIRST, SECOND, third):
+        slot = caches.take(prompt)
+        if slot.drafter is None:
+            slot.drafter = Composite([EagleDrafter(head, model, parse_tree("chain:3")), LookupDrafter(flat)])
+        tokens, count = decode(model, slot, prompt, 16)
+        assert tokens == reference(model, prompt, 16)
+        reused.append(count)
+    assert reused[:2] == [0, 0] and reused[2] == len(SHARED) - 1
+    assert caches.slots[1].beginning is caches.slots[2].beginning
+    assert caches.slots[1].beginning.tokens == SHARED
