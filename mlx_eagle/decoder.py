@@ -46,8 +46,8 @@ from .errors import UserError
 from .grammar import Grammar, mask_logits
 from .rewind import Rewind, needs_rewind
 from .compiled import compiles_verification, verify_block
-from .target import KVQuantization, TargetOutput, check_target, is_driven, keep_cache_entries, \
-    lm_head, make_cache, tapped_forward, target_forward, tree_mask
+from .target import MLX_LM_PREFILL_STEP, KVQuantization, TargetOutput, check_target, is_driven, \
+    keep_cache_entries, lm_head, make_cache, tapped_forward, target_forward, tree_mask
 from .trees import MAX_TREE_NODES, DraftTree
 from .verify import Sampling, accept, sample, too_close
 
@@ -289,19 +289,25 @@ class SpeculativeDecoder:
     def prefill(self, prompt: List[int], chunk: int = 512,
                 on_read: Optional[Callable[[int, int], None]] = None) -> int:
         """Read the prompt (what the caches do not already hold of it) ``chunk`` tokens at
-        a time; returns the first generated token (the first root). ``on_read(read, total)``
-        hears after each chunk how much of what is read so far (it may raise to stop)."""
+        a time (with quantized KV caches, as plain mlx-lm reads it); returns the first
+        generated token (the first root). ``on_read(read, total)`` hears after each chunk
+        how much of what is read so far (it may raise to stop)."""
         self.reused = self._reusable(prompt)
         heard = on_read or (lambda read, total: None)
         self.state.tokens = []  # until this returns, the caches hold nothing certain
         last = len(prompt) - 1
-        turn = self.kv.turn(self.reused, last) if self.kv is not None else 0
+        if self.kv is not None:
+            # In plain mlx-lm's chunks, its cache turning quantized after the same one: the rows
+            # of a chunk read before it attend to unquantized keys, and keys computed in other
+            # chunks round differently in their last bits, which a quantized cache can turn into
+            # another level.
+            chunk = MLX_LM_PREFILL_STEP
         states = None
         if not self.reads_states:  # as mlx-lm reads a prompt: only the last token's logits are computed
-            for begin, end in self._spans(last, chunk, turn):
+            for begin, end in self._spans(last, chunk):
                 self.forwards += 1
                 self.target(mx.array([prompt[begin:end]]), cache=self.target_cache)
-                self._quantize_when_due(end, turn)
+                self._quantize_when_due()
                 mx.eval([layer_cache.state for layer_cache in self.target_cache])
                 self._keep_beginning(end, prompt)
                 heard(end - self.reused, len(prompt) - self.reused)
@@ -312,8 +318,8 @@ class SpeculativeDecoder:
             # The model's own forward pass computes logits for every token: the last one alone.
             # (So too where the cache may turn quantized before it, as plain decoding's does.)
             last_alone = not self.drives_target or self.kv is not None
-            spans = self._spans(last, chunk, turn) + [(last, len(prompt))] if last_alone \
-                else self._spans(len(prompt), chunk, turn)
+            spans = self._spans(last, chunk) + [(last, len(prompt))] if last_alone \
+                else self._spans(len(prompt), chunk)
             features, hidden = [], []
             for begin, end in spans:
                 out = self._forward(mx.array(prompt[begin:end]), begin, "causal" if end - begin > 1 else None)
@@ -321,7 +327,7 @@ class SpeculativeDecoder:
                 hidden.append(out.hidden)
                 # The prompt's own logits are never needed: only the last. (A recurrent state is
                 # computed apart from the outputs: evaluated too, so the graph does not grow.)
-                self._quantize_when_due(end, turn)
+                self._quantize_when_due()
                 mx.eval(out.features, out.hidden, [] if self.drives_target else [c.state for c in self.target_cache])
                 self._keep_beginning(end, prompt)
                 heard(end - self.reused, len(prompt) - self.reused)
@@ -346,12 +352,12 @@ class SpeculativeDecoder:
         self.state.tokens = tokens
         return self.root
 
-    def _spans(self, end: int, chunk: int, turn: int) -> List[Tuple[int, int]]:
+    def _spans(self, end: int, chunk: int) -> List[Tuple[int, int]]:
         """The (begin, end) spans of the prompt up to ``end`` read by one forward pass each:
-        ``chunk`` tokens at a time from what the caches hold, cut where plain decoding's cache
-        turns quantized (``turn``) and where a copy of the caches is to be kept."""
-        cuts = set(range(self.reused, end, chunk)) | {end}
-        cuts |= {at for at in (turn, self.state.keep_at) if self.reused < at < end}
+        ``chunk`` tokens at a time from what the caches hold, cut where a copy of the caches
+        is to be kept."""
+        cuts = set(range(self.reused, end, chunk)) | {end} | \
+            ({self.state.keep_at} if self.reused < self.state.keep_at < end else set())
         return list(zip(sorted(cuts), sorted(cuts)[1:]))
 
     def _keep_beginning(self, read: int, prompt: List[int]) -> None:
@@ -360,10 +366,8 @@ class SpeculativeDecoder:
         if read == self.state.keep_at:
             self.state.beginning = PromptCache(copy.deepcopy(self.target_cache), list(prompt[:read + 1]))
 
-    def _quantize_when_due(self, read: int = 0, turn: int = 0) -> None:
-        """Quantize the target's cache once it holds mlx-lm's ``start`` entries (while a
-        prompt is read: not before ``read`` reaches plain decoding's ``turn``)."""
-        if self.kv is not None and read >= turn:
+    def _quantize_when_due(self) -> None:
+        if self.kv is not None:
             self.kv.quantize_when_due(self.target_cache)
 
     def _held(self, logits: mx.array) -> mx.array:

@@ -413,6 +413,7 @@ KV_BITS = (2, 3, 4, 5, 6, 8)  # what mx.quantize packs
 KV_GROUP_SIZES = (32, 64, 128)
 
 
+# How many prompt tokens plain mlx-lm reads in one forward pass (generate_step's default).
 MLX_LM_PREFILL_STEP: int = signature(generate_step).parameters["prefill_step_size"].default
 
 
@@ -452,15 +453,6 @@ class KVQuantization:
         """Quantize the layers' caches once they hold ``start`` entries, as mlx-lm does
         after each forward pass."""
         maybe_quantize_kv_cache(cache, self.start, self.group_size, self.bits)
-
-    def turn(self, read_from: int, last: int) -> int:
-        """Where plain mlx-lm's cache turns quantized while it reads a prompt's tokens from
-        ``read_from`` up to ``last`` (the last token is read alone, after): at the end of the
-        first of its ``prefill_step_size`` chunks to reach ``start`` (``last + 1`` if none
-        does). The rows it read before attend to unquantized keys, so a reader in other
-        chunks turns at the same place, or the text changes."""
-        chunk_ends = list(range(read_from + MLX_LM_PREFILL_STEP, last, MLX_LM_PREFILL_STEP)) + [last]
-        return next((end for end in chunk_ends if end >= self.start), last + 1)
 
     def room(self, cache: List, position: int, room: int) -> int:
         """How many tokens a round from ``position`` may produce: while the cache is not yet

@@ -12,6 +12,7 @@ from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache, make
 
 from drafting import decoder as make_decoder
 from mlx_eagle import stream_generate
+from mlx_eagle import make_prompt_cache as conversation_cache
 from mlx_eagle.errors import UserError
 from mlx_eagle.generate import chat_tokens
 from mlx_eagle.target import KVQuantization, keep_cache_entries, kv_quantization
@@ -55,6 +56,29 @@ def test_greedy_text_is_mlx_lms_with_the_same_quantized_cache(smollm):
         got = [r.token for r in stream_generate(model, tokenizer, ids, max_tokens=30, kv_bits=4,
                                                 quantized_kv_start=start)]
         assert got == plain_quantized(model, tokenizer, ids, 30, 4, start), start
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("draft", ["none", "auto"])
+def test_a_prompt_is_read_into_the_quantized_cache_plain_mlx_lm_fills(smollm, draft):
+    """Read as mlx-lm reads it (2,048 tokens a chunk, quantized after the chunk that reaches
+    ``start``), a 700-token prompt leaves the packed keys and values mlx-lm's own reading
+    leaves, bit for bit, with and without the head (which reads the target's states): keys
+    computed in 512-token chunks round differently, and 4 bits keep other levels for some."""
+    model, tokenizer = smollm
+    ids = chat_tokens(tokenizer, [{"role": "user", "content": " ".join(f"Line {i}: a {i % 7}-sided die." for i in
+                                                                        range(70)) + " Sum them."}])
+    assert 600 < len(ids) < 2048
+    slot = conversation_cache(model)
+    list(stream_generate(model, tokenizer, ids, max_tokens=1, draft=draft, prompt_cache=slot, kv_bits=4,
+                         quantized_kv_start=0))
+    plain = make_prompt_cache(model)
+    list(generate_step(mx.array(ids), model, prompt_cache=plain, max_tokens=0, kv_bits=4, quantized_kv_start=0))
+    for ours, theirs in zip(slot.target, plain):
+        assert isinstance(ours, QuantizedKVCache) and ours.offset == theirs.offset == len(ids)
+        for mine, reference in ((ours.keys, theirs.keys), (ours.values, theirs.values)):
+            for part, other in zip(mine, reference):  # packed values, scales, biases
+                assert mx.array_equal(part[..., :len(ids), :], other[..., :len(ids), :]).item()
 
 
 def test_a_branch_is_cut_out_of_a_packed_cache():
