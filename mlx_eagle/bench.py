@@ -207,8 +207,7 @@ def speculative_method(model, tokenizer, plan, max_tokens: int, sampling: Sampli
 def mlx_lm_method(model, tokenizer, max_tokens: int, sampling: Sampling, seed: Optional[int] = None,
                   draft_model=None, num_draft_tokens: int = 3, kv: Optional[dict] = None) -> Generator:
     """Plain mlx-lm decoding, or its draft-model speculative decoding; ``kv``: quantized KV
-    caches (cli.kv_options), the prompt then read 512 tokens at a time as ours is, so that
-    the cache turns quantized at the same point."""
+    caches (cli.kv_options), with mlx-lm's own prompt reading (ours reads as it does then)."""
     from mlx_lm import stream_generate
     from mlx_lm.sample_utils import make_sampler
 
@@ -219,7 +218,7 @@ def mlx_lm_method(model, tokenizer, max_tokens: int, sampling: Sampling, seed: O
             mx.random.seed(seed)
         extra = {"draft_model": draft_model, "num_draft_tokens": num_draft_tokens} if draft_model is not None else {}
         if kv and kv["kv_bits"] is not None:
-            extra.update(kv, prefill_step_size=512)
+            extra.update(kv)
         # Every token, the end-of-sequence one too, as ours yields it.
         responses, seconds, first = timed(stream_generate(model, tokenizer, mx.array(ids), max_tokens=max_tokens,
                                                           sampler=sampler, **extra))
