@@ -356,9 +356,9 @@ class SpeculativeDecoder:
         """The (begin, end) spans of the prompt up to ``end`` read by one forward pass each:
         ``chunk`` tokens at a time from what the caches hold, cut where a copy of the caches
         is to be kept."""
-        cuts = set(range(self.reused, end, chunk)) | {end} | \
-            ({self.state.keep_at} if self.reused < self.state.keep_at < end else set())
-        return list(zip(sorted(cuts), sorted(cuts)[1:]))
+        cuts = sorted(set(range(self.reused, end, chunk)) | {end} |
+                      ({self.state.keep_at} if self.reused < self.state.keep_at < end else set()))
+        return list(zip(cuts, cuts[1:]))
 
     def _keep_beginning(self, read: int, prompt: List[int]) -> None:
         """Having read ``read`` prompt tokens: where that is where the slot keeps a copy of

@@ -67,7 +67,6 @@ def test_a_function_needing_more_than_model_and_tokenizer_is_refused():
         user_drafter("table_drafter:needs_phrases").factory(None, None)
 
 
-@pytest.mark.slow
 def test_a_fork_copies_the_conversation_state_and_shares_a_model():
     import mlx.nn as nn
 
