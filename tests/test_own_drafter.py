@@ -91,10 +91,10 @@ def test_a_fork_copies_the_conversation_state_and_shares_a_model():
 def test_api_objects_and_classes_draft_fresh_per_conversation(smollm):
     model, tokenizer = smollm
     ids = chat_tokens(tokenizer, [{"role": "user", "content": COPYING}])
-    plain = [r.token for r in stream_generate(model, tokenizer, ids, draft="none", max_tokens=48)]
+    plain = [r.token for r in stream_generate(model, tokenizer, ids, draft="none", max_tokens=32)]
     template = TableDrafter()
     for draft in (template, TableDrafter, "table_drafter:TableDrafter"):
-        responses = list(stream_generate(model, tokenizer, ids, draft=draft, lookup=False, max_tokens=48))
+        responses = list(stream_generate(model, tokenizer, ids, draft=draft, lookup=False, max_tokens=32))
         assert [r.token for r in responses] == plain
         stats = responses[-1].sources
         (only,) = stats.values()
@@ -103,12 +103,12 @@ def test_api_objects_and_classes_draft_fresh_per_conversation(smollm):
 
     engine = Engine(loaded=(model, tokenizer, template), lookup=False)
     try:
-        first, second = ChatSession(engine=engine, max_tokens=64), ChatSession(engine=engine, max_tokens=64)
+        first, second = ChatSession(engine=engine, max_tokens=24), ChatSession(engine=engine, max_tokens=24)
         for session, text in ((first, COPYING), (second, "Count from one to ten."), (first, "Once more.")):
             reply = "".join(chunk.text for chunk in session.send(text))
             ids = chat_tokens(tokenizer, session.messages()[:-1])
             assert reply == "".join(r.text for r in stream_generate(model, tokenizer, ids, draft="none",
-                                                                     max_tokens=64))
+                                                                     max_tokens=24))
         drafter = engine.caches.slots[-1].drafter.drafters[0].current  # the first conversation's, used last
         assert drafter.conversations == 1, "every conversation met a drafter of its own"
         assert engine.drafting == "TableDrafter"
