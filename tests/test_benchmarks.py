@@ -237,3 +237,10 @@ def test_dflash_curve_reads_a_resumed_log(tmp_path):
     points = json.loads((tmp_path / "curve.json").read_text())["points"]
     assert [p["step"] for p in points] == [20, 40] and points[1]["tokens"] == 4100
     assert abs(points[0]["tau_estimate"] - (1 + 0.5 + 0.125)) < 1e-9 and (tmp_path / "curve.png").exists()
+
+
+def test_attention_cost(tmp_path):
+    run("attention_cost.py", "--contexts", "64,128", "--rows", 4, "--out", tmp_path / "attention.json")
+    result = json.loads((tmp_path / "attention.json").read_text())
+    assert [row["context"] for row in result["rows"]] == [64, 128] and result["block_rows"] == 4
+    assert all(row["block_ms"]["exp"] > 0 and row["block_over_one_row"] > 0 for row in result["rows"])

@@ -178,7 +178,8 @@ def test_interleaved_conversations_each_keep_their_cache_and_share_their_beginni
     model, tokenizer = smollm
     system = {"role": "system", "content": "You are a careful assistant for a hardware shop. " * 12}
     head = new_head(model, "eagle3", seed=4)  # random: some drafts fail, so the copied caches are cut back
-    engine = Engine(loaded=(model, tokenizer, head), history=False, tree="chain:3")  # (auto: a random head drafts nothing)
+    # (a chain: with tree auto a random head drafts nothing)
+    engine = Engine(loaded=(model, tokenizer, head), history=False, tree="chain:3")
     try:
         conversations = {"a": [system], "b": [system]}
         asked = [("a", "Do you sell hammers?"), ("b", "Do you sell nails?"), ("a", "How much is one?"),
