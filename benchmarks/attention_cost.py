@@ -4,7 +4,8 @@ One layer's attention at Qwen2.5-Coder-0.5B's shape (14 query heads, 2 KV heads,
 64), over contexts of 512 to 32k cached entries: for one new row (a plain decoding step)
 and for a block of new rows (a verified draft, under a tree mask), the whole
 ``mx.fast.scaled_dot_product_attention`` and, apart, its pieces: the two matrix products
-and the exponentials of the scores. A block of k rows does k times the arithmetic of one
+and the exponentials of the scores; and the whole attention again over an 8-bit cache, as
+mlx-lm's quantized KV caches attend (``--kv-bits 8``). A block of k rows does k times the arithmetic of one
 row but reads the cache once, so where reading dominates (Apple GPUs) it costs about one
 row; where the per-element work dominates, it costs about k rows, and a verified block
 grows dear as the context grows (``benchmarks/long_context.py``).
@@ -21,6 +22,7 @@ from pathlib import Path
 from typing import Callable, Dict, List
 
 import mlx.core as mx
+from mlx_lm.models.base import quantized_scaled_dot_product_attention
 
 from mlx_eagle.bench import machine
 from mlx_eagle.cli import use_fast_blas
@@ -47,15 +49,19 @@ def layer_times(context: int, rows: int) -> Dict[str, float]:
     mask = mx.concatenate([mx.ones((rows, context), dtype=mx.bool_),
                            mx.tril(mx.ones((rows, rows), dtype=mx.bool_))], axis=1)  # a chain: the costliest tree
     grouped = queries.reshape(1, KV_HEADS, HEADS // KV_HEADS * rows, HEAD_SIZE)
+    packed_keys, packed_values = mx.quantize(keys, group_size=64, bits=8), mx.quantize(values, group_size=64, bits=8)
     scores = grouped @ keys.swapaxes(-1, -2)
     weights = mx.softmax(scores, axis=-1)
-    mx.eval(keys, values, queries, mask, scores, weights)
+    mx.eval(keys, values, queries, mask, scores, weights, packed_keys, packed_values)
     return {
         "attention": median_ms(lambda: mx.fast.scaled_dot_product_attention(
             queries, keys, values, scale=HEAD_SIZE ** -0.5, mask=mask if rows > 1 else None)),
         "scores_matmul": median_ms(lambda: grouped @ keys.swapaxes(-1, -2)),
         "exp": median_ms(lambda: mx.exp(scores)),
         "values_matmul": median_ms(lambda: weights @ values),
+        "attention_8bit_cache": median_ms(lambda: quantized_scaled_dot_product_attention(
+            queries * 1, packed_keys, packed_values, scale=HEAD_SIZE ** -0.5, mask=mask if rows > 1 else None),
+            repeats=3),  # (queries * 1: it scales its queries in place)
     }
 
 
@@ -76,7 +82,7 @@ def main(argv: List[str] = None) -> None:
     per_element = element_ns()
     print(f"per element: exp {per_element['exp']:.2f} ns, multiply {per_element['multiply']:.2f} ns")
     print(f"{'context':>8} {'1 row ms':>9} {f'{args.rows} rows ms':>11} {'ratio':>6} "
-          f"{'of which: scores':>17} {'exp':>7} {'values':>7}")
+          f"{'of which: scores':>17} {'exp':>7} {'values':>7} {'8-bit cache: 1 row':>19} {'block':>7}")
     rows = []
     for context in [int(n) for n in args.contexts.split(",")]:
         one, block = layer_times(context, 1), layer_times(context, args.rows)
@@ -84,7 +90,8 @@ def main(argv: List[str] = None) -> None:
                      "block_over_one_row": block["attention"] / one["attention"]})
         print(f"{context:>8} {one['attention']:>9.2f} {block['attention']:>11.2f} "
               f"{block['attention'] / one['attention']:>5.1f}x {block['scores_matmul']:>17.2f} "
-              f"{block['exp']:>7.2f} {block['values_matmul']:>7.2f}", flush=True)
+              f"{block['exp']:>7.2f} {block['values_matmul']:>7.2f} {one['attention_8bit_cache']:>19.2f} "
+              f"{block['attention_8bit_cache']:>7.2f}", flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({
         "shape": {"heads": HEADS, "kv_heads": KV_HEADS, "head_size": HEAD_SIZE}, "block_rows": args.rows,
