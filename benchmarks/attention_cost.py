@@ -16,14 +16,13 @@ grows dear as the context grows (``benchmarks/long_context.py``).
 
 import argparse
 import json
-import statistics
-import time
 from pathlib import Path
 from typing import Callable, Dict, List
 
 import mlx.core as mx
 from mlx_lm.models.base import quantized_scaled_dot_product_attention
 
+from mlx_eagle import costs
 from mlx_eagle.bench import machine
 from mlx_eagle.cli import use_fast_blas
 
@@ -31,13 +30,8 @@ HEADS, KV_HEADS, HEAD_SIZE = 14, 2, 64  # Qwen2.5-Coder-0.5B's attention
 
 
 def median_ms(make: Callable[[], mx.array], repeats: int = 7) -> float:
-    mx.eval(make())  # warm-up
-    times = []
-    for _ in range(repeats):
-        tic = time.perf_counter()
-        mx.eval(make())
-        times.append((time.perf_counter() - tic) * 1000)
-    return statistics.median(times)
+    """Median milliseconds of evaluating what ``make`` builds (costs.median_ms, after a warm-up)."""
+    return costs.median_ms(lambda: mx.eval(make()), repeats)
 
 
 def layer_times(context: int, rows: int) -> Dict[str, float]:
