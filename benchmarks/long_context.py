@@ -95,7 +95,8 @@ def main(argv: List[str] = None) -> None:
     model, tokenizer, draft = load(args.model, draft="auto")
     lengths = [int(n) for n in args.lengths.split(",")]
     if max(lengths) > 2 * CALIBRATION_CONTEXT:  # (shorter replies attend to about what the near curve was timed at)
-        verify_costs(model).measure_long()  # timed now, once, and kept: never inside a measured reply
+        for kv in args.kv.split(","):  # timed now, once, and kept: never inside a measured reply
+            verify_costs(model, kv_setting(None if kv == "none" else int(kv))).measure_long()
     name = args.model or "SmolLM2-135M-Instruct"
     with tempfile.TemporaryDirectory() as scratch:
         for length in lengths:
@@ -112,6 +113,14 @@ def main(argv: List[str] = None) -> None:
                 print(line(row), flush=True)
                 save(args.out, row)  # after every pair: a long run stopped keeps them
     print(f"wrote {args.out}")
+
+
+def kv_setting(kv_bits: Optional[int]):
+    """The quantization every method's cache gets here: from its first entry (mlx-lm's
+    ``quantized_kv_start`` 0), so that a prompt's length is what the quantized cache holds."""
+    from mlx_eagle.target import kv_quantization
+
+    return kv_quantization(kv_bits, quantized_kv_start=0)
 
 
 def bench_row(prompts: Path, kv: str, args, out: Path) -> dict:
@@ -202,16 +211,17 @@ def cached_prompt_row(model, tokenizer, draft, prompts: Path, kv_bits: Optional[
         """Default drafting sized as if the reply attended to a short context (the curve timed
         after 2,048 entries set aside): what sizing drafts by the context changes."""
         def decode_near(ids: List[int], read: PromptCache) -> dict:
-            costs.long_verify_ms, long_curve = None, costs.long_verify_ms
+            curves.long_verify_ms, long_curve = None, curves.long_verify_ms
             try:
                 return decode(ids, read)
             finally:
-                costs.long_verify_ms = long_curve
+                curves.long_verify_ms = long_curve
         return decode_near
 
-    costs = verify_costs(model)
+    costs = verify_costs(model, kv_setting(kv_bits))  # what the plans of ``ours`` share
+    curves = costs.quantized or costs  # a quantized cache's from its first entry
     methods = {"baseline": plain, "none": ours("none"), "default": ours(draft)}
-    if costs.long_verify_ms is not None:
+    if curves.long_verify_ms is not None:
         methods["default-near"] = near_curve(ours(draft))
     totals: Dict[str, dict] = {name: {"seconds": 0.0, "tokens": 0, "peak": 0.0, "cache": 0.0} for name in methods}
     replies: Dict[str, List[List[int]]] = {name: [] for name in methods}

@@ -482,18 +482,19 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         return False if args.no_history else History(model_identity(model))
 
     chosen = draft if args.draft != "none" else "none"
-    plans = {"default": plan_drafts(model, chosen, tree, history=history(), tokenizer=tokenizer),
-             "default-no-history": plan_drafts(model, chosen, tree, history=False, tokenizer=tokenizer),
-             "lookup": plan_drafts(model, "lookup", tree, history=history()),
-             "none": plan_drafts(model, "none", tree, history=False)}
+    kv = kv_options(args)
+    plans = {"default": plan_drafts(model, chosen, tree, history=history(), tokenizer=tokenizer, **kv),
+             "default-no-history": plan_drafts(model, chosen, tree, history=False, tokenizer=tokenizer, **kv),
+             "lookup": plan_drafts(model, "lookup", tree, history=history(), **kv),
+             "none": plan_drafts(model, "none", tree, history=False, **kv)}
     if {"drafter", "drafter+lookup"} & set(methods):
         if draft is None:
             raise UserError("no drafter for this model: pass --draft DIR (a head, a DFlash drafter or a draft model; "
                             "see python -m mlx_eagle.train)")
-        plans["drafter"] = plan_drafts(model, draft, tree, lookup=False, tokenizer=tokenizer)
-        plans["drafter+lookup"] = plan_drafts(model, draft, tree, lookup=True, history=history(), tokenizer=tokenizer)
+        plans["drafter"] = plan_drafts(model, draft, tree, lookup=False, tokenizer=tokenizer, **kv)
+        plans["drafter+lookup"] = plan_drafts(model, draft, tree, lookup=True, history=history(), tokenizer=tokenizer,
+                                              **kv)
     sampling = Sampling(args.temp, args.top_p, args.min_p, args.top_k)
-    kv = kv_options(args)
     generators: Dict[str, Generator] = {}
     for name in methods:
         if name == "baseline":

@@ -69,6 +69,11 @@ class Costs:
     # The context the next round attends to: the decoder sets it before each round, and what
     # ``verify`` and ``steps`` answer is for it. (One generation at a time uses a model's costs.)
     attending: int = CALIBRATION_CONTEXT
+    # With quantized KV caches: the same curves timed over packed keys (MLX's quantized matrix
+    # products cost their own, on a CPU several times the float ones), which price a round
+    # once the cache holds ``quantized_from`` entries and has turned quantized.
+    quantized: Optional["Costs"] = None
+    quantized_from: int = 0
 
     def __post_init__(self) -> None:
         self.verify_ms = {int(k): float(v) for k, v in sorted(self.verify_ms.items())}
@@ -83,7 +88,11 @@ class Costs:
         """Milliseconds of a forward over ``tokens`` at the context ``attending``:
         interpolated between measured sizes; past the largest, extrapolated along the last
         measured slope (never flat: a size nobody timed must not look free); past the
-        calibration context, plus what the long curve adds there, growing with the context."""
+        calibration context, plus what the long curve adds there, growing with the context;
+        past ``quantized_from``, the quantized cache's curves'."""
+        if self.quantized is not None and self.attending >= self.quantized_from:
+            self.quantized.attending = self.attending
+            return self.quantized.verify(tokens)
         near = _along(self.verify_ms, tokens)
         if self.long_verify_ms is None or self.attending <= CALIBRATION_CONTEXT:
             return near
@@ -95,6 +104,8 @@ class Costs:
         kept). Not done inside a reply: a first long request must not stall for it."""
         if self.long_verify_ms is None and self.time_long is not None:
             self.long_verify_ms, self.time_long = self.time_long(), None
+        if self.quantized is not None:
+            self.quantized.measure_long()
 
     def steps(self, tokens: int) -> float:
         """A forward over ``tokens`` in plain decoding steps (one token = 1)."""
@@ -145,13 +156,15 @@ def median_ms(run: Callable[[], None], repeats: int) -> float:
 
 
 def time_forwards(model: nn.Module, sizes: Sequence[int] = CALIBRATION_SIZES, context: int = 256,
-                  repeats: int = 2, taps: Optional[Sequence[int]] = None, progress: bool = False) -> Dict[int, float]:
+                  repeats: int = 2, taps: Optional[Sequence[int]] = None, progress: bool = False,
+                  kv: Optional[KVQuantization] = None) -> Dict[int, float]:
     """Milliseconds of a target forward over k distinct new tokens for each k in ``sizes``
     (``context`` cached), the way the decoder verifies a chain: one compiled call where
     target.py compiles verification, through its compiled pieces where it drives the
     architecture otherwise (with ``taps``' states), else the model's own forward.
     Distinct tokens, because an MoE verifying one repeated token touches fewer experts
-    and would look cheaper than it is."""
+    and would look cheaper than it is. ``kv``: with the cache quantized after the context,
+    as ``kv`` quantizes it."""
 
 
     vocab = model.args.vocab_size
@@ -161,6 +174,8 @@ def time_forwards(model: nn.Module, sizes: Sequence[int] = CALIBRATION_SIZES, co
     for start in range(0, context, 512):  # read as a prompt is read: a long context's attention stays small
         model(mx.array(tokens[None, start:min(start + 512, context)]), cache=cache)
         mx.eval([layer_cache.state for layer_cache in cache])
+    if kv is not None:
+        replace(kv, start=0).quantize_when_due(cache)
     block = mx.array(tokens[None, context:])
 
     def verify(size: int) -> None:
@@ -208,19 +223,12 @@ def logit_drift(model: nn.Module, context: int = 256, size: int = 16, kv: Option
 
 
 MAX_DRIFT = 1e3
-# Per model object (weakly held) and quantization: the drift with quantized caches, measured once a process.
-_KV_DRIFTS: Dict[Tuple[int, int, int], Tuple["weakref.ref", float]] = {}
 
 
 def kv_logit_drift(model: nn.Module, kv: KVQuantization) -> float:
-    """``logit_drift`` with the cache quantized as ``kv`` quantizes it (a few forward
-    passes, once per process and setting)."""
-    key = (id(model), kv.bits, kv.group_size)
-    known = _KV_DRIFTS.get(key)
-    if known is None or known[0]() is not model:
-        known = (weakref.ref(model), first_rank_numbers([logit_drift(model, kv=kv)])[0])
-        _KV_DRIFTS[key] = known
-    return known[1]
+    """``logit_drift`` with the cache quantized as ``kv`` quantizes it (measured once per
+    device and setting, with its cost curve, and kept)."""
+    return _measured(model, kv).logit_drift
 
 
 def check_drift(value: object) -> Optional[float]:
@@ -317,23 +325,43 @@ def _rank_0s(curve: Dict[int, float], drift: float, long_curve: Optional[Dict[in
     return shared, values[-1], (dict(zip(LONG_SIZES, values[len(curve):-1])) if has_long else None)
 
 
-def calibration_file(model: nn.Module) -> Path:
-    return cache_dir() / "calibration" / f"{device_key(model)}-{model_digest(model)}.json"
+def calibration_file(model: nn.Module, kv: Optional[KVQuantization] = None) -> Path:
+    """Where this device's curves for ``model`` are kept (``kv``: those over a cache quantized so)."""
+    setting = f"-kv{kv.bits}g{kv.group_size}" if kv is not None else ""
+    return cache_dir() / "calibration" / f"{device_key(model)}-{model_digest(model)}{setting}.json"
 
 
-# Per model object (weakly held) and calibration file: a process reads or times a curve once.
-_CURVES: Dict[Tuple[int, Path], Tuple["weakref.ref", Costs]] = {}
+# Per model object (weakly held), calibration file and quantization start: a process reads or
+# times a curve once, and every caller of one setting shares its Costs (and what it attends to).
+_CURVES: Dict[Tuple[int, Path, Optional[int]], Tuple["weakref.ref", Costs]] = {}
 
 
-def verify_costs(model: nn.Module) -> Costs:
+def verify_costs(model: nn.Module, kv: Optional[KVQuantization] = None) -> Costs:
     """This device's verify-cost curve for ``model``: timed once (a few seconds) and kept
     in the user's cache, keyed by device, weight format and architecture. A cached curve
     that is damaged or contradicts itself is timed again, with one line saying why; so is
-    a fresh timing that contradicts itself (taken under load), up to twice."""
-    path = calibration_file(model)
-    known = _CURVES.get((id(model), path))
+    a fresh timing that contradicts itself (taken under load), up to twice. ``kv``: quantized
+    KV caches as the user's setting quantizes them, whose blocks past ``kv.start`` entries
+    are priced by curves timed over packed keys (once per setting, kept beside the others)."""
+    if kv is None:
+        return _measured(model, None)
+    key = (id(model), calibration_file(model, kv), kv.start)
+    known = _CURVES.get(key)
     if known is not None and known[0]() is model:
         return known[1]
+    costs = replace(_measured(model, None), quantized=_measured(model, kv), quantized_from=kv.start)
+    _CURVES[key] = (weakref.ref(model), costs)
+    return costs
+
+
+def _measured(model: nn.Module, kv: Optional[KVQuantization]) -> Costs:
+    """The curves and drift of one calibration file (``kv``: over a cache quantized so),
+    read, or timed and kept (see verify_costs)."""
+    path = calibration_file(model, kv)
+    known = _CURVES.get((id(model), path, None))
+    if known is not None and known[0]() is model:
+        return known[1]
+    setting = device_key(model) + (f", {kv.bits}-bit KV cache" if kv is not None else "")
     curve, drift, long_curve, record = None, None, None, {}
     if path.exists():
         try:
@@ -349,18 +377,18 @@ def verify_costs(model: nn.Module) -> Costs:
     timed_now = curve is None or drift is None
     if curve is None:
         kept = writable(path.parent)
-        print(f"timing this device's forward passes {'once' if kept else 'for this run'} ({device_key(model)})"
+        print(f"timing this device's forward passes {'once' if kept else 'for this run'} ({setting})"
               + ("" if kept else f"; {path.parent} is not writable: set MLX_EAGLE_CACHE to a writable directory "
                                  "to time once"), file=sys.stderr)
         for _ in range(1 if sharded() else 3):  # (ranks must agree on how many times they time)
-            timed = time_forwards(model)
+            timed = time_forwards(model, kv=kv)
             try:
                 curve = check_curve({"verify_ms": {str(k): v for k, v in timed.items()}})
                 break
             except ValueError:
                 curve = timed  # kept if every attempt is disturbed: the best this machine gives now
     if drift is None:
-        drift = logit_drift(model)
+        drift = logit_drift(model, kv=kv)
     record = {"device": device_key(model), "verify_ms": curve, "logit_drift": drift, "long_verify_ms": long_curve}
 
     def keep() -> None:
@@ -371,9 +399,8 @@ def verify_costs(model: nn.Module) -> Costs:
     def time_long() -> Optional[Dict[int, float]]:
         if (getattr(model.args, "max_position_embeddings", None) or 0) <= LONG_CONTEXT + max(LONG_SIZES):
             return None
-        print(f"timing this device's forward passes after {LONG_CONTEXT} tokens, once ({device_key(model)})",
-              file=sys.stderr)
-        record["long_verify_ms"] = time_forwards(model, LONG_SIZES, context=LONG_CONTEXT)
+        print(f"timing this device's forward passes after {LONG_CONTEXT} tokens, once ({setting})", file=sys.stderr)
+        record["long_verify_ms"] = time_forwards(model, LONG_SIZES, context=LONG_CONTEXT, kv=kv)
         keep()
         return record["long_verify_ms"]
 
@@ -383,5 +410,5 @@ def verify_costs(model: nn.Module) -> Costs:
         curve, drift, long_curve = _rank_0s(curve, drift, long_curve)
     costs = Costs(curve, logit_drift=drift, long_verify_ms=long_curve,
                   time_long=time_long if long_curve is None and not sharded() else None)
-    _CURVES[(id(model), path)] = (weakref.ref(model), costs)
+    _CURVES[(id(model), path, None)] = (weakref.ref(model), costs)
     return costs

@@ -27,7 +27,7 @@ import importlib
 import importlib.metadata
 import inspect
 import re
-from dataclasses import dataclass, field
+from dataclasses import astuple, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
@@ -43,6 +43,7 @@ from .drafters.kinds import DraftSettings, DraftSource, kind_modules
 from .errors import UserError, did_you_mean
 from .hub import from_hub
 from .models import load_target, resolve_model
+from .target import KVQuantization, kv_quantization
 from .trees import TreeSpec
 
 WORDS = ("auto", "lookup", "none")
@@ -280,22 +281,35 @@ def history_of(model: nn.Module, history: Union[bool, str, Path, "History", None
     return History.open(Path(history), model_identity(model))
 
 
+def _kv_text(kv: Optional[KVQuantization]) -> str:
+    return "kv_bits None" if kv is None else f"kv_bits {kv.bits}, kv_group_size {kv.group_size}, " \
+                                             f"quantized_kv_start {kv.start}"
+
+
 def plan_drafts(model: nn.Module, draft: Union[str, Path, None, object] = "auto",
                 tree: Union[str, TreeSpec, None] = "auto", lookup: bool = True,
-                history: Union[bool, str, Path, object, None] = True, tokenizer: Any = None) -> DraftPlan:
+                history: Union[bool, str, Path, object, None] = True, tokenizer: Any = None,
+                kv_bits: Optional[int] = None, kv_group_size: int = 64,
+                quantized_kv_start: Optional[int] = None) -> DraftPlan:
     """The one policy: what drafts for ``model`` given the user's draft choice (see the
     module's docstring), the head's ``tree``, whether to draft from the context, and from
     which ``history`` of earlier replies (see ``history_of``); ``tokenizer``: the model's,
-    for your own drafter's class or function to take."""
+    for your own drafter's class or function to take. ``kv_bits``, ``kv_group_size``,
+    ``quantized_kv_start``: the quantized KV caches the plan's generations use (as
+    stream_generate takes them), which price verification differently (costs.verify_costs)."""
+    kv = kv_quantization(kv_bits, kv_group_size, quantized_kv_start)
     if isinstance(draft, DraftPlan):
+        if draft.settings.kv != kv:
+            raise UserError(f"this draft plan was made for other KV cache settings ({_kv_text(draft.settings.kv)}, "
+                            f"not {_kv_text(kv)}); make it with plan_drafts(..., kv_bits=...) as you generate")
         return draft
     if draft == "none":
         lookup = False
     history = history_of(model, history) if lookup else None
     key = (id(model), draft if isinstance(draft, (str, Path, type(None))) else id(draft),
-           tree.text if isinstance(tree, TreeSpec) else tree, lookup, id(history))
+           tree.text if isinstance(tree, TreeSpec) else tree, lookup, id(history), kv and astuple(kv))
     loaded = load_draft(draft, model)
-    settings = DraftSettings(model, tree, history)
+    settings = DraftSettings(model, tree, history, kv)
     sources = []
     if isinstance(loaded, UserDrafter):
         make = loaded.factory(model, tokenizer)

@@ -158,7 +158,8 @@ class Engine:
         key = (getattr(tree, "text", tree), history_key)
         if key not in self._plans:
             history = history_of(self.model, self.history, history_key) if self.lookup else None
-            self._plans[key] = plan_drafts(self.model, self.head, tree, self.lookup, history, self.tokenizer)
+            self._plans[key] = plan_drafts(self.model, self.head, tree, self.lookup, history, self.tokenizer,
+                                           **self.kv_options)
         return self._plans[key]
 
     def clear_history(self) -> None:

@@ -1,7 +1,10 @@
 """Quantized KV caches with speculation: greedy text is plain mlx-lm decoding's with the same
 cache settings (the cache turning quantized while the prompt is read, and between two
 rounds), a branch is cut out of a packed cache, samples follow the distribution plain
-decoding samples from, and a cache that cannot be quantized is one line."""
+decoding samples from, a cache that cannot be quantized is one line, and rounds over a
+quantized cache are priced by a curve timed over one."""
+
+import json
 
 import mlx.core as mx
 import numpy as np
@@ -10,9 +13,11 @@ from mlx_lm.generate import generate_step
 from mlx_lm.models import llama
 from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache, make_prompt_cache
 
+import mlx_eagle.costs
 from drafting import decoder as make_decoder
-from mlx_eagle import stream_generate
+from mlx_eagle import plan_drafts, stream_generate
 from mlx_eagle import make_prompt_cache as conversation_cache
+from mlx_eagle.costs import calibration_file, verify_costs
 from mlx_eagle.errors import UserError
 from mlx_eagle.generate import chat_tokens
 from mlx_eagle.target import KVQuantization, keep_cache_entries, kv_quantization
@@ -153,3 +158,34 @@ def test_settings_and_caches_that_cannot_be_quantized_are_one_line():
     assert kv_quantization(None) is None
     with pytest.raises(UserError, match="RotatingKVCache"):
         KVQuantization(4).check([KVCache(), RotatingKVCache(max_size=16)])
+
+
+def test_quantized_caches_price_verification_by_their_own_curve(quantizable_model, tmp_path, monkeypatch):
+    """Past ``quantized_kv_start`` a block attends over packed keys, which MLX's quantized
+    products price differently (on a CPU several times the float ones): those rounds are
+    sized by a curve timed over a quantized cache, kept in a file of its own per setting,
+    and the plan's drafters and its decoder share that one Costs."""
+    monkeypatch.setenv("MLX_EAGLE_CACHE", str(tmp_path))
+    monkeypatch.setattr(mlx_eagle.costs, "_CURVES", {})
+    kv = KVQuantization(8, 32, start=1024)
+    timed = verify_costs(quantizable_model, kv)  # times both curves on this tiny model, once, and keeps them
+    assert calibration_file(quantizable_model).exists() and calibration_file(quantizable_model, kv).exists()
+    assert calibration_file(quantizable_model, kv) != calibration_file(quantizable_model, KVQuantization(4, 32))
+    assert timed.quantized.logit_drift is not None
+
+    for setting, curve in [(None, {"1": 10.0, "2": 12.0, "16": 20.0}), (kv, {"1": 20.0, "2": 30.0, "16": 120.0})]:
+        calibration_file(quantizable_model, setting).write_text(
+            json.dumps({"verify_ms": curve, "logit_drift": 1e-4}))
+    monkeypatch.setattr(mlx_eagle.costs, "_CURVES", {})
+    costs = verify_costs(quantizable_model, kv)
+    costs.attending = 768
+    assert costs.steps(16) == 2.0  # not yet quantized: the float curve
+    costs.attending = 1024
+    assert costs.steps(16) == 6.0
+    assert verify_costs(quantizable_model).quantized is None and verify_costs(quantizable_model).steps(16) == 2.0
+
+    plan = plan_drafts(quantizable_model, "lookup", history=False, kv_bits=8, kv_group_size=32,
+                       quantized_kv_start=1024)
+    assert plan.settings.costs is costs  # what the decoder sets ``attending`` on is what the drafters price with
+    with pytest.raises(UserError, match="other KV cache settings"):
+        plan_drafts(quantizable_model, plan, kv_bits=4, kv_group_size=32, quantized_kv_start=1024)

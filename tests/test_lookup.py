@@ -123,7 +123,7 @@ def _decode(model, ids, head, tree, eos, max_tokens=64):
 def test_lookup_alone_keeps_greedy_output(smollm, text, monkeypatch):
     model, tokenizer = smollm
     # this CPU's timed curve, so that what is drafted does not depend on the machine's load
-    monkeypatch.setattr(mlx_eagle.costs, "verify_costs", lambda model: CPU_COSTS)
+    monkeypatch.setattr(mlx_eagle.costs, "verify_costs", lambda model, kv=None: CPU_COSTS)
     ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
     expected = _reference(model, ids, 64, tokenizer.eos_token_ids)
     responses = list(stream_generate(model, tokenizer, ids, max_tokens=64, draft="lookup"))

@@ -12,6 +12,7 @@ from typing import Callable, List, Optional, Union
 import mlx.nn as nn
 
 from ..costs import Costs, verify_costs
+from ..target import KVQuantization
 from ..trees import TreeSpec
 from . import Drafter
 from .history import History
@@ -38,11 +39,12 @@ class DraftSettings:
     model: nn.Module  # the target
     tree: Union[str, TreeSpec, None] = "auto"  # the tree a head or a tree-drafting kind grows
     history: Optional[History] = None  # earlier replies to draft from (drafters/history.py)
+    kv: Optional[KVQuantization] = None  # the target's quantized KV caches, which verification attends over
 
     @property
     def costs(self) -> Costs:
-        """This device's verify-cost curve for the target (timed once, then cached)."""
-        return verify_costs(self.model)
+        """This device's verify-cost curves for the target and its KV caches (timed once, then cached)."""
+        return verify_costs(self.model, self.kv)
 
 
 @dataclass

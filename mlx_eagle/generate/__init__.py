@@ -262,7 +262,7 @@ def stream_generate(
     grammar = grammar_for(tokenizer, model.args.vocab_size, response_format)
     kv = kv_quantization(kv_bits, kv_group_size, quantized_kv_start)
     limit = _context_length(model)
-    plan = plan_drafts(model, draft, tree, lookup, history, tokenizer)
+    plan = plan_drafts(model, draft, tree, lookup, history, tokenizer, kv_bits, kv_group_size, quantized_kv_start)
     cache = prompt_cache if prompt_cache is not None else make_prompt_cache(model)
     if cache.plan_key != plan.key:  # a conversation keeps its drafters (and their caches) while its plan holds
         cache.drafter, cache.plan_key = plan.drafter(), plan.key

@@ -87,7 +87,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     ids = prompt_tokens(tokenizer, prompt, system, not args.no_chat_template)
     check_prompt(model, ids)  # before planning, which may time this device
     plan = plan_drafts(model, args.draft, tree, lookup=not args.no_lookup, history=history_choice(args),
-                       tokenizer=tokenizer)
+                       tokenizer=tokenizer, **kv_options(args))
     for source in plan.sources:
         if source.make is None and source.note:  # a drafter that decided not to draft here says why
             print(f"{'drafting from the context alone' if plan.active else 'decoding plainly'}: {source.note}",
