@@ -189,3 +189,23 @@ def test_quantized_caches_price_verification_by_their_own_curve(quantizable_mode
     assert plan.settings.costs is costs  # what the decoder sets ``attending`` on is what the drafters price with
     with pytest.raises(UserError, match="other KV cache settings"):
         plan_drafts(quantizable_model, plan, kv_bits=4, kv_group_size=32, quantized_kv_start=1024)
+
+
+def test_a_long_prompt_has_the_forwards_timed_that_deep_before_it_is_read(smollm, tmp_path, monkeypatch, capsys):
+    """Rounds deep in a long prompt are priced on the line through curves timed near the
+    start and after LONG_CONTEXT entries: a first prompt that long has the second timed
+    (once per device and setting, kept), for the float cache and the quantized one."""
+    model, tokenizer = smollm
+    monkeypatch.setenv("MLX_EAGLE_CACHE", str(tmp_path))
+    monkeypatch.setattr(mlx_eagle.costs, "_CURVES", {})
+    monkeypatch.setattr(mlx_eagle.costs, "LONG_CONTEXT", 320)  # (the real one's reading takes a while here)
+    kv = KVQuantization(8, 64, start=0)
+    long_prompt = tokenizer.encode("The tide comes in and goes out again. " * 40)
+    assert 320 <= len(long_prompt) < 1024
+    for ids, timed in [(long_prompt[:100], False), (long_prompt, True)]:
+        list(stream_generate(model, tokenizer, ids, max_tokens=2, draft="lookup", history=False, kv_bits=8,
+                             quantized_kv_start=0))
+        for setting in (None, kv):
+            kept = json.loads(calibration_file(model, setting).read_text())["long_verify_ms"]
+            assert (kept is not None and set(kept) == {"1", "4", "16"}) == timed
+    assert capsys.readouterr().err.count("after 320 tokens, once") == 2

@@ -249,6 +249,7 @@ def stream_generate(
     (target.KVQuantization; ``quantized_kv_start`` None: mlx-lm's default, 5000): the text is
     plain mlx-lm decoding's with the same settings.
     """
+    from ..costs import LONG_CONTEXT
     from ..decoder import SpeculativeDecoder, make_prompt_cache
     from ..distributed import Watchdog, shared_seed
     from ..target import kv_quantization
@@ -263,6 +264,8 @@ def stream_generate(
     kv = kv_quantization(kv_bits, kv_group_size, quantized_kv_start)
     limit = _context_length(model)
     plan = plan_drafts(model, draft, tree, lookup, history, tokenizer, kv_bits, kv_group_size, quantized_kv_start)
+    if plan.active and len(ids) >= LONG_CONTEXT:  # rounds this deep are priced by forwards timed this deep:
+        plan.settings.costs.measure_long()  # once per device and setting, before the prompt is read
     cache = prompt_cache if prompt_cache is not None else make_prompt_cache(model)
     if cache.plan_key != plan.key:  # a conversation keeps its drafters (and their caches) while its plan holds
         cache.drafter, cache.plan_key = plan.drafter(), plan.key
