@@ -62,34 +62,6 @@ def test_draft_length_follows_device_costs_and_acceptance():
     assert 0 < often.best_length(4, 16, verified=1, expected=1.0) < 16
 
 
-def test_a_kind_priced_out_by_its_prior_is_tried_before_it_is_ruled_out():
-    """Where two tokens cost 1.6 plain steps (SmolLM2 at 8k over a 4-bit cache), a first
-    token accepted half the time (the prior) never pays: each kind is drafted a few times
-    anyway, so that a copy is measured and then drafted, and a kind that fails is dropped."""
-    from mlx_eagle.drafters import Budget
-
-    dear = Costs({1: 230.0, 2: 376.0, 4: 668.0, 8: 1230.0, 16: 2345.0})
-    assert LookupDrafter(dear).best_length(4, 16, verified=1, expected=1.0) == 0
-
-    def drafted(drafter: LookupDrafter) -> int:
-        proposal = drafter.propose(Budget(room=16, nodes=16, verified=1, chain=True, costs=dear, vocab=None))
-        return len(proposal) if proposal is not None else 0
-
-    copying, failing = LookupDrafter(dear), LookupDrafter(dear)
-    for drafter in (copying, failing):
-        drafter.index.commit(list(range(40)) * 3)  # the document, then a reply copying it
-    for _ in range(LookupDrafter.PROBES):
-        assert drafted(copying) == LookupDrafter.PROBE_LENGTH == drafted(failing)
-        copying.record(copying._proposed, accepted=LookupDrafter.PROBE_LENGTH)
-        failing.record(failing._proposed, accepted=0)
-    assert drafted(failing) == 0
-    for _ in range(6):
-        length = drafted(copying)
-        assert length > 0
-        copying.record(copying._proposed, accepted=length)
-    assert drafted(copying) > LookupDrafter.PROBE_LENGTH
-
-
 def test_draft_length_follows_the_context_a_round_attends_to():
     """Deep in a long context a block's attention costs more than one token's: the same
     acceptance buys a shorter draft there (costs timed at 256 and LONG_CONTEXT entries)."""

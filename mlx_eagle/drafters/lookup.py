@@ -135,11 +135,6 @@ class LookupDrafter(ChainDrafter):
     replies where they match the end of the text longer than the conversation does."""
 
     MAX_MATCH = 32  # tokens a match is followed back
-    # Where verification is dear (deep in a long context, over a quantized cache) the prior
-    # alone can price a kind of draft out, and a kind never drafted is never measured: each
-    # is tried this many times, this long, before its prior may rule it out.
-    PROBES = 2
-    PROBE_LENGTH = 2
 
     def __init__(self, cost: Callable[[int], float], max_tokens: int = 16, min_ngram: int = 1,
                  max_ngram: int = 4, history: Optional[History] = None):
@@ -171,8 +166,6 @@ class LookupDrafter(ChainDrafter):
             if drafted is not None:
                 return drafted
         length = self.best_length(kind, limit, budget.verified, budget.expected) if ngram and limit >= 1 else 0
-        if ngram and limit >= 1 and not length and self.tried[kind, 0] < self.PROBES:
-            length = min(limit, self.PROBE_LENGTH)
         self._proposed = LookupDraft(self.index.continuation(position, length), kind)
         return Proposal.chain(self._proposed.tokens) if length else None
 
