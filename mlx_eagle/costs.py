@@ -101,7 +101,8 @@ class Costs:
 
     def measure_long(self) -> None:
         """Time the forwards after LONG_CONTEXT entries, where they are not yet (a few seconds,
-        kept): before a first prompt that long is read (stream_generate), never inside a reply."""
+        kept): once a first prompt that long is read, before its reply's first round
+        (stream_generate; a request cancelled while its prompt is read never waits for it)."""
         if self.long_verify_ms is None and self.time_long is not None:
             self.long_verify_ms, self.time_long = self.time_long(), None
         if self.quantized is not None:

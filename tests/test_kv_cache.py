@@ -191,7 +191,7 @@ def test_quantized_caches_price_verification_by_their_own_curve(quantizable_mode
         plan_drafts(quantizable_model, plan, kv_bits=4, kv_group_size=32, quantized_kv_start=1024)
 
 
-def test_a_long_prompt_has_the_forwards_timed_that_deep_before_it_is_read(smollm, tmp_path, monkeypatch, capsys):
+def test_a_long_prompt_has_the_forwards_timed_that_deep_once_it_is_read(smollm, tmp_path, monkeypatch, capsys):
     """Rounds deep in a long prompt are priced on the line through curves timed near the
     start and after LONG_CONTEXT entries: a first prompt that long has the second timed
     (once per device and setting, kept), for the float cache and the quantized one."""

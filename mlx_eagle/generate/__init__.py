@@ -264,8 +264,6 @@ def stream_generate(
     kv = kv_quantization(kv_bits, kv_group_size, quantized_kv_start)
     limit = _context_length(model)
     plan = plan_drafts(model, draft, tree, lookup, history, tokenizer, kv_bits, kv_group_size, quantized_kv_start)
-    if plan.active and len(ids) >= LONG_CONTEXT:  # rounds this deep are priced by forwards timed this deep:
-        plan.settings.costs.measure_long()  # once per device and setting, before the prompt is read
     cache = prompt_cache if prompt_cache is not None else make_prompt_cache(model)
     if cache.plan_key != plan.key:  # a conversation keeps its drafters (and their caches) while its plan holds
         cache.drafter, cache.plan_key = plan.drafter(), plan.key
@@ -294,6 +292,8 @@ def stream_generate(
         round_tokens = [decoder.prefill(ids, on_read=reading)]
         round_logprobs = _log_softmax(decoder.root_logits[None]) if logprobs else None
         prompt_tps = (len(ids) - decoder.reused) / (time.perf_counter() - tic)
+        if plan.active and len(ids) >= LONG_CONTEXT:  # rounds this deep are priced by forwards timed this deep,
+            plan.settings.costs.measure_long()  # once per device and setting: after the reading, which a cancel stops
         tic = time.perf_counter()
         generated, produced, rounds, accepted = 0, 0, 0, 0
         from_draft = [False]
