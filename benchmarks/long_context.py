@@ -120,7 +120,7 @@ def kv_setting(kv_bits: Optional[int]):
     ``quantized_kv_start`` 0), so that a prompt's length is what the quantized cache holds."""
     from mlx_eagle.target import kv_quantization
 
-    return kv_quantization(kv_bits, quantized_kv_start=0)
+    return kv_quantization(kv_bits, quantized_kv_start=0 if kv_bits is not None else None)
 
 
 def bench_row(prompts: Path, kv: str, args, out: Path) -> dict:

@@ -197,10 +197,11 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     Sampling(args.temp, args.top_p)
     kv_quantization(**kv_options(args))
     user_drafter(args.draft)  # your own drafter, imported now: one line if it cannot be
+    history = history_choice(args)
     terminal = Terminal()
     terminal.say(terminal.dim("loading..."))
     session = ChatSession(args.model, args.draft, system=args.system, tree=args.tree, temp=args.temp,
-                          top_p=args.top_p, max_tokens=args.max_tokens, seed=args.seed, history=history_choice(args),
+                          top_p=args.top_p, max_tokens=args.max_tokens, seed=args.seed, history=history,
                           lookup=not args.no_lookup, on_notice=lambda text: terminal.say(terminal.dim(f"({text})")),
                           pipeline=args.pipeline, **kv_options(args))
     engine = session.engine

@@ -13,6 +13,7 @@ from typing import Callable, NoReturn, Optional, Sequence
 
 from .blas import find_openblas, openblas_loaded
 from .errors import UserError
+from .files import check_history_file
 from .progress import close_bars
 
 DRAFT_HELP = ("what drafts, beside drafts from the context: a drafter's directory (an EAGLE head, a DFlash drafter, "
@@ -88,8 +89,8 @@ def add_kv_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-bits", type=int, help="quantize the KV cache to this many bits (4 or 8; 2, 3, 5, 6 "
                         "too) once it holds --quantized-kv-start tokens (default: not quantized)")
     parser.add_argument("--kv-group-size", type=int, default=64, help="values per quantization group (32, 64, 128)")
-    parser.add_argument("--quantized-kv-start", type=int, default=5000, help="tokens the cache holds before it is "
-                        "quantized, as mlx-lm's default")
+    parser.add_argument("--quantized-kv-start", type=int, help="with --kv-bits: tokens the cache holds before it is "
+                        "quantized (default 5000, as mlx-lm's)")
 
 
 def kv_options(args: argparse.Namespace) -> dict:
@@ -98,8 +99,11 @@ def kv_options(args: argparse.Namespace) -> dict:
 
 
 def history_choice(args: argparse.Namespace):
-    """What --history / --no-history ask for, as plan_drafts takes it."""
-    return False if args.no_history else (args.history or True)
+    """What --history / --no-history ask for, as plan_drafts takes it; a file that cannot
+    hold a history (or is some other file) is one line, before the model loads."""
+    if args.no_history:
+        return False
+    return str(check_history_file(args.history)) if args.history else True
 
 
 _REEXEC_MARK = "_MLX_EAGLE_BLAS_REEXEC"  # set in a process restarted with OpenBLAS preloaded

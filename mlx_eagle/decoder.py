@@ -68,6 +68,14 @@ class PromptCache:
     # another conversation's, for later conversations that begin the same way to start from.
     keep_at: int = 0
     beginning: Optional["PromptCache"] = None
+    # A prompt read or a round has begun and not finished (cancelled, or an error): until one
+    # does, nothing in the caches or the drafter is certain, and no later prompt may use them.
+    unfinished: bool = False
+
+    def clear(self, model: nn.Module) -> None:
+        """Forget everything: the caches as ``make_prompt_cache`` makes them, no drafter."""
+        for name, value in vars(make_prompt_cache(model)).items():
+            setattr(self, name, value)
 
 
 def make_prompt_cache(model: nn.Module) -> PromptCache:
@@ -97,17 +105,20 @@ class PromptCaches:
     an earlier prompt was read: the first conversation that shares one with a kept slot
     reads it whole and keeps a copy of its caches at the end of what they share, for the
     next ones. The least recently used slots go first while the slots hold more than
-    ``max_bytes``."""
+    ``max_bytes``. A slot whose prompt read or round did not finish is dropped, never
+    reused; with quantized KV caches (``kv``), a slot's caches are copied only where they
+    hold what plain decoding of the new prompt would (``KVQuantization.holds_as_plain``)."""
 
     MIN_SHARED = 16  # fewer shared tokens are not worth a copy (a chat template's header)
     CONTINUES = 0.9  # a prompt sharing this much of what a slot holds goes on with its conversation
 
-    def __init__(self, model: nn.Module, max_bytes: int):
-        self.model, self.max_bytes = model, max_bytes
+    def __init__(self, model: nn.Module, max_bytes: int, kv: Optional[KVQuantization] = None):
+        self.model, self.max_bytes, self.kv = model, max_bytes, kv
         self.slots: List[PromptCache] = []  # the most recently used last
 
     def take(self, prompt: List[int]) -> PromptCache:
         """The slot to decode ``prompt`` in, marked most recently used."""
+        self.slots = [slot for slot in self.slots if not slot.unfinished]
         shared, best = max(((common_prefix(slot.tokens, prompt), slot) for slot in self.slots),
                            key=lambda pair: pair[0], default=(0, None))
         if best is not None and shared >= self.CONTINUES * len(best.tokens):
@@ -116,6 +127,9 @@ class PromptCaches:
         else:
             slot = make_prompt_cache(self.model)
             cached = min(shared, len(best.tokens) - 1 - best.unread) if best is not None else 0
+            if self.kv is not None and best is not None and not self.kv.holds_as_plain(best.target, cached,
+                                                                                      len(prompt)):
+                cached = 0
             if cached >= self.MIN_SHARED and can_trim_prompt_cache(best.target):
                 self._copy(slot, best, best.target, best.tokens[:cached + 1])
                 keep_cache_entries(slot.target, cached, [])
@@ -278,6 +292,9 @@ class SpeculativeDecoder:
         reuse = min(common, cached, len(prompt) - 1)
         if self.drafter is not None:
             reuse = min(reuse, self.drafter.reusable(common))
+        if self.kv is not None and not self.kv.holds_as_plain(self.target_cache, reuse, len(prompt)):
+            reuse = 0
+            self.target_cache[:] = make_cache(self.target)  # unquantized, as plain decoding's cache begins
         if self.rewind is None:
             keep_cache_entries(self.target_cache, reuse, [])
         elif reuse < cached:
@@ -295,6 +312,7 @@ class SpeculativeDecoder:
         self.reused = self._reusable(prompt)
         heard = on_read or (lambda read, total: None)
         self.state.tokens = []  # until this returns, the caches hold nothing certain
+        self.state.unfinished = True
         last = len(prompt) - 1
         if self.kv is not None:
             # In plain mlx-lm's chunks, its cache turning quantized after the same one: the rows
@@ -350,13 +368,16 @@ class SpeculativeDecoder:
         if self.drafter is not None:
             self.drafter.observe(Outcome(tokens, self.reused, states, from_prompt=True))
         self.state.tokens = tokens
+        self.state.unfinished = False
         return self.root
 
     def _spans(self, end: int, chunk: int) -> List[Tuple[int, int]]:
         """The (begin, end) spans of the prompt up to ``end`` read by one forward pass each:
         ``chunk`` tokens at a time from what the caches hold, cut where a copy of the caches
         is to be kept."""
-        cuts = sorted(set(range(self.reused, end, chunk)) | {end} |
+        # (With quantized KV caches on plain mlx-lm's grid, whose chunks decide where its cache turns.)
+        first = chunk * (self.reused // chunk + 1) if self.kv is not None else self.reused
+        cuts = sorted(set(range(first, end, chunk)) | {self.reused, end} |
                       ({self.state.keep_at} if self.reused < self.state.keep_at < end else set()))
         return list(zip(cuts, cuts[1:]))
 
@@ -405,6 +426,7 @@ class SpeculativeDecoder:
         """One round. ``room``: how many tokens past the root may still be produced.
         The host waits for the device once, in ``accept``."""
         committed, self.state.tokens = self.state.tokens, []  # an interrupted round leaves nothing certain
+        self.state.unfinished = True
         unread = committed[len(committed) - 1 - self.state.unread:-1]
         if self.kv is not None:  # a round ends where the cache turns quantized
             room = self.kv.room(self.target_cache, len(committed) - 1, room)
@@ -473,6 +495,7 @@ class SpeculativeDecoder:
         self.on_phase("observed")
         self.root = verdict.bonus
         self.state.tokens = committed + new
+        self.state.unfinished = False
         return Round(tokens=new, drafted=len(tree), logits=chosen_from)
 
     def truncate(self, count: int) -> None:

@@ -35,5 +35,23 @@ def check_text(text: str, what: str) -> str:
     return text
 
 
+# JSON nesting a request's tools and tool calls may reach: far past any real schema, and far
+# short of what renders a chat template or a grammar into a RecursionError.
+MAX_NESTING = 32
+
+
+def check_nesting(value, what: str, limit: int = MAX_NESTING):
+    """``value`` (JSON data) if its lists and objects nest at most ``limit`` deep, else one
+    line naming ``what``. Walked without recursion, so any depth is measured."""
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, (dict, list)):
+            if depth > limit:
+                raise UserError(f"{what} nests lists and objects more than {limit} deep; flatten it")
+            stack.extend((child, depth + 1) for child in (item.values() if isinstance(item, dict) else item))
+    return value
+
+
 # Sizes past any model this runtime could hold: a config asking for them is damaged or
 # hostile, and believing it would allocate without bound before any weight is read.

@@ -11,6 +11,7 @@ import json
 import os
 import shutil
 import tempfile
+import zipfile
 from pathlib import Path
 from typing import Any, Callable, Union
 
@@ -176,3 +177,40 @@ def read_json(path: Path, max_bytes: int = MAX_JSON_BYTES) -> Any:
         raise ValueError("nested too deeply") from None
     except (UnicodeDecodeError, ValueError) as exc:
         raise ValueError(f"not JSON ({type(exc).__name__})") from None
+
+
+def check_history_file(path: Path) -> Path:
+    """``path`` (absolute) if a history can be kept there: a new file in a directory that
+    can be made or written, or a history archive this program wrote; one line otherwise,
+    before any model loads, so that a typo never destroys a user's file."""
+    path = Path(os.path.abspath(Path(path).expanduser()))
+    if path.is_symlink():
+        raise UserError(f"history file {path} is a symbolic link; pass the file it names, or another name")
+    if path.exists():
+        if not path.is_file():
+            raise UserError(f"history file {path} is not a file; pass a file name")
+        if not _is_history_archive(path):
+            raise UserError(f"{path} is not a history file this program wrote; pass a new file's name (it would be "
+                            "replaced)")
+        if not os.access(path, os.R_OK | os.W_OK):
+            raise UserError(f"history file {path} cannot be read and written; pass another --history or --no-history")
+        return path
+    parent = path.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+        raise UserError(f"history file {path} cannot be written ({parent} is not a writable directory); pass "
+                        "another --history or --no-history")
+    return path
+
+
+def _is_history_archive(path: Path) -> bool:
+    """An empty file, or a zip archive holding a history's header (its contents are checked
+    when it is read: a damaged history is rebuilt)."""
+    if path.stat().st_size == 0:
+        return True
+    try:
+        with zipfile.ZipFile(path) as archive:
+            return "header.npy" in archive.namelist()
+    except (zipfile.BadZipFile, OSError):
+        return False

@@ -159,12 +159,11 @@ class Grammar:
         self.forced = SourceStats()  # the forced tokens drafted in this reply, and how many were accepted
 
     def _mask(self, rows: np.ndarray, row: int) -> None:
-        """The allowed tokens at the matcher's state into ``rows[row]``; after the grammar's
-        end (an end of sequence was taken), every token: the reply is over there."""
-        if self.matcher.is_stopped():
-            rows[row] = -1
-        else:
-            self.matcher.unsafe_compute_mask_ptr(rows[row].ctypes.data, rows[row].nbytes)
+        """The allowed tokens at the matcher's state into ``rows[row]``. Where the grammar has
+        ended (the engine says "stopped" as soon as nothing but the end can follow, before an
+        end of sequence is taken), that is the end of sequence alone: the reply ends with
+        the value, never runs on as prose."""
+        self.matcher.unsafe_compute_mask_ptr(rows[row].ctypes.data, rows[row].nbytes)
 
     def mask_now(self) -> mx.array:
         """[1, words]: the allowed tokens after what was committed."""

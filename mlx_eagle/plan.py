@@ -26,17 +26,22 @@ from __future__ import annotations
 import importlib
 import importlib.metadata
 import inspect
+import queue
 import re
+import threading
+import weakref
 from dataclasses import astuple, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
+import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
 from .calibrate import head_acceptance
 from .configs import read_config
 from .drafters import Budget, Drafter, Outcome, Proposal
+from .drafters.admit import warn_once
 from .drafters.composite import Composite, SourceStats
 from .drafters.history import History, for_model, model_identity
 from .drafters.kinds import DraftSettings, DraftSource, kind_modules
@@ -143,6 +148,9 @@ def user_drafter(draft: object) -> Optional[UserDrafter]:
     except ImportError as exc:
         raise UserError(f"draft {draft}: cannot import {module_name} ({exc}); is it installed or on PYTHONPATH?") \
             from None
+    except Exception as exc:  # the module's own code failed (a SyntaxError, whatever it raised)
+        raise UserError(f"draft {draft}: importing {module_name} failed ({type(exc).__name__}: "
+                        f"{str(exc).splitlines()[0] if str(exc) else 'no message'}); fix the module") from None
     made = getattr(module, attribute, None)
     if made is None:
         raise UserError(f"draft {draft}: {module_name} has no {attribute}{did_you_mean(attribute, dir(module))}")
@@ -156,32 +164,113 @@ def user_drafter(draft: object) -> Optional[UserDrafter]:
 
 class FreshPerConversation(Drafter):
     """Your drafter, made afresh whenever a prompt does not continue the conversation it
-    drafted for (a new chat, another client of the server); within one it lives on."""
+    drafted for (a new chat, another client of the server); within one it lives on.
 
-    def __init__(self, make: Callable[[], Drafter]):
-        self.make = make
-        self.current = make()
-        self.taps = self.current.taps
+    Contained: an exception from your code (making or forking it, ``propose``, ``observe``,
+    ``reusable``, ``branch``, ``finish``) warns once, naming the drafter and the error, and
+    the conversation goes on without it; a ``propose`` that takes longer than the drafter's
+    ``time_limit`` is abandoned the same way. The text is the model's either way. Its calls
+    run on a thread of their own (``_Runner``), so that one that never returns holds nothing
+    of the engine's."""
+
+    def __init__(self, make: Callable[[], Drafter], name: str = "yours"):
+        self.make, self.name = make, name
+        self.runner: Optional[_Runner] = _Runner()
+        self.current: Optional[Drafter] = None
+        self.current = self._contained("making it", make)
+        self.taps = self.current.taps if self.current is not None else None
         self.prompt_length = 0  # the last prompt read: a prompt continuing the conversation begins with it
+
+    def _contained(self, what: str, call: Callable[[], Any], limit: Optional[float] = None) -> Any:
+        """``call()`` on the drafter's thread (None once the drafter is off); an error, or a
+        call past ``limit`` seconds, turns it off for this conversation with one warning."""
+        if self.runner is None or (self.current is None and what != "making it"):
+            return None
+        try:
+            return self.runner.run(call, limit)
+        except _TooLong:
+            problem = f"{what} took longer than its time_limit ({limit:g} s)"
+        except Exception as error:  # your code's, whatever it is: contained
+            problem = f"{what} failed: {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+        warn_once(self.make, f"drafter {self.name}: {problem}; its conversation went on without it")
+        self.current = None
+        if limit is not None:  # the thread may be stuck in the call: left to it
+            self.runner.stop()
+            self.runner = None
+        return None
 
     def reusable(self, common: int) -> int:
         if common < self.prompt_length:
-            self.current, self.prompt_length = self.make(), 0
-        return self.current.reusable(common)
+            self.current, self.prompt_length = self._contained("making it", self.make), 0
+        reusable = self._contained("reusable", lambda: self.current.reusable(common))
+        return common if reusable is None else reusable
 
     def branch(self) -> "FreshPerConversation":
-        return FreshPerConversation(self.make)  # your drafter, fresh
+        return FreshPerConversation(self.make, self.name)  # your drafter, fresh
 
     def propose(self, budget: Budget) -> Optional[Proposal]:
-        return self.current.propose(budget)
+        limit = getattr(self.current, "time_limit", None)
+        return self._contained("propose", lambda: _evaluated(self.current.propose(budget)), limit)
 
     def observe(self, outcome: Outcome) -> None:
         if outcome.from_prompt:
             self.prompt_length = len(outcome.tokens) - 1
-        self.current.observe(outcome)
+        if self.current is not None and outcome.states is not None:
+            states = outcome.states  # computed on the engine's thread: evaluated there, read on the runner's
+            mx.eval([a for a in (states.features, states.hidden, states.rows) if a is not None])
+        self._contained("observe", lambda: self.current.observe(outcome))
 
     def finish(self) -> None:
-        self.current.finish()
+        self._contained("finish", lambda: self.current.finish())
+
+
+def _evaluated(proposal: Any) -> Any:
+    """A proposal's tokens computed where they were made (a lazy array belongs to its thread)."""
+    if isinstance(getattr(proposal, "tokens", None), mx.array):
+        mx.eval(proposal.tokens)
+    return proposal
+
+
+class _TooLong(Exception):
+    """A drafter's call ran past its time limit."""
+
+
+class _Runner:
+    """A thread with its own MLX stream that runs one drafter's calls, one at a time; a call
+    that outlasts its limit is left running there (the thread is then abandoned)."""
+
+    def __init__(self):
+        self.jobs: "queue.Queue" = queue.Queue()
+        thread = threading.Thread(target=self._work, name="mlx-eagle-drafter", daemon=True)
+        thread.start()
+        self._finalizer = weakref.finalize(self, self.jobs.put, None)
+
+    def _work(self) -> None:
+        mx.set_default_stream(mx.new_stream(mx.default_device()))
+        for job in iter(self.jobs.get, None):
+            job()
+            del job
+
+    def run(self, call: Callable[[], Any], limit: Optional[float]) -> Any:
+        box: "queue.Queue" = queue.Queue()
+
+        def job() -> None:
+            try:
+                box.put((True, call()))
+            except BaseException as error:  # handed to the caller
+                box.put((False, error))
+
+        self.jobs.put(job)
+        try:
+            ok, value = box.get(timeout=limit)
+        except queue.Empty:
+            raise _TooLong from None
+        if not ok:
+            raise value
+        return value
+
+    def stop(self) -> None:
+        self._finalizer()
 
 
 def _kind(name: str):
@@ -298,6 +387,8 @@ def plan_drafts(model: nn.Module, draft: Union[str, Path, None, object] = "auto"
     ``quantized_kv_start``: the quantized KV caches the plan's generations use (as
     stream_generate takes them), which price verification differently (costs.verify_costs)."""
     kv = kv_quantization(kv_bits, kv_group_size, quantized_kv_start)
+    if kv is not None:
+        kv.check_model(model)  # one line, before anything is timed
     if isinstance(draft, DraftPlan):
         if draft.settings.kv != kv:
             raise UserError(f"this draft plan was made for other KV cache settings ({_kv_text(draft.settings.kv)}, "
@@ -313,7 +404,7 @@ def plan_drafts(model: nn.Module, draft: Union[str, Path, None, object] = "auto"
     sources = []
     if isinstance(loaded, UserDrafter):
         make = loaded.factory(model, tokenizer)
-        sources.append(DraftSource(loaded.name, lambda: FreshPerConversation(make)))
+        sources.append(DraftSource(loaded.name, lambda: FreshPerConversation(make, loaded.name)))
     elif loaded is not None:
         kind = next((k for k in kind_modules() if k.accepts(loaded)), None)
         if kind is None:

@@ -24,7 +24,7 @@ from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tupl
 
 from mlx_lm.generate import TextStateMachine, make_text_state_machine
 
-from .errors import UserError
+from .errors import UserError, check_nesting
 from .generate import GenerationResponse, chat_tokens
 
 TOOL_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
@@ -61,6 +61,7 @@ def check_tools(tools: Any) -> List[Dict[str, Any]]:
     "parameters"?}}, checked; one line names the first problem."""
     if not isinstance(tools, list):
         raise UserError("tools must be a list of {'type': 'function', 'function': {...}} objects")
+    check_nesting(tools, "tools")
     names = set()
     for index, tool in enumerate(tools):
         where = f"tools[{index}]"
@@ -78,6 +79,11 @@ def check_tools(tools: Any) -> List[Dict[str, Any]]:
         parameters = function.get("parameters", {})
         if not isinstance(parameters, dict) or parameters.get("type", "object") != "object":
             raise UserError(f"{where}.function.parameters must be a JSON schema object of type 'object'")
+        properties, required = parameters.get("properties", {}), parameters.get("required", [])
+        if not isinstance(properties, dict) or not all(isinstance(p, (dict, bool)) for p in properties.values()):
+            raise UserError(f"{where}.function.parameters.properties must map each parameter's name to its schema")
+        if not isinstance(required, list) or not all(isinstance(name, str) for name in required):
+            raise UserError(f"{where}.function.parameters.required must be a list of parameter names")
     return tools
 
 

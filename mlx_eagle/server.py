@@ -666,9 +666,10 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         raise UserError(f"--prompt-cache-bytes must be 0 or more, not {args.prompt_cache_bytes}")
     kv_quantization(**kv_options(args))
     user_drafter(args.draft)  # your own drafter, imported now: one line if it cannot be
+    history = history_choice(args)
 
     def make_engine() -> Engine:
-        return Engine(args.model, args.draft, tree=args.tree, history=history_choice(args), lookup=not args.no_lookup,
+        return Engine(args.model, args.draft, tree=args.tree, history=history, lookup=not args.no_lookup,
                       prompt_cache_bytes=args.prompt_cache_bytes, pipeline=args.pipeline, **kv_options(args))
 
     if rank():  # a sharded model: rank 0 serves, this rank does what its engine does

@@ -85,7 +85,7 @@ class Engine:
         mlx-lm's settings ask (target.KVQuantization). Under mlx.launch the model is sharded
         (by layers with ``pipeline``): rank 0's engine is the one to use, and every other
         rank's runs ``follow``."""
-        kv_quantization(kv_bits, kv_group_size, quantized_kv_start)  # one line, before anything loads
+        kv = kv_quantization(kv_bits, kv_group_size, quantized_kv_start)  # one line, before anything loads
         self.kv_options = {"kv_bits": kv_bits, "kv_group_size": kv_group_size, "quantized_kv_start": quantized_kv_start}
         self._jobs: "queue.Queue" = queue.Queue()
         self._current: Optional[threading.Event] = None
@@ -103,7 +103,9 @@ class Engine:
         self.name = name or (path[0].name if path else DEFAULT_MODEL)
         self._plans: Dict[Any, DraftPlan] = {}
         self.tree, self.history = tree, history
-        self.caches = PromptCaches(self.model, prompt_cache_bytes)
+        if kv is not None:
+            kv.check_model(self.model)  # before anything is timed
+        self.caches = PromptCaches(self.model, prompt_cache_bytes, kv)
         # A sharded model: rank 0 tells the other ranks' engines what it does that runs the
         # model (their collectives must pair with its own), and they do the same (follow).
         self.shards = sharded()

@@ -449,6 +449,40 @@ class KVQuantization:
                 raise UserError(f"quantized KV caches (kv_bits) do not work with this model's {kind.__name__} "
                                 "layers (sliding windows or recurrent state); leave kv_bits out")
 
+    def check_model(self, model: nn.Module) -> None:
+        """``check`` on ``model``'s caches, and its keys' and values' head sizes against the
+        group size (mlx.quantize splits the last axis into groups): one line, before
+        anything is timed or read."""
+        self.check(make_cache(model))
+        args = model.args
+        heads = getattr(args, "num_attention_heads", None)
+        sizes = {getattr(args, name, None) for name in ("head_dim", "k_head_dim", "v_head_dim")} - {None}
+        if not sizes and heads:
+            sizes = {args.hidden_size // heads}
+        for size in sorted(sizes):
+            if size % self.group_size:
+                fits = [g for g in KV_GROUP_SIZES if size % g == 0]
+                fix = f"give --kv-group-size {fits[-1]}" if fits else "leave kv_bits out"
+                raise UserError(f"kv_group_size {self.group_size} does not divide this model's attention head size "
+                                f"({size}); {fix}")
+
+    def turns_at(self, prompt_length: int) -> int:
+        """How many entries plain mlx-lm's cache holds when it turns quantized while reading
+        a prompt of ``prompt_length`` tokens and decoding after it: its prompt is read in
+        chunks of MLX_LM_PREFILL_STEP up to the last token, which the first step reads, and
+        the cache is quantized after the first forward pass that leaves ``start`` entries."""
+        last = prompt_length - 1
+        ends = [min(end, last) for end in range(MLX_LM_PREFILL_STEP, last + MLX_LM_PREFILL_STEP, MLX_LM_PREFILL_STEP)]
+        return next((end for end in ends if end >= self.start), max(self.start, prompt_length))
+
+    def holds_as_plain(self, cache: List, entries: int, prompt_length: int) -> bool:
+        """Whether ``cache``'s first ``entries`` are what plain decoding of a prompt of
+        ``prompt_length`` tokens would hold there: unquantized before its cache turns
+        (where it turns, mlx-lm quantizes what was read in float), quantized after. A
+        quantized cache cut back before that point is not: the rest of the prompt would
+        attend to packed keys where plain decoding attends to float ones."""
+        return not isinstance(cache[0], QuantizedKVCache) or entries >= self.turns_at(prompt_length)
+
     def quantize_when_due(self, cache: List) -> None:
         """Quantize the layers' caches once they hold ``start`` entries, as mlx-lm does
         after each forward pass."""
@@ -468,6 +502,9 @@ def kv_quantization(kv_bits: Optional[int] = None, kv_group_size: int = 64,
     """The quantization mlx-lm's settings ask for (None: none, ``kv_bits`` None;
     ``quantized_kv_start`` None: mlx-lm's default)."""
     if kv_bits is None:
+        if quantized_kv_start is not None:
+            raise UserError(f"quantized_kv_start ({quantized_kv_start}) quantizes nothing without kv_bits; give "
+                            "kv_bits 4 or 8 too, or leave it out")
         return None
     return KVQuantization(kv_bits, kv_group_size,
                           DEFAULT_QUANTIZED_KV_START if quantized_kv_start is None else quantized_kv_start)

@@ -3,10 +3,13 @@ reference, the continuation tree's counts, eviction, a persisted history that su
 restart and refuses damage and other models, two processes writing one file, histories
 kept apart per model id, and lossless decoding on the real model with the history on."""
 
+import io
 import json
+import os
 import stat
 import subprocess
 import sys
+import zipfile
 from collections import Counter
 from pathlib import Path
 
@@ -15,7 +18,8 @@ import numpy as np
 import pytest
 from mlx_lm.generate import generate_step
 
-from mlx_eagle.drafters.history import History
+from mlx_eagle.drafters.history import FORMAT, History
+from mlx_eagle.errors import UserError
 from mlx_eagle.drafters.lookup import continuation_tree
 from commands import run_generate
 
@@ -96,12 +100,45 @@ def test_a_persisted_history_survives_a_restart_and_refuses_damage(tmp_path, cap
     assert len(History.open(path, "model-b", max_bytes=4096)) == 0
     assert "written for another model" in capsys.readouterr().err
     module._FILES.clear()
-    path.write_bytes(b"PK\x03\x04 not a history at all")
+    with zipfile.ZipFile(path, "w") as archive:  # a history archive whose contents are damaged
+        archive.writestr("header.npy", b"not an array")
     damaged = History.open(path, "model-a", max_bytes=4096)
     assert len(damaged) == 0 and "unusable" in capsys.readouterr().err
     damaged.add([1, 2, 3, 4, 5])
     module._FILES.clear()
     assert len(History.open(path, "model-a", max_bytes=4096)) == 1  # rebuilt
+    # an archive whose entries claim to unpack to far more than the cap is not read
+    module._FILES.clear()
+    tokens = np.zeros(1 << 20, dtype=np.int32)  # 4 MiB of zeros: a few KiB deflated
+    buffer = io.BytesIO()
+    np.savez_compressed(buffer, header=np.frombuffer(json.dumps({"format": FORMAT, "identity": "model-a"}).encode(),
+                                                     dtype=np.uint8),
+                        tokens=tokens, lengths=np.array([len(tokens)], dtype=np.int32))
+    path.write_bytes(buffer.getvalue())
+    assert path.stat().st_size < 4096 + (1 << 20)
+    assert len(History.open(path, "model-a", max_bytes=4096)) == 0
+    assert "unpack to far more than its cap" in capsys.readouterr().err
+
+
+def test_a_history_file_that_is_not_one_is_refused_never_replaced(tmp_path):
+    """A typo must not destroy a user's file: a file that is not a history archive, a
+    symbolic link (even to one), a directory, or a place that cannot be written is one line
+    before anything is read or written, and the file is untouched."""
+    notes = tmp_path / "notes.txt"
+    notes.write_text("notes\n")
+    link = tmp_path / "link.hist"
+    link.symlink_to(notes)
+    for path, says in [(notes, "not a history file"), (link, "symbolic link"), (tmp_path, "not a file")]:
+        with pytest.raises(UserError, match=says):
+            History.open(path, "model-a")
+    assert notes.read_text() == "notes\n" and link.is_symlink()
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o500)
+    if os.geteuid() != 0:  # (root writes anywhere)
+        with pytest.raises(UserError, match="cannot be written"):
+            History.open(locked / "h.npz", "model-a")
+    with pytest.raises(UserError, match="cannot be written"):
+        History.open(notes / "h.npz", "model-a")  # under a file
 
 
 WRITER = """

@@ -24,6 +24,8 @@ import mlx.nn as nn
 
 from ..trees import DraftTree
 
+DRAFTER_TIME_LIMIT = 10.0  # seconds: Drafter.time_limit's default
+
 
 @dataclass
 class Budget:
@@ -71,6 +73,9 @@ class Proposal:
             return Proposal(DraftTree([], list(range(-1, count - 1)), list(range(1, count + 1))),
                             tokens.astype(mx.int32), confidence)
         tokens = [int(t) for t in tokens]
+        outside = next((t for t in tokens if not 0 <= t < 1 << 31), None)
+        if outside is not None:
+            raise ValueError(f"Proposal.chain: token id {outside} is not a token id (0 to 2**31 - 1)")
         return Proposal(DraftTree(tokens, list(range(-1, count - 1)), list(range(1, count + 1))),
                         mx.array(tokens, dtype=mx.int32), confidence)
 
@@ -147,6 +152,9 @@ class Drafter:
     ``Outcome.states``. Reading states needs an architecture target.py drives."""
 
     taps: Optional[Tuple[int, ...]] = None
+    # Your own drafter (plan.FreshPerConversation): seconds a ``propose`` may take before its
+    # conversation goes on without it (None: as long as it takes).
+    time_limit: Optional[float] = DRAFTER_TIME_LIMIT
 
     def propose(self, budget: Budget) -> Optional[Proposal]:
         """This round's drafts after the root: at most ``budget.nodes`` nodes, none deeper

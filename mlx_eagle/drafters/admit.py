@@ -50,6 +50,7 @@ def admit(proposal: object, budget: Budget) -> Optional[Proposal]:
         return None
     if not isinstance(proposal, Proposal) or not isinstance(proposal.tree, DraftTree):
         raise Malformed(f"propose returned {type(proposal).__name__}, not a Proposal (or None)")
+    proposal = _first_nodes(proposal, MAX_EXAMINED)
     parents = _as_ints(proposal.tree.parents, "parents")
     tokens = proposal.tokens
     if tokens is None or isinstance(tokens, (list, tuple)) or _is_numpy_array(tokens):
@@ -128,6 +129,30 @@ def _is_numpy_array(value: object) -> bool:
 
 def _is_numpy_int(value: object) -> bool:
     return type(value).__module__ == "numpy" and hasattr(value, "dtype") and value.dtype.kind in "iu"
+
+
+def _first_nodes(proposal: Proposal, count: int) -> Proposal:
+    """``proposal`` cut to its first ``count`` nodes before any of it is read (parents come
+    before their children, so they are a tree), so that a huge proposal costs no more than
+    that; its parts' lengths are checked against each other first."""
+    tree = proposal.tree
+    try:
+        nodes = len(tree.parents)
+        parts = [(what, len(part)) for what, part in (("tree's tokens", tree.tokens), ("token list", proposal.tokens),
+                                                       ("confidences", proposal.confidence))
+                 if part is not None and not isinstance(part, mx.array) and len(part)]
+    except TypeError:
+        raise Malformed("its parents, tokens and confidences must be sequences") from None
+    if nodes <= count:
+        return proposal
+    wrong = next(((what, length) for what, length in parts if length != nodes), None)
+    if wrong is not None:
+        raise Malformed(f"its {wrong[0]} hold {wrong[1]} entries for {nodes} nodes")
+    tokens = proposal.tokens
+    if tokens is not None and (not isinstance(tokens, mx.array) or (tokens.ndim == 1 and tokens.size == nodes)):
+        tokens = tokens[:count]
+    return Proposal(DraftTree(list(tree.tokens[:count]), list(tree.parents[:count]), []), tokens,
+                    proposal.confidence[:count] if proposal.confidence is not None else None)
 
 
 def _host_tokens(proposal: Proposal, examined: int, vocab: Optional[int]) -> Optional[List[int]]:

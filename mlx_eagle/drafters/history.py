@@ -6,8 +6,10 @@ end of the text, and returns what followed the longest matches. Bounded: once mo
 ``max_tokens`` are held the oldest replies go first. In memory for one process and one
 model (``for_model``); persisted on request (``History.open``) to a file of 0600
 permissions, written atomically under a lock, merged with what other processes wrote,
-and capped in bytes, oldest replies evicted first. A damaged file, or one written for
-another model, is rebuilt with one warning line.
+and capped in bytes, oldest replies evicted first. A history archive that is damaged, or
+written for another model, is rebuilt with one warning line; any other file (one that is not
+a history archive, or a symbolic link) is refused in one line before anything is written,
+never replaced.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import io
 import json
 import sys
 import weakref
+import zipfile
 from collections import OrderedDict
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -28,7 +31,7 @@ import numpy as np
 
 from ..architectures import target_identity
 from ..errors import UserError
-from ..files import write_atomically
+from ..files import check_history_file, write_atomically
 
 FORMAT = "mlx-eagle history 1"
 FILE_OVERHEAD = 1024  # bytes of a history file that are not its tokens (the archive, the header)
@@ -141,7 +144,7 @@ class History:
         """The history in ``path`` for the model ``identity`` (an empty one where there is
         none yet; rebuilt, with one warning line, where the file is damaged or another
         model's); read once per process."""
-        path = Path(path).expanduser().resolve()
+        path = check_history_file(path)
         known = _FILES.get((path, identity, max_bytes))
         if known is not None:
             return known
@@ -155,8 +158,12 @@ class History:
         if self.path is None or not self.path.exists():
             return []
         try:
-            if self.path.stat().st_size > 2 * (self.max_bytes or 1 << 62) + (1 << 20):
+            limit = 2 * (self.max_bytes or 1 << 62) + (1 << 20)
+            if self.path.stat().st_size > limit:
                 raise ValueError("far larger than its cap")
+            with zipfile.ZipFile(self.path) as archive:  # what its entries unpack to, before they are
+                if sum(entry.file_size for entry in archive.infolist()) > limit:
+                    raise ValueError("its entries unpack to far more than its cap")
             with np.load(self.path, allow_pickle=False) as data:
                 header = json.loads(bytes(data["header"]).decode())
                 if header.get("format") != FORMAT:

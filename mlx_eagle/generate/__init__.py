@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, Generator, List, Optional
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..errors import UserError, check_text
+from ..errors import UserError, check_nesting, check_text
 from ..grammar import grammar_for
 
 if TYPE_CHECKING:
@@ -109,6 +109,7 @@ def _check_tool_calls(tool_calls: Any, where: str) -> List[Dict[str, Any]]:
     """An assistant message's calls, their arguments read from JSON strings."""
     if not isinstance(tool_calls, list):
         raise UserError(f"{where} must be a list of calls")
+    check_nesting(tool_calls, where)
     checked = []
     for index, call in enumerate(tool_calls):
         at = f"{where}[{index}]"
@@ -121,10 +122,11 @@ def _check_tool_calls(tool_calls: Any, where: str) -> List[Dict[str, Any]]:
         if isinstance(arguments, str):
             try:
                 arguments = json.loads(arguments or "{}")
-            except ValueError:
+            except (ValueError, RecursionError):
                 raise UserError(f"{at}.function.arguments is not valid JSON") from None
         if not isinstance(arguments, dict):
             raise UserError(f"{at}.function.arguments must be a JSON object")
+        check_nesting(arguments, f"{at}.function.arguments")
         checked.append({"id": call["id"], "type": "function",
                         "function": {"name": function["name"], "arguments": arguments}})
     return checked
@@ -265,6 +267,8 @@ def stream_generate(
     limit = _context_length(model)
     plan = plan_drafts(model, draft, tree, lookup, history, tokenizer, kv_bits, kv_group_size, quantized_kv_start)
     cache = prompt_cache if prompt_cache is not None else make_prompt_cache(model)
+    if cache.unfinished:  # a prompt read or round that never finished: nothing in it is certain
+        cache.clear(model)
     if cache.plan_key != plan.key:  # a conversation keeps its drafters (and their caches) while its plan holds
         cache.drafter, cache.plan_key = plan.drafter(), plan.key
     decoder = SpeculativeDecoder(model, cache.drafter, sampling, shared_seed(seed), cache,

@@ -79,6 +79,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     system = check_text(args.system, "--system") if args.system else None
     response_format = schema_file_format(args.json_schema) if args.json_schema else None
     user_drafter(args.draft)  # your own drafter, imported now: one line if it cannot be
+    history = history_choice(args)
     if args.verbose:
         print(f"device: {mx.default_device()}, BLAS: {blas_in_use()}", file=sys.stderr)
     model, tokenizer = load(args.model, pipeline=args.pipeline)
@@ -86,7 +87,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         print(f"model: {sharding(model)}", file=sys.stderr)
     ids = prompt_tokens(tokenizer, prompt, system, not args.no_chat_template)
     check_prompt(model, ids)  # before planning, which may time this device
-    plan = plan_drafts(model, args.draft, tree, lookup=not args.no_lookup, history=history_choice(args),
+    plan = plan_drafts(model, args.draft, tree, lookup=not args.no_lookup, history=history,
                        tokenizer=tokenizer, **kv_options(args))
     for source in plan.sources:
         if source.make is None and source.note:  # a drafter that decided not to draft here says why
