@@ -190,7 +190,13 @@ class ReplySplitter:
         self.held = ""  # answer text held back while it may be a bare JSON call
         self.content_seen = False  # the reply is known not to be a bare call: its text goes out as it comes
         self.called = False  # the reply has made a call
-        self.pending = opening  # text the reply was made to begin with: split with the first piece
+        self.opening = self.pending = opening  # text the reply was made to begin with: split with the first piece
+
+    @property
+    def forced_call(self) -> bool:
+        """The reply was made to begin with a tool call (tool_choice "required" or a named
+        function): it is that call, so no response_format holds it."""
+        return bool(self.opening)
 
     def feed(self, text: str) -> ReplyPiece:
         """The reply's next piece of text; what it completes."""

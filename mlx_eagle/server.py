@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import os
 import re
 import select
 import signal
@@ -66,10 +67,15 @@ if TYPE_CHECKING:  # they load mlx-lm: imported where used, so that --help answe
 
 MAX_BODY_BYTES = 1 << 20
 IDLE_SECONDS = 60  # a client silent this long (reading or writing) is dropped
+STALL_SECONDS = 120  # a generation this long without progress makes /health answer 503 "stalled"
+STOP_SECONDS = 10  # SIGTERM or Ctrl-C ends the process within this, whatever is stuck
 LOCAL_HOSTS = ("localhost", "127.0.0.1", "::1")
 POST_ROUTES = {"/v1/chat/completions": True, "/chat/completions": True, "/v1/completions": False, "/completions": False}
 GET_ROUTES = ("/health", "/v1/models", "/models")
 CONTENT_LENGTH = re.compile(r"[0-9]{1,15}")  # ASCII digits only ("\xb2".isdigit() is True), and bounded
+# A Host header: a name or an address (an IPv6 one in brackets), then at most a port; nothing else
+# ("localhost:80@evil.com" names no host of ours).
+HOST_HEADER = re.compile(r"(?P<name>\[[0-9a-f:.%]+\]|[a-z0-9._-]+)(?::[0-9]{1,5})?")
 # OpenAI fields this server does not implement, and the values that ask for nothing it lacks:
 # such a field with another value is refused (400 naming it), as other servers do, rather
 # than silently ignored.
@@ -171,6 +177,10 @@ def parse_request(body: Any, chat: bool, engine: Engine, default_max_tokens: int
         stop = [stop]
     if stop is not None and (not isinstance(stop, list) or len(stop) > 4 or not all(isinstance(s, str) for s in stop)):
         raise RequestError(400, "stop must be a string or a list of up to 4 strings", "stop")
+    try:
+        stop = [check_text(text, "stop") for text in stop] if stop is not None else None
+    except UserError as error:
+        raise RequestError(400, str(error), "stop") from None
     seed = body.get("seed")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED):
         raise RequestError(400, f"seed must be an integer from 0 to {MAX_SEED}", "seed")
@@ -185,9 +195,11 @@ def parse_request(body: Any, chat: bool, engine: Engine, default_max_tokens: int
         response_grammar(body.get("response_format"))
     except UserError as error:
         raise RequestError(400, str(error), "response_format") from None
+    # (A reply made to begin with a tool call is that call: response_format is for answer text.)
+    response_format = None if splitter is not None and splitter.forced_call else body.get("response_format")
     options = dict(max_tokens=max_tokens, temp=_body_number(body, "temperature", 0.0, 0.0, 2.0),
                    top_p=_body_number(body, "top_p", 1.0, 0.0, 1.0), seed=seed, stop=stop,
-                   logprobs=top_logprobs is not None, response_format=body.get("response_format"))
+                   logprobs=top_logprobs is not None, response_format=response_format)
     if options["top_p"] == 0.0:
         raise RequestError(400, "top_p must be above 0", "top_p")
     model = body.get("model")
@@ -204,7 +216,7 @@ def _logprobs(body: dict, chat: bool) -> Optional[int]:
     log-probabilities). Chat: ``logprobs`` true, ``top_logprobs`` 0-20; completions: ``logprobs`` 0-5."""
     value = body.get("logprobs")
     if chat:
-        if value not in (None, True, False):
+        if value is not None and not isinstance(value, bool):
             raise RequestError(400, "logprobs must be true or false", "logprobs")
         top = body.get("top_logprobs")
         if top is not None and (isinstance(top, bool) or not isinstance(top, int)
@@ -324,8 +336,9 @@ class Handler(BaseHTTPRequestHandler):
     def _check_host(self) -> None:
         """403 unless the Host header names this machine (or an allowed name)."""
         host = (self.headers.get("Host") or "").strip().lower()
-        name = host[1:host.index("]")] if host.startswith("[") and "]" in host else host.rsplit(":", 1)[0]
-        if name not in self.server.allowed_hosts:
+        parsed = HOST_HEADER.fullmatch(host)
+        name = parsed.group("name").strip("[]") if parsed else host
+        if parsed is None or name not in self.server.allowed_hosts:
             raise RequestError(403, f"host {name or '(none)'!r} is not allowed; start the server with "
                                     f"--allow-host {name or 'NAME'} to serve it")
 
@@ -352,7 +365,12 @@ class Handler(BaseHTTPRequestHandler):
             engine, route = self.server.engine, self.route
             model = {"id": engine.name, "object": "model", "created": self.server.started, "owned_by": "mlx-eagle"}
             if route == "/health":
-                self._send_json(200, dict(status="ok", **self.server.counts))
+                stalled = engine.stalled_for()
+                if stalled > self.server.stall_seconds:
+                    self._send_json(503, dict(status="stalled", seconds_without_progress=round(stalled, 1),
+                                              **self.server.counts))
+                else:
+                    self._send_json(200, dict(status="ok", **self.server.counts))
             elif route in ("/v1/models", "/models"):
                 self._send_json(200, {"object": "list", "data": [model]})
             elif route.split("/models/", 1)[1] == engine.name:
@@ -585,13 +603,13 @@ class Server(ThreadingHTTPServer):
 
     def __init__(self, address, engine: Optional[Engine] = None, tree: str = "auto", default_max_tokens: int = 512,
                  max_body: int = MAX_BODY_BYTES, quiet: bool = False, allow_hosts: Sequence[str] = (),
-                 idle_seconds: float = IDLE_SECONDS):
+                 idle_seconds: float = IDLE_SECONDS, stall_seconds: float = STALL_SECONDS):
         """Binds ``address`` at once; ``engine`` may come later (load the model after
         the port is known to be free)."""
         super().__init__(address, Handler)
         self.engine, self.tree, self.default_max_tokens = engine, tree, default_max_tokens
         self.max_body, self.quiet, self.started = max_body, quiet, int(time.time())
-        self.idle_seconds = idle_seconds
+        self.idle_seconds, self.stall_seconds = idle_seconds, stall_seconds
         self.counts = {"requests": 0, "cancelled": 0}  # generations started; ended by a departed client
         self._counting = threading.Condition()
         self._serving = 0  # generations in flight
@@ -642,6 +660,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parser.add_argument("--max-tokens", type=int, default=512, help="reply length when a request gives none")
     parser.add_argument("--idle-seconds", type=float, default=IDLE_SECONDS,
                         help="drop a client silent this long, reading or writing")
+    parser.add_argument("--stall-seconds", type=float, default=STALL_SECONDS,
+                        help="/health answers 503 \"stalled\" while a generation has made no progress this long")
     add_history_arguments(parser)
     add_kv_arguments(parser)
     parser.add_argument("--prompt-cache-bytes", type=int, default=2 << 30, metavar="BYTES",
@@ -660,8 +680,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     if not 0 <= args.port <= 65535:
         raise UserError(f"--port {args.port} is not a port; give 1 to 65535, or 0 for any free one")
     check_options(args.max_tokens, None)
-    if not 0 < args.idle_seconds <= 86400:
-        raise UserError(f"--idle-seconds {args.idle_seconds:g} is out of range; give seconds above 0, up to 86400")
+    for flag, seconds in (("--idle-seconds", args.idle_seconds), ("--stall-seconds", args.stall_seconds)):
+        if not 0 < seconds <= 86400:
+            raise UserError(f"{flag} {seconds:g} is out of range; give seconds above 0, up to 86400")
     if args.prompt_cache_bytes < 0:
         raise UserError(f"--prompt-cache-bytes must be 0 or more, not {args.prompt_cache_bytes}")
     kv_quantization(**kv_options(args))
@@ -677,7 +698,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         return
     try:
         server = Server((args.host, args.port), None, args.tree, args.max_tokens, quiet=args.quiet,
-                        allow_hosts=args.allow_host, idle_seconds=args.idle_seconds)
+                        allow_hosts=args.allow_host, idle_seconds=args.idle_seconds, stall_seconds=args.stall_seconds)
     except (OSError, OverflowError) as exc:
         reason = getattr(exc, "strerror", None) or str(exc)
         raise UserError(f"cannot listen on {args.host}:{args.port} ({reason}); pick another --port or --host") from None
@@ -703,9 +724,13 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     except KeyboardInterrupt:
         print("stopping: replies in flight are cut off", file=sys.stderr)
     finally:
+        deadline = time.monotonic() + STOP_SECONDS - 1
         server.server_close()  # no new connections
-        server.cut_in_flight()
-        engine.close()
+        server.cut_in_flight(wait=STOP_SECONDS / 2)
+        if not engine.close(wait=max(0.0, deadline - time.monotonic())):
+            # A model or drafter call that never returns: nothing can end it but the process.
+            print("stopped: the generation in progress did not stop in time", file=sys.stderr, flush=True)
+            os._exit(1)
         print("stopped", file=sys.stderr)
 
 

@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 import weakref
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
@@ -28,6 +30,7 @@ from .drafters import Drafter
 from .errors import UserError
 from .generate import GenerationResponse, check_messages, check_prompt, stream_generate
 from .models import DEFAULT_MODEL
+from .drafters.history import forget_history
 from .plan import DraftPlan, history_of, load_draft, open_target, plan_drafts
 from .replies import ChatResponse, ReplySplitter, chat_prompt, check_tool_support, check_tools, split_reply
 from .target import kv_quantization
@@ -43,6 +46,8 @@ class _Cancelled(Exception):
 
 
 PROMPT_CACHE_BYTES = 2 << 30  # what the conversations' caches may hold together, by default
+STOP_SECONDS = 5.0  # how long close() waits for the generation in progress to stop
+MAX_PLANS = 16  # draft plans kept (one per tree and history key: a server's requested model ids), least recent out
 
 
 def _work(jobs: "queue.Queue") -> None:
@@ -55,10 +60,12 @@ def _work(jobs: "queue.Queue") -> None:
     mx.clear_streams()
 
 
-def _stop_worker(jobs: "queue.Queue", thread: threading.Thread) -> None:
+def _stop_worker(jobs: "queue.Queue", thread: threading.Thread, wait: Optional[float] = STOP_SECONDS) -> None:
+    """Ask the worker to end after its current job, and give it ``wait`` seconds (a model or
+    drafter call that never returns must not hold the process: the thread is a daemon)."""
     jobs.put(None)
     if thread is not threading.current_thread():
-        thread.join()
+        thread.join(wait)
 
 
 class Engine:
@@ -90,7 +97,12 @@ class Engine:
         self._jobs: "queue.Queue" = queue.Queue()
         self._current: Optional[threading.Event] = None
         self._closed = False
-        worker = threading.Thread(target=_work, args=(self._jobs,), name="mlx-eagle-engine", daemon=True)
+        # When the generation in progress last made progress (a chunk of its prompt read, a
+        # token handed out): what /health reads to tell a stalled generation from a slow one.
+        self.progress_at: Optional[float] = None
+        self._cancels: "weakref.WeakSet[threading.Event]" = weakref.WeakSet()  # every generation asked for
+        self._worker = worker = threading.Thread(target=_work, args=(self._jobs,), name="mlx-eagle-engine",
+                                                 daemon=True)
         worker.start()
         # also when the engine is collected, or at exit without close()
         self._stop = weakref.finalize(self, _stop_worker, self._jobs, worker)
@@ -101,7 +113,7 @@ class Engine:
         self.model, self.tokenizer, self.head, *path = loaded
         self.lookup = lookup and draft != "none"
         self.name = name or (path[0].name if path else DEFAULT_MODEL)
-        self._plans: Dict[Any, DraftPlan] = {}
+        self._plans: "OrderedDict[Any, DraftPlan]" = OrderedDict()
         self.tree, self.history = tree, history
         if kv is not None:
             kv.check_model(self.model)  # before anything is timed
@@ -162,6 +174,11 @@ class Engine:
             history = history_of(self.model, self.history, history_key) if self.lookup else None
             self._plans[key] = plan_drafts(self.model, self.head, tree, self.lookup, history, self.tokenizer,
                                            **self.kv_options)
+            while len(self._plans) > MAX_PLANS:  # every request may name another model id: bounded
+                (_, dropped), _ = self._plans.popitem(last=False)
+                if self.history is True and not any(kept == dropped for _, kept in self._plans):
+                    forget_history(self.model, dropped)
+        self._plans.move_to_end(key)
         return self._plans[key]
 
     def clear_history(self) -> None:
@@ -216,6 +233,7 @@ class Engine:
         check_prompt(self.model, ids)  # before planning, which may time this device
         out: "queue.Queue" = queue.Queue()
         cancel = cancel if cancel is not None else threading.Event()
+        self._cancels.add(cancel)
         tree = options.pop("tree", None)
         history_key = options.pop("history_key", "")
 
@@ -227,12 +245,15 @@ class Engine:
                 self._announce("generate", ids, options, getattr(tree, "text", tree), history_key)
 
                 def reading(read: int, total: int) -> None:  # a long prompt stops between chunks
+                    self.progress_at = time.monotonic()
                     if cancel.is_set() and not self.shards:
                         raise _Cancelled
                     if on_prompt_read is not None:
                         on_prompt_read(read, total)
 
+                self.progress_at = time.monotonic()
                 for response in self._generation(ids, options, tree, history_key, reading):
+                    self.progress_at = time.monotonic()
                     if not (cancel.is_set() and self.shards):
                         out.put(response)
                     if cancel.is_set() and not self.shards:
@@ -242,7 +263,7 @@ class Engine:
             except BaseException as exc:
                 out.put(exc)
             finally:
-                self._current = None
+                self._current = self.progress_at = None
                 out.put(_DONE)
 
         self._jobs.put(job)
@@ -267,7 +288,14 @@ class Engine:
         (replies.py); a reply that made calls finishes with "tool_calls". Options as for
         ``generate``."""
         ids, splitter = chat_prompt(self.tokenizer, check_messages(messages), tools, tool_choice)
+        if splitter.forced_call:  # the reply is a tool call: response_format is for answer text
+            options.pop("response_format", None)
         return split_reply(self.generate(ids, cancel, **options), splitter)
+
+    def stalled_for(self) -> float:
+        """Seconds the generation in progress has gone without progress (0: none in progress)."""
+        since = self.progress_at
+        return time.monotonic() - since if since is not None else 0.0
 
     def cancel(self) -> None:
         """Stop the generation in progress, whoever asked for it (safe from any thread)."""
@@ -283,13 +311,19 @@ class Engine:
 
         self._call(reset)
 
-    def close(self) -> None:
-        """Stop the generation in progress and the worker; later calls raise RuntimeError."""
-        self.cancel()
+    def close(self, wait: float = STOP_SECONDS) -> bool:
+        """Stop the generation in progress and the worker, giving it ``wait`` seconds; later
+        calls raise RuntimeError; generations still waiting their turn never start. False:
+        the worker is still stuck in a call (a model or drafter call that never returns),
+        left behind as a daemon thread."""
+        for cancel in list(self._cancels):
+            cancel.set()
         if not self._closed and self.shards:
             self._call(lambda: self._announce("close"))
         self._closed = True
-        self._stop()
+        self._stop.detach()
+        _stop_worker(self._jobs, self._worker, wait)
+        return not self._worker.is_alive()
 
 
 @dataclass

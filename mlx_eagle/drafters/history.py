@@ -238,3 +238,9 @@ def for_model(model, key: str = "") -> History:
     history = History(model_identity(model))
     _HISTORIES[(id(model), key)] = (weakref.ref(model), history)
     return history
+
+
+def forget_history(model, key: str) -> None:
+    """Drop the in-memory history kept for ``model`` and ``key`` (a server's model id no
+    longer asked for)."""
+    _HISTORIES.pop((id(model), key), None)

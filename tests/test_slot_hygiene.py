@@ -1,0 +1,134 @@
+"""Cache-slot hygiene, as a property: clients arrive in a random order on one Engine (as
+the server's requests do), share beginnings, continue their conversations, leave while
+their prompt is read, fail in the middle of a round, leave between rounds, and have
+their slots evicted; every reply that completes is the same request's reply from plain
+mlx-lm with no prompt cache (with the same KV-cache settings). On the real SmolLM2,
+with and without quantized KV caches, and on a tiny hybrid (recurrent state)."""
+
+import random
+
+import mlx.core as mx
+import pytest
+from mlx_lm.generate import generate_step
+
+import mlx_eagle.decoder
+from mlx_eagle.plan import load_draft
+from mlx_eagle.session import Engine
+
+SYSTEM = ("You are a careful assistant. Answer in one short sentence, plainly, and never use lists. "
+          "Say only what the question asks.")
+QUESTIONS = ["What is the capital of France?", "Name a red fruit.", "What colour is the sky?",
+             "How many legs has a cat?", "What is two plus two?"]
+LONE = ["Write one line about the sea, the wind and the long grey harbour wall.",
+        "Tell me one fact about owls and why they hunt at night in the woods."]
+
+
+class Injected(Exception):
+    """A failure injected into a prompt read or a round."""
+
+
+def plain(model, ids, max_tokens, eos, kv):
+    """mlx-lm's own greedy loop, no prompt cache, cut at the end of sequence; and its first
+    token's log-probability (what the prompt's read left in the caches decides it)."""
+    out, first = [], None
+    for token, logprobs in generate_step(mx.array(ids), model, max_tokens=max_tokens, **kv):
+        out.append(int(token))
+        first = float(logprobs[out[0]]) if first is None else first
+        if out[-1] in eos:
+            break
+    return out, first
+
+
+def clients(engine, model, tokenizer, kv, seed, steps, monkeypatch):
+    """Random clients on ``engine``; returns how many replies completed and were checked."""
+    rng = random.Random(seed)
+    fail_next_round = []
+    verify = mlx_eagle.decoder.SpeculativeDecoder._verify
+
+    def failing_verify(self, *args, **kwargs):
+        if fail_next_round:
+            fail_next_round.clear()
+            raise Injected("a round failed")
+        return verify(self, *args, **kwargs)
+
+    monkeypatch.setattr(mlx_eagle.decoder.SpeculativeDecoder, "_verify", failing_verify)
+    system = tokenizer.encode(SYSTEM)
+    # Clients sharing a beginning, and clients sharing nothing with anyone (whose slot is whichever is oldest).
+    conversations = [system + tokenizer.encode(question) for question in QUESTIONS] + \
+        [tokenizer.encode(text) for text in LONE]
+    references, checked = {}, 0
+    # First the tour's case (a client leaves while the first prompt is read; the next is another
+    # client's), then clients at random.
+    lone = len(QUESTIONS)
+    script = [(lone, "leave_while_read"), (lone + 1, "complete"), (lone, "fail_in_round"), (lone + 1, "complete")]
+    for step in range(steps):
+        which, action = script[step] if step < len(script) else (
+            rng.randrange(len(conversations)),
+            rng.choice(["complete", "complete", "leave_while_read", "fail_in_round", "leave_early"]))
+        ids = conversations[which]
+
+        def reading(read, total):
+            if action == "leave_while_read":
+                raise Injected("the client left while its prompt was read")
+
+        fail_next_round[:] = [True] if action == "fail_in_round" else []
+        tokens, finished, first = [], False, None
+        try:
+            for response in engine.generate(ids, max_tokens=10, on_prompt_read=reading, logprobs=True):
+                tokens.append(response.token)
+                first = float(response.logprobs[tokens[0]]) if first is None else first
+                finished = response.finish_reason is not None
+                if action == "leave_early" and len(tokens) == 3:
+                    break
+        except Injected:
+            continue
+        if not finished:
+            continue
+        key = tuple(ids)
+        if key not in references:
+            references[key] = plain(model, ids, 10, set(tokenizer.eos_token_ids), kv)
+        expected, expected_first = references[key]
+        assert tokens == expected, (seed, action, len(ids))
+        assert abs(first - expected_first) < 1e-3, (seed, action, first, expected_first)
+        checked += 1
+        if rng.random() < 0.5:  # the conversation goes on: its reply and a new message
+            conversations[which] = ids + tokens + tokenizer.encode(rng.choice(QUESTIONS))
+    return checked
+
+
+@pytest.mark.parametrize("kv", [{}, {"kv_bits": 4, "kv_group_size": 64, "quantized_kv_start": 16}],
+                         ids=["float", "kv4"])
+def test_every_completed_reply_is_the_request_alone_whatever_came_before(smollm, kv, monkeypatch):
+    model, tokenizer = smollm
+    # The shipped head and lookup, as by default; a bound of about two slots, so that slots are evicted too.
+    engine = Engine(loaded=(model, tokenizer, load_draft("auto", model)), history=False, prompt_cache_bytes=12 << 20,
+                    **kv)
+    try:
+        assert clients(engine, model, tokenizer, kv, seed=len(kv), steps=16, monkeypatch=monkeypatch) >= 4
+    finally:
+        engine.close()
+
+
+def test_a_hybrid_s_slots_are_never_read_half_done(tmp_path, monkeypatch):
+    """The cancelled read that left a recurrent state behind (its slot then reused as if
+    empty) is what this catches on a hybrid."""
+    from mlx_eagle import load
+    from test_hybrid import write_directory
+
+    model, tokenizer = load(str(write_directory(tmp_path, "qwen3_next")))
+    engine = Engine(loaded=(model, tokenizer, None), draft="lookup", history=False)
+    try:
+        assert clients(engine, model, tokenizer, {}, seed=7, steps=16, monkeypatch=monkeypatch) >= 4
+    finally:
+        engine.close()
+
+
+def test_a_slot_whose_read_was_cut_is_never_taken_as_it_stands(smollm):
+    """The defect itself, directly: after a read cut short, the next prompt gets fresh caches."""
+    from mlx_eagle.decoder import PromptCaches
+
+    model, tokenizer = smollm
+    caches = PromptCaches(model, 1 << 30)
+    slot = caches.take([1, 2, 3])
+    slot.unfinished = True  # as a read or round cut short leaves it
+    assert caches.take([7, 8, 9]) is not slot and slot not in caches.slots
