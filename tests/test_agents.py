@@ -94,6 +94,11 @@ def test_tool_choice_none_hides_the_tools_and_a_named_function_is_called(engine,
     assert tokens == plain_tokens(model, tokenizer, ids, 32)
     assert finish == "tool_calls" and [c.name for c in calls] == ["add"]
     assert json.loads(calls[0].arguments) == {"a": 2, "b": 40}
+    # A forced call is the reply: a response_format beside it (for answer text) does not
+    # hold the call's arguments to a second JSON value (it made '{{"a": ...}]}' before).
+    with_format = replied(engine.chat(ask, tools=TOOLS, tool_choice=named, max_tokens=32,
+                                      response_format={"type": "json_object"}))
+    assert [c.name for c in with_format[2]] == ["add"] and with_format[4] == tokens
 
 
 def test_a_chat_session_carries_tool_calls_and_results(qwen_coder, engine):

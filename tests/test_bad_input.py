@@ -77,7 +77,9 @@ OPTIONS = [(["--seed", "-1"], "seed"), (["--temp", "nan"], "temp"), (["--temp", 
            (["--max-tokens", "-5"], "max_tokens"), (["--tree", "chain:100"], "chain"),
            (["--tree", "dynamic:depth=0"], "depth"), (["--tree", "dynamic:size=3"], "size")]
 KV_OPTIONS = [(["--kv-bits", "7"], "kv_bits"), (["--kv-bits", "4", "--kv-group-size", "48"], "kv_group_size"),
-              (["--kv-bits", "8", "--quantized-kv-start", "-1"], "quantized_kv_start")]
+              (["--kv-bits", "8", "--quantized-kv-start", "-1"], "quantized_kv_start"),
+              (["--quantized-kv-start", "100"], "without kv_bits"),
+              (["--history", "{text}"], "not a history file"), (["--history", "{dir}"], "not a file")]
 OPTIONS += KV_OPTIONS
 GENERATE_ONLY = [(["--min-p", "2"], "min_p"), (["--top-k", "-3"], "top_k"),
                  (["--json-schema", "{dir}"], "not a regular file"), (["--json-schema", "{text}"], "not JSON"),

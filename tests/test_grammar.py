@@ -4,6 +4,7 @@ a logits processor, on real weights, with a head's trees and with context drafts
 samples follow the masked distribution (chi-square). The tree shaping itself: cut nodes,
 masks per row, forced tokens."""
 
+import json
 from typing import List
 
 import llguidance
@@ -205,3 +206,21 @@ def test_a_bad_response_format_gets_one_line_naming_it(response_format, says):
 def test_a_schema_file_that_is_not_json_is_named():
     with pytest.raises(UserError, match="schema.json is not JSON"):
         schema_grammar("{not json", "schema.json")
+
+
+def test_a_reply_held_to_json_ends_with_the_value_on_the_default_model(smollm):
+    """SmolLM2 does not choose the end by itself after a JSON value: the grammar's end must
+    allow the end of sequence alone (the engine says "stopped" as soon as only that can
+    follow), or the reply runs on as prose ('{}\n\nAnn is a 28-year-old...')."""
+    model, tokenizer = smollm
+    prompt = chat_tokens(tokenizer, [{"role": "user", "content": "Give me data about a person named Ann."}])
+    for response_format in ({"type": "json_object"},
+                            {"type": "json_schema", "json_schema": {"name": "person", "schema": {
+                                "type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                                                 "age": {"type": "integer"}},
+                                "required": ["name", "age"], "additionalProperties": False}}}):
+        responses = list(stream_generate(model, tokenizer, prompt, max_tokens=40, response_format=response_format))
+        json.loads("".join(r.text for r in responses))
+        assert responses[-1].finish_reason == "stop"
+        assert [r.token for r in responses] == plain_constrained(model, tokenizer, prompt,
+                                                                 response_grammar(response_format), 40)

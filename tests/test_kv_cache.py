@@ -213,3 +213,16 @@ def test_a_long_prompt_has_the_forwards_timed_that_deep_once_it_is_read(smollm, 
             kept = json.loads(calibration_file(model, setting).read_text()).get("long_verify_ms")
             assert (kept is not None and set(kept) == {"1", "4", "16"}) == timed
     assert capsys.readouterr().err.count("after 320 tokens, once") == 2
+
+
+def test_a_group_size_that_does_not_divide_the_head_size_is_one_line_before_timing(monkeypatch):
+    """head_dim 32 with mlx-lm's default group of 64: mx.quantize would fail inside the
+    device's timing; the check names the fix first, and a hybrid's caches too."""
+    model = llama.Model(llama.ModelArgs(model_type="llama", hidden_size=64, num_hidden_layers=2,
+                                        intermediate_size=64, num_attention_heads=2, rms_norm_eps=1e-5,
+                                        vocab_size=32, num_key_value_heads=2))
+    monkeypatch.setattr(mlx_eagle.costs, "verify_costs", lambda *a, **k: pytest.fail("timed before the check"))
+    with pytest.raises(UserError, match="does not divide this model's attention head size \\(32\\); give "
+                                        "--kv-group-size 32"):
+        plan_drafts(model, "lookup", history=False, kv_bits=4)
+    KVQuantization(4, 32).check_model(model)

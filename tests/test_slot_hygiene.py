@@ -67,7 +67,7 @@ def clients(engine, model, tokenizer, kv, seed, steps, monkeypatch):
             rng.choice(["complete", "complete", "leave_while_read", "fail_in_round", "leave_early"]))
         ids = conversations[which]
 
-        def reading(read, total):
+        def reading(read, total, action=action):
             if action == "leave_while_read":
                 raise Injected("the client left while its prompt was read")
 

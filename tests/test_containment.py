@@ -1,0 +1,179 @@
+"""A plug-in drafter is contained: whatever it raises (making it, propose, observe, fork,
+branch) or however long its propose takes, one warning names it and the error, and the
+conversation goes on without it with the model's own text; a module that fails at import
+is one line. And the server's SIGTERM ends it within its promised 10 s even while a
+drafter is stuck, while /health says a generation has made no progress."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from mlx_eagle import Proposal, stream_generate
+from mlx_eagle.errors import UserError
+from mlx_eagle.generate import chat_tokens
+from mlx_eagle.plan import user_drafter
+from table_drafter import TableDrafter
+
+TESTS = Path(__file__).resolve().parent
+PROMPT = [{"role": "user", "content": "Repeat this list exactly, twice: apples, pears, plums, cherries."}]
+
+
+class RaisesIn(TableDrafter):
+    """The table drafter, raising in ``where`` after a few calls."""
+
+    where = "propose"
+
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+        if self.where == "init":
+            raise RuntimeError("broken at birth")
+
+    def _maybe(self, name):
+        self.calls += 1
+        if name == self.where and self.calls > 2:
+            raise ValueError(f"broken in {name}")
+
+    def propose(self, budget):
+        self._maybe("propose")
+        return super().propose(budget)
+
+    def observe(self, outcome):
+        self._maybe("observe")
+        super().observe(outcome)
+
+    def fork(self):
+        if self.where == "fork":
+            raise KeyError("no fork today")
+        return super().fork()
+
+
+class Hangs(TableDrafter):
+    """A propose that never returns."""
+
+    time_limit = 0.5
+
+    def propose(self, budget):
+        if len(self.tokens) > 40:
+            threading.Event().wait()
+        return super().propose(budget)
+
+
+@pytest.mark.parametrize("where", ["propose", "observe", "init", "fork"])
+def test_a_drafter_that_raises_warns_once_and_the_text_is_the_model_s(smollm, where, capsys):
+    model, tokenizer = smollm
+    ids = chat_tokens(tokenizer, PROMPT)
+    plain = [r.token for r in stream_generate(model, tokenizer, ids, draft="none", max_tokens=24)]
+    kind = type(f"Raises_{where}", (RaisesIn,), {"where": where})
+    draft = kind() if where == "fork" else kind
+    got = [r.token for r in stream_generate(model, tokenizer, ids, draft=draft, max_tokens=24)]
+    assert got == plain
+    warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning: drafter")]
+    assert len(warnings) == 1 and kind.__name__ in warnings[0] and "went on without it" in warnings[0], warnings
+
+
+def test_a_propose_that_never_returns_is_abandoned_after_its_time_limit(smollm, capsys):
+    model, tokenizer = smollm
+    ids = chat_tokens(tokenizer, PROMPT)
+    plain = [r.token for r in stream_generate(model, tokenizer, ids, draft="none", max_tokens=24)]
+    tic = time.monotonic()
+    got = [r.token for r in stream_generate(model, tokenizer, ids, draft=Hangs, max_tokens=24)]
+    assert got == plain and time.monotonic() - tic < 30
+    assert "took longer than its time_limit (0.5 s)" in capsys.readouterr().err
+
+
+def test_a_module_that_fails_at_import_is_one_line(tmp_path, monkeypatch):
+    (tmp_path / "fails_at_import.py").write_text("raise RuntimeError('the GPU is on fire')\n")
+    (tmp_path / "bad_syntax.py").write_text("def broken(:\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for spec, says in [("fails_at_import:Mine", "RuntimeError: the GPU is on fire"),
+                       ("bad_syntax:Mine", "SyntaxError")]:
+        with pytest.raises(UserError, match=says) as raised:
+            user_drafter(spec)
+        assert "\n" not in str(raised.value)
+
+
+def test_a_chain_of_impossible_ids_names_the_id():
+    with pytest.raises(ValueError, match="token id 1000000000000"):
+        Proposal.chain([5, 10 ** 12])
+
+
+class Unread(list):
+    """A list that must not be read whole (only cut)."""
+
+    def __iter__(self):
+        raise AssertionError("the whole proposal was read")
+
+
+def test_a_huge_proposal_is_read_only_as_far_as_admission_looks():
+    """200,000 nodes are cut to the first 4,096 (what admission reads) before any is read."""
+    from mlx_eagle.drafters import Budget
+    from mlx_eagle.drafters.admit import admit
+    from mlx_eagle.trees import DraftTree
+
+    count = 200_000
+    huge = Proposal(DraftTree(Unread([7] * count), Unread(range(-1, count - 1)), []), Unread([7] * count))
+    assert len(admit(huge, Budget(room=8, nodes=16, vocab=100))) == 8
+
+
+STUCK = """
+import threading
+from table_drafter import TableDrafter
+
+class Stuck(TableDrafter):
+    time_limit = None  # no limit: the engine waits for it for ever
+
+    def propose(self, budget):
+        if len(self.tokens) > 30:
+            threading.Event().wait()
+        return super().propose(budget)
+"""
+
+
+@pytest.mark.slow
+def test_sigterm_ends_a_server_whose_drafter_is_stuck_and_health_says_so(tmp_path):
+    (tmp_path / "stuck_drafter.py").write_text(STUCK)
+    env = dict(os.environ, PYTHONPATH=f"{tmp_path}{os.pathsep}{TESTS}")
+    process = subprocess.Popen([sys.executable, "-m", "mlx_eagle.server", "--port", "0", "--draft",
+                                "stuck_drafter:Stuck", "--no-lookup", "--stall-seconds", "2", "--quiet"],
+                               stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        line = ""
+        while "serving" not in line:
+            line = process.stderr.readline()
+            assert line, "the server ended before serving"
+        base = line.split("at ")[-1].strip()
+        body = json.dumps({"messages": PROMPT, "max_tokens": 64}).encode()
+        request = urllib.request.Request(f"{base}/chat/completions", body, {"Content-Type": "application/json"})
+        threading.Thread(target=lambda: _quietly(urllib.request.urlopen, request, timeout=120), daemon=True).start()
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                urllib.request.urlopen(f"{base.rsplit('/v1', 1)[0]}/health", timeout=10)
+            except urllib.error.HTTPError as error:
+                assert error.code == 503 and json.loads(error.read())["status"] == "stalled"
+                break
+            assert time.monotonic() < deadline, "/health never said the generation stalled"
+            time.sleep(0.5)
+        tic = time.monotonic()
+        process.send_signal(signal.SIGTERM)
+        process.wait(timeout=15)
+        assert time.monotonic() - tic <= 10.5
+    finally:
+        process.kill()
+        process.communicate()
+
+
+def _quietly(call, *args, **kwargs):
+    try:
+        call(*args, **kwargs)
+    except OSError:
+        pass
