@@ -132,3 +132,38 @@ def test_a_slot_whose_read_was_cut_is_never_taken_as_it_stands(smollm):
     slot = caches.take([1, 2, 3])
     slot.unfinished = True  # as a read or round cut short leaves it
     assert caches.take([7, 8, 9]) is not slot and slot not in caches.slots
+
+
+def test_a_conversation_sharing_a_beginning_with_a_quantized_slot_reads_it_in_float(smollm):
+    """The tour's third defect: with --kv-bits, B after A (sharing a system prompt shorter than
+    where plain decoding's cache turns quantized) must be B alone, log-probabilities too."""
+    model, tokenizer = smollm
+    kv = {"kv_bits": 4, "kv_group_size": 64, "quantized_kv_start": 16}
+    system = tokenizer.encode(SYSTEM)
+    first, second = (system + tokenizer.encode(question) for question in QUESTIONS[:2])
+    engine = Engine(loaded=(model, tokenizer, None), draft="lookup", history=False, **kv)
+    try:
+        list(engine.generate(first, max_tokens=24))  # A's cache turns quantized while it is read
+        responses = list(engine.generate(second, max_tokens=10, logprobs=True))
+        tokens, logprob = plain(model, second, 10, set(tokenizer.eos_token_ids), kv)
+        assert [r.token for r in responses] == tokens
+        assert abs(float(responses[0].logprobs[tokens[0]]) - logprob) < 1e-3
+    finally:
+        engine.close()
+
+
+def test_plans_kept_per_requested_model_id_are_bounded(smollm):
+    """Every distinct request ``model`` string made a plan and a history for the server's
+    life; now the least recently used go first past MAX_PLANS."""
+    from mlx_eagle.drafters import history
+    from mlx_eagle.session import MAX_PLANS
+
+    model, tokenizer = smollm
+    engine = Engine(loaded=(model, tokenizer, None), draft="lookup")
+    try:
+        engine._call(lambda: [engine.plan(None, f"client-{n}") for n in range(MAX_PLANS + 4)])
+        assert len(engine._plans) == MAX_PLANS
+        kept = {key for (_, key) in history._HISTORIES if key.startswith("client-")}
+        assert kept == {f"client-{n}" for n in range(4, MAX_PLANS + 4)}
+    finally:
+        engine.close()
