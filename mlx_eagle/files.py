@@ -195,12 +195,13 @@ def check_history_file(path: Path) -> Path:
         if not os.access(path, os.R_OK | os.W_OK):
             raise UserError(f"history file {path} cannot be read and written; pass another --history or --no-history")
         return path
-    parent = path.parent
-    while not parent.exists() and parent != parent.parent:
-        parent = parent.parent
-    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
-        raise UserError(f"history file {path} cannot be written ({parent} is not a writable directory); pass "
-                        "another --history or --no-history")
+    try:  # made as saving makes it, and written to once: the only sure test
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path.parent):
+            pass
+    except OSError as exc:
+        raise UserError(f"history file {path} cannot be written ({exc.strerror or exc}); pass another --history "
+                        "or --no-history") from None
     return path
 
 
