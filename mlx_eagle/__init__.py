@@ -18,7 +18,7 @@ from .generate import GenerationResponse, generate, stream_generate  # noqa: E40
 # model code (mlx-lm and transformers take seconds to import).
 _EXPORTS = {
     "DEFAULT_MODEL": "models", "load": "plan", "load_target": "models", "resolve_model": "models",
-    "PromptCache": "decoder", "make_prompt_cache": "decoder",
+    "PromptCache": "prompt_cache", "make_prompt_cache": "prompt_cache",
     "DraftPlan": "plan", "load_draft": "plan", "plan_drafts": "plan",
     "Budget": "drafters", "Drafter": "drafters", "Outcome": "drafters", "Proposal": "drafters",
 }

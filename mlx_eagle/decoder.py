@@ -31,12 +31,11 @@ from __future__ import annotations
 
 import copy
 from contextlib import nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, List, Optional, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import can_trim_prompt_cache
 
 from .costs import CONTEXT_STEP, Costs, kv_logit_drift
 from .drafters import Budget, Drafter, Outcome, TargetStates
@@ -44,6 +43,7 @@ from .drafters.admit import admit_or_warn
 from .distributed import check_same, shared_proposal, sharded
 from .errors import UserError
 from .grammar import Grammar, mask_logits
+from .prompt_cache import PromptCache, common_prefix, make_prompt_cache
 from .rewind import Rewind, needs_rewind
 from .compiled import compiles_verification, verify_block
 from .target import MLX_LM_PREFILL_STEP, KVQuantization, TargetOutput, check_target, is_driven, \
@@ -52,128 +52,6 @@ from .trees import MAX_TREE_NODES, DraftTree
 from .verify import Sampling, accept, sample, too_close
 
 NO_TOKENS = mx.array([], dtype=mx.int32)
-
-
-@dataclass
-class PromptCache:
-    """The target's KV caches, the tokens they hold, and the drafter drafting for them."""
-
-    target: List
-    tokens: List[int] = field(default_factory=list)  # committed; the last (the root) is not in the target cache yet
-    drafter: Optional[Drafter] = None  # made by a DraftPlan for this conversation
-    plan_key: Tuple = ()  # that plan's key
-    unread: int = 0  # committed tokens before the root that the target cache does not hold yet (see rewind.py)
-    # Caches that cannot be cut back (a hybrid's recurrent state): a copy kept of them as they
-    # were after ``keep_at`` prompt tokens (0: none), the beginning this prompt shares with
-    # another conversation's, for later conversations that begin the same way to start from.
-    keep_at: int = 0
-    beginning: Optional["PromptCache"] = None
-    # A prompt read or a round has begun and not finished (cancelled, or an error): until one
-    # does, nothing in the caches or the drafter is certain, and no later prompt may use them.
-    unfinished: bool = False
-
-    def clear(self, model: nn.Module) -> None:
-        """Forget everything: the caches as ``make_prompt_cache`` makes them, no drafter."""
-        for name, value in vars(make_prompt_cache(model)).items():
-            setattr(self, name, value)
-
-
-def make_prompt_cache(model: nn.Module) -> PromptCache:
-    """An empty cache for ``model``; pass it to every turn of one conversation."""
-    return PromptCache(target=make_cache(model))
-
-
-def cache_bytes(cache: PromptCache) -> int:
-    """What a conversation's target caches hold, in bytes (its drafter's own are small)."""
-    return sum(getattr(layer, "nbytes", 0) for layer in cache.target)
-
-
-def slots_bytes(slots: List[PromptCache]) -> int:
-    """What ``slots`` hold, the beginnings they keep counted once."""
-    beginnings = {id(slot.beginning): slot.beginning for slot in slots if slot.beginning is not None}
-    return sum(map(cache_bytes, slots)) + sum(map(cache_bytes, beginnings.values()))
-
-
-class PromptCaches:
-    """Several conversations' caches, so that requests that interleave each continue their
-    own, and a new conversation that begins as a kept one did (a long system prompt, the
-    same tools) does not read that beginning again. A prompt that goes on with what a slot
-    holds decodes in that slot; any other starts a slot of its own, from a copy of the
-    slot sharing its longest beginning (at least ``MIN_SHARED`` tokens) cut back to that
-    beginning, with a copy of that slot's drafters (``Drafter.branch``). Caches that cannot
-    be cut back (a hybrid model's recurrent state) are copied from a beginning kept while
-    an earlier prompt was read: the first conversation that shares one with a kept slot
-    reads it whole and keeps a copy of its caches at the end of what they share, for the
-    next ones. The least recently used slots go first while the slots hold more than
-    ``max_bytes``. A slot whose prompt read or round did not finish is dropped, never
-    reused; with quantized KV caches (``kv``), a slot's caches are copied only where they
-    hold what plain decoding of the new prompt would (``KVQuantization.holds_as_plain``)."""
-
-    MIN_SHARED = 16  # fewer shared tokens are not worth a copy (a chat template's header)
-    CONTINUES = 0.9  # a prompt sharing this much of what a slot holds goes on with its conversation
-
-    def __init__(self, model: nn.Module, max_bytes: int, kv: Optional[KVQuantization] = None):
-        self.model, self.max_bytes, self.kv = model, max_bytes, kv
-        self.slots: List[PromptCache] = []  # the most recently used last
-
-    def take(self, prompt: List[int]) -> PromptCache:
-        """The slot to decode ``prompt`` in, marked most recently used."""
-        self.slots = [slot for slot in self.slots if not slot.unfinished]
-        shared, best = max(((common_prefix(slot.tokens, prompt), slot) for slot in self.slots),
-                           key=lambda pair: pair[0], default=(0, None))
-        if best is not None and shared >= self.CONTINUES * len(best.tokens):
-            self.slots.remove(best)
-            slot = best
-        else:
-            slot = make_prompt_cache(self.model)
-            cached = min(shared, len(best.tokens) - 1 - best.unread) if best is not None else 0
-            if self.kv is not None and best is not None and not self.kv.holds_as_plain(best.target, cached,
-                                                                                      len(prompt)):
-                cached = 0
-            if cached >= self.MIN_SHARED and can_trim_prompt_cache(best.target):
-                self._copy(slot, best, best.target, best.tokens[:cached + 1])
-                keep_cache_entries(slot.target, cached, [])
-            elif cached >= self.MIN_SHARED:
-                origin = self._beginning_of(prompt)
-                if origin is not None:
-                    self._copy(slot, origin, origin.beginning.target, origin.beginning.tokens)
-                    slot.beginning = origin.beginning
-                if origin is None or len(origin.beginning.tokens) < cached:
-                    # (the root, the last token of a beginning, is shared too: drafters
-                    # pairing a state with the next token keep theirs up to it)
-                    slot.keep_at = cached - 1
-        self.slots.append(slot)
-        self.evict(keep=slot)
-        return slot
-
-    def _beginning_of(self, prompt: List[int]) -> Optional[PromptCache]:
-        """The slot keeping the longest beginning that ``prompt`` begins with (None: none)."""
-        fits = [slot for slot in self.slots if slot.beginning is not None
-                and common_prefix(slot.beginning.tokens, prompt) == len(slot.beginning.tokens)]
-        return max(fits, key=lambda slot: len(slot.beginning.tokens), default=None)
-
-    @staticmethod
-    def _copy(slot: PromptCache, source: PromptCache, target: List, tokens: List[int]) -> None:
-        """``slot`` starts from a copy of ``target`` holding ``tokens`` (the root, the last, not
-        yet read) and of ``source``'s drafters, where they can be copied (else the plan
-        makes fresh ones)."""
-        slot.target, slot.tokens = copy.deepcopy(target), list(tokens)
-        slot.drafter = source.drafter.branch() if source.drafter is not None else None
-        slot.plan_key = source.plan_key if slot.drafter is not None else ()
-
-    def evict(self, keep: Optional[PromptCache] = None) -> None:
-        """Drop the least recently used slots (never ``keep``) while all hold more than the bound."""
-        while slots_bytes(self.slots) > self.max_bytes and len(self.slots) > 1:
-            self.slots.remove(next(slot for slot in self.slots if slot is not keep))
-
-
-def common_prefix(a: List[int], b: List[int]) -> int:
-    count = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        count += 1
-    return count
 
 
 @dataclass
@@ -193,13 +71,23 @@ DRIFT_MARGIN = 8.0
 
 
 class SpeculativeDecoder:
+    """One conversation's decoding: ``prefill`` reads a prompt into its ``PromptCache`` and
+    chooses the first token; each ``round`` drafts after it, verifies in one forward pass,
+    accepts and commits (see the module's docstring); ``truncate`` cuts what was committed
+    back to what was handed out. Every setting is given here, once."""
+
     def __init__(self, target: nn.Module, drafter: Optional[Drafter], sampling: Sampling,
                  seed: Optional[int] = None, cache: Optional[PromptCache] = None,
-                 on_phase: Optional[Callable[[str], None]] = None, costs: Optional[Callable[[], Costs]] = None):
+                 on_phase: Optional[Callable[[str], None]] = None, costs: Optional[Callable[[], Costs]] = None,
+                 grammar: Optional[Grammar] = None, kv: Optional[KVQuantization] = None, keep_logits: bool = False):
         """``drafter``: what drafts each round (None: plain decoding through the same loop).
         ``on_phase``: called with each of PHASES as a round passes it. ``costs``: this
         device's measured costs for the target (asked for when a round first needs them),
-        which drafters size their trees by and whose logit drift makes greedy rounds exact."""
+        which drafters size their trees by and whose logit drift makes greedy rounds exact.
+        ``grammar``: the reply's structured-output state (grammar.py; None: free text).
+        ``kv``: quantized KV caches (target.KVQuantization), checked against the caches.
+        ``keep_logits``: keep the rows each committed token was chosen from (``Round.logits``,
+        ``root_logits``), for log-probabilities."""
         self.reads_states = drafter is not None and drafter.taps is not None
         if self.reads_states:
             check_target(target, drafter.taps)
@@ -221,17 +109,16 @@ class SpeculativeDecoder:
         self.tolerance: Optional[float] = None if sampling.greedy else 0.0
         self.vocab: Optional[int] = None  # the target's, known from its first logits
         self.root: Optional[int] = None
-        # Keep the logits each committed token was chosen from (Round.logits, root_logits):
-        # the verify pass's own rows along the accepted path, for log-probabilities.
-        self.keep_logits = False
+        # (the verify pass's own rows along the accepted path)
+        self.keep_logits = keep_logits
         self.root_logits: Optional[mx.array] = None
         # Caches mlx-lm cannot cut back (recurrent layers, wrapped sliding windows) are rewound.
         self.rewind = Rewind(target, self.target_cache) if needs_rewind(self.target_cache) else None
         self._last_round: Optional[Tuple[object, int, int]] = None  # (snapshot, tokens, unread) before it
-        # A reply held to a grammar (structured outputs, grammar.py): set before the prompt is read.
-        self.grammar: Optional[Grammar] = None
-        # Quantized KV caches (target.KVQuantization), checked against the caches: set before the prompt is read.
-        self.kv: Optional[KVQuantization] = None
+        self.grammar = grammar
+        if kv is not None:
+            kv.check(self.target_cache)
+        self.kv = kv
         # A target sharded over several ranks: every rank runs the same rounds (distributed.py),
         # so every rank's drafters read the same states (a rank reading none runs other passes).
         self.shards = sharded()

@@ -24,7 +24,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 
 import mlx.core as mx
 
-from .decoder import PromptCaches
+from .prompt_cache import PromptCaches
 from .distributed import rank, share_message, sharded
 from .drafters import Drafter
 from .errors import UserError
@@ -86,7 +86,7 @@ class Engine:
         (default: its directory's); ``tree``: the head's tree when a generation names none;
         ``history``: the earlier replies context drafts draft from (True: this engine's, in
         memory; a path: kept in that file; False: none), kept apart per history key.
-        ``prompt_cache_bytes``: what the caches of the conversations kept (decoder.PromptCaches)
+        ``prompt_cache_bytes``: what the caches of the conversations kept (prompt_cache.PromptCaches)
         may hold; a request continuing one of them reads only its new tokens. ``kv_bits``,
         ``kv_group_size``, ``quantized_kv_start``: every conversation's KV caches quantized, as
         mlx-lm's settings ask (target.KVQuantization). Under mlx.launch the model is sharded

@@ -9,11 +9,11 @@ from mlx_eagle.drafters.eagle import EagleDrafter
 from mlx_eagle.trees import parse_tree
 
 
-def decoder(model, head, tree, sampling, seed: Optional[int] = None, lookup=None, cache=None):
+def decoder(model, head, tree, sampling, seed: Optional[int] = None, lookup=None, cache=None, **settings):
     """``head`` drafting ``tree`` (a spec or its text; none: no head), and the lookup
-    drafter ``lookup``, if given."""
+    drafter ``lookup``, if given; ``settings`` as SpeculativeDecoder takes them."""
     spec = parse_tree(tree) if isinstance(tree, str) else tree
     drafters = [EagleDrafter(head, model, spec)] if head is not None and spec.kind != "none" else []
     drafters += [lookup] if lookup is not None else []
     drafter = None if not drafters else drafters[0] if len(drafters) == 1 else Composite(drafters)
-    return SpeculativeDecoder(model, drafter, sampling, seed=seed, cache=cache)
+    return SpeculativeDecoder(model, drafter, sampling, seed=seed, cache=cache, **settings)

@@ -127,8 +127,8 @@ def test_sampling_follows_the_masked_distribution(six_token_model, six_token_tok
     counts, accepted = np.zeros((VOCAB,) * 3), 0
     samples = 1500
     for seed in range(samples):
-        decoder = make_decoder(six_token_model, FixedDraft([0, 4, 1, 2], VOCAB), TREE, sampling, seed=seed)
-        decoder.grammar = six_token_grammar(six_token_tokenizer)
+        decoder = make_decoder(six_token_model, FixedDraft([0, 4, 1, 2], VOCAB), TREE, sampling, seed=seed,
+                               grammar=six_token_grammar(six_token_tokenizer))
         tokens = [decoder.prefill(PROMPT)]
         while len(tokens) < 3:
             result = decoder.round(3 - len(tokens))

@@ -11,7 +11,8 @@ from mlx_lm.generate import generate_step
 
 import hybrids
 from oracle import ScriptedDrafter
-from mlx_eagle.decoder import SpeculativeDecoder, make_prompt_cache
+from mlx_eagle.decoder import SpeculativeDecoder
+from mlx_eagle.prompt_cache import make_prompt_cache
 from mlx_eagle.drafters.composite import Composite
 from mlx_eagle.drafters.draft_model import DraftModelDrafter
 from mlx_eagle.drafters.lookup import LookupDrafter

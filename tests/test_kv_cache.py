@@ -136,8 +136,7 @@ def test_sampling_follows_plain_decoding_with_a_quantized_cache(quantizable_mode
     counts, accepted, samples = np.zeros((VOCAB,) * 3), 0, 1500
     likely = list(np.argsort(-joint.sum(axis=(0, 2))))
     for seed in range(samples):
-        decoder = make_decoder(quantizable_model, FixedDraft(likely, VOCAB), TREE, sampling, seed=seed)
-        decoder.kv = kv
+        decoder = make_decoder(quantizable_model, FixedDraft(likely, VOCAB), TREE, sampling, seed=seed, kv=kv)
         tokens = [decoder.prefill(PROMPT)]
         while len(tokens) < 3:
             result = decoder.round(3 - len(tokens))

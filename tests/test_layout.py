@@ -12,7 +12,8 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "mlx_eagle"
 # What the runtime (target, drafters, trees, verify, decoder, generation, plan) must not reach.
 TOOLS_AND_APPS = ("mlx_eagle.bench", "mlx_eagle.tune", "mlx_eagle.train", "mlx_eagle.chat", "mlx_eagle.server")
-RUNTIME = ("mlx_eagle.target", "mlx_eagle.trees", "mlx_eagle.verify", "mlx_eagle.decoder", "mlx_eagle.generate",
+RUNTIME = ("mlx_eagle.target", "mlx_eagle.trees", "mlx_eagle.verify", "mlx_eagle.decoder", "mlx_eagle.prompt_cache",
+           "mlx_eagle.generate",
            "mlx_eagle.plan", "mlx_eagle.drafters", "mlx_eagle.costs", "mlx_eagle.calibrate", "mlx_eagle.heads",
            "mlx_eagle.models", "mlx_eagle.session", "mlx_eagle.architectures", "mlx_eagle.compiled",
            "mlx_eagle.blas", "mlx_eagle.configs")

@@ -180,7 +180,7 @@ def test_a_sliding_window_model_stays_lossless_once_its_window_wraps():
     KVCache changed the text here. A second turn continuing the first reuses the caches."""
     from mlx_lm.models import olmo3
 
-    from mlx_eagle.decoder import make_prompt_cache
+    from mlx_eagle.prompt_cache import make_prompt_cache
 
     mx.random.seed(3)
     args = olmo3.ModelArgs(model_type="olmo3", hidden_size=64, num_hidden_layers=4, intermediate_size=128,

@@ -1,4 +1,4 @@
-"""The prefix cache's slots (decoder.PromptCaches) on tiny models: a new conversation that
+"""The prefix cache's slots (prompt_cache.PromptCaches) on tiny models: a new conversation that
 begins as a kept one did takes a copy of that one's target caches and of its drafters
 (Drafter.branch), for every built-in drafter kind, reads only what it does not share, and
 decodes plain decoding's tokens; the conversation it was copied from goes on unchanged."""
@@ -7,7 +7,8 @@ import mlx.core as mx
 import pytest
 from mlx_lm.generate import generate_step
 
-from mlx_eagle.decoder import PromptCaches, SpeculativeDecoder
+from mlx_eagle.decoder import SpeculativeDecoder
+from mlx_eagle.prompt_cache import PromptCaches
 from mlx_eagle.drafters import Drafter
 from mlx_eagle.drafters.composite import Composite
 from mlx_eagle.drafters.dflash import DFlashDrafter, load as load_dflash

@@ -125,7 +125,7 @@ def test_a_hybrid_s_slots_are_never_read_half_done(tmp_path, monkeypatch):
 
 def test_a_slot_whose_read_was_cut_is_never_taken_as_it_stands(smollm):
     """The defect itself, directly: after a read cut short, the next prompt gets fresh caches."""
-    from mlx_eagle.decoder import PromptCaches
+    from mlx_eagle.prompt_cache import PromptCaches
 
     model, tokenizer = smollm
     caches = PromptCaches(model, 1 << 30)

@@ -16,7 +16,7 @@ from ..errors import UserError, check_nesting, check_text
 from ..grammar import grammar_for
 
 if TYPE_CHECKING:
-    from ..decoder import PromptCache
+    from ..prompt_cache import PromptCache
     from ..drafters import Drafter
     from ..drafters.composite import SourceStats
     from ..plan import DraftPlan
@@ -252,7 +252,8 @@ def stream_generate(
     plain mlx-lm decoding's with the same settings.
     """
     from ..costs import LONG_CONTEXT
-    from ..decoder import SpeculativeDecoder, make_prompt_cache
+    from ..decoder import SpeculativeDecoder
+    from ..prompt_cache import make_prompt_cache
     from ..distributed import Watchdog, shared_seed
     from ..target import kv_quantization
     from ..plan import plan_drafts, source_statistics
@@ -272,12 +273,8 @@ def stream_generate(
     if cache.plan_key != plan.key:  # a conversation keeps its drafters (and their caches) while its plan holds
         cache.drafter, cache.plan_key = plan.drafter(), plan.key
     decoder = SpeculativeDecoder(model, cache.drafter, sampling, shared_seed(seed), cache,
-                                 costs=(lambda: plan.settings.costs) if plan.active else None)
-    decoder.keep_logits = logprobs
-    decoder.grammar = grammar
-    if kv is not None:
-        kv.check(decoder.target_cache)
-        decoder.kv = kv
+                                 costs=(lambda: plan.settings.costs) if plan.active else None, grammar=grammar,
+                                 kv=kv, keep_logits=logprobs)
     eos = set(tokenizer.eos_token_ids)
     stops = StopMatcher(stop or [])
     detokenizer = tokenizer.detokenizer

@@ -1,0 +1,142 @@
+"""A conversation's caches, kept from turn to turn, and the several conversations' caches a
+server or an ``Engine`` keeps (``PromptCaches``, the prefix cache): which slot a new prompt
+decodes in, what a new conversation copies from a kept one, and what is evicted.
+
+A slot whose prompt read or round did not finish holds nothing certain and is never reused
+(``PromptCache.unfinished``); with quantized KV caches a slot is copied only where it holds
+what plain decoding of the new prompt would (``KVQuantization.holds_as_plain``).
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import List, Optional, Tuple
+
+import mlx.nn as nn
+from mlx_lm.models.cache import can_trim_prompt_cache
+
+from .drafters import Drafter
+from .target import KVQuantization, keep_cache_entries, make_cache
+
+
+@dataclass
+class PromptCache:
+    """The target's KV caches, the tokens they hold, and the drafter drafting for them."""
+
+    target: List
+    tokens: List[int] = field(default_factory=list)  # committed; the last (the root) is not in the target cache yet
+    drafter: Optional[Drafter] = None  # made by a DraftPlan for this conversation
+    plan_key: Tuple = ()  # that plan's key
+    unread: int = 0  # committed tokens before the root that the target cache does not hold yet (see rewind.py)
+    # Caches that cannot be cut back (a hybrid's recurrent state): a copy kept of them as they
+    # were after ``keep_at`` prompt tokens (0: none), the beginning this prompt shares with
+    # another conversation's, for later conversations that begin the same way to start from.
+    keep_at: int = 0
+    beginning: Optional["PromptCache"] = None
+    # A prompt read or a round has begun and not finished (cancelled, or an error): until one
+    # does, nothing in the caches or the drafter is certain, and no later prompt may use them.
+    unfinished: bool = False
+
+    def clear(self, model: nn.Module) -> None:
+        """Forget everything: the caches as ``make_prompt_cache`` makes them, no drafter."""
+        for name, value in vars(make_prompt_cache(model)).items():
+            setattr(self, name, value)
+
+
+def make_prompt_cache(model: nn.Module) -> PromptCache:
+    """An empty cache for ``model``; pass it to every turn of one conversation."""
+    return PromptCache(target=make_cache(model))
+
+
+def cache_bytes(cache: PromptCache) -> int:
+    """What a conversation's target caches hold, in bytes (its drafter's own are small)."""
+    return sum(getattr(layer, "nbytes", 0) for layer in cache.target)
+
+
+def slots_bytes(slots: List[PromptCache]) -> int:
+    """What ``slots`` hold, the beginnings they keep counted once."""
+    beginnings = {id(slot.beginning): slot.beginning for slot in slots if slot.beginning is not None}
+    return sum(map(cache_bytes, slots)) + sum(map(cache_bytes, beginnings.values()))
+
+
+class PromptCaches:
+    """Several conversations' caches, so that requests that interleave each continue their
+    own, and a new conversation that begins as a kept one did (a long system prompt, the
+    same tools) does not read that beginning again. A prompt that goes on with what a slot
+    holds decodes in that slot; any other starts a slot of its own, from a copy of the
+    slot sharing its longest beginning (at least ``MIN_SHARED`` tokens) cut back to that
+    beginning, with a copy of that slot's drafters (``Drafter.branch``). Caches that cannot
+    be cut back (a hybrid model's recurrent state) are copied from a beginning kept while
+    an earlier prompt was read: the first conversation that shares one with a kept slot
+    reads it whole and keeps a copy of its caches at the end of what they share, for the
+    next ones. The least recently used slots go first while the slots hold more than
+    ``max_bytes``. A slot whose prompt read or round did not finish is dropped, never
+    reused; with quantized KV caches (``kv``), a slot's caches are copied only where they
+    hold what plain decoding of the new prompt would (``KVQuantization.holds_as_plain``)."""
+
+    MIN_SHARED = 16  # fewer shared tokens are not worth a copy (a chat template's header)
+    CONTINUES = 0.9  # a prompt sharing this much of what a slot holds goes on with its conversation
+
+    def __init__(self, model: nn.Module, max_bytes: int, kv: Optional[KVQuantization] = None):
+        self.model, self.max_bytes, self.kv = model, max_bytes, kv
+        self.slots: List[PromptCache] = []  # the most recently used last
+
+    def take(self, prompt: List[int]) -> PromptCache:
+        """The slot to decode ``prompt`` in, marked most recently used."""
+        self.slots = [slot for slot in self.slots if not slot.unfinished]
+        shared, best = max(((common_prefix(slot.tokens, prompt), slot) for slot in self.slots),
+                           key=lambda pair: pair[0], default=(0, None))
+        if best is not None and shared >= self.CONTINUES * len(best.tokens):
+            self.slots.remove(best)
+            slot = best
+        else:
+            slot = make_prompt_cache(self.model)
+            cached = min(shared, len(best.tokens) - 1 - best.unread) if best is not None else 0
+            if self.kv is not None and best is not None and not self.kv.holds_as_plain(best.target, cached,
+                                                                                      len(prompt)):
+                cached = 0
+            if cached >= self.MIN_SHARED and can_trim_prompt_cache(best.target):
+                self._copy(slot, best, best.target, best.tokens[:cached + 1])
+                keep_cache_entries(slot.target, cached, [])
+            elif cached >= self.MIN_SHARED:
+                origin = self._beginning_of(prompt)
+                if origin is not None:
+                    self._copy(slot, origin, origin.beginning.target, origin.beginning.tokens)
+                    slot.beginning = origin.beginning
+                if origin is None or len(origin.beginning.tokens) < cached:
+                    # (the root, the last token of a beginning, is shared too: drafters
+                    # pairing a state with the next token keep theirs up to it)
+                    slot.keep_at = cached - 1
+        self.slots.append(slot)
+        self.evict(keep=slot)
+        return slot
+
+    def _beginning_of(self, prompt: List[int]) -> Optional[PromptCache]:
+        """The slot keeping the longest beginning that ``prompt`` begins with (None: none)."""
+        fits = [slot for slot in self.slots if slot.beginning is not None
+                and common_prefix(slot.beginning.tokens, prompt) == len(slot.beginning.tokens)]
+        return max(fits, key=lambda slot: len(slot.beginning.tokens), default=None)
+
+    @staticmethod
+    def _copy(slot: PromptCache, source: PromptCache, target: List, tokens: List[int]) -> None:
+        """``slot`` starts from a copy of ``target`` holding ``tokens`` (the root, the last, not
+        yet read) and of ``source``'s drafters, where they can be copied (else the plan
+        makes fresh ones)."""
+        slot.target, slot.tokens = copy.deepcopy(target), list(tokens)
+        slot.drafter = source.drafter.branch() if source.drafter is not None else None
+        slot.plan_key = source.plan_key if slot.drafter is not None else ()
+
+    def evict(self, keep: Optional[PromptCache] = None) -> None:
+        """Drop the least recently used slots (never ``keep``) while all hold more than the bound."""
+        while slots_bytes(self.slots) > self.max_bytes and len(self.slots) > 1:
+            self.slots.remove(next(slot for slot in self.slots if slot is not keep))
+
+
+def common_prefix(a: List[int], b: List[int]) -> int:
+    count = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        count += 1
+    return count
