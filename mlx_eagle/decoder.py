@@ -29,8 +29,6 @@ the forward pass, and the rows masked after it (grammar.py): the same loop, the 
 
 from __future__ import annotations
 
-import copy
-from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Callable, List, Optional, Tuple
 
@@ -43,11 +41,11 @@ from .drafters.admit import admit_or_warn
 from .distributed import check_same, shared_proposal, sharded
 from .errors import UserError
 from .grammar import Grammar, mask_logits
-from .prompt_cache import PromptCache, common_prefix, make_prompt_cache
-from .rewind import Rewind, needs_rewind
+from .prompt_cache import PromptCache, make_prompt_cache
+from .rewind import Rewind
 from .compiled import compiles_verification, verify_block
 from .target import MLX_LM_PREFILL_STEP, KVQuantization, TargetOutput, check_target, is_driven, \
-    keep_cache_entries, lm_head, make_cache, tapped_forward, target_forward, tree_mask
+    keep_cache_entries, lm_head, tapped_forward, target_forward, tree_mask
 from .trees import MAX_TREE_NODES, DraftTree
 from .verify import Sampling, accept, sample, too_close
 
@@ -99,7 +97,7 @@ class SpeculativeDecoder:
         self.on_phase = on_phase or (lambda phase: None)
         self.key = mx.random.key(seed) if seed is not None else None  # None: MLX's global generator
         self.state = cache if cache is not None else make_prompt_cache(target)
-        self.target_cache = self.state.target
+        self.state.bind(target, kv)
         self.reused = 0  # prompt tokens the last prefill found already in the caches
         self.forwards = 0  # target forward passes, for tests and statistics
         self.rechecked = 0  # greedy positions too close to call in a block, decided by a one-row pass
@@ -112,19 +110,22 @@ class SpeculativeDecoder:
         # (the verify pass's own rows along the accepted path)
         self.keep_logits = keep_logits
         self.root_logits: Optional[mx.array] = None
-        # Caches mlx-lm cannot cut back (recurrent layers, wrapped sliding windows) are rewound.
-        self.rewind = Rewind(target, self.target_cache) if needs_rewind(self.target_cache) else None
-        self._last_round: Optional[Tuple[object, int, int]] = None  # (snapshot, tokens, unread) before it
-        self.grammar = grammar
-        if kv is not None:
-            kv.check(self.target_cache)
-        self.kv = kv
+        self.grammar, self.kv = grammar, kv
         # A target sharded over several ranks: every rank runs the same rounds (distributed.py),
         # so every rank's drafters read the same states (a rank reading none runs other passes).
         self.shards = sharded()
         if self.shards:
             check_same(repr(self.taps), "drafting plan (the target states its drafters read)",
                        "give every rank the same drafter files and settings")
+
+    @property
+    def target_cache(self) -> List:
+        return self.state.target
+
+    @property
+    def rewind(self) -> Optional[Rewind]:
+        """What rolls back the caches mlx-lm cannot cut back (recurrent layers, wrapped sliding windows)."""
+        return self.state.rewind
 
     @property
     def length(self) -> int:
@@ -170,33 +171,13 @@ class SpeculativeDecoder:
         out = target_forward(self.target, tokens[None], self.target_cache, positions, mask, self.taps or None)
         return TargetOutput(logits=out.logits[0], features=out.features[0], hidden=out.hidden[0])
 
-    def _reusable(self, prompt: List[int]) -> int:
-        """How many leading prompt tokens the caches already hold, and the drafter's state
-        is still good for; the target's cache is cut back to that (a recurrent state, which
-        cannot be, is read again from the start unless the prompt continues all it holds)."""
-        common = common_prefix(self.state.tokens, prompt)
-        cached = len(self.state.tokens) - 1 - self.state.unread if self.state.tokens else 0
-        reuse = min(common, cached, len(prompt) - 1)
-        if self.drafter is not None:
-            reuse = min(reuse, self.drafter.reusable(common))
-        if self.kv is not None and not self.kv.holds_as_plain(self.target_cache, reuse, len(prompt)):
-            reuse = 0
-            self.target_cache[:] = make_cache(self.target)  # unquantized, as plain decoding's cache begins
-        if self.rewind is None:
-            keep_cache_entries(self.target_cache, reuse, [])
-        elif reuse < cached:
-            self.rewind.reset()
-            reuse = 0
-        self.state.unread = 0
-        return reuse
-
     def prefill(self, prompt: List[int], chunk: int = 512,
                 on_read: Optional[Callable[[int, int], None]] = None) -> int:
         """Read the prompt (what the caches do not already hold of it) ``chunk`` tokens at
         a time (with quantized KV caches, as plain mlx-lm reads it); returns the first
         generated token (the first root). ``on_read(read, total)`` hears after each chunk
         how much of what is read so far (it may raise to stop)."""
-        self.reused = self._reusable(prompt)
+        self.reused = self.state.reusable(prompt, self.drafter)
         heard = on_read or (lambda read, total: None)
         self.state.tokens = []  # until this returns, the caches hold nothing certain
         self.state.unfinished = True
@@ -212,12 +193,12 @@ class SpeculativeDecoder:
             for begin, end in self._spans(last, chunk):
                 self.forwards += 1
                 self.target(mx.array([prompt[begin:end]]), cache=self.target_cache)
-                self._quantize_when_due()
+                self.state.quantize_when_due()
                 mx.eval([layer_cache.state for layer_cache in self.target_cache])
-                self._keep_beginning(end, prompt)
+                self.state.keep_beginning(end, prompt)
                 heard(end - self.reused, len(prompt) - self.reused)
             logits = self._held(self._forward(mx.array(prompt[-1:]), last, None).logits[-1])
-            self._quantize_when_due()
+            self.state.quantize_when_due()
             self.root = self._choose(logits)
         else:
             # The model's own forward pass computes logits for every token: the last one alone.
@@ -232,9 +213,9 @@ class SpeculativeDecoder:
                 hidden.append(out.hidden)
                 # The prompt's own logits are never needed: only the last. (A recurrent state is
                 # computed apart from the outputs: evaluated too, so the graph does not grow.)
-                self._quantize_when_due()
+                self.state.quantize_when_due()
                 mx.eval(out.features, out.hidden, [] if self.drives_target else [c.state for c in self.target_cache])
-                self._keep_beginning(end, prompt)
+                self.state.keep_beginning(end, prompt)
                 heard(end - self.reused, len(prompt) - self.reused)
             # (For a model's own forward pass, its LM head: models scale their logits their own ways.)
             logits = self._held(lm_head(self.target, out.hidden[-1]) if self.drives_target else out.logits[-1])
@@ -267,16 +248,6 @@ class SpeculativeDecoder:
         cuts = sorted(set(range(first, end, chunk)) | {self.reused, end} |
                       ({self.state.keep_at} if self.reused < self.state.keep_at < end else set()))
         return list(zip(cuts, cuts[1:]))
-
-    def _keep_beginning(self, read: int, prompt: List[int]) -> None:
-        """Having read ``read`` prompt tokens: where that is where the slot keeps a copy of
-        its caches (PromptCaches), keep one."""
-        if read == self.state.keep_at:
-            self.state.beginning = PromptCache(copy.deepcopy(self.target_cache), list(prompt[:read + 1]))
-
-    def _quantize_when_due(self) -> None:
-        if self.kv is not None:
-            self.kv.quantize_when_due(self.target_cache)
 
     def _held(self, logits: mx.array) -> mx.array:
         """The prompt's last logits, held to the grammar (if any) where the reply begins."""
@@ -315,8 +286,7 @@ class SpeculativeDecoder:
         committed, self.state.tokens = self.state.tokens, []  # an interrupted round leaves nothing certain
         self.state.unfinished = True
         unread = committed[len(committed) - 1 - self.state.unread:-1]
-        if self.kv is not None:  # a round ends where the cache turns quantized
-            room = self.kv.room(self.target_cache, len(committed) - 1, room)
+        room = self.state.room(len(committed) - 1, room)  # (a round ends where the cache turns quantized)
         proposal = None
         nodes = MAX_TREE_NODES - len(unread) if self.drafter is not None and len(unread) < MAX_UNREAD else 0
         if self.drafter is not None:
@@ -336,9 +306,7 @@ class SpeculativeDecoder:
             tree, tokens = shaped.tree, shaped.tokens
         self.on_phase("drafted")
         start = len(committed) - 1  # the root's position
-        snapshot = self.rewind.snapshot() if self.rewind is not None and len(tree) else None
-        self._last_round = (snapshot, len(committed), len(unread))
-        with self.rewind.recording() if snapshot is not None else nullcontext() as recorded:
+        with self.state.before_verify(len(tree), len(committed), len(unread)) as recorded:
             out = self._verify(tree, tokens, unread)
         exact = self.rewind is None and len(tree) > 0  # (a recurrent state is not re-read one row at a time)
         logits = mask_logits(out.logits, shaped.allowed) if shaped is not None else out.logits
@@ -346,9 +314,8 @@ class SpeculativeDecoder:
                          self._tolerance() if exact else 0.0)
         kept = [0] + [n + 1 for n in verdict.path]
         chosen_from = logits[mx.array(kept)] if self.keep_logits else None
-        self.state.unread = 0
         if verdict.unsure:  # the last kept position read again alone, and its choice made there
-            keep_cache_entries(self.target_cache, start, kept[:-1])
+            self.state.commit(start, kept[:-1], False, recorded)
             alone = self._forward(mx.array(([self.root] + verdict.tokens)[-1:]), start + len(kept) - 1, None)
             alone_logits = alone.logits[-1:]
             if shaped is not None:
@@ -362,13 +329,9 @@ class SpeculativeDecoder:
                 out = TargetOutput(None, mx.concatenate([out.features[rows], alone.features]),
                                    mx.concatenate([out.hidden[rows], alone.hidden]))
                 kept = list(range(len(kept)))
-        elif self.rewind is None:
-            keep_cache_entries(self.target_cache, start, kept)
-        elif len(verdict.path) < len(tree):  # the state ran past a rejected draft: back to the accepted prefix
-            if not self.rewind.cut_back(snapshot, recorded, len(unread) + len(kept)):
-                self.rewind.restore(snapshot)  # (and read the accepted tokens again next round)
-                self.state.unread = len(unread) + len(kept)
-        self._quantize_when_due()
+        else:
+            self.state.commit(start, kept, len(verdict.path) == len(tree), recorded)
+        self.state.quantize_when_due()
         self.on_phase("verified")
         new = verdict.tokens + [verdict.bonus]
         if self.grammar is not None:
@@ -386,20 +349,6 @@ class SpeculativeDecoder:
         return Round(tokens=new, drafted=len(tree), logits=chosen_from)
 
     def truncate(self, count: int) -> None:
-        """Keep only the first ``count`` committed tokens (what was handed out: a round may
-        commit tokens past an end of sequence or a stop), so that the next turn's prompt,
-        which holds the reply as shown, continues what the caches hold."""
-        tokens = self.state.tokens
-        if not 0 < count < len(tokens):
-            return
-        if self.rewind is None:
-            keep_cache_entries(self.target_cache, count - 1, [])
-        elif self._last_round is not None and self._last_round[0] is not None and count >= self._last_round[1]:
-            snapshot, before, unread = self._last_round  # back to before the last round's forward pass
-            self.rewind.restore(snapshot)
-            self.state.unread = count - before + unread
-        else:  # the recurrent state cannot be cut back here: the next turn reads from the start
-            return
-        self.state.tokens = tokens[:count]
-        self.root = tokens[count - 1]
-
+        """Keep only the first ``count`` committed tokens (PromptCache.truncate)."""
+        if self.state.truncate(count):
+            self.root = self.state.tokens[-1]

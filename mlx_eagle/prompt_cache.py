@@ -10,19 +10,28 @@ what plain decoding of the new prompt would (``KVQuantization.holds_as_plain``).
 from __future__ import annotations
 
 import copy
+from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import List, Optional, Tuple
+from typing import ContextManager, List, Optional, Tuple
 
 import mlx.nn as nn
 from mlx_lm.models.cache import can_trim_prompt_cache
 
 from .drafters import Drafter
+from .rewind import Rewind, needs_rewind
 from .target import KVQuantization, keep_cache_entries, make_cache
 
 
 @dataclass
 class PromptCache:
-    """The target's KV caches, the tokens they hold, and the drafter drafting for them."""
+    """One conversation's target-side state: the target's caches, the tokens they hold, and
+    the drafter drafting for them, kept from turn to turn. Like mlx-lm's cache classes, it
+    owns cutting itself back: which beginning of a new prompt it still holds as plain
+    decoding would (``reusable``), what a verify pass leaves in it (``before_verify``,
+    ``commit``), cutting it to what was handed out (``truncate``), and how far a round may
+    go before a quantized cache turns (``room``). Recurrent layers are rolled back through
+    ``rewind`` (rewind.py), quantized KV caches follow ``kv`` (target.KVQuantization); both
+    are bound by the decoder that takes the cache (``bind``)."""
 
     target: List
     tokens: List[int] = field(default_factory=list)  # committed; the last (the root) is not in the target cache yet
@@ -37,11 +46,104 @@ class PromptCache:
     # A prompt read or a round has begun and not finished (cancelled, or an error): until one
     # does, nothing in the caches or the drafter is certain, and no later prompt may use them.
     unfinished: bool = False
+    # Bound by ``bind``: the model, its caches' quantization, and their rollback (None: they
+    # cut back as mlx-lm's do); and before the last round's pass, (snapshot, tokens, unread).
+    model: Optional[nn.Module] = field(default=None, repr=False)
+    kv: Optional[KVQuantization] = None
+    rewind: Optional[Rewind] = field(default=None, repr=False)
+    last_round: Optional[Tuple[object, int, int]] = field(default=None, repr=False)
 
     def clear(self, model: nn.Module) -> None:
         """Forget everything: the caches as ``make_prompt_cache`` makes them, no drafter."""
         for name, value in vars(make_prompt_cache(model)).items():
             setattr(self, name, value)
+
+    def bind(self, model: nn.Module, kv: Optional[KVQuantization]) -> None:
+        """Take the settings of the decoder that decodes in this cache (one line where ``kv``
+        cannot quantize these caches)."""
+        if kv is not None:
+            kv.check(self.target)
+        self.model, self.kv = model, kv
+        self.rewind = Rewind(model, self.target) if needs_rewind(self.target) else None
+        self.last_round = None
+
+    def reusable(self, prompt: List[int], drafter: Optional[Drafter]) -> int:
+        """How many leading tokens of ``prompt`` the caches hold as plain decoding of it
+        would (and ``drafter``'s state is still good for), the caches cut back to that. A
+        recurrent state, which cannot be cut back, is read again from the start unless the
+        prompt continues all it holds; a quantized cache cut back before where plain
+        decoding's would turn starts again unquantized."""
+        common = common_prefix(self.tokens, prompt)
+        cached = len(self.tokens) - 1 - self.unread if self.tokens else 0
+        reuse = min(common, cached, len(prompt) - 1)
+        if drafter is not None:
+            reuse = min(reuse, drafter.reusable(common))
+        if self.kv is not None and not self.kv.holds_as_plain(self.target, reuse, len(prompt)):
+            reuse = 0
+            self.target[:] = make_cache(self.model)
+        if self.rewind is None:
+            keep_cache_entries(self.target, reuse, [])
+        elif reuse < cached:
+            self.rewind.reset()
+            reuse = 0
+        self.unread = 0
+        return reuse
+
+    def keep_beginning(self, read: int, prompt: List[int]) -> None:
+        """Having read ``read`` prompt tokens: where that is where the slot keeps a copy of
+        its caches (PromptCaches), keep one."""
+        if read == self.keep_at:
+            self.beginning = PromptCache(copy.deepcopy(self.target), list(prompt[:read + 1]))
+
+    def quantize_when_due(self) -> None:
+        if self.kv is not None:
+            self.kv.quantize_when_due(self.target)
+
+    def room(self, position: int, room: int) -> int:
+        """How many tokens a round from ``position`` may produce: where the cache is to turn
+        quantized, no further (KVQuantization.room)."""
+        return self.kv.room(self.target, position, room) if self.kv is not None else room
+
+    def before_verify(self, nodes: int, committed: int, unread: int) -> ContextManager[Optional[List]]:
+        """Before a verify pass over ``nodes`` drafted tokens after ``committed`` tokens (the
+        last ``unread`` of them not yet in the caches): what rolls it back later, and the
+        context the pass runs in (it records what a rollback replays)."""
+        snapshot = self.rewind.snapshot() if self.rewind is not None and nodes else None
+        self.last_round = (snapshot, committed, unread)
+        return self.rewind.recording() if snapshot is not None else nullcontext()
+
+    def commit(self, start: int, kept: List[int], complete: bool, recorded: Optional[List]) -> None:
+        """After the verify pass from position ``start``: keep its rows ``kept`` (0: the
+        root's); ``complete``: every drafted row was accepted. A recurrent state that ran past
+        a rejected draft is cut back to the accepted prefix, or restored to before the pass,
+        its accepted tokens then unread (the next round reads them again)."""
+        self.unread = 0
+        if self.rewind is None:
+            keep_cache_entries(self.target, start, kept)
+        elif not complete:
+            snapshot, _, unread = self.last_round
+            if not self.rewind.cut_back(snapshot, recorded, unread + len(kept)):
+                self.rewind.restore(snapshot)
+                self.unread = unread + len(kept)
+
+    def truncate(self, count: int) -> bool:
+        """Keep only the first ``count`` committed tokens (what was handed out: a round may
+        commit tokens past an end of sequence or a stop), so that the next turn's prompt,
+        which holds the reply as shown, continues what the caches hold. False where the
+        caches cannot be cut there (a recurrent state past its last snapshot): the next
+        turn reads from the start."""
+        if not 0 < count < len(self.tokens):
+            return False
+        if self.rewind is None:
+            keep_cache_entries(self.target, count - 1, [])
+        elif self.last_round is not None and self.last_round[0] is not None and count >= self.last_round[1]:
+            snapshot, before, unread = self.last_round  # back to before the last round's forward pass
+            self.rewind.restore(snapshot)
+            self.unread = count - before + unread
+        else:
+            return False
+        self.tokens = self.tokens[:count]
+        return True
 
 
 def make_prompt_cache(model: nn.Module) -> PromptCache:

@@ -466,13 +466,13 @@ class KVQuantization:
                 raise UserError(f"kv_group_size {self.group_size} does not divide this model's attention head size "
                                 f"({size}); {fix}")
 
-    def turns_at(self, prompt_length: int) -> int:
+    def turns_at(self, prompt_length: int, step: int = MLX_LM_PREFILL_STEP) -> int:
         """How many entries plain mlx-lm's cache holds when it turns quantized while reading
         a prompt of ``prompt_length`` tokens and decoding after it: its prompt is read in
-        chunks of MLX_LM_PREFILL_STEP up to the last token, which the first step reads, and
-        the cache is quantized after the first forward pass that leaves ``start`` entries."""
+        chunks of ``step`` up to the last token, which the first step reads, and the cache
+        is quantized after the first forward pass that leaves ``start`` entries."""
         last = prompt_length - 1
-        ends = [min(end, last) for end in range(MLX_LM_PREFILL_STEP, last + MLX_LM_PREFILL_STEP, MLX_LM_PREFILL_STEP)]
+        ends = [min(end, last) for end in range(step, last + step, step)]
         return next((end for end in ends if end >= self.start), max(self.start, prompt_length))
 
     def holds_as_plain(self, cache: List, entries: int, prompt_length: int) -> bool:

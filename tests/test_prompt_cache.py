@@ -1,0 +1,94 @@
+"""A conversation's cache object (prompt_cache.PromptCache) on its own: what a new prompt
+may reuse of it, what a verify pass leaves in it, cutting it to what was handed out, and
+where a quantized cache turns, as plain mlx-lm's does."""
+
+import mlx.core as mx
+import pytest
+from mlx_lm.generate import generate_step
+from mlx_lm.models import llama
+from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache as mlx_lm_cache
+
+from mlx_eagle.drafters import Drafter
+from mlx_eagle.prompt_cache import make_prompt_cache
+from mlx_eagle.target import KVQuantization
+
+
+@pytest.fixture(scope="module")
+def model():
+    mx.random.seed(0)
+    tiny = llama.Model(llama.ModelArgs(model_type="llama", hidden_size=64, num_hidden_layers=2, intermediate_size=64,
+                                       num_attention_heads=2, rms_norm_eps=1e-5, vocab_size=50,
+                                       num_key_value_heads=2))
+    mx.eval(tiny.parameters())
+    return tiny
+
+
+def filled(model, tokens, kv=None):
+    """A cache holding ``tokens`` (the last, the root, not read), as a decoder leaves it."""
+    cache = make_prompt_cache(model)
+    cache.bind(model, kv)
+    model(mx.array([tokens[:-1]]), cache=cache.target)
+    cache.quantize_when_due()
+    cache.tokens = list(tokens)
+    return cache
+
+
+class Remembers(Drafter):
+    def __init__(self, keeps):
+        self.keeps = keeps
+
+    def reusable(self, common):
+        return min(common, self.keeps)
+
+
+def test_a_prompt_reuses_what_it_shares_and_the_caches_are_cut_back_to_it(model):
+    cache = filled(model, list(range(1, 21)))
+    assert cache.reusable(list(range(1, 13)) + [40, 41], None) == 12
+    assert cache.target[0].offset == 12 and cache.unread == 0
+    cache = filled(model, list(range(1, 21)))
+    assert cache.reusable(list(range(1, 31)), Remembers(5)) == 5  # the drafter keeps less: read from there
+    assert cache.target[0].offset == 5
+
+
+def test_a_verify_pass_keeps_the_accepted_rows_and_truncate_cuts_to_what_was_shown(model):
+    cache = filled(model, list(range(1, 11)))  # 9 entries, root 10
+    with cache.before_verify(3, 10, 0) as recorded:
+        model(mx.array([[10, 11, 12, 13]]), cache=cache.target)  # the root and three drafts
+    cache.commit(9, [0, 2], False, recorded)  # the root's row and the second draft's
+    assert cache.target[0].offset == 11
+    cache.tokens = list(range(1, 11)) + [12, 30]
+    assert cache.truncate(11) and cache.tokens == list(range(1, 11)) + [12] and cache.target[0].offset == 10
+    assert not cache.truncate(11) and not cache.truncate(0)  # nothing to cut
+
+
+def test_a_quantized_cache_is_reused_only_past_where_plain_decoding_s_turns(model):
+    kv = KVQuantization(4, 32, start=8)
+    cache = filled(model, list(range(1, 21)), kv)
+    assert isinstance(cache.target[0], QuantizedKVCache)
+    assert cache.reusable(list(range(1, 16)) + [44, 45], None) == 0  # plain decoding reads these 15 in float
+    assert type(cache.target[0]) is KVCache and cache.target[0].offset == 0
+    cache = filled(model, list(range(1, 21)), kv)
+    assert cache.reusable(list(range(1, 21)) + [44], None) == 0  # plain reads all 20 in float, then turns
+    long = [1 + n % 49 for n in range(2100)]
+    cache = filled(model, long, kv)
+    assert cache.reusable(long + [44], None) == 2099  # plain turned after its first 2,048-token chunk: kept
+    assert isinstance(cache.target[0], QuantizedKVCache)
+    assert cache.room(19, 10) == 10 and filled(model, [1, 2, 3], kv).room(2, 10) == 6
+
+
+@pytest.mark.parametrize("length, start", [(30, 8), (30, 0), (30, 20), (40, 33), (5, 3)])
+def test_where_the_cache_turns_is_where_plain_mlx_lm_s_does(model, length, start):
+    """KVQuantization.turns_at against mlx-lm's own loop, where it turns while reading a
+    prompt: the entries its cache holds after the first chunk that leaves it quantized.
+    (Past the prompt it turns on the step that reaches ``start``: max(start, length).)"""
+    assert KVQuantization(4, 32, start=50).turns_at(length, step=16) == 50
+    kv = KVQuantization(4, 32, start=start)
+    cache = mlx_lm_cache(model)
+    held = []
+    steps = generate_step(mx.array(list(range(1, length + 1))), model, prompt_cache=cache, max_tokens=1,
+                          kv_bits=4, kv_group_size=32, quantized_kv_start=start, prefill_step_size=16,
+                          prompt_progress_callback=lambda read, total: held.append(
+                              (cache[0].offset, isinstance(cache[0], QuantizedKVCache))))
+    next(steps)
+    turned = min(offset for offset, quantized in held if quantized)
+    assert turned == kv.turns_at(length, step=16)
