@@ -148,7 +148,7 @@ def user_drafter(draft: object) -> Optional[UserDrafter]:
     except ImportError as exc:
         raise UserError(f"draft {draft}: cannot import {module_name} ({exc}); is it installed or on PYTHONPATH?") \
             from None
-    except Exception as exc:  # the module's own code failed (a SyntaxError, whatever it raised)
+    except (Exception, SystemExit) as exc:  # the module's own code failed (a SyntaxError, a sys.exit, ...)
         raise UserError(f"draft {draft}: importing {module_name} failed ({type(exc).__name__}: "
                         f"{str(exc).splitlines()[0] if str(exc) else 'no message'}); fix the module") from None
     made = getattr(module, attribute, None)
@@ -190,7 +190,7 @@ class FreshPerConversation(Drafter):
             return self.runner.run(call, limit)
         except _TooLong:
             problem = f"{what} took longer than its time_limit ({limit:g} s)"
-        except Exception as error:  # your code's, whatever it is: contained
+        except BaseException as error:  # your code's, whatever it is (a sys.exit too: it ran on the drafter's thread)
             problem = f"{what} failed: {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
         warn_once(self.make, f"drafter {self.name}: {problem}; its conversation went on without it")
         self.current = None

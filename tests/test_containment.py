@@ -41,6 +41,8 @@ class RaisesIn(TableDrafter):
         self.calls += 1
         if name == self.where and self.calls > 2:
             raise ValueError(f"broken in {name}")
+        if self.where == "exit" and self.calls > 2:
+            sys.exit("a plug-in that exits")  # on its own thread: contained like any error
 
     def propose(self, budget):
         self._maybe("propose")
@@ -67,7 +69,7 @@ class Hangs(TableDrafter):
         return super().propose(budget)
 
 
-@pytest.mark.parametrize("where", ["propose", "observe", "init", "fork"])
+@pytest.mark.parametrize("where", ["propose", "observe", "init", "fork", "exit"])
 def test_a_drafter_that_raises_warns_once_and_the_text_is_the_model_s(smollm, where, capsys):
     model, tokenizer = smollm
     ids = chat_tokens(tokenizer, PROMPT)
@@ -93,9 +95,10 @@ def test_a_propose_that_never_returns_is_abandoned_after_its_time_limit(smollm, 
 def test_a_module_that_fails_at_import_is_one_line(tmp_path, monkeypatch):
     (tmp_path / "fails_at_import.py").write_text("raise RuntimeError('the GPU is on fire')\n")
     (tmp_path / "bad_syntax.py").write_text("def broken(:\n")
+    (tmp_path / "exits_at_import.py").write_text("import sys\nsys.exit(3)\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     for spec, says in [("fails_at_import:Mine", "RuntimeError: the GPU is on fire"),
-                       ("bad_syntax:Mine", "SyntaxError")]:
+                       ("bad_syntax:Mine", "SyntaxError"), ("exits_at_import:Mine", "SystemExit")]:
         with pytest.raises(UserError, match=says) as raised:
             user_drafter(spec)
         assert "\n" not in str(raised.value)
