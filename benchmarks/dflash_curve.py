@@ -60,7 +60,7 @@ def checkpoint_tau(directory: Path, model_path, mask_token, turns: int, write=No
     drafter = drafter_to_train(model, config)
     drafter.load_weights(str(directory / "head.safetensors"))
     if write is not None:
-        from mlx_eagle.drafters.dflash import save_dflash
+        from mlx_eagle.dflash_model import save_dflash
 
         save_dflash(drafter, write)
     prompts = [q["turns"][0] for q in mtbench_questions()[:turns]]

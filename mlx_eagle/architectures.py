@@ -81,11 +81,11 @@ ARCHITECTURES: Dict[str, Architecture] = {record.model_type: record for record i
                  gguf_norm_shift=1.0),
     Architecture("gemma3", "gemma3", "Gemma3ForConditionalGeneration", text_model="language_model",
                  text_config="text_config"),
-    Architecture("mimo", "mimo", "MiMoForCausalLM"),  # Qwen2's layers (and an MTP module: drafters/mtp.py)
-    # GLM-4.5/4.6: per-head QK norms, partial RoPE, experts (and an MTP module: drafters/mtp.py).
+    Architecture("mimo", "mimo", "MiMoForCausalLM"),  # Qwen2's layers (and an MTP module: mtp_model.py)
+    # GLM-4.5/4.6: per-head QK norms, partial RoPE, experts (and an MTP module: mtp_model.py).
     Architecture("glm4_moe", "glm4_moe", "Glm4MoeForCausalLM", experts=True),
     # DeepSeek-V3 and GLM-4.7-Flash: multi-head latent attention (target.py's _latent_attention),
-    # experts routed by a biased sigmoid gate (and an MTP module: drafters/mtp.py).
+    # experts routed by a biased sigmoid gate (and an MTP module: mtp_model.py).
     *(Architecture(model_type, model_type, hf_class, experts=True, latent_attention=True)
       for model_type, hf_class in (("deepseek_v3", "DeepseekV3ForCausalLM"),
                                    ("glm4_moe_lite", "Glm4MoeLiteForCausalLM"))),

@@ -38,7 +38,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from .calibrate import head_acceptance
+from .drafters.calibrate import head_acceptance
 from .configs import read_config
 from .drafters import Budget, Drafter, Outcome, Proposal
 from .drafters.admit import warn_once

@@ -17,7 +17,7 @@ from typing import ContextManager, List, Optional, Tuple
 import mlx.nn as nn
 from mlx_lm.models.cache import can_trim_prompt_cache
 
-from .drafters import Drafter
+from .drafters import Drafter, common_prefix
 from .rewind import Rewind, needs_rewind
 from .target import KVQuantization, keep_cache_entries, make_cache
 
@@ -233,12 +233,3 @@ class PromptCaches:
         """Drop the least recently used slots (never ``keep``) while all hold more than the bound."""
         while slots_bytes(self.slots) > self.max_bytes and len(self.slots) > 1:
             self.slots.remove(next(slot for slot in self.slots if slot is not keep))
-
-
-def common_prefix(a: List[int], b: List[int]) -> int:
-    count = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        count += 1
-    return count

@@ -91,7 +91,7 @@ def measure_costs(model: nn.Module, tokenizer, head, context: int = 256, repeats
     plain decoding here."""
     from mlx_lm import stream_generate
 
-    from .calibrate import time_draft_step
+    from .drafters.calibrate import time_draft_step
     from .costs import Costs, median_ms, time_forwards
     from .decoder import SpeculativeDecoder
     from .drafters.eagle import EagleDrafter
@@ -139,7 +139,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     if args.objective == "tau" and args.out is None:
         raise UserError("--objective tau needs --out FILE (the tree kept for --tree auto is the fastest one)")
 
-    from .calibrate import TreeChoice, best_tree, save_acceptance, tuned_tree_file, user_head_dir
+    from .drafters.calibrate import TreeChoice, best_tree, save_acceptance, tuned_tree_file, user_head_dir
     from .costs import device_key
     from .drafters import eagle
     from .plan import load, user_drafter

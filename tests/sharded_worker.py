@@ -25,7 +25,7 @@ from mlx_lm.generate import generation_stream
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from mlx_eagle import load, stream_generate  # noqa: E402
-from mlx_eagle.calibrate import tuned_tree_file  # noqa: E402
+from mlx_eagle.drafters.calibrate import tuned_tree_file  # noqa: E402
 from mlx_eagle.costs import device_key  # noqa: E402
 from mlx_eagle.decoder import SpeculativeDecoder  # noqa: E402
 from mlx_eagle.distributed import sharding, world  # noqa: E402

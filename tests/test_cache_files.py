@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import mlx_eagle.costs
-from mlx_eagle.calibrate import auto_tree, save_acceptance, tree_file, tuned_tree_file
+from mlx_eagle.drafters.calibrate import auto_tree, save_acceptance, tree_file, tuned_tree_file
 from mlx_eagle.costs import CALIBRATION_SIZES, calibration_file, device_key, verify_costs
 from mlx_eagle.errors import UserError
 from mlx_eagle.heads import load_head, new_head, save_head
@@ -106,7 +106,7 @@ def test_acceptance_is_kept_in_the_users_cache_never_beside_the_head(model, tmp_
     save_head(new_head(model, "eagle3", draft_vocab_size=64), tmp_path / "head")
     before = sorted(p.name for p in (tmp_path / "head").iterdir())
     head = load_head(tmp_path / "head", model)
-    from mlx_eagle.calibrate import user_head_dir
+    from mlx_eagle.drafters.calibrate import user_head_dir
 
     save_acceptance(user_head_dir(tmp_path / "head"), np.array([[0.9, 0.05]] * 4), "test")
     assert sorted(p.name for p in (tmp_path / "head").iterdir()) == before

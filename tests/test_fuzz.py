@@ -220,7 +220,7 @@ def test_the_cache_and_head_side_json_readers(tmp_path):
     """Random JSON as a calibration curve, an acceptance table and a tuned tree record
     (wrong types, missing keys, deep nesting, ranks of any size): each is read, or refused
     with a ValueError the caller turns into "timing again" / "ignored", nothing else."""
-    from mlx_eagle.calibrate import _acceptance_table, _read_tree_record
+    from mlx_eagle.drafters.calibrate import _acceptance_table, _read_tree_record
     from mlx_eagle.costs import check_curve
 
     deep = {"verify_ms": {"1": [[[[[[1.0]]]]]]}, "paths": [[10 ** 12]], "acceptance_by_depth_and_rank": [[-1]]}

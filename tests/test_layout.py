@@ -14,7 +14,7 @@ PACKAGE = ROOT / "mlx_eagle"
 TOOLS_AND_APPS = ("mlx_eagle.bench", "mlx_eagle.tune", "mlx_eagle.train", "mlx_eagle.chat", "mlx_eagle.server")
 RUNTIME = ("mlx_eagle.target", "mlx_eagle.trees", "mlx_eagle.verify", "mlx_eagle.decoder", "mlx_eagle.prompt_cache",
            "mlx_eagle.generate",
-           "mlx_eagle.plan", "mlx_eagle.drafters", "mlx_eagle.costs", "mlx_eagle.calibrate", "mlx_eagle.heads",
+           "mlx_eagle.plan", "mlx_eagle.drafters", "mlx_eagle.costs", "mlx_eagle.heads",
            "mlx_eagle.models", "mlx_eagle.session", "mlx_eagle.architectures", "mlx_eagle.compiled",
            "mlx_eagle.blas", "mlx_eagle.configs")
 
@@ -255,3 +255,42 @@ def test_benchmarks_results_holds_what_the_docs_cite():
     stored = {str(p.relative_to(ROOT)) for p in results.rglob("*") if p.is_file()}
     uncited = sorted(f for f in stored if f not in cited and f.rsplit(".", 1)[0] not in cited)
     assert (missing, uncited) == ([], [])
+
+
+# The floors, lowest first: a module imports only from its own floor or below (anywhere in
+# its file, function-local imports too). Drafter models sit beside heads.py, under the
+# drafters that use them; loading a model (models.py) sits under the drafters that load
+# draft models through it; the commands of convert/ sit with the tools.
+FLOORS = [
+    ("base", ("errors", "files", "progress", "blas", "cli", "configs", "architectures", "trees", "hub",
+              "distributed")),
+    ("model code and conversion", ("target", "rewind", "verify", "compiled", "costs", "heads", "dflash_model",
+                                   "mtp_model", "convert")),
+    ("loading", ("models",)),
+    ("drafting", ("drafters", "grammar")),
+    ("decoding", ("prompt_cache", "decoder", "plan")),
+    ("the API", ("generate", "replies", "session")),
+    ("tools and apps", ("", "generate.__main__", "convert.head", "convert.export", "bench", "tune", "train", "data",
+                        "features", "chat", "server")),
+]
+
+
+def floor_of(name: str) -> int:
+    """The floor of module ``name`` (mlx_eagle.X...): its longest listed prefix's."""
+    relative = name[len("mlx_eagle."):] if name != "mlx_eagle" else ""
+    best, floor = -1, None
+    for index, (_, names) in enumerate(FLOORS):
+        for listed in names:
+            if (relative == listed or (listed and relative.startswith(listed + "."))) and len(listed) > best:
+                best, floor = len(listed), index
+    assert floor is not None, f"{name} is on no floor: add it to FLOORS"
+    return floor
+
+
+def test_no_import_runs_back_up_a_floor():
+    found = modules()
+    known = set(found)
+    upward = [f"{name} ({FLOORS[floor_of(name)][0]}) imports {other} ({FLOORS[floor_of(other)][0]})"
+              for name, path in found.items() for other in imports(name, path, known)
+              if floor_of(other) > floor_of(name)]
+    assert not upward, "\n".join(sorted(upward))

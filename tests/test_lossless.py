@@ -13,7 +13,7 @@ from mlx_lm.generate import generate_step
 import mlx_eagle
 from mlx_eagle import stream_generate
 from mlx_eagle.plan import load_draft
-from mlx_eagle.calibrate import auto_tree, tree_file
+from mlx_eagle.drafters.calibrate import auto_tree, tree_file
 from mlx_eagle.costs import device_key
 from mlx_eagle.heads import new_head
 from oracle import OracleHead

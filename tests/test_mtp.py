@@ -19,7 +19,7 @@ from test_hybrid import decode, reference, text_model, write_directory
 from mlx_eagle.drafters.composite import Composite
 from mlx_eagle.drafters.eagle import EagleDrafter
 from mlx_eagle.drafters.lookup import LookupDrafter
-from mlx_eagle.drafters.mtp import LAYOUTS, MTPModule, module_for, new_decoder_layer, sanitize_mtp
+from mlx_eagle.mtp_model import LAYOUTS, MTPModule, module_for, new_decoder_layer, sanitize_mtp
 from mlx_eagle.errors import UserError
 from mlx_eagle.target import inner_model
 from mlx_eagle.trees import parse_tree

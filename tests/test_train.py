@@ -450,7 +450,7 @@ def test_dflash_training_sees_each_block_as_drafting_does(training_setup):
     gives it while decoding, its context read from the cache."""
     from mlx_lm.models.cache import KVCache
 
-    from mlx_eagle.drafters.dflash import new_dflash
+    from mlx_eagle.dflash_model import new_dflash
     from mlx_eagle.train.dflash import blocks_logits
 
     model, pieces, _ = training_setup

@@ -10,9 +10,10 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-import mlx_eagle.calibrate
+import mlx_eagle.drafters.calibrate
 import mlx_eagle.costs
-from mlx_eagle.calibrate import CALIBRATED_MARGIN, PRIOR_ACCEPTANCE, auto_tree, best_tree, save_acceptance, tree_file
+from mlx_eagle.drafters.calibrate import (CALIBRATED_MARGIN, PRIOR_ACCEPTANCE, auto_tree, best_tree, save_acceptance,
+                                          tree_file)
 from mlx_eagle.costs import Costs, device_key, non_decreasing
 from mlx_eagle.heads import load_head, new_head, save_head
 from mlx_eagle.train import measure_acceptance
@@ -196,8 +197,8 @@ def test_calibration_is_cached_per_head_and_weight_format(tiny_target, tmp_path,
     model, _ = tiny_target
     monkeypatch.setenv("MLX_EAGLE_CACHE", str(tmp_path / "cache"))
     timings = []
-    original = mlx_eagle.calibrate.time_draft_step
-    monkeypatch.setattr(mlx_eagle.calibrate, "time_draft_step", lambda *a: timings.append(1) or original(*a))
+    original = mlx_eagle.drafters.calibrate.time_draft_step
+    monkeypatch.setattr(mlx_eagle.drafters.calibrate, "time_draft_step", lambda *a: timings.append(1) or original(*a))
     save_head(new_head(model, "eagle3", draft_vocab_size=64), tmp_path / "head")
     save_acceptance(tmp_path / "head", np.array([[0.9, 0.05]] * 4), "test")
     head = load_head(tmp_path / "head", model)

@@ -497,7 +497,7 @@ def read_tensors(reader, config: Dict[str, Any], path: Path) -> List[SourceTenso
             continue
         block = re.match(r"blk\.(\d+)\.", tensor.name)
         if block and layers is not None and int(block.group(1)) >= layers:
-            continue  # a multi-token-prediction layer past the model's own (drafters/mtp.py reads those elsewhere)
+            continue  # a multi-token-prediction layer past the model's own (mtp_model.py reads those elsewhere)
         name = hf_name(tensor.name, record.gguf_names, record.gguf_layers)
         if name is None:
             raise UserError(f"{path}: unexpected tensor {tensor.name!r} for a {config['model_type']} model")

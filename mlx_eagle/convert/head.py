@@ -293,13 +293,13 @@ def build_head(raw: dict, tensors: Dict[str, mx.array], target: nn.Module, sourc
 
 def convert_head(src: str, out: Path, target: Optional[str] = None, q_bits: Optional[int] = None,
                  q_group_size: int = 64, dtype: Optional[str] = None, overwrite: bool = False) -> Path:
-    from ..drafters import dflash
+    from .. import dflash_model as dflash
     from ..heads import TARGET_FILE, load_head, save_head
-    from ..plan import open_target
+    from ..models import load_target
 
     path = _locate(src)  # a wrong SRC fails before the target is loaded
     raw, tensors = read_checkpoint(path)
-    model, _, _ = open_target(target)
+    model, _, _ = load_target(target)
     if dflash.recognizes(path, raw):
         return _convert_dflash(raw, tensors, path, out, model, q_bits, q_group_size, dtype, overwrite)
     head = build_head(raw, tensors, model, str(path))
@@ -321,7 +321,7 @@ def _convert_dflash(raw: dict, tensors: Dict[str, mx.array], path: Path, out: Pa
                     q_bits: Optional[int], q_group_size: int, dtype: Optional[str], overwrite: bool) -> Path:
     """A DFlash checkpoint (drafters/dflash.py), checked against the target, cast and
     optionally quantized, in the z-lab layout."""
-    from ..drafters import dflash
+    from .. import dflash_model as dflash
 
     drafter = dflash.build(raw, tensors, model, path / "config.json")
     drafter.set_dtype(DTYPES[dtype] if dtype else mx.float32)

@@ -12,7 +12,7 @@ from ..architectures import ARCHITECTURES, model_classes, text_config
 from ..architectures import SUPPORTED_MODEL_TYPES as MODEL_TYPES
 from ..configs import check_model_config, safetensors_bytes
 from ..configs import read_config as read_config_json
-from ..drafters.mtp import is_mtp, is_raw, quantized, sanitize_mtp
+from ..mtp_model import is_mtp, is_raw, quantized, sanitize_mtp
 from ..errors import UserError
 from .tensors import SourceTensor
 
@@ -66,7 +66,7 @@ def read_tensors(path: Path, config: Dict[str, Any]) -> List[SourceTensor]:
 
 def mtp_tensors(path: Path, config: Dict[str, Any], dtype: mx.Dtype, bits: Optional[int] = None,
                 group_size: int = 64) -> Dict[str, mx.array]:
-    """The model's MTP module (drafters/mtp.py), which mlx-lm's sanitize drops, in mlx-lm's
+    """The model's MTP module (mtp_model.py), which mlx-lm's sanitize drops, in mlx-lm's
     layout as ``dtype`` (its projections quantized to ``bits`` where given): the converter
     keeps it in mtp.safetensors, a file mlx-lm does not read."""
 

@@ -27,6 +27,16 @@ from ..trees import DraftTree
 DRAFTER_TIME_LIMIT = 10.0  # seconds: Drafter.time_limit's default
 
 
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens ``a`` and ``b`` share (what ``Drafter.reusable`` is asked about)."""
+    count = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        count += 1
+    return count
+
+
 @dataclass
 class Budget:
     """What a drafter may add to this round's tree, and what its nodes would cost.

@@ -34,7 +34,7 @@ from ..errors import UserError
 from ..models import load_target
 from ..rewind import Rewind
 from ..trees import DraftTree
-from . import Budget, Outcome, Proposal
+from . import Budget, Outcome, Proposal, common_prefix
 from .chains import ChainDrafter
 from .kinds import DraftSettings, DraftSource
 
@@ -48,15 +48,6 @@ class DraftModel:
 
     model: nn.Module
     name: str = "draft model"
-
-
-def _common(a: List[int], b: List[int]) -> int:
-    count = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        count += 1
-    return count
 
 
 class DraftModelDrafter(ChainDrafter):
@@ -92,7 +83,7 @@ class DraftModelDrafter(ChainDrafter):
     def _read(self, tokens: List[int]) -> Optional[mx.array]:
         """Bring the cache to hold ``tokens``: cut it back to where it agrees with them, then
         read the rest; the logits after the last token read (None if none was)."""
-        common = _common(self.held, tokens)
+        common = common_prefix(self.held, tokens)
         if self.rewind is None:
             trim_prompt_cache(self.cache, len(self.held) - common)
         else:

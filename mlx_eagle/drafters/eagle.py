@@ -18,7 +18,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import KVCache
 
-from ..calibrate import auto_tree
+from .calibrate import auto_tree
 from ..heads import HEADS, Head, load_head, shipped_head_dir
 from ..target import check_target, is_driven, keep_cache_entries, layer_count
 from ..trees import TreeSpec, chain_of, parse_tree

@@ -17,7 +17,8 @@ import mlx.nn as nn
 import numpy as np
 
 from ..decoder import SpeculativeDecoder
-from ..drafters.dflash import DFlashDrafter, DFlashModel, load, new_dflash, save_dflash
+from ..dflash_model import DFlashModel, load, new_dflash, save_dflash
+from ..drafters.dflash import DFlashDrafter
 from ..errors import UserError
 from ..generate import chat_tokens
 from ..progress import progress_bar

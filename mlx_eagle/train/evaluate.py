@@ -11,7 +11,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from ..calibrate import save_acceptance
+from ..drafters.calibrate import save_acceptance
 from ..features import greedy_batch
 from ..generate import chat_tokens
 from ..heads import load_head

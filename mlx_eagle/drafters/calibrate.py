@@ -21,14 +21,14 @@ import mlx.nn as nn
 import numpy as np
 from mlx_lm.models.cache import KVCache
 
-from . import costs as device_costs
-from .costs import Costs, device_key, median_ms, model_digest
-from .distributed import share_message, sharded
-from .drafters.tree_growth import TreeDrafter
-from .errors import UserError
-from .files import cache_dir, read_json, write_json
-from .target import is_driven, layer_count
-from .trees import DEFAULT_STATIC, MAX_RANK, RankPath, TreeSpec, check_paths, node_count, parse_tree
+from .. import costs as device_costs
+from ..costs import Costs, device_key, median_ms, model_digest
+from ..distributed import share_message, sharded
+from .tree_growth import TreeDrafter
+from ..errors import UserError
+from ..files import cache_dir, read_json, write_json
+from ..target import is_driven, layer_count
+from ..trees import DEFAULT_STATIC, MAX_RANK, RankPath, TreeSpec, check_paths, node_count, parse_tree
 
 
 @dataclass
@@ -136,7 +136,7 @@ def head_acceptance(head) -> Tuple[np.ndarray, str]:
             return _acceptance_table(read_json(file)), f"acceptance recorded in {file.name}"
         except ValueError as exc:
             print(f"warning: ignoring {file} ({exc})", file=sys.stderr)
-    published = getattr(head, "acceptance", None)  # what peers measure for a kind of drafter (drafters/mtp.py)
+    published = getattr(head, "acceptance", None)  # what peers measure for a kind of drafter (mtp_model.py)
     if published is not None:
         return published, f"the acceptance reported for {head.family} drafters"
     return PRIOR_ACCEPTANCE, "no recorded acceptance, a cautious prior"
