@@ -294,3 +294,21 @@ def test_no_import_runs_back_up_a_floor():
               for name, path in found.items() for other in imports(name, path, known)
               if floor_of(other) > floor_of(name)]
     assert not upward, "\n".join(sorted(upward))
+
+
+def test_the_architecture_doc_s_module_table_names_every_module_and_no_other():
+    """docs/architecture.md's table of layers names each module of the package (a top-level
+    module as `name.py`, a package as `name/`, the drafter kinds' modules too) and names no
+    module that is not there."""
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    table = "\n".join(line for line in text.split("## One round")[0].splitlines() if line.startswith("|"))
+    named = {name.rsplit("/", 1)[-1] for name in re.findall(r"`([\w/]+\.py)`", table)}
+    files = {p.relative_to(PACKAGE).as_posix() for p in PACKAGE.rglob("*.py") if p.name != "__init__.py"}
+    top = {f for f in files if "/" not in f}
+    missing = sorted(f for f in top | {f.split("/", 1)[1] for f in files if f.startswith("drafters/")}
+                     if f not in named)
+    assert not missing, f"docs/architecture.md's table does not name {missing}"
+    packages = {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists()}
+    assert not [p for p in packages if f"`{p}/`" not in table], packages
+    unknown = sorted(n for n in named if not any(f == n or f.endswith("/" + n) for f in files))
+    assert not unknown, f"docs/architecture.md's table names modules that do not exist: {unknown}"
