@@ -64,6 +64,7 @@ def test_grammar_engines(tmp_path, qwen_coder_gguf):
     assert all(row["mask_ms_mean"] > 0 for row in engines["llguidance"]["schemas"].values())
 
 
+@pytest.mark.slow  # the real model
 def test_long_context(tmp_path):
     run("long_context.py", "--lengths", 300, "--kv", "none", "--max-tokens", 3, "--out", tmp_path / "long.json")
     [row] = json.loads((tmp_path / "long.json").read_text())["rows"]
@@ -210,12 +211,14 @@ def test_history_size(tmp_path):
     assert result["tokens"] == 200 * 150 and result["bytes"] > 0
 
 
+@pytest.mark.slow  # the real model
 def test_history_overhead(tmp_path):
     run("history_overhead.py", "--limit", 2, "--max-tokens", 8, "--out", tmp_path / "overhead.json")
     result = json.loads((tmp_path / "overhead.json").read_text())
     assert result["identical"] and set(result["methods"]) == {"history", "no history"}
 
 
+@pytest.mark.slow  # the real model
 def test_drafter_prediction(tmp_path):
     """On the flat curve every published drafter is predicted to gain, less than its tau;
     on the steep one none is predicted to lose (the chain is sized, or no draft)."""
