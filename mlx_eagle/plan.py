@@ -235,21 +235,27 @@ class _TooLong(Exception):
     """A drafter's call ran past its time limit."""
 
 
+def run_jobs(jobs: "queue.Queue") -> None:
+    """A worker thread's loop: MLX work on a stream of its own (MLX streams belong to the
+    thread that made them), one job at a time, until None."""
+    mx.set_default_stream(mx.new_stream(mx.default_device()))
+    for job in iter(jobs.get, None):
+        job()
+        del job  # a finished job may hold what made it, which could then never be collected
+    # a stream left to the C++ teardown of a finished thread aborts the process at exit
+    mx.synchronize()
+    mx.clear_streams()
+
+
 class _Runner:
     """A thread with its own MLX stream that runs one drafter's calls, one at a time; a call
-    that outlasts its limit is left running there (the thread is then abandoned)."""
+    that outlasts its limit is left running there (the thread is then abandoned). The thread
+    ends when the runner is collected (it holds only the queue, not the runner)."""
 
     def __init__(self):
         self.jobs: "queue.Queue" = queue.Queue()
-        thread = threading.Thread(target=self._work, name="mlx-eagle-drafter", daemon=True)
-        thread.start()
+        threading.Thread(target=run_jobs, args=(self.jobs,), name="mlx-eagle-drafter", daemon=True).start()
         self._finalizer = weakref.finalize(self, self.jobs.put, None)
-
-    def _work(self) -> None:
-        mx.set_default_stream(mx.new_stream(mx.default_device()))
-        for job in iter(self.jobs.get, None):
-            job()
-            del job
 
     def run(self, call: Callable[[], Any], limit: Optional[float]) -> Any:
         box: "queue.Queue" = queue.Queue()

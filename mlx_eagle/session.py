@@ -31,7 +31,7 @@ from .errors import UserError
 from .generate import GenerationResponse, check_messages, check_prompt, stream_generate
 from .models import DEFAULT_MODEL
 from .drafters.history import forget_history
-from .plan import DraftPlan, history_of, load_draft, open_target, plan_drafts
+from .plan import DraftPlan, history_of, load_draft, open_target, plan_drafts, run_jobs
 from .replies import ChatResponse, ReplySplitter, chat_prompt, check_tool_support, check_tools, split_reply
 from .target import kv_quantization
 
@@ -48,16 +48,6 @@ class _Cancelled(Exception):
 PROMPT_CACHE_BYTES = 2 << 30  # what the conversations' caches may hold together, by default
 STOP_SECONDS = 5.0  # how long close() waits for the generation in progress to stop
 MAX_PLANS = 16  # draft plans kept (one per tree and history key: a server's requested model ids), least recent out
-
-
-def _work(jobs: "queue.Queue") -> None:
-    mx.set_default_stream(mx.new_stream(mx.default_device()))
-    for job in iter(jobs.get, None):
-        job()
-        del job  # a finished job holds its engine, which could then never be collected
-    # a stream left to the C++ teardown of a finished thread aborts the process at exit
-    mx.synchronize()
-    mx.clear_streams()
 
 
 def _stop_worker(jobs: "queue.Queue", thread: threading.Thread, wait: Optional[float] = STOP_SECONDS) -> None:
@@ -101,7 +91,7 @@ class Engine:
         # token handed out): what /health reads to tell a stalled generation from a slow one.
         self.progress_at: Optional[float] = None
         self._cancels: "weakref.WeakSet[threading.Event]" = weakref.WeakSet()  # every generation asked for
-        self._worker = worker = threading.Thread(target=_work, args=(self._jobs,), name="mlx-eagle-engine",
+        self._worker = worker = threading.Thread(target=run_jobs, args=(self._jobs,), name="mlx-eagle-engine",
                                                  daemon=True)
         worker.start()
         # also when the engine is collected, or at exit without close()

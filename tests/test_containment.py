@@ -180,3 +180,24 @@ def _quietly(call, *args, **kwargs):
         call(*args, **kwargs)
     except OSError:
         pass
+
+
+def test_a_drafter_s_thread_ends_with_its_conversation(smollm):
+    """Each conversation's plug-in drafter runs on a thread of its own: it must end when the
+    conversation's drafter goes, not pile up over a server's life."""
+    import gc
+
+    model, tokenizer = smollm
+    ids = chat_tokens(tokenizer, PROMPT)
+    before = set(threading.enumerate())  # (an abandoned propose's thread, stuck for good, may be among them)
+
+    def new_runners():
+        return [t for t in threading.enumerate() if t.name == "mlx-eagle-drafter" and t not in before]
+
+    for _ in range(6):
+        list(stream_generate(model, tokenizer, ids, draft=TableDrafter, max_tokens=4))
+    gc.collect()
+    deadline = time.monotonic() + 10
+    while new_runners() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not new_runners()
