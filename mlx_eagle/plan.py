@@ -184,6 +184,8 @@ class FreshPerConversation(Drafter):
     def _contained(self, what: str, call: Callable[[], Any], limit: Optional[float] = None) -> Any:
         """``call()`` on the drafter's thread (None once the drafter is off); an error, or a
         call past ``limit`` seconds, turns it off for this conversation with one warning."""
+        if self.runner is None and what == "making it":  # a new conversation: a new thread (the last may be stuck)
+            self.runner = _Runner()
         if self.runner is None or (self.current is None and what != "making it"):
             return None
         try:
