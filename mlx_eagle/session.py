@@ -105,8 +105,6 @@ class Engine:
         self.name = name or (path[0].name if path else DEFAULT_MODEL)
         self._plans: "OrderedDict[Any, DraftPlan]" = OrderedDict()
         self.tree, self.history = tree, history
-        if kv is not None:
-            kv.check_model(self.model)  # before anything is timed
         self.caches = PromptCaches(self.model, prompt_cache_bytes, kv)
         # A sharded model: rank 0 tells the other ranks' engines what it does that runs the
         # model (their collectives must pair with its own), and they do the same (follow).

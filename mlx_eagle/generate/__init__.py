@@ -109,7 +109,6 @@ def _check_tool_calls(tool_calls: Any, where: str) -> List[Dict[str, Any]]:
     """An assistant message's calls, their arguments read from JSON strings."""
     if not isinstance(tool_calls, list):
         raise UserError(f"{where} must be a list of calls")
-    check_nesting(tool_calls, where)
     checked = []
     for index, call in enumerate(tool_calls):
         at = f"{where}[{index}]"
