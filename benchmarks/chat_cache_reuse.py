@@ -23,7 +23,7 @@ def main() -> None:
     use_fast_blas()
 
     from mlx_eagle.data import mtbench_questions
-    from mlx_eagle.generate import chat_tokens
+    from mlx_eagle.replies import chat_tokens
     from mlx_eagle.session import ChatSession
 
     chat = ChatSession(args.model, draft="auto", max_tokens=args.max_tokens)

@@ -64,7 +64,7 @@ def worker(args) -> None:
     from mlx_eagle import load, stream_generate
     from mlx_eagle.costs import verify_costs
     from mlx_eagle.distributed import sharding, world
-    from mlx_eagle.generate import chat_tokens
+    from mlx_eagle.replies import chat_tokens
 
     model, tokenizer = load(args.model)
     inject_latency(args.latency)

@@ -27,7 +27,7 @@ def main() -> None:
     from mlx_eagle.data import mtbench_questions
     from mlx_eagle.decoder import SpeculativeDecoder
     from mlx_eagle.drafters.history import History
-    from mlx_eagle.generate import chat_tokens
+    from mlx_eagle.replies import chat_tokens
 
     model, tokenizer = load()
     counts = {name: {"rounds": 0, "nodes": 0, "seconds": 0.0} for name in ("history", "no history")}

@@ -163,7 +163,7 @@ def cached_prompt_row(model, tokenizer, draft, prompts: Path, kv_bits: Optional[
     from mlx_eagle.bench import machine
     from mlx_eagle.costs import verify_costs
     from mlx_eagle.prompt_cache import PromptCache
-    from mlx_eagle.generate import chat_tokens
+    from mlx_eagle.replies import chat_tokens
     from mlx_eagle.target import MLX_LM_PREFILL_STEP
 
     quantized = {"kv_bits": kv_bits, "quantized_kv_start": 0} if kv_bits else {}

@@ -10,20 +10,24 @@ import os
 # transformers warns on import that PyTorch is absent; mlx-eagle never needs it.
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
-# The API functions are bound over the subpackage of the same name (python -m
-# mlx_eagle.generate runs its __main__), as mlx_lm binds its own.
-from .generate import GenerationResponse, generate, stream_generate  # noqa: E402
+# The command's package (python -m mlx_eagle.generate; a light face over mlx_eagle.generation)
+# is imported now and its name unbound, so that ``mlx_eagle.generate`` is the API function, as
+# mlx_lm's is, even after the command runs: a package already imported is not bound again.
+from . import generate  # noqa: E402
 
-# Everything else is imported on first use, so that a command's --help need not load MLX's
-# model code (mlx-lm and transformers take seconds to import).
+del generate
+
+# Imported on first use, so that a command's --help need not load MLX's model code (mlx-lm
+# and transformers take seconds to import).
 _EXPORTS = {
+    "GenerationResponse": "generation", "generate": "generation", "stream_generate": "generation",
     "DEFAULT_MODEL": "models", "load": "plan", "load_target": "models", "resolve_model": "models",
     "PromptCache": "prompt_cache", "make_prompt_cache": "prompt_cache",
     "DraftPlan": "plan", "load_draft": "plan", "plan_drafts": "plan",
     "Budget": "drafters", "Drafter": "drafters", "Outcome": "drafters", "Proposal": "drafters",
 }
 
-__all__ = ["GenerationResponse", "generate", "stream_generate", *_EXPORTS]
+__all__ = list(_EXPORTS)
 
 
 def __getattr__(name: str):

@@ -30,7 +30,6 @@ from .data import mtbench_questions
 from .drafters.history import History, model_identity
 from .errors import UserError
 from .files import write_atomically
-from .generate import chat_tokens, check_messages, stream_generate
 from .progress import progress_bar
 from .trees import parse_tree
 
@@ -65,6 +64,8 @@ class Answer:
 
 
 def _prompt_from_record(record: object, where: str) -> BenchPrompt:
+    from .replies import check_messages
+
     if not isinstance(record, dict):
         raise UserError(f"{where}: expected a JSON object with 'prompt', 'turns' or 'messages'")
     ident = str(record.get("id", record.get("question_id", where)))
@@ -191,6 +192,7 @@ def speculative_method(model, tokenizer, plan, max_tokens: int, sampling: Sampli
                        seed: Optional[int] = None, kv: Optional[dict] = None) -> Generator:
     """Our decoding with the drafters of ``plan`` (a DraftPlan); ``kv``: quantized KV caches
     (cli.kv_options)."""
+    from .generation import stream_generate
 
     def run(ids: List[int]) -> Answer:
         responses, seconds, first = timed(stream_generate(model, tokenizer, ids, max_tokens=max_tokens, draft=plan,
@@ -230,6 +232,8 @@ def mlx_lm_method(model, tokenizer, max_tokens: int, sampling: Sampling, seed: O
 
 def conversation(prompt: BenchPrompt, tokenizer, generate: Generator) -> List[Answer]:
     """Ask every turn in order, keeping each answer in the conversation."""
+    from .replies import chat_tokens
+
     if prompt.messages:
         return [generate(chat_tokens(tokenizer, prompt.messages))]
     messages, answers = [], []

@@ -18,9 +18,8 @@ from typing import Optional, Sequence
 
 from .cli import add_history_arguments, add_kv_arguments, add_model_arguments, add_sampling_arguments, history_choice, \
     kv_options, new_parser, run_cli
-from .errors import UserError
+from .errors import UserError, check_options
 from .files import cache_dir, write_atomically
-from .generate import check_options
 from .trees import parse_tree
 
 COMMANDS = """commands:

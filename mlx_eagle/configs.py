@@ -4,12 +4,12 @@ sizes its config asks for against them."""
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import Optional
 
 from .errors import UserError
+from .files import read_json
 
 
 def read_config(directory: Path, what: str) -> dict:
@@ -18,12 +18,12 @@ def read_config(directory: Path, what: str) -> dict:
     file = Path(directory) / "config.json"
     if not Path(directory).is_dir():
         raise UserError(f"{directory} is not a directory; pass {what}")
+    if not file.exists():
+        raise UserError(f"{directory} has no config.json; is it {what}?")
     try:
-        config = json.loads(file.read_text())
-    except FileNotFoundError:
-        raise UserError(f"{directory} has no config.json; is it {what}?") from None
-    except (OSError, ValueError, RecursionError) as exc:
-        raise UserError(f"{file} is not valid JSON ({exc})") from None
+        config = read_json(file)
+    except ValueError as exc:
+        raise UserError(f"{file} cannot be read as a config: {exc}") from None
     if not isinstance(config, dict):
         raise UserError(f"{file} holds a JSON {type(config).__name__}, not an object")
     return config

@@ -4,6 +4,7 @@ model's directory says of itself is checked in configs.py)."""
 from __future__ import annotations
 
 import difflib
+from typing import Optional
 
 
 class UserError(ValueError):
@@ -55,3 +56,15 @@ def check_nesting(value, what: str, limit: int = MAX_NESTING):
 
 # Sizes past any model this runtime could hold: a config asking for them is damaged or
 # hostile, and believing it would allocate without bound before any weight is read.
+
+
+MAX_SEED = (1 << 63) - 1
+
+
+def check_options(max_tokens: int, seed: Optional[int]) -> None:
+    """One line for a reply length or seed that cannot be meant (sampling settings are
+    checked by ``Sampling`` itself)."""
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+        raise UserError(f"max_tokens must be a whole number, 1 or more, not {max_tokens!r}")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED):
+        raise UserError(f"seed must be a whole number from 0 to {MAX_SEED}, not {seed!r}")

@@ -16,7 +16,7 @@ import mlx.nn as nn
 import numpy as np
 
 from .data import save_shard, shard_path
-from .generate import chat_tokens
+from .replies import chat_tokens
 from .progress import progress_bar
 from .target import lm_head, make_cache, target_forward
 

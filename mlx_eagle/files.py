@@ -158,9 +158,9 @@ def write_json(path: Path, record: Any) -> bool:
         return False
 
 
-def read_json(path: Path, max_bytes: int = MAX_JSON_BYTES) -> Any:
-    """The JSON value in ``path``, or ValueError saying in a few words why not: unreadable,
-    not a regular file, over ``max_bytes``, not UTF-8 JSON, or nested too deeply."""
+def read_limited(path: Path, max_bytes: int) -> bytes:
+    """The bytes of ``path``, or ValueError saying in a few words why not: not a regular
+    file, unreadable, or over ``max_bytes`` (no more than that is ever read)."""
     path = Path(path)
     try:
         if not path.is_file():
@@ -171,12 +171,23 @@ def read_json(path: Path, max_bytes: int = MAX_JSON_BYTES) -> Any:
         raise ValueError(f"cannot be read: {exc.strerror}") from None
     if len(data) > max_bytes:
         raise ValueError(f"over {max_bytes} bytes")
+    return data
+
+
+def parse_json(data: bytes) -> Any:
+    """The JSON value ``data`` holds, or ValueError: not UTF-8 JSON, or nested too deeply."""
     try:
         return json.loads(data.decode("utf-8"))
     except RecursionError:
         raise ValueError("nested too deeply") from None
     except (UnicodeDecodeError, ValueError) as exc:
         raise ValueError(f"not JSON ({type(exc).__name__})") from None
+
+
+def read_json(path: Path, max_bytes: int = MAX_JSON_BYTES) -> Any:
+    """The JSON value in ``path``, read once for every JSON file the runtime opens, or
+    ValueError saying in a few words why not (``read_limited``, ``parse_json``)."""
+    return parse_json(read_limited(path, max_bytes))
 
 
 def check_history_file(path: Path) -> Path:

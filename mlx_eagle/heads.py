@@ -24,6 +24,7 @@ from mlx_lm.utils import dequantize_model
 from .architectures import target_identity
 from .configs import read_config
 from .errors import UserError
+from .files import read_json
 from .target import (
     Mask,
     Positions,
@@ -275,9 +276,9 @@ def shipped_head_dir(model: nn.Module) -> Optional[Path]:
     identity = target_identity(model)
     for directory in sorted((Path(__file__).parent / "weights").glob("*")):
         try:
-            if json.loads((directory / TARGET_FILE).read_text()) == identity:
+            if read_json(directory / TARGET_FILE) == identity:
                 return directory
-        except (OSError, ValueError):
+        except ValueError:
             continue
     return None
 

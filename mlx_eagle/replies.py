@@ -1,4 +1,6 @@
-"""What a chat reply holds besides its text: the model's reasoning and its tool calls.
+"""A conversation's messages, checked once for every entry point and rendered through the
+model's chat template (``check_messages``, ``chat_tokens``), and what a chat reply holds
+besides its text: the model's reasoning and its tool calls.
 
 The tools a request offers are checked here (one line naming the field), rendered by the
 model's chat template, and the model's tool-call text is turned into calls as the reply
@@ -24,8 +26,88 @@ from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tupl
 
 from mlx_lm.generate import TextStateMachine, make_text_state_machine
 
-from .errors import UserError, check_nesting
-from .generate import GenerationResponse, chat_tokens
+from .errors import UserError, check_nesting, check_text
+from .generation import GenerationResponse
+
+ROLES = ("system", "user", "assistant", "tool")
+
+
+def check_messages(messages: Any, where: str = "messages", allow_empty: bool = False) -> List[Dict[str, Any]]:
+    """A conversation as plain data, checked once for every entry point (the API, the
+    server, bench): a list of {"role": system|user|assistant|tool, "content": text}, where
+    "developer" (OpenAI's newer name) means system and content may also be a list of
+    text parts, OpenAI-style. An assistant message may carry ``tool_calls`` (OpenAI's
+    shape; its content may then be null), whose JSON arguments become objects for the chat
+    template; a tool message names the call it answers by ``tool_call_id``. One line names
+    the first problem."""
+    if not isinstance(messages, list) or not (messages or allow_empty):
+        raise UserError(f"{where} must be a {'' if allow_empty else 'non-empty '}list of "
+                        "{'role': ..., 'content': ...} objects")
+    checked, calls = [], set()
+    for index, message in enumerate(messages):
+        at = f"{where}[{index}]"
+        role = message.get("role") if isinstance(message, dict) else None
+        role = "system" if role == "developer" else role
+        if role not in ROLES:
+            raise UserError(f"{at} must be an object whose role is {', '.join(ROLES)}")
+        content = message.get("content")
+        tool_calls = message.get("tool_calls") if role == "assistant" else None
+        if content is None and tool_calls:
+            content = ""
+        if isinstance(content, list) and all(isinstance(part, dict) and part.get("type") == "text"
+                                             and isinstance(part.get("text"), str) for part in content):
+            content = "".join(part["text"] for part in content)
+        if not isinstance(content, str):
+            raise UserError(f"{at}.content must be a string or a list of text parts")
+        entry: Dict[str, Any] = {"role": role, "content": check_text(content, f"{at}.content")}
+        if tool_calls:
+            entry["tool_calls"] = _check_tool_calls(tool_calls, f"{at}.tool_calls")
+            calls.update(call["id"] for call in entry["tool_calls"])
+        if role == "tool":
+            call_id = message.get("tool_call_id")
+            if not isinstance(call_id, str) or call_id not in calls:
+                raise UserError(f"{at}.tool_call_id must name a call of an earlier assistant message")
+            entry["tool_call_id"] = call_id
+        checked.append(entry)
+    return checked
+
+
+def _check_tool_calls(tool_calls: Any, where: str) -> List[Dict[str, Any]]:
+    """An assistant message's calls, their arguments read from JSON strings."""
+    if not isinstance(tool_calls, list):
+        raise UserError(f"{where} must be a list of calls")
+    checked = []
+    for index, call in enumerate(tool_calls):
+        at = f"{where}[{index}]"
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(call.get("id"), str) or \
+                not isinstance(function.get("name"), str):
+            raise UserError(f"{at} must be {{'id': ..., 'type': 'function', 'function': {{'name': ..., "
+                            "'arguments': ...}}")
+        arguments = function.get("arguments", "{}")
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments or "{}")
+            except (ValueError, RecursionError):
+                raise UserError(f"{at}.function.arguments is not valid JSON") from None
+        if not isinstance(arguments, dict):
+            raise UserError(f"{at}.function.arguments must be a JSON object")
+        check_nesting(arguments, f"{at}.function.arguments")
+        checked.append({"id": call["id"], "type": "function",
+                        "function": {"name": function["name"], "arguments": arguments}})
+    return checked
+
+
+def chat_tokens(tokenizer, messages: Sequence[Dict[str, Any]],
+                tools: Optional[Sequence[Dict[str, Any]]] = None) -> List[int]:
+    """The prompt for ``messages`` (and the ``tools`` offered) through the model's chat
+    template, ready for the assistant's turn (a plain "role: text" rendering for models
+    without a template)."""
+    if tokenizer.chat_template is not None:
+        return list(tokenizer.apply_chat_template(list(messages), tools=list(tools) if tools else None,
+                                                  add_generation_prompt=True, tokenize=True))
+    text = "\n\n".join(f"{m['role']}: {m['content']}" for m in messages) + "\n\nassistant:"
+    return tokenizer.encode(text)
 
 TOOL_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 FENCE = re.compile(r"^```(?:json)?\s*(.*?)\s*```$", re.S)

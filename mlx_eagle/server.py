@@ -56,12 +56,12 @@ import numpy as np
 
 from .cli import LAUNCHED, add_history_arguments, add_kv_arguments, add_model_arguments, history_choice, kv_options, \
     new_parser, run_cli
-from .errors import UserError, check_text
-from .generate import MAX_SEED, GenerationResponse, check_messages, check_options
+from .errors import MAX_SEED, UserError, check_options, check_text
 from .grammar import response_grammar
 from .trees import parse_tree
 
 if TYPE_CHECKING:  # they load mlx-lm: imported where used, so that --help answers at once
+    from .generation import GenerationResponse
     from .replies import ReplySplitter
     from .session import Engine
 
@@ -122,7 +122,7 @@ def _body_number(body: dict, name: str, default: float, low: float, high: float)
 
 def _chat_prompt(body: dict, tokenizer) -> Tuple[List[int], "ReplySplitter"]:
     """The prompt and reply reader of a chat request; a 400 names the field at fault."""
-    from .replies import chat_prompt
+    from .replies import chat_prompt, check_messages
 
     try:
         messages = check_messages(body.get("messages"))

@@ -28,11 +28,12 @@ from .prompt_cache import PromptCaches
 from .distributed import rank, share_message, sharded
 from .drafters import Drafter
 from .errors import UserError
-from .generate import GenerationResponse, check_messages, check_prompt, stream_generate
+from .generation import GenerationResponse, check_prompt, stream_generate
 from .models import DEFAULT_MODEL
 from .drafters.history import forget_history
 from .plan import DraftPlan, history_of, load_draft, open_target, plan_drafts, run_jobs
-from .replies import ChatResponse, ReplySplitter, chat_prompt, check_tool_support, check_tools, split_reply
+from .replies import ChatResponse, ReplySplitter, chat_prompt, check_messages, check_tool_support, check_tools, \
+    split_reply
 from .target import kv_quantization
 
 Message = Dict[str, Any]

@@ -9,7 +9,6 @@ chose. Nodes come parents first; ``parents[i]`` is -1 for children of the root.
 from __future__ import annotations
 
 import ast
-import json
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
@@ -19,6 +18,7 @@ import mlx.core as mx
 import numpy as np
 
 from .errors import UserError, did_you_mean
+from .files import parse_json, read_limited
 
 RankPath = Tuple[int, ...]
 
@@ -102,24 +102,17 @@ def read_tree_file(name: str) -> List[RankPath]:
     path = Path(name).expanduser()
     if not path.exists():
         raise UserError(f"tree file {name} does not exist")
-    if not path.is_file():
-        raise UserError(f"tree file {name} is not a regular file; pass a JSON file of rank paths")
     try:
-        with path.open("rb") as file:
-            data = file.read(MAX_TREE_FILE_BYTES + 1)
-    except OSError as exc:
-        raise UserError(f"tree file {name} cannot be read ({exc.strerror})") from None
-    if len(data) > MAX_TREE_FILE_BYTES:
-        raise UserError(f"tree file {name} is over {MAX_TREE_FILE_BYTES >> 20} MiB; a tree file is a short JSON list")
+        data = read_limited(path, MAX_TREE_FILE_BYTES)
+    except ValueError as exc:
+        raise UserError(f"tree file {name}: {exc}; pass a JSON file of rank paths (a short list)") from None
     try:
-        text = data.decode("utf-8")
-        try:
-            paths = json.loads(text)
-        except ValueError:
-            paths = ast.literal_eval(text)
-    except (ValueError, SyntaxError, RecursionError, MemoryError, TypeError) as exc:
-        raise UserError(f"tree file {name} is not JSON rank paths ({type(exc).__name__}); "
-                        "give e.g. [[0], [1], [0, 0]]") from None
+        paths = parse_json(data)
+    except ValueError as not_json:
+        try:  # EAGLE's published trees are Python lists, written as such
+            paths = ast.literal_eval(data.decode("utf-8"))
+        except (ValueError, SyntaxError, RecursionError, MemoryError, TypeError):
+            raise UserError(f"tree file {name} holds no rank paths: {not_json}; give e.g. [[0], [1], [0, 0]]") from None
     if isinstance(paths, dict):
         paths = paths.get("paths", [])
     return check_paths(paths, name)

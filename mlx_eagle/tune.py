@@ -38,7 +38,6 @@ from .cli import add_model_arguments, new_parser, run_cli
 from .data import sharegpt_prompts
 from .errors import UserError
 from .files import write_atomically
-from .generate import chat_tokens
 from .trees import TreeSpec, node_count, parse_tree
 
 if TYPE_CHECKING:  # imported where used, so that --help need not load MLX's model code
@@ -69,6 +68,7 @@ def confirm_speedup(model: nn.Module, tokenizer, head, paths: List[RankPath], pr
     """Decode ``prompts`` greedily with the tree and with plain mlx-lm, alternating;
     returns (tree tokens/s, plain tokens/s), measured."""
     from .plan import plan_drafts
+    from .replies import chat_tokens
     from .verify import Sampling
 
     sampling = Sampling()  # greedy

@@ -70,7 +70,7 @@ def bad_models(tmp_path_factory, smollm_float32):
     return {name: str(root / name) for name in ("truncated", "million-layers")}
 
 
-TREES = [("dir", "not a regular file"), ("list", "rank paths"), ("nulls", "rank paths"), ("deep", "RecursionError"),
+TREES = [("dir", "not a regular file"), ("list", "rank paths"), ("nulls", "rank paths"), ("deep", "nested too deeply"),
          ("huge", "at most 256"), ("text", "not JSON"), ("zero", "not a regular file")]
 OPTIONS = [(["--seed", "-1"], "seed"), (["--temp", "nan"], "temp"), (["--temp", "-1"], "temp"),
            (["--top-p", "2"], "top_p"), (["--top-p", "0"], "top_p"), (["--max-tokens", "0"], "max_tokens"),
@@ -220,7 +220,7 @@ def write_head_dir(root: Path, name: str, config=None, weights: bytes = None) ->
 
 HEADS = [  # (what the source is, words in the line)
     ("missing", "does not exist"), ("file", "is a file"), ("no-config", "config.json"),
-    ("bad-json", "not valid JSON"), ("list-config", "JSON list"), ("no-weights", "no weights"),
+    ("bad-json", "not JSON"), ("list-config", "JSON list"), ("no-weights", "no weights"),
     ("truncated", "damaged or truncated"),
 ]
 

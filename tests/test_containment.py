@@ -18,7 +18,7 @@ import pytest
 
 from mlx_eagle import Proposal, stream_generate
 from mlx_eagle.errors import UserError
-from mlx_eagle.generate import chat_tokens
+from mlx_eagle.replies import chat_tokens
 from mlx_eagle.plan import user_drafter
 from table_drafter import TableDrafter
 

@@ -20,7 +20,7 @@ from mlx_lm import stream_generate as mlx_lm_stream_generate
 
 from mlx_eagle import load, stream_generate
 from mlx_eagle.costs import calibration_file, verify_costs
-from mlx_eagle.generate import chat_tokens
+from mlx_eagle.replies import chat_tokens
 from mlx_eagle.heads import new_head, save_head
 from mlx_eagle.target import layer_count, make_cache, tapped_forward
 from synthetic import write_model

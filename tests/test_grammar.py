@@ -18,7 +18,8 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from drafting import decoder as make_decoder
 from mlx_eagle.errors import UserError
-from mlx_eagle.generate import chat_tokens, stream_generate
+from mlx_eagle.generation import stream_generate
+from mlx_eagle.replies import chat_tokens
 from mlx_eagle.grammar import Grammar, mask_logits, response_grammar, schema_grammar
 from mlx_eagle.verify import Sampling
 from oracle import FixedDraft

@@ -19,7 +19,7 @@ from mlx_eagle import plan_drafts, stream_generate
 from mlx_eagle import make_prompt_cache as conversation_cache
 from mlx_eagle.costs import calibration_file, verify_costs
 from mlx_eagle.errors import UserError
-from mlx_eagle.generate import chat_tokens
+from mlx_eagle.replies import chat_tokens
 from mlx_eagle.target import KVQuantization, keep_cache_entries, kv_quantization
 from mlx_eagle.verify import Sampling
 from oracle import FixedDraft

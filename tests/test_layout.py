@@ -13,7 +13,7 @@ PACKAGE = ROOT / "mlx_eagle"
 # What the runtime (target, drafters, trees, verify, decoder, generation, plan) must not reach.
 TOOLS_AND_APPS = ("mlx_eagle.bench", "mlx_eagle.tune", "mlx_eagle.train", "mlx_eagle.chat", "mlx_eagle.server")
 RUNTIME = ("mlx_eagle.target", "mlx_eagle.trees", "mlx_eagle.verify", "mlx_eagle.decoder", "mlx_eagle.prompt_cache",
-           "mlx_eagle.generate",
+           "mlx_eagle.generate", "mlx_eagle.generation",
            "mlx_eagle.plan", "mlx_eagle.drafters", "mlx_eagle.costs", "mlx_eagle.heads",
            "mlx_eagle.models", "mlx_eagle.session", "mlx_eagle.architectures", "mlx_eagle.compiled",
            "mlx_eagle.blas", "mlx_eagle.configs")
@@ -211,9 +211,8 @@ def loads_model_code(name: str, top: Dict[str, Set[str]], seen: Set[str]) -> boo
 
 
 def is_command(name: str, path: Path) -> bool:
-    """A module run as a command (python -m), or the package of one: it must import light."""
-    return (path.name == "__main__.py" or 'if __name__ == "__main__"' in path.read_text()
-            or (path.name == "__init__.py" and (path.parent / "__main__.py").exists()))
+    """A module run as a command (python -m): it must import light."""
+    return path.name == "__main__.py" or 'if __name__ == "__main__"' in path.read_text()
 
 
 def test_dependencies_are_imported_at_the_top_of_each_module():
@@ -269,7 +268,7 @@ FLOORS = [
     ("loading", ("models",)),
     ("drafting", ("drafters", "grammar")),
     ("decoding", ("prompt_cache", "decoder", "plan")),
-    ("the API", ("generate", "replies", "session")),
+    ("the API", ("generation", "generate", "replies", "session")),
     ("tools and apps", ("", "generate.__main__", "convert.head", "convert.export", "bench", "tune", "train", "data",
                         "features", "chat", "server")),
 ]

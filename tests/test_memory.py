@@ -11,7 +11,7 @@ import pytest
 from mlx_lm.models import llama
 
 from mlx_eagle import stream_generate
-from mlx_eagle.generate import CLEAR_CACHE_EVERY
+from mlx_eagle.generation import CLEAR_CACHE_EVERY
 
 REPLY = 4096
 

@@ -15,7 +15,7 @@ import pytest
 import mlx_eagle.plan
 from mlx_eagle import stream_generate
 from mlx_eagle.errors import UserError
-from mlx_eagle.generate import chat_tokens
+from mlx_eagle.replies import chat_tokens
 from mlx_eagle.generate.__main__ import main as generate_main
 from mlx_eagle.plan import user_drafter
 from mlx_eagle.session import ChatSession, Engine

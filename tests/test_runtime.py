@@ -178,7 +178,7 @@ def test_stop_strings(tiny_llama):
 
 
 def test_a_stop_string_split_across_tokens_is_never_shown():
-    from mlx_eagle.generate import StopMatcher
+    from mlx_eagle.generation import StopMatcher
 
     matcher = StopMatcher(["END", ""])
     pieces = [matcher.feed(text, final=False) for text in ("abc", "abcE", "abcEN", "abcENDxyz")]
@@ -213,7 +213,9 @@ def test_importing_the_generate_command_keeps_the_generate_function():
     import mlx_eagle
 
     importlib.import_module("mlx_eagle.generate.__main__")  # the command, as python -m and the corpus tests load it
-    assert callable(mlx_eagle.generate) and mlx_eagle.generate.__module__ == "mlx_eagle.generate"
+    import mlx_eagle.generate  # noqa: F811 (the command's package, imported by name)
+
+    assert callable(mlx_eagle.generate) and mlx_eagle.generate.__module__ == "mlx_eagle.generation"
 
 
 def _proposals(model, head, prompt, max_tokens, cost):
@@ -241,7 +243,7 @@ def test_a_head_whose_tree_does_not_pay_drafts_only_probes(smollm):
     from mlx_lm.generate import generate_step
 
     from mlx_eagle.drafters.eagle import EagleDrafter
-    from mlx_eagle.generate import chat_tokens
+    from mlx_eagle.replies import chat_tokens
     from mlx_eagle.heads import new_head
     from mlx_eagle.heads import shipped_head_dir
 

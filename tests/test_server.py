@@ -17,7 +17,7 @@ import openai
 import pytest
 
 from mlx_eagle import resolve_model, stream_generate
-from mlx_eagle.generate import chat_tokens
+from mlx_eagle.replies import chat_tokens
 from mlx_eagle.heads import new_head, save_head
 
 pytestmark = pytest.mark.slow  # a server process with the real SmolLM2

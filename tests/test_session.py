@@ -14,7 +14,7 @@ import pytest
 
 from mlx_eagle import stream_generate
 from mlx_eagle.errors import UserError
-from mlx_eagle.generate import chat_tokens
+from mlx_eagle.replies import chat_tokens
 from mlx_eagle.heads import new_head
 from mlx_eagle.session import ChatSession, Engine, TurnStats
 

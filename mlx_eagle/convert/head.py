@@ -30,7 +30,7 @@ from ..architectures import target_identity
 from ..cli import new_parser, run_cli
 from ..configs import read_config
 from ..errors import UserError
-from ..files import replace_directory
+from ..files import read_json, replace_directory
 from ..hub import from_hub
 from ..progress import progress_bar
 from .target import DTYPES
@@ -53,12 +53,15 @@ def _locate(src: str) -> Path:
     raise UserError(f"{src} does not exist; pass an EAGLE head directory or a Hugging Face repo id")
 
 
+MAX_INDEX_BYTES = 16 << 20  # a shard index names every tensor: megabytes for the largest models
+
+
 def _weight_files(path: Path) -> Sequence[Path]:
     for index in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
         if (path / index).exists():
             try:
-                weight_map = json.loads((path / index).read_text())["weight_map"]
-            except (ValueError, KeyError) as exc:
+                weight_map = read_json(path / index, MAX_INDEX_BYTES)["weight_map"]
+            except (ValueError, KeyError, TypeError) as exc:
                 raise UserError(f"{path / index} is not a valid shard index ({exc})") from None
             files = [path / name for name in sorted(set(weight_map.values()))]
             missing = [f.name for f in files if not f.exists()]

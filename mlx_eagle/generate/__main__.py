@@ -22,11 +22,10 @@ from ..cli import (
     new_parser,
     run_cli,
 )
-from ..errors import UserError, check_text
+from ..errors import UserError, check_options, check_text
 from ..grammar import schema_file_format
 from ..progress import PromptProgress
 from ..trees import parse_tree
-from . import chat_tokens, check_options, check_prompt, print_stats, stream_generate
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -55,6 +54,8 @@ def read_stdin() -> str:
 
 
 def prompt_tokens(tokenizer, prompt: str, system: Optional[str], use_chat_template: bool) -> List[int]:
+    from ..replies import chat_tokens
+
     if use_chat_template:  # a model without a chat template gets chat_tokens' plain rendering
         messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
         return chat_tokens(tokenizer, messages)
@@ -66,6 +67,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     args = build_parser().parse_args(argv)
 
     from ..distributed import sharding
+    from ..generation import check_prompt, print_stats, stream_generate
     from ..plan import load, plan_drafts, user_drafter
     from ..target import kv_quantization
     from ..verify import Sampling

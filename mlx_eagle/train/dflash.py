@@ -20,7 +20,7 @@ from ..decoder import SpeculativeDecoder
 from ..dflash_model import DFlashModel, load, new_dflash, save_dflash
 from ..drafters.dflash import DFlashDrafter
 from ..errors import UserError
-from ..generate import chat_tokens
+from ..replies import chat_tokens
 from ..progress import progress_bar
 from ..target import embed, lm_head
 from ..verify import Sampling

@@ -13,7 +13,7 @@ import numpy as np
 
 from ..drafters.calibrate import save_acceptance
 from ..features import greedy_batch
-from ..generate import chat_tokens
+from ..replies import chat_tokens
 from ..heads import load_head
 from ..progress import progress_bar
 from .pieces import make_batch

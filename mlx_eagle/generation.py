@@ -1,0 +1,297 @@
+"""Generate text with speculative decoding: the Python API, as mlx-lm's ``generate``
+module (the command, ``python -m mlx_eagle.generate``, is a package of its own, so that its
+--help loads no model code). A request's path reads down the imports: plan the drafts,
+make the decoder over the conversation's cache, read the prompt, run rounds."""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any, Callable, Dict, Generator, List, Optional, Sequence, Tuple, Union
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .costs import LONG_CONTEXT
+from .decoder import SpeculativeDecoder
+from .distributed import Watchdog, shared_seed
+from .errors import UserError, check_options
+from .grammar import grammar_for
+from .plan import DraftPlan, plan_drafts, source_statistics
+from .prompt_cache import PromptCache, make_prompt_cache
+from .target import kv_quantization
+from .verify import Sampling
+
+if TYPE_CHECKING:
+    from .drafters import Drafter
+    from .drafters.composite import SourceStats
+    from .trees import TreeSpec
+
+
+@dataclass
+class GenerationResponse:
+    """One generated token, as mlx-lm's stream_generate yields them, plus speculation
+    statistics: ``accepted`` draft tokens in this token's round; ``logprobs`` (asked
+    for with ``logprobs=True``, as mlx-lm always gives them): the target's log-probabilities
+    over its vocabulary at this token, from the very pass that chose it; ``tokens_per_forward``
+    (tau): tokens produced per target forward pass so far, the target's own (bonus) token
+    of each round included; ``prompt_reused``: prompt tokens found already in the
+    ``prompt_cache`` (not read again); ``sources``: per drafter, the nodes it added to
+    the verified trees and how many of them were accepted; ``rechecked``: greedy
+    positions whose top two logits lay too close to trust a block's rounding, decided
+    by a one-row pass as plain decoding decides them."""
+
+    text: str
+    token: int
+    from_draft: bool
+    prompt_tokens: int
+    prompt_tps: float
+    generation_tokens: int
+    generation_tps: float
+    peak_memory: float
+    finish_reason: Optional[str] = None
+    accepted: int = 0
+    tokens_per_forward: float = 0.0
+    target_forwards: int = 0
+    prompt_reused: int = 0
+    sources: Dict[str, "SourceStats"] = field(default_factory=dict)
+    rechecked: int = 0
+    logprobs: Optional[mx.array] = None  # with logprobs=True: the target's log-probabilities the token was chosen from
+
+
+def _prompt_ids(tokenizer, prompt: Union[str, List[int], mx.array]) -> List[int]:
+    if isinstance(prompt, str):
+        return tokenizer.encode(prompt)
+    if isinstance(prompt, mx.array):
+        return prompt.tolist()
+    return list(prompt)
+
+
+FORCED = "grammar (forced tokens)"  # the source name of the tokens a grammar forces, in statistics
+# MLX keeps freed buffers for reuse; mlx-lm's plain loop frees them every 256 tokens. A
+# speculative round adds several tokens, so the cache is cleared whenever a round crosses
+# a multiple of this (never only at exact multiples, which rounds jump over), and after
+# every reply: on Metal a long reply's cache otherwise grows without bound.
+CLEAR_CACHE_EVERY = 256
+
+
+class StopMatcher:
+    """Hands out a growing text piece by piece, cut before the first stop string; while
+    the text may still grow, a tail that could begin a stop string is held back."""
+
+    def __init__(self, stops: Sequence[str]):
+        self.stops = [s for s in stops if s]
+        self.shown = 0  # characters already handed out
+
+    def feed(self, text: str, final: bool) -> Tuple[str, bool]:
+        """The new piece of ``text`` (all of it so far) to show, and whether a stop string
+        ended it. ``final``: the text will not grow again."""
+        found = (text.find(s, max(0, self.shown - len(s))) for s in self.stops)
+        cut = min((i for i in found if i >= 0), default=-1)
+        if cut >= 0:
+            text = text[:cut]
+        elif not final and self.stops:
+            text = text[:max(self.shown, len(text) - max(len(s) for s in self.stops) + 1)]
+        piece, self.shown = text[self.shown:], max(self.shown, len(text))
+        return piece, cut >= 0
+
+
+def _context_length(model: nn.Module) -> Optional[int]:
+    return getattr(model.args, "max_position_embeddings", None)
+
+
+def check_prompt(model: nn.Module, ids: Sequence[int]) -> None:
+    """One line for a prompt that cannot be answered: empty, or too long for the model's
+    context. Every entry point asks this before any work (planning may time the device)."""
+    if not len(ids):
+        raise UserError("the prompt is empty")
+    limit = _context_length(model)
+    if limit is not None and len(ids) >= limit:
+        raise UserError(f"the prompt is {len(ids)} tokens; the model's context holds {limit}. Shorten it")
+
+
+def stream_generate(
+    model: nn.Module,
+    tokenizer,
+    prompt: Union[str, List[int], mx.array],
+    max_tokens: int = 256,
+    draft: Union["DraftPlan", "Drafter", type, nn.Module, str, None] = None,
+    tree: Union[str, "TreeSpec", None] = None,
+    lookup: bool = True,
+    temp: float = 0.0,
+    top_p: float = 1.0,
+    min_p: float = 0.0,
+    top_k: int = 0,
+    seed: Optional[int] = None,
+    stop: Optional[Sequence[str]] = None,
+    prompt_cache: Optional["PromptCache"] = None,
+    history: Union[bool, str, None, object] = True,
+    logprobs: bool = False,
+    prompt_progress_callback: Optional[Callable[[int, int], None]] = None,
+    response_format: Optional[Dict[str, Any]] = None,
+    kv_bits: Optional[int] = None,
+    kv_group_size: int = 64,
+    quantized_kv_start: Optional[int] = None,
+) -> Generator[GenerationResponse, None, None]:
+    """Yield the continuation of ``prompt`` token by token.
+
+    ``draft``: what drafts (see mlx_eagle.plan): a ``DraftPlan``; a head from
+    ``load_draft`` or ``load(..., draft=...)``; your own ``mlx_eagle.Drafter`` object or
+    class (fresh per conversation), or its "package.module:Name"; "auto" (the model's own
+    drafter, if any), "lookup" or None (drafts from the context alone), or "none" (plain
+    decoding through the same loop). With ``lookup=False`` a drafter drafts alone. ``tree``: a head's --tree spec;
+    ``auto`` (default) takes the tree tuned for this device, else one built once from
+    the head's recorded acceptance and a few timed forward passes here, or no head tree
+    where none is expected to pay off. ``lookup``: also draft from the context
+    (continuations of the last few tokens' earlier occurrences in the prompt and
+    reply), as long a draft as this device's measured costs and the drafts' acceptance
+    so far say pays off. A plan already says all of this: ``tree`` and ``lookup`` are
+    for the other choices. The text is exactly what the target alone would produce:
+    the same tokens when greedy (temp 0), the same distribution when sampling.
+    ``prompt_cache`` (``make_prompt_cache``): keep it across the turns of a conversation
+    and pass the whole conversation each time; the part the cache already holds is not
+    read again. Stopping the iteration between tokens leaves it usable. ``history``: the
+    earlier replies context drafts also draft from (True: this process's for this model;
+    a path: a file kept across processes; False: none); a plan says this itself.
+    ``logprobs``: each response carries the target's log-probabilities at its token.
+    ``prompt_progress_callback(read, total)``: called as the prompt is read, chunk by chunk,
+    as mlx-lm's is (an exception it raises stops the reading and the generation).
+    ``response_format``: hold the reply to a grammar, as OpenAI's field asks:
+    ``{"type": "json_object"}``, or ``{"type": "json_schema", "json_schema": {"schema": {...}}}``
+    (mlx_eagle.grammar); drafting goes on, and the text is exactly what the target produces
+    with the grammar's mask applied at every step.
+    ``kv_bits``, ``kv_group_size``, ``quantized_kv_start``: quantized KV caches, as mlx-lm's
+    (target.KVQuantization; ``quantized_kv_start`` None: mlx-lm's default, 5000): the text is
+    plain mlx-lm decoding's with the same settings.
+    """
+    check_options(max_tokens, seed)
+    sampling = Sampling(temp, top_p, min_p, top_k)
+    ids = _prompt_ids(tokenizer, prompt)
+    check_prompt(model, ids)
+    grammar = grammar_for(tokenizer, model.args.vocab_size, response_format)
+    kv = kv_quantization(kv_bits, kv_group_size, quantized_kv_start)
+    limit = _context_length(model)
+    plan = plan_drafts(model, draft, tree, lookup, history, tokenizer, kv_bits, kv_group_size, quantized_kv_start)
+    cache = prompt_cache if prompt_cache is not None else make_prompt_cache(model)
+    if cache.unfinished:  # a prompt read or round that never finished: nothing in it is certain
+        cache.clear(model)
+    if cache.plan_key != plan.key:  # a conversation keeps its drafters (and their caches) while its plan holds
+        cache.drafter, cache.plan_key = plan.drafter(), plan.key
+    decoder = SpeculativeDecoder(model, cache.drafter, sampling, shared_seed(seed), cache,
+                                 costs=(lambda: plan.settings.costs) if plan.active else None, grammar=grammar,
+                                 kv=kv, keep_logits=logprobs)
+    eos = set(tokenizer.eos_token_ids)
+    stops = StopMatcher(stop or [])
+    detokenizer = tokenizer.detokenizer
+    detokenizer.reset()
+
+    generated = 0
+    watchdog = Watchdog()  # a rank that hangs ends the others (distributed.py; idle on one machine)
+
+    def reading(read: int, total: int) -> None:
+        watchdog.kick()
+        if prompt_progress_callback is not None:
+            prompt_progress_callback(read, total)
+
+    try:
+        tic = time.perf_counter()
+        round_tokens = [decoder.prefill(ids, on_read=reading)]
+        round_logprobs = _log_softmax(decoder.root_logits[None]) if logprobs else None
+        prompt_tps = (len(ids) - decoder.reused) / (time.perf_counter() - tic)
+        if plan.active and len(ids) >= LONG_CONTEXT:  # rounds this deep are priced by forwards timed this deep,
+            plan.settings.costs.measure_long()  # once per device and setting: after the reading, which a cancel stops
+        tic = time.perf_counter()
+        generated, produced, rounds, accepted = 0, 0, 0, 0
+        from_draft = [False]
+        sources = source_statistics(cache.drafter)
+        while True:
+            for index, (token, drafted) in enumerate(zip(round_tokens, from_draft)):
+                generated += 1
+                finish = None
+                if token in eos:
+                    finish = "stop"
+                else:
+                    detokenizer.add_token(token)
+                if finish is None and generated >= max_tokens:
+                    finish = "length"
+                if finish is None and limit is not None and len(ids) + generated >= limit:
+                    finish = "length"
+                if finish is not None:
+                    detokenizer.finalize()
+                segment, stopped = stops.feed(detokenizer.text, final=finish is not None)
+                if stopped:
+                    finish = "stop"
+                elapsed = time.perf_counter() - tic
+                yield GenerationResponse(
+                    text=segment, token=token, from_draft=drafted, prompt_tokens=len(ids),
+                    prompt_tps=prompt_tps, generation_tokens=generated,
+                    generation_tps=generated / elapsed if elapsed > 0 else 0.0,
+                    peak_memory=mx.get_peak_memory() / 1e9, finish_reason=finish,
+                    accepted=accepted, tokens_per_forward=produced / rounds if rounds else 0.0,
+                    target_forwards=decoder.forwards, prompt_reused=decoder.reused,
+                    sources=sources, rechecked=decoder.rechecked,
+                    logprobs=round_logprobs[index] if round_logprobs is not None else None,
+                )
+                if finish is not None:
+                    return
+            room = max_tokens - generated
+            if limit is not None:
+                room = min(room, limit - decoder.length)
+            result = decoder.round(room)
+            watchdog.kick()
+            if (decoder.length // CLEAR_CACHE_EVERY) != ((decoder.length - len(result.tokens)) // CLEAR_CACHE_EVERY):
+                mx.clear_cache()  # a round crossed a boundary (multi-token rounds jump over exact multiples)
+            round_tokens = result.tokens
+            round_logprobs = _log_softmax(result.logits) if logprobs else None
+            rounds += 1
+            produced += len(result.tokens)
+            accepted = len(result.tokens) - 1
+            from_draft = [True] * accepted + [False]
+            sources = source_statistics(cache.drafter)
+            if grammar is not None and grammar.forced.proposed:
+                sources = {**sources, FORCED: replace(grammar.forced)}
+    finally:  # the reply is final, however it ended: the caches hold what was shown, drafters keep it
+        watchdog.stop()
+        decoder.truncate(len(ids) + generated)
+        if cache.drafter is not None:
+            cache.drafter.finish()
+        mx.clear_cache()
+
+
+def _log_softmax(logits: mx.array) -> List[mx.array]:
+    """Rows of logits as log-probabilities, in float32, as mlx-lm computes them; evaluated
+    here, row by row, so that another thread may read them (the Engine's callers)."""
+    logits = logits.astype(mx.float32)
+    rows = list(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
+    mx.eval(rows)
+    return rows
+
+
+def generate(model: nn.Module, tokenizer, prompt: Union[str, List[int]], verbose: bool = False,
+             **kwargs) -> str:
+    """The whole continuation as a string; keyword arguments as for stream_generate."""
+    text, response = "", None
+    for response in stream_generate(model, tokenizer, prompt, **kwargs):
+        text += response.text
+        if verbose:
+            print(response.text, end="", flush=True)
+    if verbose and response is not None:
+        print()
+        print_stats(response)
+    return text
+
+
+def print_stats(response: GenerationResponse, file=None) -> None:
+    file = file or sys.stderr  # (looked up now: the stream may have been replaced since import)
+    print(
+        f"prompt: {response.prompt_tokens} tokens, {response.prompt_tps:.1f} tokens/s | "
+        f"generation: {response.generation_tokens} tokens, {response.generation_tps:.1f} tokens/s | "
+        f"tau: {response.tokens_per_forward:.2f} tokens per target forward | "
+        f"peak memory: {response.peak_memory:.2f} GB",
+        file=file,
+    )
+    if response.sources:
+        print("drafted: " + "; ".join(f"{name}: {stats.accepted} of {stats.proposed} accepted"
+                                      for name, stats in response.sources.items())
+              + (f" | rechecked alone: {response.rechecked}" if response.rechecked else ""), file=file)
