@@ -15,6 +15,7 @@ from unittest import mock
 
 import mlx_eagle.decoder as decoder_module
 import mlx_eagle.drafters.composite as composite_module
+from typing import List, Optional
 from mlx_eagle import plan_drafts, stream_generate
 from mlx_eagle.bench import edit_and_mtbench
 
@@ -54,11 +55,11 @@ def measure(model, tokenizer, head, texts, max_tokens: int) -> dict:
             "tokens": tokens, "identical": identical}
 
 
-def main() -> None:
+def main(argv: Optional[List[str]] = None) -> None:
     edit_and_mtbench(__doc__, HERE / "results" / "admission.json", 6, measure, lambda row: (
         f"checked {row['checked_s']:6.1f} s  unchecked {row['unchecked_s']:6.1f} s  checked/unchecked "
         f"{row['checked_vs_unchecked']:.3f}  rechecked {row['rechecked_positions']} of {row['tokens']} tokens  "
-        f"identical text {row['identical']}"))
+        f"identical text {row['identical']}"), argv)
 
 
 if __name__ == "__main__":

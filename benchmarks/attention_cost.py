@@ -17,7 +17,7 @@ grows dear as the context grows (``benchmarks/long_context.py``).
 import argparse
 import json
 from pathlib import Path
-from typing import Callable, Dict, List
+from typing import Callable, Dict, List, Optional
 
 import mlx.core as mx
 from mlx_lm.models.base import quantized_scaled_dot_product_attention
@@ -66,7 +66,7 @@ def element_ns() -> Dict[str, float]:
     return {"exp": median_ms(lambda: mx.exp(x)) * 1e6 / x.size, "multiply": median_ms(lambda: x * x) * 1e6 / x.size}
 
 
-def main(argv: List[str] = None) -> None:
+def main(argv: Optional[List[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--contexts", default="512,2048,8192,16384,32768")
     parser.add_argument("--rows", type=int, default=16, help="the verified block's rows")

@@ -9,17 +9,18 @@ from an empty cache.
 import argparse
 import json
 from pathlib import Path
+from typing import List, Optional
 
 from mlx_eagle.cli import use_fast_blas
 
 
-def main() -> None:
+def main(argv: Optional[List[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model")
     parser.add_argument("--questions", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "chat-cache-reuse.json")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     use_fast_blas()
 
     from mlx_eagle.data import mtbench_questions

@@ -9,6 +9,7 @@ compiled after one untimed warm-up, time from the request to the last token.
 
 import time
 from pathlib import Path
+from typing import List, Optional
 
 from mlx_eagle import plan_drafts, stream_generate
 from mlx_eagle.compiled import compiling_rounds
@@ -37,11 +38,11 @@ def measure(model, tokenizer, head, texts, max_tokens: int) -> dict:
             "identical": identical}
 
 
-def main() -> None:
+def main(argv: Optional[List[str]] = None) -> None:
     edit_and_mtbench(__doc__, HERE / "results" / "compiled-rounds.json", 10, measure, lambda row: (
         f"compiled {row['compiled_s']:6.1f} s  eager {row['eager_s']:6.1f} s  compiled/eager "
         f"{row['compiled_vs_eager']:.3f}  tau {row['tau_compiled']:.2f} / {row['tau_eager']:.2f}  "
-        f"identical text {row['identical']}"))
+        f"identical text {row['identical']}"), argv)
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
+from typing import List, Optional
 
 HERE = Path(__file__).resolve().parent
 
@@ -67,7 +68,7 @@ def checkpoint_tau(directory: Path, model_path, mask_token, turns: int, write=No
     return dict(dflash_tau(model, drafter, tokenizer, prompts, 64), step=state["step"])
 
 
-def main() -> None:
+def main(argv: Optional[List[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("log", type=Path)
     parser.add_argument("--out", type=Path, default=HERE / "results" / "dflash-curve")
@@ -79,7 +80,7 @@ def main() -> None:
     parser.add_argument("--mask-token", type=int, help="the run's --mask-token, if it gave one")
     parser.add_argument("--write", type=Path, help="with --checkpoint: also write its drafter there, in the z-lab "
                         "layout (for --draft and the bench)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.checkpoint:
         from mlx_eagle.cli import use_fast_blas
 

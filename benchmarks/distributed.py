@@ -29,7 +29,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import List
+from typing import List, Optional
 
 ROOT = Path(__file__).resolve().parent.parent
 LAUNCHER = Path(sys.executable).parent / "mlx.launch"
@@ -112,7 +112,7 @@ def worker(args) -> None:
         Path(args.worker_out).write_text(json.dumps(result))
 
 
-def main(argv: List[str] = None) -> None:
+def main(argv: Optional[List[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", help="as --model takes it (default: SmolLM2-135M-Instruct, split 3 ways)")
     parser.add_argument("--ranks", type=int, default=3)

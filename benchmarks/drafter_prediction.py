@@ -19,7 +19,7 @@ import argparse
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import List, Optional
 
 import numpy as np
 
@@ -101,10 +101,10 @@ def predict(drafter: Published, cost) -> dict:
             "speedup": speedup}
 
 
-def main() -> None:
+def main(argv: Optional[List[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=HERE / "results" / "drafter-prediction.json")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     curves = dict(CURVES)
     try:  # this CPU's curve for SmolLM2, where it has been timed
         from mlx_eagle import load

@@ -12,6 +12,7 @@ import argparse
 import json
 import re
 from pathlib import Path
+from typing import List, Optional
 
 from mlx_eagle.data import mtbench_questions, sharegpt_prompts
 
@@ -26,10 +27,10 @@ PER_KIND = 4
 EXTRACTION = (131, 133, 135, 137, 139, 140)
 
 
-def main() -> None:
+def main(argv: Optional[List[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "prompts" / "edit.jsonl")
-    out = parser.parse_args().out
+    out = parser.parse_args(argv).out
     chosen = {kind: [] for kind in KINDS}
     seen = set()
     for prompt in sharegpt_prompts():

@@ -20,7 +20,7 @@ import json
 import statistics
 import time
 from pathlib import Path
-from typing import Callable, Dict, List
+from typing import Callable, Dict, List, Optional
 
 import numpy as np
 
@@ -128,11 +128,11 @@ def _gpt2_bytes() -> Dict[int, str]:
 ENGINES = {"llguidance": llguidance_engine, "xgrammar": xgrammar_engine, "outlines-core": outlines_engine}
 
 
-def main() -> None:
+def main(argv: Optional[List[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="a GGUF or model directory (default: Qwen2.5-Coder-0.5B)")
     parser.add_argument("--out", default=None, help="write the results here as JSON")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     import subprocess
     import sys
 

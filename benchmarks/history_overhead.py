@@ -10,18 +10,19 @@ import argparse
 import json
 import time
 from pathlib import Path
+from typing import List, Optional
 
 from mlx_eagle.cli import use_fast_blas
 
 HERE = Path(__file__).resolve().parent
 
 
-def main() -> None:
+def main(argv: Optional[List[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--limit", type=int, default=8, help="MT-bench first turns")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--out", type=Path, default=HERE / "results" / "history-overhead.json")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     use_fast_blas()
     from mlx_eagle import load, stream_generate
     from mlx_eagle.data import mtbench_questions

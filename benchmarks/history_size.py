@@ -16,16 +16,17 @@ import tracemalloc
 from pathlib import Path
 
 import numpy as np
+from typing import List, Optional
 
 from mlx_eagle.drafters.history import History
 
 
-def main() -> None:
+def main(argv: Optional[List[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--replies", type=int, default=10_000)
     parser.add_argument("--length", type=int, default=150)
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "history-size.json")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     rng = np.random.default_rng(0)
     replies = []
     for number in range(args.replies):

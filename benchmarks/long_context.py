@@ -74,7 +74,7 @@ def prompts_file(tokenizer, length: int, directory: Path, tasks: List[str]) -> P
     return path
 
 
-def main(argv: List[str] = None) -> None:
+def main(argv: Optional[List[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", help="as --model takes it (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--lengths", default="512,2048,8192")

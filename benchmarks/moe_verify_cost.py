@@ -22,6 +22,7 @@ from pathlib import Path
 import mlx.core as mx
 from mlx.utils import tree_map
 import numpy as np
+from typing import List, Optional
 from mlx_lm.models import switch_layers
 
 from mlx_eagle.costs import CALIBRATION_SIZES, time_forwards
@@ -87,11 +88,11 @@ def experts_touched(model, sizes=CALIBRATION_SIZES) -> dict:
         switch_layers.SwitchGLU.__call__ = original
 
 
-def main() -> None:
+def main(argv: Optional[List[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=SHAPE["num_hidden_layers"], help="of both models")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "moe-verify-cost.json")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     use_fast_blas()
     moe, dense = build(dict(MOE, num_hidden_layers=args.layers)), build(dict(DENSE, num_hidden_layers=args.layers))
     curves = {

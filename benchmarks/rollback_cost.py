@@ -24,7 +24,7 @@ import statistics
 import sys
 import time
 from contextlib import nullcontext
-from typing import Optional
+from typing import List, Optional
 from pathlib import Path
 
 import mlx.core as mx
@@ -105,13 +105,13 @@ def costs(model, vocab: int, repeats: int, context: int = 64) -> dict:
     return row
 
 
-def main() -> None:
+def main(argv: Optional[List[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=21)
     parser.add_argument("--families", nargs="*", help="only these (default: all, and the 1B Qwen3.5)")
     parser.add_argument("--no-1b", action="store_true", help="leave out the 1B-scale Qwen3.5")
     parser.add_argument("--out", type=Path, default=HERE / "results" / "rollback-cost.json")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     use_fast_blas()
     sys.path.insert(0, str(HERE.parent / "tests"))
     import hybrids

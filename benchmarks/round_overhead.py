@@ -27,7 +27,7 @@ import re
 import statistics
 import time
 from pathlib import Path
-from typing import Optional
+from typing import List, Optional
 
 import mlx.core as mx
 import numpy as np
@@ -297,14 +297,14 @@ def smollm2(rounds: int) -> dict:
     return {"round_ms": result, "verify_build_ms": verify_build_ms(model)}
 
 
-def main() -> None:
+def main(argv: Optional[List[str]] = None) -> None:
     use_fast_blas()  # as the commands do: timings on MLX's reference BLAS mean nothing
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--rounds", type=int, default=40, help="SmolLM2 rounds timed per tree")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "round-overhead.json")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     _, tokenizer = load()
     tiny = tiny_target(tokenizer, args.tokens, args.repeats)
     smollm = smollm2(args.rounds)

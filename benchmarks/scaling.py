@@ -17,6 +17,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import List, Optional
 
 from mlx_eagle.cli import use_fast_blas
 
@@ -43,7 +44,7 @@ def summary(result: dict) -> dict:
         {"drafts": result.get("drafts")}
 
 
-def main() -> None:
+def main(argv: Optional[List[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gguf-dir", type=Path, help="where qwen_models.py put the GGUFs")
     parser.add_argument("--limit", type=int, default=10, help="prompts of each set")
@@ -51,7 +52,7 @@ def main() -> None:
     parser.add_argument("--only", nargs="*", help="smollm2, qwen-0.5b, qwen-1.5b")
     parser.add_argument("--out", type=Path, default=HERE / "results" / "scaling.json")
     parser.add_argument("--table", action="store_true", help="print --out's results as a markdown table, and stop")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.table:
         print(table(json.loads(args.out.read_text())))
         return

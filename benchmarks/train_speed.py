@@ -25,6 +25,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
+from typing import List, Optional
 
 from mlx_eagle.cli import use_fast_blas
 from mlx_eagle.models import load_target
@@ -98,7 +99,7 @@ def time_target(target, pieces, steps) -> float:
     return statistics.median(times[2:])
 
 
-def main() -> None:
+def main(argv: Optional[List[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--rows", type=int, default=4)
@@ -107,7 +108,7 @@ def main() -> None:
     parser.add_argument("--modes", nargs="+", default=["compiled", "eager", "stored"],
                         choices=["compiled", "eager", "stored"])
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "train-speed.json")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     ROWS, LENGTH, TTT = args.rows, args.length, args.ttt  # noqa: N806
     use_fast_blas()
     target, _, _ = load_target(None, progress=False)

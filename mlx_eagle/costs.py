@@ -166,8 +166,6 @@ def time_forwards(model: nn.Module, sizes: Sequence[int] = CALIBRATION_SIZES, co
     Distinct tokens, because an MoE verifying one repeated token touches fewer experts
     and would look cheaper than it is. ``kv``: with the cache quantized after the context,
     as ``kv`` quantizes it."""
-
-
     vocab = model.args.vocab_size
     tokens = np.random.default_rng(0).integers(min(100, vocab - 1), max(vocab - 100, 101),
                                                size=context + max(sizes))
@@ -204,8 +202,6 @@ def logit_drift(model: nn.Module, context: int = 256, size: int = 16, kv: Option
     decoder decides a greedy position whose top two logits lie closer than this (with a
     margin) as plain decoding would. ``kv``: with the cache quantized after the context, as
     it is once quantized KV caches start: the quantized kernels' roundings drift further."""
-
-
     vocab = model.args.vocab_size
     tokens = np.random.default_rng(1).integers(min(100, vocab - 1), max(vocab - 100, 101), size=context + size)
     cache = make_cache(model)

@@ -48,6 +48,22 @@ def pytest_unconfigure(config):
         shutil.rmtree(os.environ.get(_SESSION_CACHE, ""), ignore_errors=True)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def fixed_costs():
+    """The timers give this CPU's fixed costs (fixed_costs.py) for the whole session; a test
+    about timing itself restores them with monkeypatch."""
+    from fixed_costs import fixed_draft_step_ms, fixed_forward_ms
+
+    from mlx_eagle import costs
+    from mlx_eagle.drafters import calibrate, draft_model
+
+    with pytest.MonkeyPatch.context() as patch:
+        for module in (costs, draft_model):
+            patch.setattr(module, "time_forwards", fixed_forward_ms)
+        patch.setattr(calibrate, "time_draft_step", fixed_draft_step_ms)
+        yield
+
+
 # Tests that use these run the real model: `pytest -m "not slow"` leaves them out.
 REAL_MODEL_FIXTURES = {"smollm", "smollm_gguf", "smollm_reader", "smollm_float32", "smollm_native", "qwen_coder",
                        "qwen_coder_gguf"}

@@ -16,6 +16,7 @@ from mlx_eagle.heads import new_head
 from mlx_eagle.drafters.lookup import ContextIndex, LookupDraft, LookupDrafter
 from mlx_eagle.trees import DraftTree
 from mlx_eagle.verify import Sampling
+from fixed_costs import CPU_COSTS
 from oracle import OracleHead
 
 from commands import run_generate
@@ -97,9 +98,6 @@ def _reference(model, ids, max_tokens, eos):
             break
     return tokens
 
-
-# The target's forward over k tokens as timed on this repository's 2-core CPU (SmolLM2, ms).
-CPU_COSTS = Costs({1: 53.5, 2: 58.6, 3: 64.9, 4: 70.2, 6: 75.9, 8: 81.8, 12: 109.5, 16: 121.5, 32: 176.6})
 
 COPYING = [
     "Repeat this sentence exactly, twice: The quick brown fox jumps over the lazy dog near the river bank.",

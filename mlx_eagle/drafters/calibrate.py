@@ -144,8 +144,6 @@ def head_acceptance(head) -> Tuple[np.ndarray, str]:
 
 def time_draft_step(model: nn.Module, head, context: int = 64, repeats: int = 3) -> float:
     """Milliseconds of one head step over a tree depth (the default static tree's, averaged)."""
-
-
     taps = head.taps(layer_count(model))
     width = model.args.hidden_size * (len(taps) if taps is not None else 1)
     tokens = mx.array([[min(100, model.args.vocab_size - 1)] * context])
