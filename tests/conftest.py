@@ -57,11 +57,23 @@ def fixed_costs():
     from mlx_eagle import costs
     from mlx_eagle.drafters import calibrate, draft_model
 
+    timers = [(costs, "time_forwards", fixed_forward_ms), (draft_model, "time_forwards", fixed_forward_ms),
+              (calibrate, "time_draft_step", fixed_draft_step_ms)]
+    _REAL_TIMERS[:] = [(module, name, getattr(module, name)) for module, name, _ in timers]
     with pytest.MonkeyPatch.context() as patch:
-        for module in (costs, draft_model):
-            patch.setattr(module, "time_forwards", fixed_forward_ms)
-        patch.setattr(calibrate, "time_draft_step", fixed_draft_step_ms)
+        for module, name, fixed in timers:
+            patch.setattr(module, name, fixed)
         yield
+
+
+_REAL_TIMERS = []
+
+
+@pytest.fixture
+def real_timers(monkeypatch):
+    """The device's own timers, for a test about timing itself."""
+    for module, name, timer in _REAL_TIMERS:
+        monkeypatch.setattr(module, name, timer)
 
 
 # Tests that use these run the real model: `pytest -m "not slow"` leaves them out.

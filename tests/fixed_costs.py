@@ -26,7 +26,7 @@ def parameters(model) -> int:
     return sum(value.size for _, value in tree_flatten(model.parameters()))
 
 
-def fixed_forward_ms(model, sizes: Sequence[int] = CALIBRATION_SIZES, context: int = 256, **_) -> Dict[int, float]:
+def fixed_forward_ms(model, sizes: Sequence[int] = CALIBRATION_SIZES, context: int = 256, *_, **__) -> Dict[int, float]:
     """SmolLM2's curve scaled by the model's parameters, and by the context attended to (a
     forward after 2,048 entries costs about 1.5 times one after 256, on this CPU)."""
     scale = parameters(model) / _SMOLLM2_PARAMETERS * (1 + (context - 256) / 3584)
@@ -34,5 +34,5 @@ def fixed_forward_ms(model, sizes: Sequence[int] = CALIBRATION_SIZES, context: i
     return {size: float(np.interp(size, known, [SMOLLM2_MS[k] for k in known])) * scale for size in sizes}
 
 
-def fixed_draft_step_ms(model, head, **_) -> float:
+def fixed_draft_step_ms(model, head, *_, **__) -> float:
     return HEAD_STEP_SHARE * fixed_forward_ms(model, (1,))[1]

@@ -152,7 +152,7 @@ def test_timed_verification_costs_are_made_non_decreasing():
     assert non_decreasing([3, 2, 1]) == [2, 2, 2]
 
 
-def test_measured_costs_cover_every_size_and_never_fall(tiny_target):
+def test_measured_costs_cover_every_size_and_never_fall(tiny_target, real_timers):
     from mlx_eagle import load
     from mlx_eagle.tune import VERIFY_SIZES, measure_costs
 
