@@ -155,7 +155,7 @@ def six_token_model():
     import mlx.core as mx
     from mlx_lm.models import llama
 
-    from test_sampling import VOCAB
+    from sampling_checks import VOCAB
 
     mx.random.seed(7)
     args = llama.ModelArgs(model_type="llama", hidden_size=32, num_hidden_layers=2, intermediate_size=64,

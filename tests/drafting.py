@@ -1,5 +1,6 @@
 """A decoder built by hand, as the tests drive it: a head's tree and context lookup
-merged through the drafter seam, as plan_drafts would merge them."""
+merged through the drafter seam, as plan_drafts would merge them; and greedy decoding
+through any drafter."""
 
 from typing import Optional
 
@@ -7,6 +8,7 @@ from mlx_eagle.decoder import SpeculativeDecoder
 from mlx_eagle.drafters.composite import Composite
 from mlx_eagle.drafters.eagle import EagleDrafter
 from mlx_eagle.trees import parse_tree
+from mlx_eagle.verify import Sampling
 
 
 def decoder(model, head, tree, sampling, seed: Optional[int] = None, lookup=None, cache=None, **settings):
@@ -17,3 +19,12 @@ def decoder(model, head, tree, sampling, seed: Optional[int] = None, lookup=None
     drafters += [lookup] if lookup is not None else []
     drafter = None if not drafters else drafters[0] if len(drafters) == 1 else Composite(drafters)
     return SpeculativeDecoder(model, drafter, sampling, seed=seed, cache=cache, **settings)
+
+
+def decode(model, drafter, prompt, count):
+    """``count`` greedy tokens after ``prompt`` through ``drafter``'s rounds, and the decoder."""
+    decoding = SpeculativeDecoder(model, drafter, Sampling())
+    tokens = [decoding.prefill(prompt)]
+    while len(tokens) < count:
+        tokens += decoding.round(count - len(tokens)).tokens
+    return tokens[:count], decoding

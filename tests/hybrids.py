@@ -13,6 +13,10 @@ from typing import Dict
 import mlx.core as mx
 from mlx.utils import tree_map
 
+from mlx_eagle.decoder import SpeculativeDecoder
+from mlx_eagle.verify import Sampling
+from plain import plain_tokens
+
 VOCAB = 97
 SMALL = {"vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
          "num_key_value_heads": 2, "max_position_embeddings": 512, "rms_norm_eps": 1e-6}
@@ -78,3 +82,54 @@ def build(family: str, seed: int = 0, scale: float = 3.0, vocab_size: int = VOCA
         model.update(tree_map(lambda p: p * scale if p.ndim == 2 else p, model.parameters()))
     mx.eval(model.parameters())
     return model
+
+
+PROMPT = [5, 17, 33, 5, 17, 60, 2, 9, 41, 17, 5, 17, 33, 5, 17, 60, 2, 9]  # a pattern to copy
+
+
+COUNT = 60
+
+
+def reference(model, prompt=PROMPT, count=COUNT):
+    return plain_tokens(model, prompt, count)
+
+
+def decode(model, drafter, prompt=PROMPT, count=COUNT, cache=None, replays=True):
+    """Where the rollback replays (``replays``: as it does unless switched off), every round
+    leaves no accepted token to read again."""
+    decoder = SpeculativeDecoder(model, drafter, Sampling(), cache=cache)
+    tokens = [decoder.prefill(prompt)]
+    while len(tokens) < count:
+        tokens += decoder.round(count - len(tokens)).tokens
+        assert not (replays and decoder.rewind and decoder.rewind.replays) or decoder.state.unread == 0
+    return tokens[:count], decoder
+
+
+def write_directory(root, family: str, config: dict = None):
+    """A tiny ``family`` model (of hybrids.py, or as ``config`` describes it) as an MLX
+    model directory (as mlx-community publishes them), with a BPE tokenizer and a chat
+    template."""
+    import json
+
+    from mlx.utils import tree_flatten
+
+    import synthetic
+
+    directory = root / family
+    directory.mkdir()
+    tokenizer = synthetic._bpe_tokenizer("qwen2")
+    tokenizer.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>", "chat_template": synthetic.CHATML}))
+    config = json.loads(json.dumps(config or FAMILIES[family]))
+    (config.get("text_config") or config)["vocab_size"] = config["vocab_size"] = tokenizer.get_vocab_size()
+    (directory / "config.json").write_text(json.dumps(config))
+    model = synthetic.build_model(config) if family not in FAMILIES else \
+        build(family, vocab_size=tokenizer.get_vocab_size())
+    mx.save_safetensors(str(directory / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    return directory
+
+
+def text_model(model):
+    """What mlx_eagle.load hands the decoder: a multimodal wrapper's text model."""
+    return model["language_model"] if "language_model" in model else model

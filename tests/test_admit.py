@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from mlx_lm.generate import generate_step
 
 from mlx_eagle import Drafter, Proposal, stream_generate
 from mlx_eagle.decoder import SpeculativeDecoder
@@ -18,6 +17,7 @@ from mlx_eagle.drafters import Budget
 from mlx_eagle.drafters.admit import Malformed, admit
 from mlx_eagle.trees import DraftTree
 from mlx_eagle.verify import Sampling, accept
+from plain import plain_tokens
 
 VOCAB = 100
 WIDE = Budget(room=64, nodes=256, vocab=VOCAB)
@@ -141,12 +141,7 @@ MAX_TOKENS = 24
 def reference(smollm):
     model, tokenizer = smollm
     ids = tokenizer.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True)
-    expected = []
-    for token, _ in generate_step(mx.array(ids), model, max_tokens=MAX_TOKENS):
-        expected.append(int(token))
-        if int(token) in tokenizer.eos_token_ids:
-            break
-    return ids, expected
+    return ids, plain_tokens(model, ids, MAX_TOKENS, tokenizer.eos_token_ids)
 
 
 class HostileDrafter(Drafter):
@@ -286,7 +281,7 @@ class ChainOfTruth(Drafter):
 
 @pytest.mark.slow
 def test_duplicate_siblings_keep_the_target_distribution_through_the_decoder(six_token_model):
-    from test_sampling import chi_square_ok, exact_joint, sample_first_three
+    from sampling_checks import chi_square_ok, exact_joint, sample_first_three
 
     sampling = Sampling(temp=1.0)
     joint = exact_joint(six_token_model, sampling)

@@ -7,16 +7,15 @@ scripted text, for the formats the model at hand does not write."""
 import json
 import threading
 
-import mlx.core as mx
 import openai
 import pytest
-from mlx_lm.generate import generate_step
 from mlx_lm.tool_parsers import json_tools
 
 from mlx_eagle.errors import UserError
 from mlx_eagle.replies import check_messages
 from mlx_eagle.replies import ReplySplitter, chat_prompt, may_become_call
 from mlx_eagle.session import ChatSession, Engine
+from plain import plain_tokens
 
 TOOLS = [
     {"type": "function", "function": {
@@ -35,16 +34,6 @@ ASK = [{"role": "system", "content": "You are a helpful assistant. Use the tools
 def prompt_ids(tokenizer, messages, tools, choice=None):
     """The prompt the engine builds for ``messages``, as an agent sends them."""
     return chat_prompt(tokenizer, check_messages(messages), tools, choice)[0]
-
-
-def plain_tokens(model, tokenizer, ids, max_tokens):
-    """mlx-lm's own greedy decoding of ``ids``, up to and including an end of sequence."""
-    tokens = []
-    for (token, _), _ in zip(generate_step(mx.array(ids), model, max_tokens=max_tokens), range(max_tokens)):
-        tokens.append(token)
-        if token in tokenizer.eos_token_ids:
-            break
-    return tokens
 
 
 @pytest.fixture(scope="module")
@@ -72,14 +61,14 @@ def test_a_tool_call_is_returned_as_a_call_and_a_tool_result_is_answered(engine,
     model, tokenizer = qwen_coder
     ids = prompt_ids(tokenizer, ASK, TOOLS)
     text, _, calls, finish, tokens = replied(engine.chat(ASK, tools=TOOLS, max_tokens=64))
-    assert tokens == plain_tokens(model, tokenizer, ids, 64)  # the model's own text, drafting on
+    assert tokens == plain_tokens(model, ids, 64, tokenizer.eos_token_ids)  # the model's own text, drafting on
     assert finish == "tool_calls" and text.strip() == ""
     assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", {"city": "Paris"})]
     answered = ASK + [{"role": "assistant", "content": None, "tool_calls": [calls[0].openai()]},
                       {"role": "tool", "tool_call_id": calls[0].id, "content": '{"temperature_c": 18, "sky": "clear"}'}]
     ids = prompt_ids(tokenizer, answered, TOOLS)
     text, _, calls, finish, tokens = replied(engine.chat(answered, tools=TOOLS, max_tokens=48))
-    assert tokens == plain_tokens(model, tokenizer, ids, 48)
+    assert tokens == plain_tokens(model, ids, 48, tokenizer.eos_token_ids)
     assert calls == [] and finish in ("stop", "length") and "18" in text
 
 
@@ -91,7 +80,7 @@ def test_tool_choice_none_hides_the_tools_and_a_named_function_is_called(engine,
     ask = ASK[:1] + [{"role": "user", "content": "What is 2 plus 40?"}]
     ids = prompt_ids(tokenizer, ask, TOOLS, named)
     _, _, calls, finish, tokens = replied(engine.chat(ask, tools=TOOLS, tool_choice=named, max_tokens=32))
-    assert tokens == plain_tokens(model, tokenizer, ids, 32)
+    assert tokens == plain_tokens(model, ids, 32, tokenizer.eos_token_ids)
     assert finish == "tool_calls" and [c.name for c in calls] == ["add"]
     assert json.loads(calls[0].arguments) == {"a": 2, "b": 40}
     # A forced call is the reply: a response_format beside it (for answer text) does not

@@ -17,70 +17,8 @@ from mlx_eagle.convert.head import convert_head, main
 from mlx_eagle.errors import UserError
 from mlx_eagle.heads import load_head
 from synthetic import write_model
-
-HEAD = {"hidden_size": 64, "intermediate_size": 96, "num_attention_heads": 4, "num_key_value_heads": 2,
-        "head_dim": 16, "rms_norm_eps": 1e-5, "max_position_embeddings": 256}
-DRAFT_VOCAB = 100
-
-
-def official_tensors(family, target_embed, rng, qkv_bias=False, fc_bias=False, own_embedding=False,
-                     prefix="midlayer", hidden=64):
-    """Random tensors under the official names, float32 numpy."""
-    def w(*shape):
-        return (0.1 * rng.standard_normal(shape)).astype(np.float32)
-
-    heads, kv, head_dim, inter = 4, 2, 16, 96
-    wide = 2 * hidden if family == "eagle3" else hidden
-    layer = prefix if family == "eagle3" else "layers.0"
-    t = {
-        f"{layer}.self_attn.q_proj.weight": w(heads * head_dim, wide),
-        f"{layer}.self_attn.k_proj.weight": w(kv * head_dim, wide),
-        f"{layer}.self_attn.v_proj.weight": w(kv * head_dim, wide),
-        f"{layer}.self_attn.o_proj.weight": w(hidden, heads * head_dim),
-        f"{layer}.mlp.gate_proj.weight": w(inter, hidden),
-        f"{layer}.mlp.up_proj.weight": w(inter, hidden),
-        f"{layer}.mlp.down_proj.weight": w(hidden, inter),
-        f"{layer}.post_attention_layernorm.weight": 1 + w(hidden),
-    }
-    if qkv_bias:
-        for name in ("q", "k", "v"):
-            t[f"{layer}.self_attn.{name}_proj.bias"] = w(t[f"{layer}.self_attn.{name}_proj.weight"].shape[0])
-    vocab = target_embed.shape[0]
-    if family == "eagle3":
-        used = np.sort(rng.choice(vocab, DRAFT_VOCAB, replace=False))
-        t2d = np.zeros(vocab, dtype=bool)
-        t2d[used] = True
-        t.update({"fc.weight": w(hidden, 3 * hidden), f"{layer}.input_layernorm.weight": 1 + w(hidden),
-                  f"{layer}.hidden_norm.weight": 1 + w(hidden), "norm.weight": 1 + w(hidden),
-                  "lm_head.weight": w(DRAFT_VOCAB, hidden), "d2t": (used - np.arange(DRAFT_VOCAB)).astype(np.int64),
-                  "t2d": t2d})
-    else:
-        t["fc.weight"] = w(hidden, 2 * hidden)
-        if fc_bias:
-            t["fc.bias"] = w(hidden)
-        t["embed_tokens.weight"] = w(vocab, hidden) if own_embedding else target_embed.copy()
-    return t
-
-
-def write_checkpoint(directory, tensors, config, fmt):
-    """As published: config.json plus pytorch_model.bin / model.safetensors / shards + index."""
-    from safetensors.numpy import save_file
-
-    directory.mkdir(parents=True)
-    (directory / "config.json").write_text(json.dumps(config))
-    if fmt == "bin":
-        import torch
-
-        torch.save({k: torch.from_numpy(v) for k, v in tensors.items()}, directory / "pytorch_model.bin")
-    elif fmt == "safetensors":
-        save_file(tensors, str(directory / "model.safetensors"))
-    else:
-        names = sorted(tensors)
-        shards = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
-        for file, keys in shards.items():
-            save_file({k: tensors[k] for k in keys}, str(directory / file))
-        index = {"metadata": {}, "weight_map": {k: f for f, keys in shards.items() for k in keys}}
-        (directory / "model.safetensors.index.json").write_text(json.dumps(index))
+from plain import plain_tokens
+from checkpoints import DRAFT_VOCAB, HEAD, official_tensors, write_checkpoint
 
 
 # An independent reference, in numpy, from the original tensors.
@@ -415,7 +353,6 @@ def test_a_head_for_another_target_fails_with_one_line(targets, tmp_path, capsys
 def test_a_converted_head_keeps_greedy_decoding_lossless(tmp_path, smollm):
     """A published-layout EAGLE-3 head for the real SmolLM2 (random weights), converted
     with 8-bit quantization, drafting through the runtime: exactly mlx-lm's greedy text."""
-    from mlx_lm.generate import generate_step
 
     from mlx_eagle import stream_generate
 
@@ -444,10 +381,6 @@ def test_a_converted_head_keeps_greedy_decoding_lossless(tmp_path, smollm):
     head = load_head(convert_head(str(tmp_path / "published"), tmp_path / "head", q_bits=8), model)
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Name three fruits."}],
                                            add_generation_prompt=True)
-    expected = []
-    for token, _ in generate_step(mx.array(prompt), model, max_tokens=24):
-        expected.append(int(token))
-        if token in tokenizer.eos_token_ids:
-            break
+    expected = plain_tokens(model, prompt, 24, tokenizer.eos_token_ids)
     got = [r.token for r in stream_generate(model, tokenizer, prompt, max_tokens=24, draft=head, tree="static:default")]
     assert got == expected

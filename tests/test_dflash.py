@@ -9,68 +9,18 @@ import json
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx_lm.models import llama
 from mlx_lm.models.cache import KVCache
 
 from mlx_eagle.drafters.composite import Composite
 from mlx_eagle.drafters.dflash import DFlashDrafter, load
 from mlx_eagle.drafters.lookup import LookupDrafter
 from mlx_eagle.errors import UserError
-from test_draft_model import decode, reference
 from commands import run_generate
+from drafting import decode
+from plain import plain_tokens
+from checkpoints import tiny_target, write_dflash
 
 PROMPT = [5, 17, 33, 5, 17, 60, 2, 9, 41, 17, 5, 17, 33]
-SMALL = {"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
-         "intermediate_size": 96}
-
-
-def tiny_target(seed: int = 0, vocab: int = 97, hidden: int = 64) -> llama.Model:
-    mx.random.seed(seed)
-    model = llama.Model(llama.ModelArgs(model_type="llama", hidden_size=hidden, num_hidden_layers=6,
-                                        intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-                                        rms_norm_eps=1e-5, vocab_size=vocab, max_position_embeddings=512,
-                                        tie_word_embeddings=False, rope_theta=10000.0))
-    mx.eval(model.parameters())
-    return model
-
-
-def dflash_tensors(config: dict, target_hidden: int, rng) -> dict:
-    """Random tensors under the z-lab checkpoint's names, float32 numpy."""
-    def w(*shape):
-        return (0.2 * rng.standard_normal(shape)).astype(np.float32)
-
-    hidden, heads, kv, dim = config["hidden_size"], config["num_attention_heads"], config["num_key_value_heads"], \
-        config["head_dim"]
-    inter, taps = config["intermediate_size"], len(config["dflash_config"]["target_layer_ids"])
-    tensors = {"fc.weight": w(hidden, taps * target_hidden), "hidden_norm.weight": 1 + w(hidden),
-               "norm.weight": 1 + w(hidden)}
-    for i in range(config["num_hidden_layers"]):
-        p = f"layers.{i}."
-        tensors.update({
-            p + "input_layernorm.weight": 1 + w(hidden), p + "post_attention_layernorm.weight": 1 + w(hidden),
-            p + "self_attn.q_proj.weight": w(heads * dim, hidden), p + "self_attn.k_proj.weight": w(kv * dim, hidden),
-            p + "self_attn.v_proj.weight": w(kv * dim, hidden), p + "self_attn.o_proj.weight": w(hidden, heads * dim),
-            p + "self_attn.q_norm.weight": 1 + w(dim), p + "self_attn.k_norm.weight": 1 + w(dim),
-            p + "mlp.gate_proj.weight": w(inter, hidden), p + "mlp.up_proj.weight": w(inter, hidden),
-            p + "mlp.down_proj.weight": w(hidden, inter)})
-    return tensors
-
-
-def write_dflash(directory, target, layer_ids, block=8, mask=3, seed=0, sizes=SMALL, **changes):
-    """A DFlash checkpoint for ``target`` in the z-lab layout: config.json, model.safetensors."""
-    from safetensors.numpy import save_file
-
-    args = target.args
-    config = dict(sizes, architectures=["DFlashDraftModel"], model_type="qwen3", hidden_size=args.hidden_size,
-                  vocab_size=args.vocab_size, rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=4096,
-                  block_size=block, num_target_layers=args.num_hidden_layers,
-                  dflash_config={"mask_token_id": mask, "target_layer_ids": list(layer_ids)})
-    config.update(changes)
-    tensors = dflash_tensors(config, args.hidden_size, np.random.default_rng(seed))
-    directory.mkdir(parents=True)
-    (directory / "config.json").write_text(json.dumps(config))
-    save_file(tensors, str(directory / "model.safetensors"))
-    return config, tensors
 
 
 # An independent reference, in numpy, of the published forward pass.
@@ -149,7 +99,7 @@ def test_greedy_decoding_with_a_random_drafter_equals_mlx_lm(tmp_path, curve, lo
     drafter.propose = lambda budget: trees.append(propose(budget)) or trees[-1]
     merged = Composite([drafter, LookupDrafter(lambda k: 1.0)]) if lookup else drafter
     tokens, decoder = decode(target, merged, PROMPT, 40)
-    assert tokens == reference(target, PROMPT, 40)
+    assert tokens == plain_tokens(target, PROMPT, 40)
     drafted = [t for t in trees if t is not None]
     assert drafted, "the drafter proposed"
     if curve.startswith("flat"):
@@ -166,7 +116,7 @@ def test_smollm2_decodes_losslessly_with_a_random_drafter(smollm, tmp_path):
     drafter = load(tmp_path / "dflash", model)
     ids = tokenizer.apply_chat_template([{"role": "user", "content": "Repeat: the cat sat on the mat. The cat sat"}],
                                         add_generation_prompt=True)
-    expected = reference(model, ids, 32)
+    expected = plain_tokens(model, ids, 32)
     for cost in (lambda k: 1.0, lambda k: 1.0 + 0.05 * (k - 1)):
         merged = Composite([DFlashDrafter(drafter, model, cost), LookupDrafter(lambda k: 1.0)])
         tokens, _ = decode(model, merged, ids, 32)

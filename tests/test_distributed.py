@@ -24,7 +24,7 @@ from mlx_eagle.replies import chat_tokens
 from mlx_eagle.heads import new_head, save_head
 from mlx_eagle.target import layer_count, make_cache, tapped_forward
 from synthetic import write_model
-from test_dflash import write_dflash
+from checkpoints import write_dflash
 
 pytestmark = pytest.mark.slow  # every test starts several processes
 TESTS = Path(__file__).resolve().parent
@@ -103,7 +103,7 @@ def test_sampling_is_the_same_on_every_rank_and_exact_by_chi_square(sharp_llama,
     two tokens on rank 0 (the likeliest ones after the likeliest first token: accepted part of
     the time) and another on rank 1: every rank draws the same tokens, and they follow the
     target's exact joint distribution."""
-    from test_sampling import chi_square_ok
+    from sampling_checks import chi_square_ok
 
     from mlx_eagle.verify import Sampling
 
@@ -136,8 +136,8 @@ def test_a_pipelined_hybrid_and_an_moe_split_by_heads_commit_plain_decodings_tok
     through the API and the command, and DeepSeek-V3 split by heads: every drafter kind gives
     plain decoding's tokens on both ranks, the model's own MTP module among them; the states
     a drafter reads at its taps are the single process's, wherever their layers run."""
-    from test_hybrid import write_directory
-    from test_mtp import EXPERT_CONFIGS, mtp_tensors, new_module
+    from hybrids import write_directory
+    from checkpoints import EXPERT_CONFIGS, mtp_tensors, new_module
 
     from mlx_eagle.convert.target import convert_target
 

@@ -7,7 +7,6 @@ model directory or GGUF; a draft model with another vocabulary gets one line.
 
 import mlx.core as mx
 import pytest
-from mlx_lm.generate import generate_step
 from mlx_lm.models import llama
 
 from mlx_eagle import plan_drafts, stream_generate
@@ -18,6 +17,8 @@ from mlx_eagle.drafters.lookup import LookupDrafter
 from mlx_eagle.errors import UserError
 from mlx_eagle.verify import Sampling
 from commands import run_generate
+from drafting import decode
+from plain import plain_tokens
 
 PROMPT = [5, 17, 33, 5, 17, 60, 2, 9, 41, 17]
 
@@ -32,22 +33,10 @@ def tiny(seed: int, vocab: int = 97) -> llama.Model:
     return model
 
 
-def reference(model, prompt, count):
-    return [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=count)]
-
-
-def decode(model, drafter, prompt, count):
-    decoder = SpeculativeDecoder(model, drafter, Sampling())
-    tokens = [decoder.prefill(prompt)]
-    while len(tokens) < count:
-        tokens += decoder.round(count - len(tokens)).tokens
-    return tokens[:count], decoder
-
-
 @pytest.mark.parametrize("draft", ["the target itself", "another model", "merged with lookup"])
 def test_greedy_decoding_equals_mlx_lm(draft):
     target = tiny(0)
-    expected = reference(target, PROMPT, 48)
+    expected = plain_tokens(target, PROMPT, 48)
     drafting = target if draft == "the target itself" else tiny(1)
     drafter = DraftModelDrafter(drafting, lambda k: 1.0, 0.0, max_tokens=6)
     if draft == "merged with lookup":
@@ -99,7 +88,7 @@ def test_smollm2_drafting_for_itself_is_lossless_and_accepted(smollm, smollm_dir
     plan = plan_drafts(model, str(smollm_dir), "auto", lookup=False)
     ids = tokenizer.apply_chat_template([{"role": "user", "content": "Write a haiku about the sea."}],
                                         add_generation_prompt=True)
-    expected = reference(model, ids, 40)
+    expected = plain_tokens(model, ids, 40)
     for draft, tau in ((plan, 1.0), (DraftModelDrafter(plan.active[0].make().model, lambda k: 1.0, 0.0), 2.0)):
         responses = list(stream_generate(model, tokenizer, ids, max_tokens=40, draft=draft, lookup=False))
         tokens = [r.token for r in responses]
@@ -124,7 +113,7 @@ def test_runner_up_leaves_stand_where_the_curve_pays_for_them():
     token costs a third of a step (a CPU's) a chain that is always accepted stands alone.
     Both decode exactly as mlx-lm."""
     target = tiny(0)
-    expected = reference(target, PROMPT, 64)
+    expected = plain_tokens(target, PROMPT, 64)
     flat = DraftModelDrafter(tiny(1), lambda k: 1.0, 0.0, max_tokens=4)
     tokens, _ = decode(target, flat, PROMPT, 64)
     assert tokens == expected and flat.runner_up_tried.sum() > 0 and flat.runner_up_taken.sum() > 0

@@ -23,7 +23,7 @@ from mlx_eagle.replies import chat_tokens
 from mlx_eagle.grammar import Grammar, mask_logits, response_grammar, schema_grammar
 from mlx_eagle.verify import Sampling
 from oracle import FixedDraft
-from test_sampling import PROMPT, TREE, VOCAB, chi_square_ok
+from sampling_checks import PROMPT, TREE, VOCAB, chi_square_ok
 
 PERSON = {"type": "object", "properties": {
     "name": {"type": "string"}, "born": {"type": "integer"},

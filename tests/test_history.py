@@ -13,15 +13,14 @@ import zipfile
 from collections import Counter
 from pathlib import Path
 
-import mlx.core as mx
 import numpy as np
 import pytest
-from mlx_lm.generate import generate_step
 
 from mlx_eagle.drafters.history import FORMAT, History
 from mlx_eagle.errors import UserError
 from mlx_eagle.drafters.lookup import continuation_tree
 from commands import run_generate
+from plain import plain_tokens
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -205,11 +204,7 @@ def test_a_second_request_drafts_from_the_first_reply_and_keeps_the_text(smollm)
     for who, city in (("Ana", "Lisbon"), ("Ben", "Oslo")):
         ids = tokenizer.apply_chat_template([{"role": "user", "content": REPEATED.format(who=who, city=city)}],
                                             add_generation_prompt=True)
-        expected = []
-        for token, _ in generate_step(mx.array(ids), model, max_tokens=40):
-            expected.append(int(token))
-            if token in tokenizer.eos_token_ids:
-                break
+        expected = plain_tokens(model, ids, 40, tokenizer.eos_token_ids)
         responses = list(stream_generate(model, tokenizer, ids, max_tokens=40, draft="lookup", history=history))
         assert [r.token for r in responses] == expected[:len(responses)]
         taus.append(responses[-1].tokens_per_forward)

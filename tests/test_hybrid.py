@@ -7,21 +7,16 @@ prefix alone does, and its fallback, a snapshot, is lossless too; and a conversa
 
 import mlx.core as mx
 import pytest
-from mlx_lm.generate import generate_step
 
 import hybrids
 from oracle import ScriptedDrafter
-from mlx_eagle.decoder import SpeculativeDecoder
 from mlx_eagle.prompt_cache import make_prompt_cache
 from mlx_eagle.drafters.composite import Composite
 from mlx_eagle.drafters.draft_model import DraftModelDrafter
 from mlx_eagle.drafters.lookup import LookupDrafter
 from mlx_eagle.rewind import Rewind
-from mlx_eagle.verify import Sampling
 from commands import run_generate
-
-PROMPT = [5, 17, 33, 5, 17, 60, 2, 9, 41, 17, 5, 17, 33, 5, 17, 60, 2, 9]  # a pattern to copy
-COUNT = 60
+from hybrids import COUNT, PROMPT, decode, reference, text_model, write_directory
 
 
 @pytest.fixture(scope="module", params=list(hybrids.FAMILIES))
@@ -29,24 +24,9 @@ def family(request):
     return request.param, hybrids.build(request.param)
 
 
-def reference(model, prompt=PROMPT, count=COUNT):
-    return [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=count)]
-
-
 # The families whose Mamba 2 layers are rolled back from a snapshot, as measured cheaper
 # (rewind.RECURRENCES); every other family's rollbacks replay the recorded pass.
 SNAPSHOT_FAMILIES = {"nemotron_h", "granitemoehybrid", "falcon_h1", "mamba2"}
-
-
-def decode(model, drafter, prompt=PROMPT, count=COUNT, cache=None, replays=True):
-    """Where the rollback replays (``replays``: as it does unless switched off), every round
-    leaves no accepted token to read again."""
-    decoder = SpeculativeDecoder(model, drafter, Sampling(), cache=cache)
-    tokens = [decoder.prefill(prompt)]
-    while len(tokens) < count:
-        tokens += decoder.round(count - len(tokens)).tokens
-        assert not (replays and decoder.rewind and decoder.rewind.replays) or decoder.state.unread == 0
-    return tokens[:count], decoder
 
 
 def test_drafts_accepted_part_way_are_rolled_back_losslessly(family):
@@ -179,31 +159,6 @@ def test_a_second_turn_reads_only_its_new_tokens():
     assert decoder.reused == 0 and tokens == reference(model, other, 10)
 
 
-def write_directory(root, family: str, config: dict = None):
-    """A tiny ``family`` model (of hybrids.py, or as ``config`` describes it) as an MLX
-    model directory (as mlx-community publishes them), with a BPE tokenizer and a chat
-    template."""
-    import json
-
-    from mlx.utils import tree_flatten
-
-    import synthetic
-
-    directory = root / family
-    directory.mkdir()
-    tokenizer = synthetic._bpe_tokenizer("qwen2")
-    tokenizer.save(str(directory / "tokenizer.json"))
-    (directory / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>", "chat_template": synthetic.CHATML}))
-    config = json.loads(json.dumps(config or hybrids.FAMILIES[family]))
-    (config.get("text_config") or config)["vocab_size"] = config["vocab_size"] = tokenizer.get_vocab_size()
-    (directory / "config.json").write_text(json.dumps(config))
-    model = synthetic.build_model(config) if family not in hybrids.FAMILIES else \
-        hybrids.build(family, vocab_size=tokenizer.get_vocab_size())
-    mx.save_safetensors(str(directory / "model.safetensors"), dict(tree_flatten(model.parameters())))
-    return directory
-
-
 @pytest.mark.parametrize("name", ["qwen3_next", "lfm2"])
 def test_the_command_drafts_on_a_hybrid_directory_and_conversion_keeps_it(tmp_path, name):
 
@@ -278,11 +233,6 @@ def test_a_conversation_on_a_hybrid_model_reads_only_each_new_turn(tmp_path):
 # The families an EAGLE-3 head can be shaped for (Mamba 2 has no attention sizes to take;
 # the tiny Kimi Linear has too few layers for the default taps).
 HEAD_FAMILIES = [name for name in hybrids.FAMILIES if name not in ("mamba2", "kimi_linear")]
-
-
-def text_model(model):
-    """What mlx_eagle.load hands the decoder: a multimodal wrapper's text model."""
-    return model["language_model"] if "language_model" in model else model
 
 
 class _StatesRecorder(ScriptedDrafter):
@@ -369,7 +319,7 @@ def test_an_eagle1_head_reads_the_post_norm_state_of_a_hybrid_losslessly(name):
 
 
 def test_dflash_drafts_chains_on_a_hybrid_losslessly(tmp_path):
-    from test_dflash import write_dflash
+    from checkpoints import write_dflash
     from mlx_eagle.drafters.dflash import DFlashDrafter, load
 
     model = hybrids.build("qwen3_next")
@@ -386,7 +336,7 @@ def test_a_published_eagle3_head_converts_for_a_hybrid_and_the_command_drafts_wi
 
     import numpy as np
 
-    from test_convert_head import DRAFT_VOCAB, HEAD, official_tensors, write_checkpoint
+    from checkpoints import DRAFT_VOCAB, HEAD, official_tensors, write_checkpoint
     from mlx_eagle.convert.head import convert_head
 
     directory = write_directory(tmp_path, "qwen3_5")

@@ -23,7 +23,8 @@ from mlx_eagle.replies import chat_tokens
 from mlx_eagle.target import KVQuantization, keep_cache_entries, kv_quantization
 from mlx_eagle.verify import Sampling
 from oracle import FixedDraft
-from test_sampling import TREE, chi_square_ok
+from sampling_checks import TREE, chi_square_ok
+from plain import plain_tokens
 
 VOCAB = 6
 PROMPT = [1, 4, 2, 3, 0]
@@ -32,13 +33,7 @@ PROMPT = [1, 4, 2, 3, 0]
 def plain_quantized(model, tokenizer, ids, max_tokens, bits, start):
     """mlx-lm's own greedy loop with quantized caches, reading the prompt as it does (2,048
     tokens at a time)."""
-    out = []
-    for (token, _), _ in zip(generate_step(mx.array(ids), model, max_tokens=max_tokens, kv_bits=bits,
-                                           quantized_kv_start=start), range(max_tokens)):
-        out.append(int(token))
-        if int(token) in tokenizer.eos_token_ids:
-            break
-    return out
+    return plain_tokens(model, ids, max_tokens, tokenizer.eos_token_ids, dict(kv_bits=bits, quantized_kv_start=start))
 
 
 @pytest.mark.slow

@@ -5,7 +5,6 @@ does not support."""
 
 import mlx.core as mx
 import pytest
-from mlx_lm.generate import generate_step
 from mlx_lm.models import starcoder2
 
 import mlx_eagle.costs
@@ -20,6 +19,7 @@ from fixed_costs import CPU_COSTS
 from oracle import OracleHead
 
 from commands import run_generate
+from plain import plain_tokens
 
 def test_the_longest_most_recent_match_is_continued():
     index = ContextIndex(min_ngram=1, max_ngram=3)
@@ -90,15 +90,6 @@ def test_grafting_shares_prefixes():
     assert tree.depths[nodes[3]] == 4
 
 
-def _reference(model, ids, max_tokens, eos):
-    tokens = []
-    for token, _ in generate_step(mx.array(ids), model, max_tokens=max_tokens):
-        tokens.append(int(token))
-        if token in eos:
-            break
-    return tokens
-
-
 COPYING = [
     "Repeat this sentence exactly, twice: The quick brown fox jumps over the lazy dog near the river bank.",
     "Fix the typo in this code and return all of it:\n\ndef greet(name):\n    message = 'Hello, ' + nme\n"
@@ -123,7 +114,7 @@ def test_lookup_alone_keeps_greedy_output(smollm, text, monkeypatch):
     # this CPU's timed curve, so that what is drafted does not depend on the machine's load
     monkeypatch.setattr(mlx_eagle.costs, "verify_costs", lambda model, kv=None: CPU_COSTS)
     ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
-    expected = _reference(model, ids, 64, tokenizer.eos_token_ids)
+    expected = plain_tokens(model, ids, 64, tokenizer.eos_token_ids)
     responses = list(stream_generate(model, tokenizer, ids, max_tokens=64, draft="lookup"))
     assert [r.token for r in responses] == expected
     if text is COPYING[0]:
@@ -135,7 +126,7 @@ def test_lookup_alone_keeps_greedy_output(smollm, text, monkeypatch):
 def test_lookup_merged_with_a_head_keeps_greedy_output(smollm, family, tree):
     model, tokenizer = smollm
     ids = tokenizer.apply_chat_template([{"role": "user", "content": COPYING[1]}], add_generation_prompt=True)
-    expected = _reference(model, ids, 64, tokenizer.eos_token_ids)
+    expected = plain_tokens(model, ids, 64, tokenizer.eos_token_ids)
     if family == "oracle":
         head = OracleHead(ids + expected, model.args.vocab_size)
     else:
@@ -155,7 +146,7 @@ def test_lookup_works_on_any_mlx_lm_architecture():
     model = starcoder2.Model(args)
     mx.eval(model.parameters())
     prompt = [5, 17, 33, 5, 17, 60, 2, 9]
-    expected = _reference(model, prompt, 48, ())
+    expected = plain_tokens(model, prompt, 48)
     drafter = LookupDrafter(Costs({1: 1.0, 16: 1.2}))
     decoder = make_decoder(model, None, "none", Sampling(), lookup=drafter)
     tokens = [decoder.prefill(prompt)]
@@ -189,7 +180,7 @@ def test_a_sliding_window_model_stays_lossless_once_its_window_wraps():
     prompt = [5, 17, 33, 5, 17, 60, 2, 9] * 2
     cache, accepted = make_prompt_cache(model), 0
     for turn in range(2):
-        expected = _reference(model, prompt, 60, ())
+        expected = plain_tokens(model, prompt, 60)
         drafter = LookupDrafter(Costs({1: 1.0, 16: 1.2}))
         decoder = make_decoder(model, None, "none", Sampling(), lookup=drafter, cache=cache)
         tokens = [decoder.prefill(prompt)]

@@ -6,9 +6,7 @@ import itertools
 import json
 from pathlib import Path
 
-import mlx.core as mx
 import pytest
-from mlx_lm.generate import generate_step
 
 import mlx_eagle
 from mlx_eagle import stream_generate
@@ -17,6 +15,7 @@ from mlx_eagle.drafters.calibrate import auto_tree, tree_file
 from mlx_eagle.costs import device_key
 from mlx_eagle.heads import new_head
 from oracle import OracleHead
+from plain import plain_tokens
 
 PROMPTS = [
     "What is the capital of France?",
@@ -41,12 +40,7 @@ def references(smollm):
     result = []
     for text in PROMPTS:
         ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
-        tokens = []
-        for token, _ in generate_step(mx.array(ids), model, max_tokens=MAX_TOKENS):
-            tokens.append(int(token))
-            if token in tokenizer.eos_token_ids:
-                break
-        result.append((ids, tokens))
+        result.append((ids, plain_tokens(model, ids, MAX_TOKENS, tokenizer.eos_token_ids)))
     assert any(tokens[-1] in tokenizer.eos_token_ids for _, tokens in result), "no prompt ends on EOS"
     assert any(len(tokens) == MAX_TOKENS for _, tokens in result)
     return result

@@ -15,31 +15,17 @@ from mlx_lm.models.cache import KVCache
 
 import hybrids
 from hybrids import VOCAB
-from test_hybrid import decode, reference, text_model, write_directory
+from hybrids import decode, reference, text_model, write_directory
 from mlx_eagle.drafters.composite import Composite
 from mlx_eagle.drafters.eagle import EagleDrafter
 from mlx_eagle.drafters.lookup import LookupDrafter
-from mlx_eagle.mtp_model import LAYOUTS, MTPModule, module_for, new_decoder_layer, sanitize_mtp
+from mlx_eagle.mtp_model import MTPModule, module_for, sanitize_mtp
 from mlx_eagle.errors import UserError
 from mlx_eagle.target import inner_model
 from mlx_eagle.trees import parse_tree
 from commands import run_generate
+from checkpoints import EXPERT_CONFIGS, mtp_tensors, new_module
 
-# DeepSeek-V3, GLM-4.5 and GLM-4.7-Flash, tiny: multi-head latent attention (DeepSeek's and
-# GLM-4.7-Flash's), experts routed by a biased sigmoid gate with a shared expert, a dense
-# first layer.
-_EXPERTS = {"vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size": 32,
-            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4, "n_shared_experts": 1,
-            "n_routed_experts": 4, "routed_scaling_factor": 1.5, "num_experts_per_tok": 2, "n_group": 1,
-            "topk_group": 1, "first_k_dense_replace": 1, "moe_layer_freq": 1, "norm_topk_prob": True,
-            "max_position_embeddings": 256, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "rope_scaling": None,
-            "tie_word_embeddings": False, "attention_bias": False, "num_nextn_predict_layers": 1}
-_LATENT = {"kv_lora_rank": 16, "q_lora_rank": 32, "qk_rope_head_dim": 8, "qk_nope_head_dim": 16, "v_head_dim": 16}
-EXPERT_CONFIGS = {
-    "deepseek_v3": dict(_EXPERTS, **_LATENT, model_type="deepseek_v3"),
-    "glm4_moe": dict(_EXPERTS, model_type="glm4_moe", head_dim=16, use_qk_norm=True, partial_rotary_factor=0.5),
-    "glm4_moe_lite": dict(_EXPERTS, **_LATENT, model_type="glm4_moe_lite"),
-}
 FAMILIES = ["qwen3_next", "qwen3_5", "mimo", *EXPERT_CONFIGS]
 
 
@@ -57,46 +43,6 @@ def build(family: str, vocab_size: int = VOCAB):
         config = mimo_config(vocab_size) if family == "mimo" else dict(EXPERT_CONFIGS[family], vocab_size=vocab_size)
         return build_model(config)
     return text_model(hybrids.build(family, vocab_size=vocab_size))
-
-
-def new_module(model, seed: int = 3) -> MTPModule:
-    """A random MTP module for ``model`` (a decoder layer of its own kind)."""
-    mx.random.seed(seed)
-    layout = LAYOUTS[model.args.model_type]
-    module = MTPModule(model, new_decoder_layer(model, after=layout.after_layers), layout)
-    mx.eval(module.parameters())
-    return module
-
-
-def mtp_tensors(module: MTPModule, model=None) -> dict:
-    """The module as a checkpoint of its family names it (Qwen's names are ours): MiMo's
-    under model.mtp_layers.0; DeepSeek's and GLM's under model.layers.{layer count}, with
-    their experts one by one and copies of ``model``'s embedding and LM head."""
-    ours = {f"mtp.{name}": value for name, value in tree_flatten(module.parameters())}
-    if module.layout is LAYOUTS["qwen3_next"]:
-        return ours
-    if module.layout.hidden_first:
-        prefix, parts = "model.mtp_layers.0.", {"fc.": "input_proj.", "pre_fc_norm_embedding.": "token_layernorm.",
-                                                "pre_fc_norm_hidden.": "hidden_layernorm.", "norm.": "final_layernorm.",
-                                                "layers.0.": ""}
-    else:
-        prefix = f"model.layers.{len(inner_model(model).layers)}."
-        parts = {"fc.": "eh_proj.", "pre_fc_norm_embedding.": "enorm.", "pre_fc_norm_hidden.": "hnorm.",
-                 "norm.": "shared_head.norm.", "layers.0.": ""}
-    named = {}
-    for name, value in ours.items():
-        name = name[len("mtp."):]
-        part = next(p for p in parts if name.startswith(p))
-        name = f"{prefix}{parts[part]}{name[len(part):]}"
-        if ".switch_mlp." in name:
-            for expert in range(value.shape[0]):
-                named[name.replace("switch_mlp.", f"experts.{expert}.")] = value[expert]
-        else:
-            named[name] = value
-    if not module.layout.hidden_first:
-        named[f"{prefix}embed_tokens.weight"] = inner_model(model).embed_tokens.weight
-        named[f"{prefix}shared_head.head.weight"] = model.lm_head.weight
-    return named
 
 
 def rms(x, w, eps):

@@ -3,9 +3,7 @@ begins as a kept one did takes a copy of that one's target caches and of its dra
 (Drafter.branch), for every built-in drafter kind, reads only what it does not share, and
 decodes plain decoding's tokens; the conversation it was copied from goes on unchanged."""
 
-import mlx.core as mx
 import pytest
-from mlx_lm.generate import generate_step
 
 from mlx_eagle.decoder import SpeculativeDecoder
 from mlx_eagle.prompt_cache import PromptCaches
@@ -19,7 +17,8 @@ from mlx_eagle.heads import new_head
 from mlx_eagle.plan import FreshPerConversation
 from mlx_eagle.trees import parse_tree
 from mlx_eagle.verify import Sampling
-from test_dflash import tiny_target, write_dflash
+from checkpoints import tiny_target, write_dflash
+from plain import plain_tokens
 
 SHARED = [5, 17, 33, 5, 17, 60, 2, 9, 41, 17, 5, 17, 33, 8, 8, 12, 40, 41, 17, 5, 17, 33]  # a "system prompt"
 FIRST, SECOND = SHARED + [70, 71, 5, 17], SHARED + [90, 5, 17, 33]
@@ -43,10 +42,6 @@ def drafters(target, tmp_path):
     }
 
 
-def reference(model, prompt, count):
-    return [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=count)]
-
-
 def decode(target, slot, prompt, count):
     decoder = SpeculativeDecoder(target, slot.drafter, Sampling(), cache=slot)
     tokens = [decoder.prefill(prompt)]
@@ -67,20 +62,20 @@ def test_a_new_conversation_takes_a_copy_of_the_shared_beginning_and_its_drafter
     caches = PromptCaches(target, max_bytes=1 << 30)
     first = caches.take(FIRST)
     first.drafter = make()
-    assert decode(target, first, FIRST, 24) == (reference(target, FIRST, 24), 0)
+    assert decode(target, first, FIRST, 24) == (plain_tokens(target, FIRST, 24), 0)
 
     second = caches.take(SECOND)
     assert second.drafter is not None and second.drafter is not first.drafter, "the drafters were copied"
     tokens, reused = decode(target, second, SECOND, 24)
-    assert tokens == reference(target, SECOND, 24)
+    assert tokens == plain_tokens(target, SECOND, 24)
     assert reused >= len(SHARED) - 1, "the shared beginning was not read again"
 
     # The first conversation goes on from its own caches, untouched by the copy's rounds.
-    continued = FIRST + reference(target, FIRST, 24) + [3, 4]
+    continued = FIRST + plain_tokens(target, FIRST, 24) + [3, 4]
     again = caches.take(continued)
     assert again is first
     tokens, reused = decode(target, again, continued, 16)
-    assert tokens == reference(target, continued, 16) and reused > len(FIRST)
+    assert tokens == plain_tokens(target, continued, 16) and reused > len(FIRST)
 
 
 def test_drafters_that_cannot_be_copied_start_fresh(target):
@@ -100,7 +95,7 @@ def test_a_hybrid_keeps_the_shared_beginning_for_the_next_conversations(name):
     third starts from that copy (its drafters copied from the second's), and every reply
     is plain decoding's."""
     import hybrids
-    from test_hybrid import text_model
+    from hybrids import text_model
 
     model = text_model(hybrids.build(name))
     head = new_head(model, "eagle3", seed=1)
@@ -112,7 +107,7 @@ def test_a_hybrid_keeps_the_shared_beginning_for_the_next_conversations(name):
         if slot.drafter is None:
             slot.drafter = Composite([EagleDrafter(head, model, parse_tree("chain:3")), LookupDrafter(flat)])
         tokens, count = decode(model, slot, prompt, 16)
-        assert tokens == reference(model, prompt, 16)
+        assert tokens == plain_tokens(model, prompt, 16)
         reused.append(count)
     assert reused[:2] == [0, 0] and reused[2] == len(SHARED) - 1
     assert caches.slots[1].beginning is caches.slots[2].beginning

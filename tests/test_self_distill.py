@@ -2,13 +2,12 @@
 answered exactly as plain mlx-lm greedy decoding answers each alone, and more prompts
 extend the answers made before."""
 
-import mlx.core as mx
 import numpy as np
 import pytest
-from mlx_lm.generate import generate_step
 
 from mlx_eagle.data import load_shards
 from mlx_eagle.features import greedy_batch
+from plain import plain_tokens
 
 PROMPTS = ["Name a colour.", "Write one sentence about the moon and the tides.",
            "What is the largest planet in our solar system? Answer briefly, please."]
@@ -22,12 +21,7 @@ def test_batch_answers_equal_plain_greedy_decoding(smollm):
     assert len({len(i) for i in ids}) == len(ids)  # different lengths: teacher forcing inside the batch
     answered = greedy_batch(model, ids, MAX_ANSWER, tokenizer.eos_token_ids)
     for prompt, tokens in zip(ids, answered):
-        reference = []
-        for token, _ in generate_step(mx.array(prompt), model, max_tokens=MAX_ANSWER):
-            reference.append(int(token))
-            if token in tokenizer.eos_token_ids:
-                break
-        assert list(tokens[len(prompt):]) == reference
+        assert list(tokens[len(prompt):]) == plain_tokens(model, prompt, MAX_ANSWER, tokenizer.eos_token_ids)
 
 
 @pytest.mark.slow  # real processes with the real model

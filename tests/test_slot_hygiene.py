@@ -7,13 +7,12 @@ with and without quantized KV caches, and on a tiny hybrid (recurrent state)."""
 
 import random
 
-import mlx.core as mx
 import pytest
-from mlx_lm.generate import generate_step
 
 import mlx_eagle.decoder
 from mlx_eagle.plan import load_draft
 from mlx_eagle.session import Engine
+from plain import plain
 
 SYSTEM = ("You are a careful assistant. Answer in one short sentence, plainly, and never use lists. "
           "Say only what the question asks.")
@@ -25,18 +24,6 @@ LONE = ["Write one line about the sea, the wind and the long grey harbour wall."
 
 class Injected(Exception):
     """A failure injected into a prompt read or a round."""
-
-
-def plain(model, ids, max_tokens, eos, kv):
-    """mlx-lm's own greedy loop, no prompt cache, cut at the end of sequence; and its first
-    token's log-probability (what the prompt's read left in the caches decides it)."""
-    out, first = [], None
-    for token, logprobs in generate_step(mx.array(ids), model, max_tokens=max_tokens, **kv):
-        out.append(int(token))
-        first = float(logprobs[out[0]]) if first is None else first
-        if out[-1] in eos:
-            break
-    return out, first
 
 
 def clients(engine, model, tokenizer, kv, seed, steps, monkeypatch):
@@ -86,7 +73,7 @@ def clients(engine, model, tokenizer, kv, seed, steps, monkeypatch):
             continue
         key = tuple(ids)
         if key not in references:
-            references[key] = plain(model, ids, 10, set(tokenizer.eos_token_ids), kv)
+            references[key] = plain(model, ids, 10, tokenizer.eos_token_ids, kv)
         expected, expected_first = references[key]
         assert tokens == expected, (seed, action, len(ids))
         assert abs(first - expected_first) < 1e-3, (seed, action, first, expected_first)
@@ -113,7 +100,7 @@ def test_a_hybrid_s_slots_are_never_read_half_done(tmp_path, monkeypatch):
     """The cancelled read that left a recurrent state behind (its slot then reused as if
     empty) is what this catches on a hybrid."""
     from mlx_eagle import load
-    from test_hybrid import write_directory
+    from hybrids import write_directory
 
     model, tokenizer = load(str(write_directory(tmp_path, "qwen3_next")))
     engine = Engine(loaded=(model, tokenizer, None), draft="lookup", history=False)
@@ -145,7 +132,7 @@ def test_a_conversation_sharing_a_beginning_with_a_quantized_slot_reads_it_in_fl
     try:
         list(engine.generate(first, max_tokens=24))  # A's cache turns quantized while it is read
         responses = list(engine.generate(second, max_tokens=10, logprobs=True))
-        tokens, logprob = plain(model, second, 10, set(tokenizer.eos_token_ids), kv)
+        tokens, logprob = plain(model, second, 10, tokenizer.eos_token_ids, kv)
         assert [r.token for r in responses] == tokens
         assert abs(float(responses[0].logprobs[tokens[0]]) - logprob) < 1e-3
     finally:

@@ -9,7 +9,6 @@ the context is longer than gpt-oss's window."""
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
 
 from drafting import decoder as make_decoder
@@ -20,6 +19,7 @@ from mlx_eagle.target import make_cache, target_forward, tree_mask
 from mlx_eagle.verify import Sampling
 from oracle import OracleHead
 from synthetic import ARCHS, MOE_CONFIGS, build_model, moe_config, target_config
+from plain import plain_tokens
 
 PROMPT = [5, 17, 99, 3, 250, 41, 41, 7, 300, 12, 8, 77, 5, 17, 99, 3, 120, 64, 9, 200]  # longer than gpt-oss's window
 
@@ -98,7 +98,7 @@ def test_a_compiled_verification_equals_target_forward(tree_target, block, compi
 
 
 def mlx_lm_greedy(model, count):
-    return [int(t) for t, _ in generate_step(mx.array(PROMPT), model, max_tokens=count)]
+    return plain_tokens(model, PROMPT, count)
 
 
 def speculative_greedy(model, head, tree, count, lookup=False):
@@ -139,7 +139,7 @@ def test_verification_stays_lossless_as_the_caches_grow(monkeypatch, compiling):
                         verify_block(model, tokens, *args))
     model = build_model(target_config("qwen3"))
     prompt = [int(t) for t in np.random.default_rng(0).integers(3, 380, size=240)]
-    expected = [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=40)]
+    expected = plain_tokens(model, prompt, 40)
     decoder = make_decoder(model, new_head(model, "eagle3"), "static:default", Sampling(),
                            lookup=LookupDrafter(lambda k: 1.0 + 0.05 * k))
     tokens = [decoder.prefill(prompt)]
