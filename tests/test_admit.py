@@ -279,7 +279,6 @@ class ChainOfTruth(Drafter):
         return Proposal.chain(chain) if chain else None
 
 
-@pytest.mark.slow
 def test_duplicate_siblings_keep_the_target_distribution_through_the_decoder(six_token_model):
     from sampling_checks import chi_square_ok, exact_joint, sample_first_three
 

@@ -47,7 +47,7 @@ def test_agent_runs_a_tool_loop_against_a_server(tmp_path, qwen_coder_gguf):
     assert result["json_transcripts"][0][0]["content"].startswith("{")
 
 
-@pytest.mark.slow  # two ranks
+@pytest.mark.slow  # two ranks (mlx.launch)
 def test_distributed(tmp_path):
     sys.path.insert(0, str(ROOT / "tests"))
     from synthetic import write_model
@@ -88,7 +88,6 @@ def test_moe_verify_cost(tmp_path):
     assert len(result["verify_ms"]) == 3 and all(len(curve) == 9 for curve in result["verify_ms"].values())
 
 
-@pytest.mark.slow  # reads ShareGPT and MT-bench
 def test_edit_prompts(tmp_path):
     run("edit_prompts.py", "--out", tmp_path / "edit.jsonl")
     records = [json.loads(line) for line in (tmp_path / "edit.jsonl").read_text().splitlines()]

@@ -141,7 +141,7 @@ class Stuck(TableDrafter):
 """
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # the real model, in a server process
 def test_sigterm_ends_a_server_whose_drafter_is_stuck_and_health_says_so(tmp_path):
     (tmp_path / "stuck_drafter.py").write_text(STUCK)
     env = dict(os.environ, PYTHONPATH=f"{tmp_path}{os.pathsep}{TESTS}")

@@ -26,7 +26,7 @@ from mlx_eagle.target import layer_count, make_cache, tapped_forward
 from synthetic import write_model
 from checkpoints import write_dflash
 
-pytestmark = pytest.mark.slow  # every test starts several processes
+pytestmark = pytest.mark.slow  # every test starts ranks (mlx.launch)
 TESTS = Path(__file__).resolve().parent
 LAUNCHER = Path(sys.executable).parent / "mlx.launch"
 # The ranks import the tests' drafters (named module:Class) and whatever this process imports.

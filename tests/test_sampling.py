@@ -15,7 +15,6 @@ from mlx_eagle.verify import Sampling
 from oracle import FixedDraft
 from sampling_checks import SAMPLES, VOCAB, chi_square_ok, exact_joint, sample_first_three
 
-pytestmark = pytest.mark.slow  # thousands of seeded decodes
 
 
 SETTINGS = {"temp 1": Sampling(temp=1.0), "temp 0.7, top-p 0.9, top-k 4, min-p 0.05":

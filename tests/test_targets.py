@@ -187,7 +187,6 @@ def test_a_gpt_oss_hugging_face_checkpoint_says_where_it_runs_instead(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("model_type", ["qwen3_moe", "gpt_oss"])
 def test_the_generate_command_on_an_moe_model_prints_plain_decodings_text(tmp_path, model_type):
     """As a user runs it: an mlx-lm MoE directory, an EAGLE-3 head for it, `generate`

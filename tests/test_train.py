@@ -279,7 +279,7 @@ def test_sharegpt_reader_on_a_cut_file(tmp_path):
     assert [r["id"] for r in read_sharegpt(tmp_path / "cut.json")] == ["0", "1", "2", "3"]
 
 
-@pytest.mark.slow  # two training processes
+@pytest.mark.slow  # two ranks (mlx.launch)
 def test_data_parallel_with_two_processes(training_setup, tiny_root, tmp_path):
     """mlx.launch starts two ranks on this machine; they share batches, average
     gradients, end with the same weights, and learn."""
