@@ -14,6 +14,7 @@ from mlx_lm.models import llama
 from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache, make_prompt_cache
 
 import mlx_eagle.costs
+import mlx_eagle.generation
 from drafting import decoder as make_decoder
 from mlx_eagle import plan_drafts, stream_generate
 from mlx_eagle import make_prompt_cache as conversation_cache
@@ -192,7 +193,8 @@ def test_a_long_prompt_has_the_forwards_timed_that_deep_once_it_is_read(smollm, 
     model, tokenizer = smollm
     monkeypatch.setenv("MLX_EAGLE_CACHE", str(tmp_path))
     monkeypatch.setattr(mlx_eagle.costs, "_CURVES", {})
-    monkeypatch.setattr(mlx_eagle.costs, "LONG_CONTEXT", 320)  # (the real one's reading takes a while here)
+    for module in (mlx_eagle.costs, mlx_eagle.generation):  # (the real one's reading takes a while here)
+        monkeypatch.setattr(module, "LONG_CONTEXT", 320)
     kv = KVQuantization(8, 64, start=0)
     for setting in (None, kv):  # the near curves, as if timed already: only the long ones are timed here
         calibration_file(model, setting).parent.mkdir(exist_ok=True)
