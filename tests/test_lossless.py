@@ -30,12 +30,12 @@ PROMPTS = [
     "Summarise the plot of Romeo and Juliet in one sentence.",
 ]
 TREES = ["chain:4", "static:default", "dynamic:topk=4,depth=4,tokens=12"]
-MAX_TOKENS = 64
+MAX_TOKENS = 48  # five of the prompts end on EOS before it, the others run to it
 
 
 @pytest.fixture(scope="module")
 def references(smollm):
-    """Plain mlx-lm greedy decoding: prompt ids and the tokens up to EOS or 64."""
+    """Plain mlx-lm greedy decoding: prompt ids and the tokens up to EOS or MAX_TOKENS."""
     model, tokenizer = smollm
     result = []
     for text in PROMPTS:
