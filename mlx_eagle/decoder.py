@@ -29,23 +29,24 @@ the forward pass, and the rows masked after it (grammar.py): the same loop, the 
 
 from __future__ import annotations
 
+from contextlib import ExitStack
 from dataclasses import dataclass
-from typing import Callable, List, Optional, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
 
 from .costs import CONTEXT_STEP, Costs, kv_logit_drift
-from .drafters import Budget, Drafter, Outcome, TargetStates
+from .drafters import Budget, Drafter, Outcome, Proposal, TargetStates
 from .drafters.admit import admit_or_warn
 from .distributed import check_same, shared_proposal, sharded
 from .errors import UserError
-from .grammar import Grammar, mask_logits
+from .grammar import Grammar, Shaped, mask_logits
 from .prompt_cache import PromptCache, make_prompt_cache
 from .rewind import Rewind
 from .compiled import compiles_verification, verify_block
-from .target import MLX_LM_PREFILL_STEP, KVQuantization, TargetOutput, check_target, is_driven, \
-    keep_cache_entries, lm_head, tapped_forward, target_forward, tree_mask
+from .target import MLX_LM_PREFILL_STEP, Block, KVQuantization, TargetOutput, check_target, is_driven, \
+    keep_cache_entries, lm_head, packed_forward, packs, tapped_forward, target_forward, tree_mask
 from .trees import MAX_TREE_NODES, DraftTree
 from .verify import Sampling, accept, sample, too_close
 
@@ -57,6 +58,19 @@ class Round:
     tokens: List[int]  # the accepted draft tokens, then the bonus token
     drafted: int  # tree nodes the target verified
     logits: Optional[mx.array] = None  # with keep_logits: the rows each token was chosen from [tokens, vocab]
+
+
+@dataclass
+class Drafted:
+    """What a round verifies, between ``draft`` and ``conclude``."""
+
+    committed: List[int]  # the tokens committed before the round, the root last
+    unread: List[int]  # committed tokens the caches do not hold yet (read in front of the root)
+    room: int
+    proposal: Optional[Proposal]  # the drafter's, as admitted (None: nothing drafted)
+    tree: DraftTree  # what is verified after the root (the proposal's tree, shaped)
+    tokens: mx.array  # its tokens
+    shaped: Optional[Shaped]  # a grammar's shaping of it
 
 
 # The points of a round a phase hook hears about, in order (benchmarks time them).
@@ -258,31 +272,48 @@ class SpeculativeDecoder:
         tolerance = self._tolerance() if self.sampling.greedy else 0.0
         return tolerance > 0 and bool(too_close(logits, tolerance).item())
 
-    def _verify(self, tree: DraftTree, tokens: mx.array, unread: List[int]) -> TargetOutput:
-        """The target's forward pass over [unread tokens, root, tree], appended to its cache;
-        the outputs from the root on."""
+    def _block(self, tree: DraftTree, tokens: mx.array, unread: List[int]) -> Block:
+        """The verify pass's input: [unread tokens, root, tree], at their positions (where
+        target.py drives the target), under a causal mask (a chain) or the tree's."""
         if not tree.is_chain() and not self.drives_target:
             raise UserError("a draft tree (not a chain) needs a target architecture target.py drives")
         if not tree.tokens and tokens.size:  # ids still on the device, unchecked: one outside is read as 0
             tokens = mx.where((tokens >= 0) & (tokens < self.vocab), tokens, 0)
         tokens = mx.concatenate([mx.array(unread + [self.root], dtype=mx.int32), tokens.astype(mx.int32)])
         start = self.target_cache[0].offset if self.drives_target else None  # positions: where target.py drives
-        if not unread and compiles_verification(self.target, self.target_cache, tokens.size):
-            self.forwards += 1
-            return verify_block(self.target, tokens, self.target_cache, [start] + [start + d for d in tree.depths],
-                                tree.ancestors(), self.taps or None)  # one compiled call
         if tree.is_chain():  # a chain is just a longer causal block
-            out = self._forward(tokens, start, "causal" if tokens.size > 1 else None)
-            if not unread:
-                return out
-            return TargetOutput(out.logits[len(unread):], out.features[len(unread):] if self.reads_states else None,
-                                out.hidden[len(unread):] if self.reads_states else None)
-        positions = start + mx.array([0] + tree.depths)
-        return self._forward(tokens, positions, tree_mask(start, tree.ancestor_matrix()))
+            return Block(tokens, self.target_cache, start, "causal" if tokens.size > 1 else None, self.taps or None)
+        return Block(tokens, self.target_cache, start + mx.array([0] + tree.depths),
+                     tree_mask(start, tree.ancestor_matrix()), self.taps or None)
+
+    def _verify(self, tree: DraftTree, tokens: mx.array, unread: List[int]) -> TargetOutput:
+        """The target's forward pass over [unread tokens, root, tree], appended to its cache;
+        the outputs from the root on."""
+        block = self._block(tree, tokens, unread)
+        if not unread and compiles_verification(self.target, self.target_cache, block.tokens.size):
+            self.forwards += 1
+            start = self.target_cache[0].offset
+            positions = [start] + [start + depth for depth in tree.depths]
+            return verify_block(self.target, block.tokens, self.target_cache, positions, tree.ancestors(),
+                                self.taps or None)  # one compiled call
+        out = self._forward(block.tokens, block.positions, block.mask)
+        if not unread:
+            return out
+        return TargetOutput(out.logits[len(unread):], out.features[len(unread):] if self.reads_states else None,
+                            out.hidden[len(unread):] if self.reads_states else None)
 
     def round(self, room: int) -> Round:
         """One round. ``room``: how many tokens past the root may still be produced.
         The host waits for the device once, in ``accept``."""
+        drafted = self.draft(room)
+        with self.state.before_verify(len(drafted.tree), len(drafted.committed), len(drafted.unread)) as recorded:
+            out = self._verify(drafted.tree, drafted.tokens, drafted.unread)
+        return self.conclude(drafted, out, recorded)
+
+    def draft(self, room: int) -> Drafted:
+        """A round's first half: what is verified after the root (the drafter's proposal,
+        admitted, shared between ranks and shaped by a grammar). The caches hold nothing
+        certain until ``conclude``."""
         committed, self.state.tokens = self.state.tokens, []  # an interrupted round leaves nothing certain
         self.state.unfinished = True
         unread = committed[len(committed) - 1 - self.state.unread:-1]
@@ -305,9 +336,14 @@ class SpeculativeDecoder:
                                         nodes)
             tree, tokens = shaped.tree, shaped.tokens
         self.on_phase("drafted")
+        return Drafted(committed, unread, room, proposal, tree, tokens, shaped)
+
+    def conclude(self, drafted: Drafted, out: TargetOutput, recorded: Optional[List]) -> Round:
+        """A round's second half, after the verify pass gave ``out`` (``recorded``: what the
+        pass recorded for a rollback): accept, commit, observe."""
+        committed, proposal, tree, tokens, shaped = (drafted.committed, drafted.proposal, drafted.tree,
+                                                     drafted.tokens, drafted.shaped)
         start = len(committed) - 1  # the root's position
-        with self.state.before_verify(len(tree), len(committed), len(unread)) as recorded:
-            out = self._verify(tree, tokens, unread)
         exact = self.rewind is None and len(tree) > 0  # (a recurrent state is not re-read one row at a time)
         logits = mask_logits(out.logits, shaped.allowed) if shaped is not None else out.logits
         verdict = accept(tree, tokens, logits, self.sampling, self._next_key(),
@@ -352,3 +388,27 @@ class SpeculativeDecoder:
         """Keep only the first ``count`` committed tokens (PromptCache.truncate)."""
         if self.state.truncate(count):
             self.root = self.state.tokens[-1]
+
+
+def batches(decoder: SpeculativeDecoder) -> bool:
+    """Whether ``decoder``'s rounds can share a packed forward pass with others: its target
+    is one packed_forward runs, its caches roll back by cutting (no recurrent state), and its
+    target is whole on this machine."""
+    return packs(decoder.target) and decoder.rewind is None and not decoder.shards
+
+
+def batched_round(decoders: Sequence[SpeculativeDecoder], rooms: Sequence[int]) -> List[Round]:
+    """One round for several conversations of one target (each ``batches``): each drafts on
+    its own, their blocks are verified in one packed forward pass (target.packed_forward),
+    and each accepts and commits its own. Each conversation's round is the one it would run
+    alone, but for the last bits of the pass's products, whose greedy near-ties are decided
+    by a one-row pass as a block's are."""
+    drafted = [decoder.draft(room) for decoder, room in zip(decoders, rooms)]
+    with ExitStack() as stack:
+        recorded = [stack.enter_context(decoder.state.before_verify(len(d.tree), len(d.committed), len(d.unread)))
+                    for decoder, d in zip(decoders, drafted)]
+        outs = packed_forward(decoders[0].target, [decoder._block(d.tree, d.tokens, d.unread)
+                                                   for decoder, d in zip(decoders, drafted)])
+    for decoder in decoders:
+        decoder.forwards += 1
+    return [decoder.conclude(d, out, rows) for decoder, d, out, rows in zip(decoders, drafted, outs, recorded)]

@@ -14,7 +14,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .costs import LONG_CONTEXT
-from .decoder import SpeculativeDecoder
+from .decoder import SpeculativeDecoder, batched_round, batches
 from .distributed import Watchdog, shared_seed
 from .errors import UserError, check_options
 from .grammar import grammar_for
@@ -280,6 +280,89 @@ def generate(model: nn.Module, tokenizer, prompt: Union[str, List[int]], verbose
         print()
         print_stats(response)
     return text
+
+
+@dataclass
+class BatchResponse:
+    """What ``batch_generate`` gives, as mlx-lm's does: each prompt's ``texts`` (and token
+    ids), and how the batch ran: ``forwards``, the packed forward passes (and the rounds
+    of conversations served alone); ``tokens_per_forward``, the tokens they produced each,
+    all conversations together."""
+
+    texts: List[str]
+    token_ids: List[List[int]]
+    forwards: int
+    tokens_per_forward: float
+
+
+def batch_generate(model: nn.Module, tokenizer, prompts: Sequence[Union[str, List[int]]],
+                   max_tokens: Union[int, Sequence[int]] = 128, draft: Union["DraftPlan", str, None] = "auto",
+                   tree: Union[str, "TreeSpec", None] = "auto", lookup: bool = True, temp: float = 0.0,
+                   top_p: float = 1.0, min_p: float = 0.0, top_k: int = 0, seed: Optional[int] = None,
+                   history: Union[bool, str, None, object] = False, verbose: bool = False) -> BatchResponse:
+    """Continue every prompt, as mlx-lm's batch_generate does, with speculation: each
+    conversation drafts with drafters of its own, and each round verifies every active
+    conversation's tree in one forward pass (decoder.batched_round); a conversation leaves
+    the batch when it ends. Each text is exactly the one its prompt gets alone: the same
+    tokens when greedy, the same distribution when sampling (``seed``: the i-th prompt
+    samples with ``seed + i``). Other arguments as for stream_generate; a target the packed
+    pass cannot run (recurrent layers, latent attention, shards) serves the conversations
+    in turn, which ``verbose`` says."""
+    sampling = Sampling(temp, top_p, min_p, top_k)
+    limits = [max_tokens] * len(prompts) if isinstance(max_tokens, int) else list(max_tokens)
+    if len(limits) != len(prompts):
+        raise UserError(f"max_tokens gives {len(limits)} lengths for {len(prompts)} prompts")
+    for limit in limits:
+        check_options(limit, seed)
+    ids = [_prompt_ids(tokenizer, prompt) for prompt in prompts]
+    for prompt_ids in ids:
+        check_prompt(model, prompt_ids)
+    plan = plan_drafts(model, draft, tree, lookup, history, tokenizer)
+    costs = (lambda: plan.settings.costs) if plan.active else None
+    decoders = [SpeculativeDecoder(model, plan.drafter(), sampling, None if seed is None else seed + index,
+                                   costs=costs) for index in range(len(prompts))]
+    eos, context = set(tokenizer.eos_token_ids), _context_length(model)
+    replies = [[decoder.prefill(prompt_ids)] for decoder, prompt_ids in zip(decoders, ids)]
+    ended = [reply[0] in eos for reply in replies]
+
+    def room(index: int) -> int:
+        """How many more tokens reply ``index`` may take (0: it has ended)."""
+        reply = replies[index]
+        if ended[index] or len(reply) >= limits[index]:
+            return 0
+        return limits[index] - len(reply) if context is None else \
+            min(limits[index] - len(reply), context - len(ids[index]) - len(reply))
+
+    together = all(batches(decoder) for decoder in decoders)
+    if verbose and not together:
+        print("batch: this target's rounds cannot share a forward pass here; its conversations are served in turn",
+              file=sys.stderr)
+    forwards = 0
+    while active := [index for index in range(len(prompts)) if room(index) > 0]:
+        if together:
+            rounds = batched_round([decoders[index] for index in active], [room(index) for index in active])
+            forwards += 1
+        else:
+            rounds = [decoders[index].round(room(index)) for index in active]
+            forwards += len(active)
+        for index, result in zip(active, rounds):
+            replies[index] += result.tokens
+            ended[index] = bool(eos & set(result.tokens))
+    token_ids = []
+    for index, (decoder, reply) in enumerate(zip(decoders, replies)):
+        reply = reply[:limits[index]]
+        if eos & set(reply):
+            reply = reply[:min(reply.index(token) for token in eos if token in reply)]
+        token_ids.append(reply)
+        if decoder.drafter is not None:
+            decoder.drafter.finish()
+    produced = sum(len(reply) for reply in replies) - len(replies)  # (the first tokens came from the prompts' reads)
+    response = BatchResponse([tokenizer.decode(reply) for reply in token_ids], token_ids, forwards,
+                             produced / forwards if forwards else 0.0)
+    if verbose:
+        print(f"batch: {len(prompts)} prompts, {forwards} forward passes, "
+              f"{response.tokens_per_forward:.2f} tokens per forward", file=sys.stderr)
+    return response
 
 
 def print_stats(response: GenerationResponse, file=None) -> None:

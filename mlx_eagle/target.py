@@ -386,6 +386,76 @@ def target_forward(
     return TargetOutput(logits=lm_head(model, h), features=features, hidden=h)
 
 
+@dataclass
+class Block:
+    """One conversation's part of a packed forward pass: its ``tokens`` [n], appended to its
+    own ``cache`` at ``positions`` (the first token's, a chain's running on from there, or
+    one per token), attending under ``mask``; ``taps``: the layers whose entering states it
+    reads (None: the post-norm last hidden state, as target_forward gives them)."""
+
+    tokens: mx.array
+    cache: List
+    positions: Positions
+    mask: Mask
+    taps: Optional[Sequence[int]] = None
+
+    def position_of_each(self) -> mx.array:
+        if isinstance(self.positions, int):
+            return mx.arange(self.positions, self.positions + self.tokens.size)
+        return self.positions
+
+
+def packs(model: nn.Module) -> bool:
+    """Whether packed_forward runs ``model``: this module drives it, and every layer's
+    attention is the projections-then-attention kind (not latent attention; no recurrent
+    layers, which is_driven already leaves out)."""
+    return is_driven(model) and not ARCHITECTURES[model.args.model_type].latent_attention
+
+
+def packed_forward(model: nn.Module, blocks: Sequence[Block]) -> List[TargetOutput]:
+    """One forward pass over several conversations' blocks: their tokens packed into one
+    sequence through everything that reads a token alone (embedding, norms, projections,
+    rotary positions, MLPs, the LM head), and each block's attention over its own cache,
+    with its own positions and mask. Each cache gets its block appended, as target_forward
+    appends one. The matrix products see more rows than a block's alone, so their results
+    may differ in the last bits: the decoder rechecks greedy near-ties as it does a block's."""
+    inner = model.model
+    sizes = [block.tokens.size for block in blocks]
+    cuts = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
+    total = cuts[-1]
+    h = embed(model, mx.concatenate([block.tokens.astype(mx.int32) for block in blocks])[None])
+    positions = mx.concatenate([block.position_of_each() for block in blocks])
+    offsets = [block.cache[0].offset for block in blocks]
+    masks: List[dict] = [{None: block.mask} for block in blocks]  # per block, per window size
+    taps = sorted({tap for block in blocks for tap in (block.taps or ())})
+    entering = {}
+    for index, (layer, window) in enumerate(zip(inner.layers, layer_windows(model))):
+        if index in taps:
+            entering[index] = h
+        attn = layer.self_attn
+        queries, keys, values = compiled_piece(attn, _project, total)(layer.input_layernorm(h), positions)
+        scale = attention_sizes(attn)[2]
+        attended = []
+        for block, begin, end, offset, block_masks in zip(blocks, cuts, cuts[1:], offsets, masks):
+            if window not in block_masks:
+                block_masks[window] = window_mask(block.mask, block.positions, offset, end - begin, window)
+            cache = block.cache[index]
+            block_keys, block_values = cache.update_and_fetch(keys[:, :, begin:end], values[:, :, begin:end])
+            attended.append(scaled_dot_product_attention(queries[:, :, begin:end], block_keys, block_values,
+                                                         cache=cache, scale=scale, mask=block_masks[window],
+                                                         sinks=attn.get("sinks")))
+        h = compiled_piece(layer, _finish, total)(h, mx.concatenate(attended, axis=2))
+    h = inner.norm(h)
+    logits = lm_head(model, h)
+    outputs = []
+    for block, begin, end in zip(blocks, cuts, cuts[1:]):
+        hidden = h[0, begin:end]
+        features = hidden if block.taps is None else \
+            mx.concatenate([entering[i][0, begin:end] for i in block.taps], axis=-1)
+        outputs.append(TargetOutput(logits=logits[0, begin:end], features=features, hidden=hidden))
+    return outputs
+
+
 def tree_mask(cached: int, ancestors: mx.array) -> mx.array:
     """Boolean attention mask for new tokens: every cached entry, then ``ancestors``
     [new, new] (True where a new token may see another: itself and its ancestors)."""

@@ -1,0 +1,89 @@
+"""Several conversations in one forward pass (target.packed_forward, decoder.batched_round,
+generation.batch_generate): each conversation's reply is exactly the one it gets alone, the
+same tokens when greedy and the same distribution when sampling, whatever else shares the
+pass, with prompts of different lengths and conversations that end at different rounds."""
+
+import numpy as np
+import pytest
+
+from checkpoints import tiny_target
+from drafting import decoder as make_decoder
+from mlx_eagle import batch_generate
+from mlx_eagle.decoder import SpeculativeDecoder, batched_round, batches
+from mlx_eagle.drafters.lookup import LookupDrafter
+from mlx_eagle.heads import new_head
+from mlx_eagle.replies import chat_tokens
+from mlx_eagle.verify import Sampling
+from oracle import FixedDraft
+from plain import plain_tokens
+from sampling_checks import PROMPT, SAMPLES, TREE, VOCAB, chi_square_ok, exact_joint
+
+PROMPTS = [[5, 17, 33, 5, 17, 60, 2, 9, 41, 17, 5, 17, 33], [1, 2, 3, 1, 2, 3, 1, 2], [9, 8, 7, 6, 5, 9, 8, 7, 6],
+           [44, 45, 46, 47, 44, 45]]
+
+
+def batched(decoders, prompts, counts):
+    """Each decoder's first ``counts`` tokens after its prompt, its rounds in one pass with
+    the others' until it has them (the others going on without it)."""
+    replies = [[decoder.prefill(prompt)] for decoder, prompt in zip(decoders, prompts)]
+    while active := [i for i, reply in enumerate(replies) if len(reply) < counts[i]]:
+        rounds = batched_round([decoders[i] for i in active], [counts[i] - len(replies[i]) for i in active])
+        for i, result in zip(active, rounds):
+            replies[i] += result.tokens
+    return [reply[:count] for reply, count in zip(replies, counts)]
+
+
+@pytest.mark.parametrize("drafting", ["context lookup", "a random EAGLE-3 head's trees", "an EAGLE-1 head's chains"])
+def test_greedy_replies_in_one_pass_are_each_the_reply_alone(drafting):
+    """Prompts of different lengths, replies of different lengths (so conversations leave
+    the batch at different rounds), trees and chains, heads reading states at taps."""
+    model = tiny_target(0)
+    counts = [40, 12, 33, 25]
+
+    def decoder(index):
+        if drafting == "context lookup":
+            return SpeculativeDecoder(model, LookupDrafter(lambda k: 1.0), Sampling())
+        family, tree = ("eagle3", "static:default") if "EAGLE-3" in drafting else ("eagle1", "chain:3")
+        head = new_head(model, family, draft_vocab_size=64 if family == "eagle3" else None, seed=index)
+        return make_decoder(model, head, tree, Sampling(), lookup=LookupDrafter(lambda k: 1.0))
+
+    decoders = [decoder(index) for index in range(len(PROMPTS))]
+    assert all(batches(d) for d in decoders)
+    replies = batched(decoders, PROMPTS, counts)
+    assert replies == [plain_tokens(model, prompt, count) for prompt, count in zip(PROMPTS, counts)]
+    assert decoders[0].forwards < sum(counts) / 2  # rounds were shared: far fewer passes than tokens
+
+
+def test_sampling_in_a_batch_follows_the_target_distribution(six_token_model):
+    """The first three tokens of a conversation that shares every pass with another (its
+    own drafts accepted part of the time), over many seeds: the target's exact joint
+    distribution, by chi-square; its draws are its own, whatever the other row draws."""
+    sampling = Sampling(temp=0.7, top_p=0.9, top_k=4, min_p=0.05)
+    joint = exact_joint(six_token_model, sampling)
+    likely = list(np.argsort(-joint.sum(axis=(0, 2))))
+    counts, accepted = np.zeros((VOCAB,) * 3), 0
+    for seed in range(SAMPLES):
+        ours = make_decoder(six_token_model, FixedDraft(likely, VOCAB), TREE, sampling, seed=seed)
+        other = make_decoder(six_token_model, FixedDraft(likely[::-1], VOCAB), TREE, sampling, seed=seed + SAMPLES)
+        tokens, _ = batched([ours, other], [PROMPT, [3, 3, 0, 5]], [3, 4])
+        counts[tuple(tokens)] += 1
+        accepted += ours.forwards < 3
+    assert chi_square_ok(counts, joint)
+    assert accepted > SAMPLES / 4  # its drafts were accepted: rounds produced several tokens
+    assert not chi_square_ok(counts, exact_joint(six_token_model, Sampling(temp=0.8, top_p=0.9, top_k=4,
+                                                                                min_p=0.05)))
+
+
+def test_batch_generate_gives_each_prompt_its_own_reply_on_the_default_model(smollm):
+    """SmolLM2 with its shipped head and context drafts, as a user calls batch_generate:
+    every text is plain mlx-lm's for that prompt alone."""
+    model, tokenizer = smollm
+    texts = ["What is the capital of France?", "Repeat exactly: The quick brown fox jumps over the lazy dog.",
+             "Write a haiku about the sea.", "Fix the typo: def greet(nme): print('Hello ' + name)"]
+    prompts = [chat_tokens(tokenizer, [{"role": "user", "content": text}]) for text in texts]
+    response = batch_generate(model, tokenizer, prompts, max_tokens=32)
+    for prompt, ids, text in zip(prompts, response.token_ids, response.texts):
+        expected = [t for t in plain_tokens(model, prompt, 32, tokenizer.eos_token_ids)
+                    if t not in tokenizer.eos_token_ids]
+        assert ids == expected and text == tokenizer.decode(expected)
+    assert response.tokens_per_forward > 2.0  # four conversations' tokens in each pass
