@@ -8,13 +8,14 @@ from __future__ import annotations
 import sys
 import time
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any, Callable, Dict, Generator, List, Optional, Sequence, Tuple, Union
+from typing import TYPE_CHECKING, Any, Callable, Dict, Generator, Iterator, List, Optional, Sequence, Tuple, \
+    Union
 
 import mlx.core as mx
 import mlx.nn as nn
 
 from .costs import LONG_CONTEXT
-from .decoder import SpeculativeDecoder, batched_round, batches
+from .decoder import Round, SpeculativeDecoder, batched_round, batches
 from .distributed import Watchdog, shared_seed
 from .errors import UserError, check_options
 from .grammar import grammar_for
@@ -165,97 +166,138 @@ def stream_generate(
     (target.KVQuantization; ``quantized_kv_start`` None: mlx-lm's default, 5000): the text is
     plain mlx-lm decoding's with the same settings.
     """
-    check_options(max_tokens, seed)
     sampling = Sampling(temp, top_p, min_p, top_k)
-    ids = _prompt_ids(tokenizer, prompt)
-    check_prompt(model, ids)
-    grammar = grammar_for(tokenizer, model.args.vocab_size, response_format)
-    kv = kv_quantization(kv_bits, kv_group_size, quantized_kv_start)
-    limit = _context_length(model)
-    plan = plan_drafts(model, draft, tree, lookup, history, tokenizer, kv_bits, kv_group_size, quantized_kv_start)
-    cache = prompt_cache if prompt_cache is not None else make_prompt_cache(model)
-    if cache.unfinished:  # a prompt read or round that never finished: nothing in it is certain
-        cache.clear(model)
-    if cache.plan_key != plan.key:  # a conversation keeps its drafters (and their caches) while its plan holds
-        cache.drafter, cache.plan_key = plan.drafter(), plan.key
-    decoder = SpeculativeDecoder(model, cache.drafter, sampling, shared_seed(seed), cache,
-                                 costs=(lambda: plan.settings.costs) if plan.active else None, grammar=grammar,
-                                 kv=kv, keep_logits=logprobs)
-    eos = set(tokenizer.eos_token_ids)
-    stops = StopMatcher(stop or [])
-    detokenizer = tokenizer.detokenizer
-    detokenizer.reset()
-
-    generated = 0
-    watchdog = Watchdog()  # a rank that hangs ends the others (distributed.py; idle on one machine)
-
-    def reading(read: int, total: int) -> None:
-        watchdog.kick()
-        if prompt_progress_callback is not None:
-            prompt_progress_callback(read, total)
-
+    generation = Generation(model, tokenizer, prompt, max_tokens, draft, tree, lookup, sampling, seed=seed, stop=stop,
+                            prompt_cache=prompt_cache, history=history, logprobs=logprobs,
+                            response_format=response_format, kv_bits=kv_bits, kv_group_size=kv_group_size,
+                            quantized_kv_start=quantized_kv_start)
     try:
-        tic = time.perf_counter()
-        round_tokens = [decoder.prefill(ids, on_read=reading)]
-        round_logprobs = _log_softmax(decoder.root_logits[None]) if logprobs else None
-        prompt_tps = (len(ids) - decoder.reused) / (time.perf_counter() - tic)
-        if plan.active and len(ids) >= LONG_CONTEXT:  # rounds this deep are priced by forwards timed this deep,
-            plan.settings.costs.measure_long()  # once per device and setting: after the reading, which a cancel stops
-        tic = time.perf_counter()
-        generated, produced, rounds, accepted = 0, 0, 0, 0
-        from_draft = [False]
-        sources = source_statistics(cache.drafter)
-        while True:
-            for index, (token, drafted) in enumerate(zip(round_tokens, from_draft)):
-                generated += 1
-                finish = None
-                if token in eos:
-                    finish = "stop"
-                else:
-                    detokenizer.add_token(token)
-                if finish is None and generated >= max_tokens:
-                    finish = "length"
-                if finish is None and limit is not None and len(ids) + generated >= limit:
-                    finish = "length"
-                if finish is not None:
-                    detokenizer.finalize()
-                segment, stopped = stops.feed(detokenizer.text, final=finish is not None)
-                if stopped:
-                    finish = "stop"
-                elapsed = time.perf_counter() - tic
-                yield GenerationResponse(
-                    text=segment, token=token, from_draft=drafted, prompt_tokens=len(ids),
-                    prompt_tps=prompt_tps, generation_tokens=generated,
-                    generation_tps=generated / elapsed if elapsed > 0 else 0.0,
-                    peak_memory=mx.get_peak_memory() / 1e9, finish_reason=finish,
-                    accepted=accepted, tokens_per_forward=produced / rounds if rounds else 0.0,
-                    target_forwards=decoder.forwards, prompt_reused=decoder.reused,
-                    sources=sources, rechecked=decoder.rechecked,
-                    logprobs=round_logprobs[index] if round_logprobs is not None else None,
-                )
-                if finish is not None:
-                    return
-            room = max_tokens - generated
-            if limit is not None:
-                room = min(room, limit - decoder.length)
-            result = decoder.round(room)
-            watchdog.kick()
-            if (decoder.length // CLEAR_CACHE_EVERY) != ((decoder.length - len(result.tokens)) // CLEAR_CACHE_EVERY):
-                mx.clear_cache()  # a round crossed a boundary (multi-token rounds jump over exact multiples)
-            round_tokens = result.tokens
-            round_logprobs = _log_softmax(result.logits) if logprobs else None
-            rounds += 1
-            produced += len(result.tokens)
-            accepted = len(result.tokens) - 1
-            from_draft = [True] * accepted + [False]
-            sources = source_statistics(cache.drafter)
-            if grammar is not None and grammar.forced.proposed:
-                sources = {**sources, FORCED: replace(grammar.forced)}
+        yield from generation.start(prompt_progress_callback)
+        while not generation.done:
+            yield from generation.take(generation.decoder.round(generation.room()))
     finally:  # the reply is final, however it ended: the caches hold what was shown, drafters keep it
-        watchdog.stop()
-        decoder.truncate(len(ids) + generated)
-        if cache.drafter is not None:
-            cache.drafter.finish()
+        generation.close()
+
+
+class Generation:
+    """One reply, step by step, as stream_generate runs it (and a batch, whose rounds are
+    shared: decoder.batched_round): ``start`` reads the prompt and gives the first token's
+    responses; while not ``done``, each round of at most ``room()`` tokens is handed to
+    ``take``, which gives its responses (up to the one that ends the reply); ``close``,
+    however it ended, leaves the caches holding what was handed out. Arguments as for
+    stream_generate, with sampling as a ``Sampling``."""
+
+    def __init__(self, model: nn.Module, tokenizer, prompt: Union[str, List[int], mx.array], max_tokens: int,
+                 draft: Union["DraftPlan", "Drafter", type, nn.Module, str, None], tree: Union[str, "TreeSpec", None],
+                 lookup: bool, sampling: Sampling, seed: Optional[int] = None, stop: Optional[Sequence[str]] = None,
+                 prompt_cache: Optional[PromptCache] = None, history: Union[bool, str, None, object] = True,
+                 logprobs: bool = False, response_format: Optional[Dict[str, Any]] = None,
+                 kv_bits: Optional[int] = None, kv_group_size: int = 64, quantized_kv_start: Optional[int] = None):
+        check_options(max_tokens, seed)
+        self.ids = _prompt_ids(tokenizer, prompt)
+        check_prompt(model, self.ids)
+        self.grammar = grammar_for(tokenizer, model.args.vocab_size, response_format)
+        kv = kv_quantization(kv_bits, kv_group_size, quantized_kv_start)
+        self.limit = _context_length(model)
+        self.plan = plan = plan_drafts(model, draft, tree, lookup, history, tokenizer, kv_bits, kv_group_size,
+                                       quantized_kv_start)
+        self.cache = cache = prompt_cache if prompt_cache is not None else make_prompt_cache(model)
+        if cache.unfinished:  # a prompt read or round that never finished: nothing in it is certain
+            cache.clear(model)
+        if cache.plan_key != plan.key:  # a conversation keeps its drafters (and their caches) while its plan holds
+            cache.drafter, cache.plan_key = plan.drafter(), plan.key
+        self.decoder = SpeculativeDecoder(model, cache.drafter, sampling, shared_seed(seed), cache,
+                                          costs=(lambda: plan.settings.costs) if plan.active else None,
+                                          grammar=self.grammar, kv=kv, keep_logits=logprobs)
+        self.max_tokens, self.logprobs = max_tokens, logprobs
+        self.eos = set(tokenizer.eos_token_ids)
+        self.stops = StopMatcher(stop or [])
+        self.detokenizer = tokenizer.detokenizer
+        self.detokenizer.reset()
+        self.watchdog = Watchdog()  # a rank that hangs ends the others (distributed.py; idle on one machine)
+        self.generated = self.produced = self.rounds = self.accepted = 0
+        self.done = False
+        self.prompt_tps = 0.0
+        self.tic = time.perf_counter()
+        self.sources: Dict[str, "SourceStats"] = {}
+
+    def start(self, on_read: Optional[Callable[[int, int], None]] = None) -> Iterator[GenerationResponse]:
+        """Read the prompt (``on_read(read, total)`` hears each chunk, as stream_generate's
+        prompt_progress_callback) and give the first token's response."""
+        def reading(read: int, total: int) -> None:
+            self.watchdog.kick()
+            if on_read is not None:
+                on_read(read, total)
+
+        tic = time.perf_counter()
+        first = [self.decoder.prefill(self.ids, on_read=reading)]
+        logprobs = _log_softmax(self.decoder.root_logits[None]) if self.logprobs else None
+        self.prompt_tps = (len(self.ids) - self.decoder.reused) / (time.perf_counter() - tic)
+        if self.plan.active and len(self.ids) >= LONG_CONTEXT:  # rounds this deep are priced by forwards timed
+            self.plan.settings.costs.measure_long()  # this deep, once per device and setting: after the reading
+        self.tic = time.perf_counter()
+        self.sources = source_statistics(self.cache.drafter)
+        return self._responses(first, [False], logprobs)
+
+    def room(self) -> int:
+        """How many tokens the next round may produce."""
+        room = self.max_tokens - self.generated
+        return room if self.limit is None else min(room, self.limit - self.decoder.length)
+
+    def take(self, result: Round) -> Iterator[GenerationResponse]:
+        """The responses of a round's tokens, up to the one that ends the reply."""
+        self.watchdog.kick()
+        length = self.decoder.length
+        if (length // CLEAR_CACHE_EVERY) != ((length - len(result.tokens)) // CLEAR_CACHE_EVERY):
+            mx.clear_cache()  # a round crossed a boundary (multi-token rounds jump over exact multiples)
+        self.rounds += 1
+        self.produced += len(result.tokens)
+        self.accepted = len(result.tokens) - 1
+        self.sources = source_statistics(self.cache.drafter)
+        if self.grammar is not None and self.grammar.forced.proposed:
+            self.sources = {**self.sources, FORCED: replace(self.grammar.forced)}
+        logprobs = _log_softmax(result.logits) if self.logprobs else None
+        return self._responses(result.tokens, [True] * self.accepted + [False], logprobs)
+
+    def _responses(self, tokens: List[int], from_draft: List[bool],
+                   logprobs: Optional[List[mx.array]]) -> Iterator[GenerationResponse]:
+        for index, (token, drafted) in enumerate(zip(tokens, from_draft)):
+            self.generated += 1
+            finish = None
+            if token in self.eos:
+                finish = "stop"
+            else:
+                self.detokenizer.add_token(token)
+            if finish is None and self.generated >= self.max_tokens:
+                finish = "length"
+            if finish is None and self.limit is not None and len(self.ids) + self.generated >= self.limit:
+                finish = "length"
+            if finish is not None:
+                self.detokenizer.finalize()
+            segment, stopped = self.stops.feed(self.detokenizer.text, final=finish is not None)
+            if stopped:
+                finish = "stop"
+            elapsed = time.perf_counter() - self.tic
+            self.done = finish is not None
+            yield GenerationResponse(
+                text=segment, token=token, from_draft=drafted, prompt_tokens=len(self.ids),
+                prompt_tps=self.prompt_tps, generation_tokens=self.generated,
+                generation_tps=self.generated / elapsed if elapsed > 0 else 0.0,
+                peak_memory=mx.get_peak_memory() / 1e9, finish_reason=finish,
+                accepted=self.accepted, tokens_per_forward=self.produced / self.rounds if self.rounds else 0.0,
+                target_forwards=self.decoder.forwards, prompt_reused=self.decoder.reused,
+                sources=self.sources, rechecked=self.decoder.rechecked,
+                logprobs=logprobs[index] if logprobs is not None else None,
+            )
+            if self.done:
+                return
+
+    def close(self) -> None:
+        """However the reply ended: the caches hold what was handed out, drafters keep it."""
+        self.watchdog.stop()
+        self.decoder.truncate(len(self.ids) + self.generated)
+        if self.cache.drafter is not None:
+            self.cache.drafter.finish()
         mx.clear_cache()
 
 
@@ -299,65 +341,52 @@ def batch_generate(model: nn.Module, tokenizer, prompts: Sequence[Union[str, Lis
                    max_tokens: Union[int, Sequence[int]] = 128, draft: Union["DraftPlan", str, None] = "auto",
                    tree: Union[str, "TreeSpec", None] = "auto", lookup: bool = True, temp: float = 0.0,
                    top_p: float = 1.0, min_p: float = 0.0, top_k: int = 0, seed: Optional[int] = None,
-                   history: Union[bool, str, None, object] = False, verbose: bool = False) -> BatchResponse:
+                   stop: Optional[Sequence[str]] = None, history: Union[bool, str, None, object] = False,
+                   verbose: bool = False) -> BatchResponse:
     """Continue every prompt, as mlx-lm's batch_generate does, with speculation: each
     conversation drafts with drafters of its own, and each round verifies every active
     conversation's tree in one forward pass (decoder.batched_round); a conversation leaves
-    the batch when it ends. Each text is exactly the one its prompt gets alone: the same
-    tokens when greedy, the same distribution when sampling (``seed``: the i-th prompt
-    samples with ``seed + i``). Other arguments as for stream_generate; a target the packed
-    pass cannot run (recurrent layers, latent attention, shards) serves the conversations
-    in turn, which ``verbose`` says."""
-    sampling = Sampling(temp, top_p, min_p, top_k)
+    the batch when its reply ends. Each text is exactly the one its prompt gets alone from
+    stream_generate: the same tokens when greedy, the same distribution when sampling
+    (``seed``: the i-th prompt samples with ``seed + i``). Other arguments as for
+    stream_generate; a target the packed pass cannot run (recurrent layers, latent
+    attention, shards) serves the conversations in turn, which ``verbose`` says."""
     limits = [max_tokens] * len(prompts) if isinstance(max_tokens, int) else list(max_tokens)
     if len(limits) != len(prompts):
         raise UserError(f"max_tokens gives {len(limits)} lengths for {len(prompts)} prompts")
-    for limit in limits:
-        check_options(limit, seed)
-    ids = [_prompt_ids(tokenizer, prompt) for prompt in prompts]
-    for prompt_ids in ids:
-        check_prompt(model, prompt_ids)
     plan = plan_drafts(model, draft, tree, lookup, history, tokenizer)
-    costs = (lambda: plan.settings.costs) if plan.active else None
-    decoders = [SpeculativeDecoder(model, plan.drafter(), sampling, None if seed is None else seed + index,
-                                   costs=costs) for index in range(len(prompts))]
-    eos, context = set(tokenizer.eos_token_ids), _context_length(model)
-    replies = [[decoder.prefill(prompt_ids)] for decoder, prompt_ids in zip(decoders, ids)]
-    ended = [reply[0] in eos for reply in replies]
-
-    def room(index: int) -> int:
-        """How many more tokens reply ``index`` may take (0: it has ended)."""
-        reply = replies[index]
-        if ended[index] or len(reply) >= limits[index]:
-            return 0
-        return limits[index] - len(reply) if context is None else \
-            min(limits[index] - len(reply), context - len(ids[index]) - len(reply))
-
-    together = all(batches(decoder) for decoder in decoders)
+    sampling = Sampling(temp, top_p, min_p, top_k)
+    replies = [Generation(model, tokenizer, prompt, limit, plan, tree, lookup, sampling,
+                          seed=None if seed is None else seed + index, stop=stop)
+               for index, (prompt, limit) in enumerate(zip(prompts, limits))]
+    texts, token_ids = [[] for _ in replies], [[] for _ in replies]
+    together = all(batches(reply.decoder) for reply in replies)
     if verbose and not together:
         print("batch: this target's rounds cannot share a forward pass here; its conversations are served in turn",
               file=sys.stderr)
-    forwards = 0
-    while active := [index for index in range(len(prompts)) if room(index) > 0]:
-        if together:
-            rounds = batched_round([decoders[index] for index in active], [room(index) for index in active])
-            forwards += 1
-        else:
-            rounds = [decoders[index].round(room(index)) for index in active]
-            forwards += len(active)
-        for index, result in zip(active, rounds):
-            replies[index] += result.tokens
-            ended[index] = bool(eos & set(result.tokens))
-    token_ids = []
-    for index, (decoder, reply) in enumerate(zip(decoders, replies)):
-        reply = reply[:limits[index]]
-        if eos & set(reply):
-            reply = reply[:min(reply.index(token) for token in eos if token in reply)]
-        token_ids.append(reply)
-        if decoder.drafter is not None:
-            decoder.drafter.finish()
-    produced = sum(len(reply) for reply in replies) - len(replies)  # (the first tokens came from the prompts' reads)
-    response = BatchResponse([tokenizer.decode(reply) for reply in token_ids], token_ids, forwards,
+    forwards = produced = 0
+
+    def shown(index: int, responses: Iterator[GenerationResponse]) -> None:
+        for response in responses:
+            texts[index].append(response.text)
+            token_ids[index] += [] if response.token in replies[index].eos else [response.token]
+
+    try:
+        for index, reply in enumerate(replies):
+            shown(index, reply.start())
+        while active := [index for index, reply in enumerate(replies) if not reply.done]:
+            if together:
+                rounds = batched_round([replies[i].decoder for i in active], [replies[i].room() for i in active])
+            else:
+                rounds = [replies[i].decoder.round(replies[i].room()) for i in active]
+            forwards += 1 if together else len(active)
+            for index, result in zip(active, rounds):
+                produced += len(result.tokens)
+                shown(index, replies[index].take(result))
+    finally:
+        for reply in replies:
+            reply.close()
+    response = BatchResponse(["".join(text) for text in texts], token_ids, forwards,
                              produced / forwards if forwards else 0.0)
     if verbose:
         print(f"batch: {len(prompts)} prompts, {forwards} forward passes, "
