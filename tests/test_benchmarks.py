@@ -252,3 +252,11 @@ def test_attention_cost(tmp_path):
     result = json.loads((tmp_path / "attention.json").read_text())
     assert [row["context"] for row in result["rows"]] == [64, 128] and result["block_rows"] == 4
     assert all(row["block_ms"]["exp"] > 0 and row["block_over_one_row"] > 0 for row in result["rows"])
+
+
+@pytest.mark.slow  # the real model
+def test_batch_generate(tmp_path):
+    run("batch_generate.py", "--sizes", "1,2", "--max-tokens", 6, "--out", tmp_path / "batch.json")
+    rows = json.loads((tmp_path / "batch.json").read_text())["rows"]
+    assert [row["batch"] for row in rows] == [1, 2] and all(row["identical"] for row in rows)
+    assert all(row["ours, batched"]["tokens_per_s"] > 0 for row in rows)

@@ -1,0 +1,77 @@
+"""What verifying several conversations in one forward pass buys on this device: B prompts
+(edit-style and MT-bench first turns, alternating) answered by batch_generate with default
+drafting, by the same drafting one prompt after another (stream_generate), and by mlx-lm's
+own batch_generate (plain batching, no speculation), for each batch size B. Reports each
+method's aggregate tokens/s and its ratio to mlx-lm's, whether the batched texts are the
+ones in turn (plain decoding's), and whether mlx-lm's batched texts are too.
+
+    python benchmarks/batch_generate.py [--sizes 1,2,4,8] [--max-tokens 64] [--out FILE.json]
+"""
+
+import argparse
+import json
+import time
+from pathlib import Path
+from typing import List, Optional
+
+from mlx_eagle.cli import use_fast_blas
+
+HERE = Path(__file__).resolve().parent
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", default="1,2,4,8", help="batch sizes, comma-separated")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--out", type=Path, default=HERE / "results" / "batch-generate.json")
+    args = parser.parse_args(argv)
+    use_fast_blas()
+    from mlx_lm import batch_generate as mlx_lm_batch_generate
+
+    from mlx_eagle import batch_generate, load, stream_generate
+    from mlx_eagle.bench import first_turns
+    from mlx_eagle.replies import chat_tokens
+
+    model, tokenizer = load()
+    sizes = [int(size) for size in args.sizes.split(",")]
+    sets = first_turns(HERE / "prompts" / "edit.jsonl", max(sizes))
+    texts = [text for pair in zip(sets["edit"], sets["mt-bench"]) for text in pair]
+    prompts = [chat_tokens(tokenizer, [{"role": "user", "content": text}]) for text in texts]
+    batch_generate(model, tokenizer, prompts[:1], max_tokens=4)  # (timings and trees made once, before any is timed)
+
+    def ours(batch):
+        return batch_generate(model, tokenizer, batch, max_tokens=args.max_tokens).texts
+
+    def in_turn(batch):
+        return ["".join(r.text for r in stream_generate(model, tokenizer, ids, max_tokens=args.max_tokens,
+                                                        history=False)) for ids in batch]
+
+    def mlx_lm(batch):
+        return mlx_lm_batch_generate(model, tokenizer, batch, max_tokens=args.max_tokens).texts
+
+    rows = []
+    for size in sizes:
+        batch, row = prompts[:size], {"batch": size}
+        for name, method in (("mlx_lm batch_generate", mlx_lm), ("ours, in turn", in_turn), ("ours, batched", ours)):
+            tic = time.perf_counter()
+            answers = method(batch)
+            seconds = time.perf_counter() - tic
+            tokens = sum(len(tokenizer.encode(answer, add_special_tokens=False)) for answer in answers)
+            row[name] = {"seconds": seconds, "tokens_per_s": tokens / seconds, "texts": answers}
+        base = row["mlx_lm batch_generate"]
+        # ours in turn is plain decoding's text (the suite checks it); mlx-lm's batches may round otherwise
+        row["identical"] = row["ours, batched"]["texts"] == row["ours, in turn"]["texts"]
+        row["mlx_lm_batch_identical"] = base["texts"] == row["ours, in turn"]["texts"]
+        for name in ("ours, in turn", "ours, batched"):
+            row[name]["vs_mlx_lm"] = row[name]["tokens_per_s"] / base["tokens_per_s"]
+        print(f"B={size:2}  mlx-lm {base['tokens_per_s']:6.1f} tok/s   ours in turn "
+              f"{row['ours, in turn']['vs_mlx_lm']:.2f}x   ours batched {row['ours, batched']['vs_mlx_lm']:.2f}x   "
+              f"identical {row['identical']} (mlx-lm's batch: {row['mlx_lm_batch_identical']})")
+        rows.append(row)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"max_tokens": args.max_tokens, "rows": rows}, indent=1) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
