@@ -87,3 +87,49 @@ def test_batch_generate_gives_each_prompt_its_own_reply_on_the_default_model(smo
                     if t not in tokenizer.eos_token_ids]
         assert ids == expected and text == tokenizer.decode(expected)
     assert response.tokens_per_forward > 2.0  # four conversations' tokens in each pass
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_conversations_joining_and_leaving_between_rounds_each_get_their_own_reply(seed):
+    """Random arrivals (a prompt read between two rounds of the others), random lengths,
+    conversations that leave early (their reply cut off, the others going on), and a mix of
+    drafters (context lookup, a random EAGLE-3 head's trees, an EAGLE-1 head's chains, none):
+    every reply that completes is plain decoding's for its prompt alone, and every one that
+    leaves early is plain decoding's as far as it went."""
+    import random
+
+    rng = random.Random(seed)
+    model = tiny_target(0)
+
+    def new_decoder():
+        kind = rng.choice(["lookup", "eagle3", "eagle1", "none"])
+        lookup = LookupDrafter(lambda k: 1.0)
+        if kind == "none":
+            return SpeculativeDecoder(model, None, Sampling())
+        if kind == "lookup":
+            return SpeculativeDecoder(model, lookup, Sampling())
+        head = new_head(model, kind, draft_vocab_size=64 if kind == "eagle3" else None, seed=rng.randrange(100))
+        return make_decoder(model, head, "static:default" if kind == "eagle3" else "chain:3", Sampling(),
+                            lookup=lookup if rng.random() < 0.5 else None)
+
+    waiting = [([rng.randrange(1, 97) for _ in range(rng.randrange(2, 30))], rng.randrange(1, 40))
+               for _ in range(8)]
+    active, finished = [], []  # (decoder, prompt, wanted, reply, leaves_after)
+    while waiting or active:
+        while waiting and (not active or rng.random() < 0.4):  # arrivals between rounds
+            prompt, wanted = waiting.pop()
+            decoder = new_decoder()
+            active.append((decoder, prompt, wanted, [decoder.prefill(prompt)],
+                           rng.randrange(1, 40) if rng.random() < 0.3 else None))
+        rows = [row for row in active if len(row[3]) < row[2] and (row[4] is None or len(row[3]) < row[4])]
+        if rows:
+            rounds = batched_round([row[0] for row in rows], [row[2] - len(row[3]) for row in rows])
+            for row, result in zip(rows, rounds):
+                row[3].extend(result.tokens)
+        for row in list(active):
+            if len(row[3]) >= row[2] or (row[4] is not None and len(row[3]) >= row[4]):
+                active.remove(row)
+                finished.append(row)
+    for _, prompt, wanted, reply, leaves_after in finished:
+        shown = min(wanted, leaves_after or wanted)
+        assert reply[:shown] == plain_tokens(model, prompt, shown), (prompt, wanted, leaves_after)
