@@ -156,6 +156,14 @@ def median_ms(run: Callable[[], None], repeats: int) -> float:
     return statistics.median(times)
 
 
+def ordinary_tokens(vocab: int, count: int, seed: int) -> np.ndarray:
+    """``count`` token ids drawn from the middle of a ``vocab``-sized vocabulary, clear of
+    the special tokens at its ends, and every one inside it (an id past the embedding
+    reads memory that is not the model's)."""
+    low = min(100, vocab // 4)
+    return np.random.default_rng(seed).integers(low, max(vocab - 100, vocab - low), size=count)
+
+
 def time_forwards(model: nn.Module, sizes: Sequence[int] = CALIBRATION_SIZES, context: int = 256,
                   repeats: int = 2, taps: Optional[Sequence[int]] = None, progress: bool = False,
                   kv: Optional[KVQuantization] = None) -> Dict[int, float]:
@@ -166,9 +174,7 @@ def time_forwards(model: nn.Module, sizes: Sequence[int] = CALIBRATION_SIZES, co
     Distinct tokens, because an MoE verifying one repeated token touches fewer experts
     and would look cheaper than it is. ``kv``: with the cache quantized after the context,
     as ``kv`` quantizes it."""
-    vocab = model.args.vocab_size
-    tokens = np.random.default_rng(0).integers(min(100, vocab - 1), max(vocab - 100, 101),
-                                               size=context + max(sizes))
+    tokens = ordinary_tokens(model.args.vocab_size, context + max(sizes), seed=0)
     cache = make_cache(model)
     for start in range(0, context, 512):  # read as a prompt is read: a long context's attention stays small
         model(mx.array(tokens[None, start:min(start + 512, context)]), cache=cache)
@@ -202,8 +208,7 @@ def logit_drift(model: nn.Module, context: int = 256, size: int = 16, kv: Option
     decoder decides a greedy position whose top two logits lie closer than this (with a
     margin) as plain decoding would. ``kv``: with the cache quantized after the context, as
     it is once quantized KV caches start: the quantized kernels' roundings drift further."""
-    vocab = model.args.vocab_size
-    tokens = np.random.default_rng(1).integers(min(100, vocab - 1), max(vocab - 100, 101), size=context + size)
+    tokens = ordinary_tokens(model.args.vocab_size, context + size, seed=1)
     cache = make_cache(model)
     mx.eval(model(mx.array(tokens[None, :context]), cache=cache))
     if kv is not None:

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from contextlib import ExitStack
 from dataclasses import dataclass
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Callable, ContextManager, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -66,7 +66,6 @@ class Drafted:
 
     committed: List[int]  # the tokens committed before the round, the root last
     unread: List[int]  # committed tokens the caches do not hold yet (read in front of the root)
-    room: int
     proposal: Optional[Proposal]  # the drafter's, as admitted (None: nothing drafted)
     tree: DraftTree  # what is verified after the root (the proposal's tree, shaped)
     tokens: mx.array  # its tokens
@@ -272,30 +271,37 @@ class SpeculativeDecoder:
         tolerance = self._tolerance() if self.sampling.greedy else 0.0
         return tolerance > 0 and bool(too_close(logits, tolerance).item())
 
-    def _block(self, tree: DraftTree, tokens: mx.array, unread: List[int]) -> Block:
-        """The verify pass's input: [unread tokens, root, tree], at their positions (where
-        target.py drives the target), under a causal mask (a chain) or the tree's."""
+    def _verified_tokens(self, tree: DraftTree, tokens: mx.array, unread: List[int]) -> mx.array:
+        """What the verify pass reads: [unread tokens, root, tree]."""
         if not tree.is_chain() and not self.drives_target:
             raise UserError("a draft tree (not a chain) needs a target architecture target.py drives")
         if not tree.tokens and tokens.size:  # ids still on the device, unchecked: one outside is read as 0
             tokens = mx.where((tokens >= 0) & (tokens < self.vocab), tokens, 0)
-        tokens = mx.concatenate([mx.array(unread + [self.root], dtype=mx.int32), tokens.astype(mx.int32)])
+        return mx.concatenate([mx.array(unread + [self.root], dtype=mx.int32), tokens.astype(mx.int32)])
+
+    def _block(self, tree: DraftTree, tokens: mx.array, unread: List[int]) -> Block:
+        """The verify pass's input, at its positions (where target.py drives the target),
+        under a causal mask (a chain) or the tree's."""
+        tokens = self._verified_tokens(tree, tokens, unread)
         start = self.target_cache[0].offset if self.drives_target else None  # positions: where target.py drives
         if tree.is_chain():  # a chain is just a longer causal block
             return Block(tokens, self.target_cache, start, "causal" if tokens.size > 1 else None, self.taps or None)
         return Block(tokens, self.target_cache, start + mx.array([0] + tree.depths),
                      tree_mask(start, tree.ancestor_matrix()), self.taps or None)
 
+    def _before_verify(self, drafted: Drafted) -> ContextManager[Optional[List]]:
+        return self.state.before_verify(len(drafted.tree), len(drafted.committed), len(drafted.unread))
+
     def _verify(self, tree: DraftTree, tokens: mx.array, unread: List[int]) -> TargetOutput:
         """The target's forward pass over [unread tokens, root, tree], appended to its cache;
         the outputs from the root on."""
-        block = self._block(tree, tokens, unread)
-        if not unread and compiles_verification(self.target, self.target_cache, block.tokens.size):
+        if not unread and compiles_verification(self.target, self.target_cache, 1 + tokens.size):
             self.forwards += 1
             start = self.target_cache[0].offset
             positions = [start] + [start + depth for depth in tree.depths]
-            return verify_block(self.target, block.tokens, self.target_cache, positions, tree.ancestors(),
-                                self.taps or None)  # one compiled call
+            return verify_block(self.target, self._verified_tokens(tree, tokens, unread), self.target_cache,
+                                positions, tree.ancestors(), self.taps or None)  # one compiled call
+        block = self._block(tree, tokens, unread)
         out = self._forward(block.tokens, block.positions, block.mask)
         if not unread:
             return out
@@ -306,7 +312,7 @@ class SpeculativeDecoder:
         """One round. ``room``: how many tokens past the root may still be produced.
         The host waits for the device once, in ``accept``."""
         drafted = self.draft(room)
-        with self.state.before_verify(len(drafted.tree), len(drafted.committed), len(drafted.unread)) as recorded:
+        with self._before_verify(drafted) as recorded:
             out = self._verify(drafted.tree, drafted.tokens, drafted.unread)
         return self.conclude(drafted, out, recorded)
 
@@ -336,7 +342,7 @@ class SpeculativeDecoder:
                                         nodes)
             tree, tokens = shaped.tree, shaped.tokens
         self.on_phase("drafted")
-        return Drafted(committed, unread, room, proposal, tree, tokens, shaped)
+        return Drafted(committed, unread, proposal, tree, tokens, shaped)
 
     def conclude(self, drafted: Drafted, out: TargetOutput, recorded: Optional[List]) -> Round:
         """A round's second half, after the verify pass gave ``out`` (``recorded``: what the
@@ -405,8 +411,7 @@ def batched_round(decoders: Sequence[SpeculativeDecoder], rooms: Sequence[int]) 
     by a one-row pass as a block's are."""
     drafted = [decoder.draft(room) for decoder, room in zip(decoders, rooms)]
     with ExitStack() as stack:
-        recorded = [stack.enter_context(decoder.state.before_verify(len(d.tree), len(d.committed), len(d.unread)))
-                    for decoder, d in zip(decoders, drafted)]
+        recorded = [stack.enter_context(decoder._before_verify(d)) for decoder, d in zip(decoders, drafted)]
         outs = packed_forward(decoders[0].target, [decoder._block(d.tree, d.tokens, d.unread)
                                                    for decoder, d in zip(decoders, drafted)])
     for decoder in decoders:
