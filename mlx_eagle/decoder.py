@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from contextlib import ExitStack
 from dataclasses import dataclass
-from typing import Callable, ContextManager, List, Optional, Sequence, Tuple
+from typing import Callable, ContextManager, Iterator, List, Optional, Sequence, Tuple, Union
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -190,8 +190,16 @@ class SpeculativeDecoder:
         a time (with quantized KV caches, as plain mlx-lm reads it); returns the first
         generated token (the first root). ``on_read(read, total)`` hears after each chunk
         how much of what is read so far (it may raise to stop)."""
+        for read, total in self.reading(prompt, chunk):
+            if on_read is not None:
+                on_read(read, total)
+        return self.root
+
+    def reading(self, prompt: List[int], chunk: int = 512) -> Iterator[Tuple[int, int]]:
+        """``prefill`` one chunk at a time: (read, total) after each, the first root in
+        ``root`` once it ends (a server reads a new prompt between other conversations'
+        rounds, a chunk at a time)."""
         self.reused = self.state.reusable(prompt, self.drafter)
-        heard = on_read or (lambda read, total: None)
         self.state.tokens = []  # until this returns, the caches hold nothing certain
         self.state.unfinished = True
         last = len(prompt) - 1
@@ -209,7 +217,7 @@ class SpeculativeDecoder:
                 self.state.quantize_when_due()
                 mx.eval([layer_cache.state for layer_cache in self.target_cache])
                 self.state.keep_beginning(end, prompt)
-                heard(end - self.reused, len(prompt) - self.reused)
+                yield end - self.reused, len(prompt) - self.reused
             logits = self._held(self._forward(mx.array(prompt[-1:]), last, None).logits[-1])
             self.state.quantize_when_due()
             self.root = self._choose(logits)
@@ -229,7 +237,7 @@ class SpeculativeDecoder:
                 self.state.quantize_when_due()
                 mx.eval(out.features, out.hidden, [] if self.drives_target else [c.state for c in self.target_cache])
                 self.state.keep_beginning(end, prompt)
-                heard(end - self.reused, len(prompt) - self.reused)
+                yield end - self.reused, len(prompt) - self.reused
             # (For a model's own forward pass, its LM head: models scale their logits their own ways.)
             logits = self._held(lm_head(self.target, out.hidden[-1]) if self.drives_target else out.logits[-1])
             if end - begin > 1 and self._unsure(logits):  # read the last token alone, as plain decoding does
@@ -250,7 +258,6 @@ class SpeculativeDecoder:
             self.drafter.observe(Outcome(tokens, self.reused, states, from_prompt=True))
         self.state.tokens = tokens
         self.state.unfinished = False
-        return self.root
 
     def _spans(self, end: int, chunk: int) -> List[Tuple[int, int]]:
         """The (begin, end) spans of the prompt up to ``end`` read by one forward pass each:
@@ -403,17 +410,31 @@ def batches(decoder: SpeculativeDecoder) -> bool:
     return packs(decoder.target) and decoder.rewind is None and not decoder.shards
 
 
-def batched_round(decoders: Sequence[SpeculativeDecoder], rooms: Sequence[int]) -> List[Round]:
+def batched_round(decoders: Sequence[SpeculativeDecoder], rooms: Sequence[int]) -> List[Union[Round, Exception]]:
     """One round for several conversations of one target (each ``batches``): each drafts on
     its own, their blocks are verified in one packed forward pass (target.packed_forward),
     and each accepts and commits its own. Each conversation's round is the one it would run
     alone, but for the last bits of the pass's products, whose greedy near-ties are decided
-    by a one-row pass as a block's are."""
-    drafted = [decoder.draft(room) for decoder, room in zip(decoders, rooms)]
-    with ExitStack() as stack:
-        recorded = [stack.enter_context(decoder._before_verify(d)) for decoder, d in zip(decoders, drafted)]
-        outs = packed_forward(decoders[0].target, [decoder._block(d.tree, d.tokens, d.unread)
-                                                   for decoder, d in zip(decoders, drafted)])
-    for decoder in decoders:
-        decoder.forwards += 1
-    return [decoder.conclude(d, out, rows) for decoder, d, out, rows in zip(decoders, drafted, outs, recorded)]
+    by a one-row pass as a block's are. A conversation whose drafting or accepting fails has
+    its error in its place (its caches are left unfinished: nothing later reuses them), and
+    the others' rounds are what they would be without it."""
+    results: List[Union[Round, Exception, None]] = [None] * len(decoders)
+    drafted: List[Tuple[int, Drafted]] = []
+    for index, (decoder, room) in enumerate(zip(decoders, rooms)):
+        try:
+            drafted.append((index, decoder.draft(room)))
+        except Exception as error:
+            results[index] = error
+    if drafted:
+        with ExitStack() as stack:
+            recorded = [stack.enter_context(decoders[i]._before_verify(d)) for i, d in drafted]
+            outs = packed_forward(decoders[0].target, [decoders[i]._block(d.tree, d.tokens, d.unread)
+                                                       for i, d in drafted])
+        for (index, round_drafted), out, rows in zip(drafted, outs, recorded):
+            decoder = decoders[index]
+            decoder.forwards += 1
+            try:
+                results[index] = decoder.conclude(round_drafted, out, rows)
+            except Exception as error:
+                results[index] = error
+    return results

@@ -68,3 +68,16 @@ def check_options(max_tokens: int, seed: Optional[int]) -> None:
         raise UserError(f"max_tokens must be a whole number, 1 or more, not {max_tokens!r}")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED):
         raise UserError(f"seed must be a whole number from 0 to {MAX_SEED}, not {seed!r}")
+
+
+MAX_CONCURRENCY = 8  # replies in progress at once, by default (their rounds share forward passes)
+MAX_QUEUE = 64  # requests waiting for a seat, by default; past that one is refused with Busy
+
+
+class Busy(RuntimeError):
+    """Every seat is taken and the queue is full: try again in ``retry_after`` seconds (the
+    server answers it with a 429 and a Retry-After header)."""
+
+    def __init__(self, message: str, retry_after: int):
+        super().__init__(message)
+        self.retry_after = retry_after

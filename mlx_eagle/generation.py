@@ -166,13 +166,14 @@ def stream_generate(
     (target.KVQuantization; ``quantized_kv_start`` None: mlx-lm's default, 5000): the text is
     plain mlx-lm decoding's with the same settings.
     """
-    sampling = Sampling(temp, top_p, min_p, top_k)
-    generation = Generation(model, tokenizer, prompt, max_tokens, draft, tree, lookup, sampling, seed=seed, stop=stop,
-                            prompt_cache=prompt_cache, history=history, logprobs=logprobs,
-                            response_format=response_format, kv_bits=kv_bits, kv_group_size=kv_group_size,
-                            quantized_kv_start=quantized_kv_start)
+    generation = Generation(model, tokenizer, prompt, max_tokens, draft, tree, lookup, temp, top_p, min_p, top_k,
+                            seed, stop, prompt_cache, history, logprobs, response_format, kv_bits, kv_group_size,
+                            quantized_kv_start)
     try:
-        yield from generation.start(prompt_progress_callback)
+        for read, total in generation.read():
+            if prompt_progress_callback is not None:
+                prompt_progress_callback(read, total)
+        yield from generation.first()
         while not generation.done:
             yield from generation.take(generation.decoder.round(generation.room()))
     finally:  # the reply is final, however it ended: the caches hold what was shown, drafters keep it
@@ -181,18 +182,20 @@ def stream_generate(
 
 class Generation:
     """One reply, step by step, as stream_generate runs it (and a batch, whose rounds are
-    shared: decoder.batched_round): ``start`` reads the prompt and gives the first token's
-    responses; while not ``done``, each round of at most ``room()`` tokens is handed to
-    ``take``, which gives its responses (up to the one that ends the reply); ``close``,
-    however it ended, leaves the caches holding what was handed out. Arguments as for
-    stream_generate, with sampling as a ``Sampling``."""
+    shared: decoder.batched_round): ``read`` reads the prompt a chunk at a time, ``first``
+    gives the first token's responses; while not ``done``, each round of at most ``room()``
+    tokens is handed to ``take``, which gives its responses (up to the one that ends the
+    reply); ``close``, however it ended, leaves the caches holding what was handed out.
+    Arguments as for stream_generate."""
 
-    def __init__(self, model: nn.Module, tokenizer, prompt: Union[str, List[int], mx.array], max_tokens: int,
-                 draft: Union["DraftPlan", "Drafter", type, nn.Module, str, None], tree: Union[str, "TreeSpec", None],
-                 lookup: bool, sampling: Sampling, seed: Optional[int] = None, stop: Optional[Sequence[str]] = None,
-                 prompt_cache: Optional[PromptCache] = None, history: Union[bool, str, None, object] = True,
-                 logprobs: bool = False, response_format: Optional[Dict[str, Any]] = None,
-                 kv_bits: Optional[int] = None, kv_group_size: int = 64, quantized_kv_start: Optional[int] = None):
+    def __init__(self, model: nn.Module, tokenizer, prompt: Union[str, List[int], mx.array], max_tokens: int = 256,
+                 draft: Union["DraftPlan", "Drafter", type, nn.Module, str, None] = None,
+                 tree: Union[str, "TreeSpec", None] = None, lookup: bool = True, temp: float = 0.0,
+                 top_p: float = 1.0, min_p: float = 0.0, top_k: int = 0, seed: Optional[int] = None,
+                 stop: Optional[Sequence[str]] = None, prompt_cache: Optional[PromptCache] = None,
+                 history: Union[bool, str, None, object] = True, logprobs: bool = False,
+                 response_format: Optional[Dict[str, Any]] = None, kv_bits: Optional[int] = None,
+                 kv_group_size: int = 64, quantized_kv_start: Optional[int] = None):
         check_options(max_tokens, seed)
         self.ids = _prompt_ids(tokenizer, prompt)
         check_prompt(model, self.ids)
@@ -206,7 +209,8 @@ class Generation:
             cache.clear(model)
         if cache.plan_key != plan.key:  # a conversation keeps its drafters (and their caches) while its plan holds
             cache.drafter, cache.plan_key = plan.drafter(), plan.key
-        self.decoder = SpeculativeDecoder(model, cache.drafter, sampling, shared_seed(seed), cache,
+        self.decoder = SpeculativeDecoder(model, cache.drafter, Sampling(temp, top_p, min_p, top_k),
+                                          shared_seed(seed), cache,
                                           costs=(lambda: plan.settings.costs) if plan.active else None,
                                           grammar=self.grammar, kv=kv, keep_logits=logprobs)
         self.max_tokens, self.logprobs = max_tokens, logprobs
@@ -221,23 +225,28 @@ class Generation:
         self.tic = time.perf_counter()
         self.sources: Dict[str, "SourceStats"] = {}
 
-    def start(self, on_read: Optional[Callable[[int, int], None]] = None) -> Iterator[GenerationResponse]:
-        """Read the prompt (``on_read(read, total)`` hears each chunk, as stream_generate's
-        prompt_progress_callback) and give the first token's response."""
-        def reading(read: int, total: int) -> None:
+    def read(self) -> Iterator[Tuple[int, int]]:
+        """Read the prompt, a chunk at a time: (read, total) after each, as stream_generate's
+        prompt_progress_callback hears them."""
+        reading, seconds = self.decoder.reading(self.ids), 0.0
+        while True:
+            tic = time.perf_counter()  # (only the reading's own time: a batch reads between rounds)
+            progress = next(reading, None)
+            seconds += time.perf_counter() - tic
             self.watchdog.kick()
-            if on_read is not None:
-                on_read(read, total)
-
-        tic = time.perf_counter()
-        first = [self.decoder.prefill(self.ids, on_read=reading)]
-        logprobs = _log_softmax(self.decoder.root_logits[None]) if self.logprobs else None
-        self.prompt_tps = (len(self.ids) - self.decoder.reused) / (time.perf_counter() - tic)
+            if progress is None:
+                break
+            yield progress
+        self.prompt_tps = (len(self.ids) - self.decoder.reused) / max(seconds, 1e-9)
         if self.plan.active and len(self.ids) >= LONG_CONTEXT:  # rounds this deep are priced by forwards timed
             self.plan.settings.costs.measure_long()  # this deep, once per device and setting: after the reading
+
+    def first(self) -> Iterator[GenerationResponse]:
+        """Once the prompt is read: the first token's response."""
+        logprobs = _log_softmax(self.decoder.root_logits[None]) if self.logprobs else None
         self.tic = time.perf_counter()
         self.sources = source_statistics(self.cache.drafter)
-        return self._responses(first, [False], logprobs)
+        return self._responses([self.decoder.root], [False], logprobs)
 
     def room(self) -> int:
         """How many tokens the next round may produce."""
@@ -355,8 +364,7 @@ def batch_generate(model: nn.Module, tokenizer, prompts: Sequence[Union[str, Lis
     if len(limits) != len(prompts):
         raise UserError(f"max_tokens gives {len(limits)} lengths for {len(prompts)} prompts")
     plan = plan_drafts(model, draft, tree, lookup, history, tokenizer)
-    sampling = Sampling(temp, top_p, min_p, top_k)
-    replies = [Generation(model, tokenizer, prompt, limit, plan, tree, lookup, sampling,
+    replies = [Generation(model, tokenizer, prompt, limit, plan, tree, lookup, temp, top_p, min_p, top_k,
                           seed=None if seed is None else seed + index, stop=stop)
                for index, (prompt, limit) in enumerate(zip(prompts, limits))]
     texts, token_ids = [[] for _ in replies], [[] for _ in replies]
@@ -373,7 +381,9 @@ def batch_generate(model: nn.Module, tokenizer, prompts: Sequence[Union[str, Lis
 
     try:
         for index, reply in enumerate(replies):
-            shown(index, reply.start())
+            for _ in reply.read():
+                pass
+            shown(index, reply.first())
         while active := [index for index, reply in enumerate(replies) if not reply.done]:
             if together:
                 rounds = batched_round([replies[i].decoder for i in active], [replies[i].room() for i in active])
@@ -381,6 +391,8 @@ def batch_generate(model: nn.Module, tokenizer, prompts: Sequence[Union[str, Lis
                 rounds = [replies[i].decoder.round(replies[i].room()) for i in active]
             forwards += 1 if together else len(active)
             for index, result in zip(active, rounds):
+                if isinstance(result, Exception):
+                    raise result
                 produced += len(result.tokens)
                 shown(index, replies[index].take(result))
     finally:

@@ -237,11 +237,12 @@ class _TooLong(Exception):
     """A drafter's call ran past its time limit."""
 
 
-def run_jobs(jobs: "queue.Queue") -> None:
+def run_jobs(next_job: Callable[[], Optional[Callable[[], Any]]]) -> None:
     """A worker thread's loop: MLX work on a stream of its own (MLX streams belong to the
-    thread that made them), one job at a time, until None."""
+    thread that made them), one job at a time (``next_job()``: a queue's get, or the Engine's
+    scheduler), until None."""
     mx.set_default_stream(mx.new_stream(mx.default_device()))
-    for job in iter(jobs.get, None):
+    for job in iter(next_job, None):
         job()
         del job  # a finished job may hold what made it, which could then never be collected
     # a stream left to the C++ teardown of a finished thread aborts the process at exit
@@ -256,7 +257,7 @@ class _Runner:
 
     def __init__(self):
         self.jobs: "queue.Queue" = queue.Queue()
-        threading.Thread(target=run_jobs, args=(self.jobs,), name="mlx-eagle-drafter", daemon=True).start()
+        threading.Thread(target=run_jobs, args=(self.jobs.get,), name="mlx-eagle-drafter", daemon=True).start()
         self._finalizer = weakref.finalize(self, self.jobs.put, None)
 
     def run(self, call: Callable[[], Any], limit: Optional[float]) -> Any:

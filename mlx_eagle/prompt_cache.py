@@ -12,7 +12,7 @@ from __future__ import annotations
 import copy
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import ContextManager, List, Optional, Tuple
+from typing import ContextManager, List, Optional, Sequence, Tuple
 
 import mlx.nn as nn
 from mlx_lm.models.cache import can_trim_prompt_cache
@@ -46,6 +46,7 @@ class PromptCache:
     # A prompt read or a round has begun and not finished (cancelled, or an error): until one
     # does, nothing in the caches or the drafter is certain, and no later prompt may use them.
     unfinished: bool = False
+    turns: int = 0  # later requests that went on with this conversation in this slot (PromptCaches)
     # Bound by ``bind``: the model, its caches' quantization, and their rollback (None: they
     # cut back as mlx-lm's do); and before the last round's pass, (snapshot, tokens, unread).
     model: Optional[nn.Module] = field(default=None, repr=False)
@@ -172,8 +173,10 @@ class PromptCaches:
     be cut back (a hybrid model's recurrent state) are copied from a beginning kept while
     an earlier prompt was read: the first conversation that shares one with a kept slot
     reads it whole and keeps a copy of its caches at the end of what they share, for the
-    next ones. The least recently used slots go first while the slots hold more than
-    ``max_bytes``. A slot whose prompt read or round did not finish is dropped, never
+    next ones. While the slots hold more than ``max_bytes``, the least recently used go
+    first, those of one request before conversations that went on (a segmented LRU: a
+    sweep of one-off prompts leaves a live conversation warm); the slots of replies in
+    progress stay. A slot whose prompt read or round did not finish is dropped, never
     reused; with quantized KV caches (``kv``), a slot's caches are copied only where they
     hold what plain decoding of the new prompt would (``KVQuantization.holds_as_plain``)."""
 
@@ -184,14 +187,16 @@ class PromptCaches:
         self.model, self.max_bytes, self.kv = model, max_bytes, kv
         self.slots: List[PromptCache] = []  # the most recently used last
 
-    def take(self, prompt: List[int]) -> PromptCache:
-        """The slot to decode ``prompt`` in, marked most recently used."""
-        self.slots = [slot for slot in self.slots if not slot.unfinished]
-        shared, best = max(((common_prefix(slot.tokens, prompt), slot) for slot in self.slots),
-                           key=lambda pair: pair[0], default=(0, None))
-        if best is not None and shared >= self.CONTINUES * len(best.tokens):
+    def take(self, prompt: List[int], busy: Sequence[PromptCache] = ()) -> PromptCache:
+        """The slot to decode ``prompt`` in, marked most recently used; never one of ``busy``
+        (the slots of replies in progress), though one may be copied from."""
+        self.slots = [slot for slot in self.slots if not slot.unfinished or any(slot is b for b in busy)]
+        shared, best = max(((common_prefix(slot.tokens, prompt), slot) for slot in self.slots
+                            if not slot.unfinished), key=lambda pair: pair[0], default=(0, None))
+        if best is not None and shared >= self.CONTINUES * len(best.tokens) and not any(best is b for b in busy):
             self.slots.remove(best)
             slot = best
+            slot.turns += 1
         else:
             slot = make_prompt_cache(self.model)
             cached = min(shared, len(best.tokens) - 1 - best.unread) if best is not None else 0
@@ -211,7 +216,7 @@ class PromptCaches:
                     # pairing a state with the next token keep theirs up to it)
                     slot.keep_at = cached - 1
         self.slots.append(slot)
-        self.evict(keep=slot)
+        self.evict(keep=[slot, *busy])
         return slot
 
     def _beginning_of(self, prompt: List[int]) -> Optional[PromptCache]:
@@ -229,7 +234,12 @@ class PromptCaches:
         slot.drafter = source.drafter.branch() if source.drafter is not None else None
         slot.plan_key = source.plan_key if slot.drafter is not None else ()
 
-    def evict(self, keep: Optional[PromptCache] = None) -> None:
-        """Drop the least recently used slots (never ``keep``) while all hold more than the bound."""
-        while slots_bytes(self.slots) > self.max_bytes and len(self.slots) > 1:
-            self.slots.remove(next(slot for slot in self.slots if slot is not keep))
+    def evict(self, keep: Sequence[PromptCache] = ()) -> None:
+        """While all hold more than the bound, drop the least recently used slot (never one of
+        ``keep``), a slot used by one request only before any conversation that went on: a
+        sweep of unrelated prompts does not push out a conversation still in use."""
+        while slots_bytes(self.slots) > self.max_bytes:
+            droppable = [slot for slot in self.slots if not any(slot is k for k in keep)]
+            if not droppable:
+                return
+            self.slots.remove(min(droppable, key=lambda slot: slot.turns > 0))  # (min: the first of the least)

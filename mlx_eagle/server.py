@@ -4,8 +4,11 @@
 
 Serves /v1/chat/completions and /v1/completions (streamed or not), /v1/models
 (and /v1/models/{id}) and /health on 127.0.0.1 by default. One model and head are
-loaded once; requests are served in turn. A client that disconnects cancels its
-generation. Speculation statistics come in each response's ``usage.speculation``.
+loaded once; up to --max-concurrency requests are served at once, their rounds verified
+together in one forward pass (scheduler.py), and up to --max-queue more wait for a seat
+(a streamed one hears an SSE comment every few seconds); past that a request gets a 429
+with Retry-After. A client that disconnects cancels its generation. Speculation
+statistics come in each response's ``usage.speculation``.
 
 What it promises a local machine: requests whose Host header is not this machine's
 name (or one given with --allow-host) get 403, so a web page cannot drive it through
@@ -56,7 +59,7 @@ import numpy as np
 
 from .cli import LAUNCHED, add_history_arguments, add_kv_arguments, add_model_arguments, history_choice, kv_options, \
     new_parser, run_cli
-from .errors import MAX_SEED, UserError, check_options, check_text
+from .errors import MAX_CONCURRENCY, MAX_QUEUE, MAX_SEED, Busy, UserError, check_options, check_text
 from .grammar import response_grammar
 from .trees import parse_tree
 
@@ -405,6 +408,9 @@ class Handler(BaseHTTPRequestHandler):
             self._send_error(error)
         except UserError as error:
             self._send_error(RequestError(400, str(error)))
+        except Busy as error:
+            self._send_error(RequestError(429, str(error), code="rate_limit_exceeded"),
+                             [("Retry-After", str(error.retry_after))])
         except (BrokenPipeError, ConnectionResetError):
             self.close_connection = True
         except Exception as error:  # a bug of ours: say so, keep serving
@@ -455,15 +461,19 @@ class Handler(BaseHTTPRequestHandler):
         except (OSError, ValueError):
             raise ConnectionResetError("the connection failed") from None
 
-    def _generate(self, request: Request, on_prompt_read=None) -> Iterator[GenerationResponse]:
+    def _generate(self, request: Request, on_prompt_read=None, on_wait=None) -> Iterator[GenerationResponse]:
         """The engine's responses (a chat reply's split into answer text, reasoning and tool
-        calls); the caller's writes find a departed client (a broken pipe ends the loop, and
-        so cancels the generation)."""
+        calls), the request queued at once (errors.Busy: no seat and the queue full); the
+        caller's writes find a departed client (a broken pipe ends the loop, and so cancels
+        the generation)."""
         from .replies import split_reply
 
         responses = self.server.engine.generate(request.ids, tree=self.server.tree, history_key=request.model,
-                                                on_prompt_read=on_prompt_read, **request.options)
-        for response in split_reply(responses, request.splitter) if request.chat else responses:
+                                                on_prompt_read=on_prompt_read, on_wait=on_wait, **request.options)
+        return self._watched(split_reply(responses, request.splitter) if request.chat else responses)
+
+    def _watched(self, responses: Iterator[GenerationResponse]) -> Iterator[GenerationResponse]:
+        for response in responses:
             yield response
             if not self.read_closed and self._read_side_closed():
                 self.read_closed = self.close_connection = True
@@ -503,7 +513,7 @@ class Handler(BaseHTTPRequestHandler):
                 self.read_closed = self.close_connection = True
                 self._beat()
 
-        for last in self._generate(request, reading):
+        for last in self._generate(request, reading, lambda: reading(0, 0)):
             text += last.text
             if request.top_logprobs is not None:
                 logprobs.append(token_logprobs(tokenizer, last, request.top_logprobs))
@@ -540,6 +550,16 @@ class Handler(BaseHTTPRequestHandler):
 
     def _stream(self, request: Request) -> None:
         envelope = self._envelope(request, "chat.completion.chunk" if request.chat else "text_completion")
+
+        def comment(text: bytes) -> None:
+            # An SSE comment (clients skip it) after each chunk of a long prompt, and every few
+            # seconds while the request waits for a seat: a client that has gone breaks the
+            # pipe, which cancels the request.
+            self.wfile.write(text)
+            self.wfile.flush()
+
+        responses = self._generate(request, lambda read, total: comment(b": reading the prompt\n\n"),
+                                   lambda: comment(b": waiting for a seat\n\n"))
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
         self.send_header("Cache-Control", "no-cache")
@@ -558,14 +578,7 @@ class Handler(BaseHTTPRequestHandler):
                 event({"delta": {"role": "assistant", "content": ""}, "finish_reason": None})
             calls = 0
             tokenizer = self.server.engine.tokenizer
-
-            def reading(read: int, total: int) -> None:
-                # An SSE comment (clients skip it) after each chunk of a long prompt: a client
-                # that has gone breaks the pipe, which cancels the reading.
-                self.wfile.write(b": reading the prompt\n\n")
-                self.wfile.flush()
-
-            for last in self._generate(request, reading):
+            for last in responses:
                 finish = last.finish_reason
                 logprobs = ([token_logprobs(tokenizer, last, request.top_logprobs)]
                             if request.top_logprobs is not None else None)
@@ -667,6 +680,11 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parser.add_argument("--prompt-cache-bytes", type=int, default=2 << 30, metavar="BYTES",
                         help="what the caches of the conversations kept may hold together (default 2 GiB): a "
                         "request continuing one, or beginning as one did, reads only what is new")
+    parser.add_argument("--max-concurrency", type=int, default=MAX_CONCURRENCY, metavar="N",
+                        help=f"replies in progress at once, their rounds verified together (default {MAX_CONCURRENCY})")
+    parser.add_argument("--max-queue", type=int, default=MAX_QUEUE, metavar="N",
+                        help=f"requests waiting for a seat (default {MAX_QUEUE}); past that a request gets a 429 "
+                        "with Retry-After")
     parser.add_argument("--quiet", action="store_true", help="no line per request")
     args = parser.parse_args(argv)
     from .distributed import rank, sharding
@@ -683,6 +701,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     for flag, seconds in (("--idle-seconds", args.idle_seconds), ("--stall-seconds", args.stall_seconds)):
         if not 0 < seconds <= 86400:
             raise UserError(f"{flag} {seconds:g} is out of range; give seconds above 0, up to 86400")
+    if args.max_concurrency < 1 or args.max_queue < 0:
+        raise UserError(f"--max-concurrency must be 1 or more and --max-queue 0 or more, not "
+                        f"{args.max_concurrency} and {args.max_queue}")
     if args.prompt_cache_bytes < 0:
         raise UserError(f"--prompt-cache-bytes must be 0 or more, not {args.prompt_cache_bytes}")
     kv_quantization(**kv_options(args))
@@ -691,7 +712,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
 
     def make_engine() -> Engine:
         return Engine(args.model, args.draft, tree=args.tree, history=history, lookup=not args.no_lookup,
-                      prompt_cache_bytes=args.prompt_cache_bytes, pipeline=args.pipeline, **kv_options(args))
+                      prompt_cache_bytes=args.prompt_cache_bytes, pipeline=args.pipeline,
+                      max_concurrency=args.max_concurrency, max_queue=args.max_queue, **kv_options(args))
 
     if rank():  # a sharded model: rank 0 serves, this rank does what its engine does
         make_engine().follow()

@@ -27,23 +27,17 @@ import mlx.core as mx
 from .prompt_cache import PromptCaches
 from .distributed import rank, share_message, sharded
 from .drafters import Drafter
-from .errors import UserError
-from .generation import GenerationResponse, check_prompt, stream_generate
+from .errors import MAX_CONCURRENCY, MAX_QUEUE, UserError
+from .generation import Generation, GenerationResponse, check_prompt, stream_generate
 from .models import DEFAULT_MODEL
 from .drafters.history import forget_history
 from .plan import DraftPlan, history_of, load_draft, open_target, plan_drafts, run_jobs
+from .scheduler import Reply, Request, Scheduler
 from .replies import ChatResponse, ReplySplitter, chat_prompt, check_messages, check_tool_support, check_tools, \
     split_reply
 from .target import kv_quantization
 
 Message = Dict[str, Any]
-
-
-_DONE = object()
-
-
-class _Cancelled(Exception):
-    """A generation cancelled while its prompt was being read."""
 
 
 PROMPT_CACHE_BYTES = 2 << 30  # what the conversations' caches may hold together, by default
@@ -60,13 +54,15 @@ def _stop_worker(jobs: "queue.Queue", thread: threading.Thread, wait: Optional[f
 
 
 class Engine:
-    """One model and head on their own worker thread, one generation at a time;
-    others wait their turn in a queue."""
+    """One model and head on their own worker thread, serving up to ``max_concurrency``
+    replies at once, their rounds verified together in one forward pass (scheduler.py);
+    others wait for a seat in a queue of at most ``max_queue``."""
 
     def __init__(self, model: Optional[str] = None, draft: Union[str, Drafter, type, None] = "auto",
                  loaded: Optional[tuple] = None, name: Optional[str] = None, tree: Any = "auto", history: Any = True,
                  lookup: bool = True, prompt_cache_bytes: int = PROMPT_CACHE_BYTES, kv_bits: Optional[int] = None,
-                 kv_group_size: int = 64, quantized_kv_start: Optional[int] = None, pipeline: bool = False):
+                 kv_group_size: int = 64, quantized_kv_start: Optional[int] = None, pipeline: bool = False,
+                 max_concurrency: int = MAX_CONCURRENCY, max_queue: int = MAX_QUEUE):
         """``draft``: a drafter's directory, "auto" (the model's own drafter, if any),
         "lookup" (drafts from the context alone), "none" (plain decoding), or your own
         drafter: a ``Drafter`` object or class, or "package.module:Name" (fresh for every
@@ -80,20 +76,21 @@ class Engine:
         ``prompt_cache_bytes``: what the caches of the conversations kept (prompt_cache.PromptCaches)
         may hold; a request continuing one of them reads only its new tokens. ``kv_bits``,
         ``kv_group_size``, ``quantized_kv_start``: every conversation's KV caches quantized, as
-        mlx-lm's settings ask (target.KVQuantization). Under mlx.launch the model is sharded
-        (by layers with ``pipeline``): rank 0's engine is the one to use, and every other
-        rank's runs ``follow``."""
+        mlx-lm's settings ask (target.KVQuantization). ``max_concurrency``: replies in
+        progress at once; ``max_queue``: requests waiting for a seat, past which ``generate``
+        raises errors.Busy. Under mlx.launch the model is sharded (by layers with
+        ``pipeline``; one reply at a time): rank 0's engine is the one to use, and every
+        other rank's runs ``follow``."""
         kv = kv_quantization(kv_bits, kv_group_size, quantized_kv_start)  # one line, before anything loads
         self.kv_options = {"kv_bits": kv_bits, "kv_group_size": kv_group_size, "quantized_kv_start": quantized_kv_start}
         self._jobs: "queue.Queue" = queue.Queue()
-        self._current: Optional[threading.Event] = None
         self._closed = False
-        # When the generation in progress last made progress (a chunk of its prompt read, a
-        # token handed out): what /health reads to tell a stalled generation from a slow one.
-        self.progress_at: Optional[float] = None
         self._cancels: "weakref.WeakSet[threading.Event]" = weakref.WeakSet()  # every generation asked for
-        self._worker = worker = threading.Thread(target=run_jobs, args=(self._jobs,), name="mlx-eagle-engine",
-                                                 daemon=True)
+        # The worker's loop; it holds no reference to the engine, so that an engine dropped
+        # without close() is collected, which stops the worker.
+        self.scheduler = Scheduler(self._jobs, max_concurrency, max_queue, exclusive=sharded())
+        self._worker = worker = threading.Thread(target=run_jobs, args=(self.scheduler.next_job,),
+                                                 name="mlx-eagle-engine", daemon=True)
         worker.start()
         # also when the engine is collected, or at exit without close()
         self._stop = weakref.finalize(self, _stop_worker, self._jobs, worker)
@@ -106,7 +103,7 @@ class Engine:
         self.name = name or (path[0].name if path else DEFAULT_MODEL)
         self._plans: "OrderedDict[Any, DraftPlan]" = OrderedDict()
         self.tree, self.history = tree, history
-        self.caches = PromptCaches(self.model, prompt_cache_bytes, kv)
+        self.caches = self.scheduler.caches = PromptCaches(self.model, prompt_cache_bytes, kv)
         # A sharded model: rank 0 tells the other ranks' engines what it does that runs the
         # model (their collectives must pair with its own), and they do the same (follow).
         self.shards = sharded()
@@ -142,16 +139,16 @@ class Engine:
 
         self._call(job)
 
-    def _generation(self, ids: List[int], options: Dict[str, Any], tree: Any, history_key: str,
-                    reading: Optional[Callable[[int, int], None]] = None) -> Iterator[GenerationResponse]:
-        """A generation in its conversation's cache slot (on the worker)."""
+    def _generation(self, ids: List[int], options: Dict[str, Any], tree: Any,
+                    history_key: str) -> Iterator[GenerationResponse]:
+        """A follower's generation in its conversation's cache slot (on the worker), as rank
+        0's scheduler runs it: one at a time, the same slot, plan and rounds."""
         cache = self.caches.take(ids)
         try:
             yield from stream_generate(self.model, self.tokenizer, ids, draft=self.plan(tree, history_key),
-                                       prompt_cache=cache, prompt_progress_callback=reading,
-                                       **{**self.kv_options, **options})
+                                       prompt_cache=cache, **{**self.kv_options, **options})
         finally:
-            self.caches.evict(keep=cache)
+            self.caches.evict(keep=[cache])
 
     def plan(self, tree: Any = None, history_key: str = "") -> DraftPlan:
         """What drafts with ``tree`` (a --tree spec; None: the engine's), drafting from the
@@ -210,62 +207,31 @@ class Engine:
 
     def generate(self, ids: List[int], cancel: Optional[threading.Event] = None,
                  on_prompt_read: Optional[Callable[[int, int], None]] = None,
-                 **options) -> Iterator[GenerationResponse]:
-        """Stream the continuation of ``ids``; ``options`` as for stream_generate.
-        Leaving the loop early, setting ``cancel`` (also before it starts: it then never
-        runs) or ``Engine.cancel()`` stops the generation within a round, or between two
-        chunks of a long prompt (on a sharded model, whose ranks end a reply together, it
-        stops handing it out). ``on_prompt_read(read, total)`` is called on the engine's
-        thread after each chunk of the prompt (an error it raises ends the generation
-        with that error)."""
+                 on_wait: Optional[Callable[[], None]] = None, **options) -> Reply:
+        """Stream the continuation of ``ids``; ``options`` as for stream_generate. The
+        request is queued at once (errors.Busy: no seat and the queue full), and served
+        alongside the others in progress (scheduler.py). Leaving the loop early, setting
+        ``cancel`` (also before it starts: it then never runs) or ``Engine.cancel()`` stops
+        the generation within a round, or between two chunks of a long prompt (on a sharded
+        model, whose ranks end a reply together, it stops handing it out). While iterating,
+        the caller's thread hears ``on_prompt_read(read, total)`` after each chunk of the
+        prompt and ``on_wait()`` every few seconds that nothing comes (waiting for a seat);
+        an error either raises ends the generation with that error."""
         self._check_open()
         check_prompt(self.model, ids)  # before planning, which may time this device
-        out: "queue.Queue" = queue.Queue()
         cancel = cancel if cancel is not None else threading.Event()
         self._cancels.add(cancel)
         tree = options.pop("tree", None)
         history_key = options.pop("history_key", "")
 
-        def job():
-            self._current = cancel
-            try:
-                if cancel.is_set():
-                    return
-                self._announce("generate", ids, options, getattr(tree, "text", tree), history_key)
+        def make(slot) -> Generation:  # on the worker, when the request is seated
+            self._announce("generate", ids, options, getattr(tree, "text", tree), history_key)
+            return Generation(self.model, self.tokenizer, ids, draft=self.plan(tree, history_key), prompt_cache=slot,
+                              **{**self.kv_options, **options})
 
-                def reading(read: int, total: int) -> None:  # a long prompt stops between chunks
-                    self.progress_at = time.monotonic()
-                    if cancel.is_set() and not self.shards:
-                        raise _Cancelled
-                    if on_prompt_read is not None:
-                        on_prompt_read(read, total)
-
-                self.progress_at = time.monotonic()
-                for response in self._generation(ids, options, tree, history_key, reading):
-                    self.progress_at = time.monotonic()
-                    if not (cancel.is_set() and self.shards):
-                        out.put(response)
-                    if cancel.is_set() and not self.shards:
-                        break
-            except _Cancelled:
-                pass
-            except BaseException as exc:
-                out.put(exc)
-            finally:
-                self._current = self.progress_at = None
-                out.put(_DONE)
-
-        self._jobs.put(job)
-        try:
-            while True:
-                item = out.get()
-                if item is _DONE:
-                    return
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-        finally:
-            cancel.set()
+        request = Request(list(ids), make, cancel, keep_going=bool(self.shards))
+        self.scheduler.submit(request)
+        return Reply(request, on_prompt_read, on_wait)
 
     def chat(self, messages: Sequence[Dict[str, Any]], tools: Optional[Sequence[Dict[str, Any]]] = None,
              tool_choice: Any = None, cancel: Optional[threading.Event] = None,
@@ -282,15 +248,19 @@ class Engine:
         return split_reply(self.generate(ids, cancel, **options), splitter)
 
     def stalled_for(self) -> float:
-        """Seconds the generation in progress has gone without progress (0: none in progress)."""
-        since = self.progress_at
+        """Seconds the replies in progress have gone without progress (0: none in progress)."""
+        since = self.scheduler.progress_at
         return time.monotonic() - since if since is not None else 0.0
 
+    @property
+    def in_progress(self) -> int:
+        """Replies in progress (reading their prompts or replying)."""
+        return len(self.scheduler.live)
+
     def cancel(self) -> None:
-        """Stop the generation in progress, whoever asked for it (safe from any thread)."""
-        current = self._current
-        if current is not None:
-            current.set()
+        """Stop every reply in progress, whoever asked for it (safe from any thread);
+        requests waiting for a seat still start."""
+        self.scheduler.cancel_all()
 
     def reset_cache(self) -> None:
         """Forget every conversation's cache."""

@@ -13,7 +13,7 @@ PACKAGE = ROOT / "mlx_eagle"
 # What the runtime (target, drafters, trees, verify, decoder, generation, plan) must not reach.
 TOOLS_AND_APPS = ("mlx_eagle.bench", "mlx_eagle.tune", "mlx_eagle.train", "mlx_eagle.chat", "mlx_eagle.server")
 RUNTIME = ("mlx_eagle.target", "mlx_eagle.trees", "mlx_eagle.verify", "mlx_eagle.decoder", "mlx_eagle.prompt_cache",
-           "mlx_eagle.generate", "mlx_eagle.generation",
+           "mlx_eagle.generate", "mlx_eagle.generation", "mlx_eagle.scheduler",
            "mlx_eagle.plan", "mlx_eagle.drafters", "mlx_eagle.costs", "mlx_eagle.heads",
            "mlx_eagle.models", "mlx_eagle.session", "mlx_eagle.architectures", "mlx_eagle.compiled",
            "mlx_eagle.blas", "mlx_eagle.configs")
@@ -268,7 +268,7 @@ FLOORS = [
     ("loading", ("models",)),
     ("drafting", ("drafters", "grammar")),
     ("decoding", ("prompt_cache", "decoder", "plan")),
-    ("the API", ("generation", "generate", "replies", "session")),
+    ("the API", ("generation", "generate", "replies", "scheduler", "session")),
     ("tools and apps", ("", "generate.__main__", "convert.head", "convert.export", "bench", "tune", "train", "data",
                         "features", "chat", "server")),
 ]

@@ -440,3 +440,50 @@ def test_a_body_that_stops_arriving_gets_408_not_500(impatient_server):
     assert got == 408 and "stopped arriving" in json.loads(body)["error"]["message"]
     assert time.monotonic() - tic < 20
     assert raw(impatient_server, "GET", "/health")[0] == 200
+
+
+def test_past_the_queue_a_request_gets_429_and_a_queued_stream_hears_keep_alives(smollm):
+    """One seat and one place in the queue: a streamed request waiting for the seat hears
+    SSE comments, the next one gets a 429 with Retry-After in OpenAI's error shape, and
+    once the first two leave the server answers again with plain decoding's text."""
+    process, address = start_server("--draft", "none", "--max-concurrency", "1", "--max-queue", "1")
+    try:
+        def streamed(messages, max_tokens):
+            connection = http.client.HTTPConnection(*address, timeout=120)
+            connection.request("POST", "/v1/chat/completions", body=json.dumps(
+                {"messages": messages, "max_tokens": max_tokens, "stream": True}),
+                headers={"Content-Type": "application/json"})
+            return connection, connection.getresponse()
+
+        story = [{"role": "user", "content": "Write a very long story about a dragon."}]
+        first, replying = streamed(story, 2000)
+        while not replying.fp.readline().startswith(b"data:"):
+            pass
+        second, waiting = streamed(QUESTION, 8)
+        assert waiting.status == 200
+        line = waiting.fp.readline()
+        while not line.startswith(b":"):  # (the role's delta comes at once)
+            assert b'"content": ""' in line or not line.strip(), line
+            line = waiting.fp.readline()
+        assert line == b": waiting for a seat\n"
+        status, body = raw(address, "POST", "/v1/chat/completions", json.dumps({"messages": QUESTION}).encode())
+        assert status == 429 and body["error"]["code"] == "rate_limit_exceeded", body
+        connection = http.client.HTTPConnection(*address, timeout=60)
+        connection.request("POST", "/v1/completions", body=json.dumps({"prompt": "Hi"}),
+                           headers={"Content-Type": "application/json"})
+        assert int(connection.getresponse().getheader("Retry-After")) >= 1
+        for connection, response in ((second, waiting), (first, replying)):
+            response.close()
+            connection.close()
+        deadline = time.monotonic() + 120
+        while True:  # the departed clients' requests are dropped between rounds
+            status, body = raw(address, "POST", "/v1/chat/completions",
+                               json.dumps({"messages": QUESTION, "max_tokens": 12}).encode())
+            if status == 200:
+                break
+            assert status == 429 and time.monotonic() < deadline
+            time.sleep(0.5)
+        assert body["choices"][0]["message"]["content"] == plain_text(smollm, chat_tokens(smollm[1], QUESTION), 12)
+    finally:
+        process.terminate()
+        process.communicate(timeout=30)

@@ -216,7 +216,7 @@ def test_a_request_is_cancelled_while_its_long_prompt_is_read(smollm):
         cancel = threading.Event()
 
         def cancel_once_busy():
-            while engine._current is None:
+            while not engine.in_progress:
                 threading.Event().wait(0.01)
             cancel.set()
 

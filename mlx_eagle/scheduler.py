@@ -1,0 +1,301 @@
+"""Many conversations at once, on an Engine's worker thread.
+
+Requests wait for a seat (at most ``max_concurrency`` replies in progress, at most
+``max_queue`` waiting: past that a request is refused with ``Busy``). Each turn of the
+worker then:
+1. drops what was cancelled (a reply leaves between rounds; the others never notice);
+2. seats what waits, each in its conversation's prompt-cache slot;
+3. reads new prompts, at most ``PROMPT_TOKENS_PER_TURN`` tokens of them (a chunk), so a long
+   prompt never holds the replies in progress back by more than one chunk a turn;
+4. gives every reply in progress one round, their blocks verified in one packed forward pass
+   (decoder.batched_round) where the target allows, each alone where not (a hybrid's
+   recurrent layers, a sharded model).
+Each conversation keeps its own drafters, sampling key, grammar, stops and cache slot: its
+reply is the one it gets served alone (tests/test_batch.py, tests/test_engine_batch.py).
+
+What a caller reads comes through its request's queue, on its own thread: prompt progress,
+responses, an error, then DONE (``Reply``).
+"""
+
+from __future__ import annotations
+
+import math
+import queue
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable, Deque, Iterator, List, Optional, Tuple
+
+from .decoder import batched_round, batches
+from .errors import Busy
+from .generation import Generation, GenerationResponse
+from .prompt_cache import PromptCache, PromptCaches
+
+DONE = object()  # the end of a request's queue
+PROMPT_TOKENS_PER_TURN = 512  # new prompts' tokens read a turn, all together (the decoder's chunk)
+KEEPALIVE_SECONDS = 5.0  # a waiting caller's on_wait is called this often (a server's keep-alive)
+
+
+@dataclass
+class Progress:
+    """Prompt tokens read so far of a request's prompt, of ``total``."""
+
+    read: int
+    total: int
+
+
+@dataclass(eq=False)
+class Request:
+    """One reply asked for: ``make(slot)`` builds its Generation in its cache slot, on the
+    worker; ``out`` is what its caller reads; ``cancel`` stops it (or keeps it from starting).
+    ``keep_going``: on a sharded model every rank runs a reply to its end (their collectives
+    pair up), so a cancelled one goes on, handing out nothing."""
+
+    ids: List[int]
+    make: Callable[[PromptCache], Generation]
+    cancel: threading.Event
+    keep_going: bool = False
+    out: "queue.Queue" = field(default_factory=queue.Queue)
+    queued_at: float = field(default_factory=time.monotonic)
+    generation: Optional[Generation] = None
+    reading: Optional[Iterator[Tuple[int, int]]] = None  # the prompt's reading, until it ends
+    read: int = 0
+
+    @property
+    def stopped(self) -> bool:
+        return self.cancel.is_set() and not self.keep_going
+
+
+class Scheduler:
+    """The worker's loop (``next_job`` for plan.run_jobs): jobs handed in run between turns;
+    requests are served in turns as the module says. ``exclusive``: one reply at a time, and
+    no job while it runs (a sharded model, whose ranks follow rank 0 step by step).
+    ``caches``: the conversations' cache slots (set before the first request: an Engine
+    loads its model on this very worker)."""
+
+    def __init__(self, jobs: "queue.Queue", max_concurrency: int, max_queue: int, exclusive: bool = False,
+                 caches: Optional[PromptCaches] = None):
+        if max_concurrency < 1 or max_queue < 0:
+            raise ValueError(f"max_concurrency must be 1 or more and max_queue 0 or more, not "
+                             f"{max_concurrency} and {max_queue}")
+        self.jobs, self.caches = jobs, caches
+        self.max_concurrency = 1 if exclusive else max_concurrency
+        self.max_queue, self.exclusive = max_queue, exclusive
+        self.waiting: Deque[Request] = deque()  # on the worker: handed in, not yet seated
+        self.live: List[Request] = []  # seated: reading its prompt or replying
+        self.progress_at: Optional[float] = None  # when a reply in progress last moved (None: none in progress)
+        self.stats = {"rounds": 0, "rows": 0, "nodes": 0, "batch": 0}  # batched rounds: the last round's rows in batch
+        self._unseated = 0  # submitted and not yet seated or dropped (any thread)
+        self._lock = threading.Lock()
+        self._seconds = 0.0  # a recent request's time in the engine (what Retry-After is estimated from)
+
+    # ---- any thread
+
+    def submit(self, request: Request) -> None:
+        """Queue ``request``, or raise Busy when every seat and the queue are taken."""
+        with self._lock:
+            queued = self._unseated - max(0, self.max_concurrency - len(self.live))
+            if queued >= self.max_queue:
+                seconds = self._seconds * (queued + 1) / self.max_concurrency
+                raise Busy(f"the server is busy: {len(self.live)} replies in progress and {queued} waiting "
+                           f"(--max-concurrency {self.max_concurrency}, --max-queue {self.max_queue}); "
+                           "try again shortly", retry_after=min(60, max(1, math.ceil(seconds))))
+            self._unseated += 1
+        self.jobs.put(request)
+
+    def cancel_all(self) -> None:
+        """Cancel every reply in progress (not those waiting for a seat)."""
+        for request in list(self.live):
+            request.cancel.set()
+
+    # ---- the worker
+
+    def next_job(self) -> Optional[Callable[[], Any]]:
+        """What the worker runs next: a job handed in, or a turn; None to stop."""
+        while True:
+            idle = not self.live and not self.waiting
+            if self.exclusive and self.live:
+                return self.turn
+            try:
+                item = self.jobs.get(block=idle)
+            except queue.Empty:
+                return self.turn
+            if item is None:
+                self._stop()
+                return None
+            if isinstance(item, Request):
+                self.waiting.append(item)
+                continue
+            return item
+
+    def turn(self) -> None:
+        if self.progress_at is None:  # (what /health reads: a turn that never ends is a stall)
+            self.progress_at = time.monotonic()
+        for request in [r for r in self.live if r.stopped]:
+            self._finish(request)
+        for request in [r for r in self.waiting if r.stopped]:  # left while queued: never starts
+            self.waiting.remove(request)
+            self._unseat(request)
+        self._seat()
+        self._read_prompts()
+        self._decode()
+        self.progress_at = time.monotonic() if self.live else None
+
+    def _seat(self) -> None:
+        while self.waiting and len(self.live) < self.max_concurrency:
+            request = self.waiting.popleft()
+            self._unseat(request)
+            if request.stopped:
+                continue
+            self.live.append(request)
+            try:
+                slot = self.caches.take(request.ids, busy=self._busy_slots())
+                request.generation = request.make(slot)
+                request.reading = request.generation.read()
+            except Exception as error:
+                self._fail(request, error)
+
+    def _unseat(self, request: Request) -> None:
+        """``request`` no longer waits (seated, or dropped: it then never starts)."""
+        with self._lock:
+            self._unseated -= 1
+        if request.stopped:
+            request.out.put(DONE)
+
+    def _busy_slots(self) -> List[PromptCache]:
+        return [r.generation.cache for r in self.live if r.generation is not None]
+
+    def _read_prompts(self) -> None:
+        budget = PROMPT_TOKENS_PER_TURN
+        for request in [r for r in self.live if r.reading is not None]:
+            while budget > 0 and not request.stopped:
+                try:
+                    progress = next(request.reading, None)
+                except Exception as error:
+                    self._fail(request, error)
+                    break
+                if progress is None:
+                    request.reading = None
+                    self._hand_out(request, request.generation.first())
+                    break
+                read, total = progress
+                budget -= read - request.read
+                request.read = read
+                if not request.cancel.is_set():
+                    request.out.put(Progress(read, total))
+
+    def _decode(self) -> None:
+        rows = [r for r in self.live if r.reading is None and r.generation is not None]
+        together = [r for r in rows if batches(r.generation.decoder)] if len(rows) > 1 else []
+        if together:
+            try:
+                rounds = batched_round([r.generation.decoder for r in together],
+                                       [r.generation.room() for r in together])
+            except Exception as error:  # the shared pass itself failed: every row's reply ends with it
+                rounds = [error] * len(together)
+            self.stats["rounds"] += 1
+            self.stats["rows"] += len(together)
+            self.stats["batch"] = len(together)
+            for request, result in zip(together, rounds):
+                self._conclude(request, result)
+        for request in [r for r in rows if r not in together]:
+            try:
+                result = request.generation.decoder.round(request.generation.room())
+            except Exception as error:
+                result = error
+            self._conclude(request, result)
+
+    def _conclude(self, request: Request, result: Any) -> None:
+        if isinstance(result, Exception):
+            self._fail(request, result)
+        else:
+            self.stats["nodes"] += result.drafted
+            self._hand_out(request, request.generation.take(result))
+
+    def _hand_out(self, request: Request, responses: Iterator[GenerationResponse]) -> None:
+        try:
+            for response in responses:
+                if not request.cancel.is_set():
+                    request.out.put(response)
+        except Exception as error:
+            self._fail(request, error)
+            return
+        if request.generation.done:
+            self._finish(request)
+
+    def _fail(self, request: Request, error: Exception) -> None:
+        request.out.put(error)
+        self._finish(request)
+
+    def _finish(self, request: Request) -> None:
+        """However the reply ended: its slot holds what was handed out, and stays (the
+        least recently used others may go)."""
+        if request not in self.live:
+            return
+        self.live.remove(request)
+        try:
+            if request.generation is not None:
+                request.generation.close()
+                self.caches.evict(keep=[request.generation.cache, *self._busy_slots()])
+        except Exception as error:
+            request.out.put(error)
+        self._seconds = time.monotonic() - request.queued_at
+        request.out.put(DONE)
+
+    def _stop(self) -> None:
+        for request in list(self.live):
+            self._finish(request)
+        while self.waiting:
+            request = self.waiting.popleft()
+            request.cancel.set()
+            self._unseat(request)
+
+
+class Reply:
+    """What ``Engine.generate`` returns: the reply's responses, as they come, read on the
+    caller's thread, which also hears ``on_prompt_read(read, total)`` as the prompt is read
+    and ``on_wait()`` every ``KEEPALIVE_SECONDS`` that nothing comes (a queued streamed
+    client's keep-alive); an error either raises ends the reply with it. Leaving the loop
+    early, ``close()``, or dropping the reply cancels it."""
+
+    def __init__(self, request: Request, on_prompt_read: Optional[Callable[[int, int], None]] = None,
+                 on_wait: Optional[Callable[[], None]] = None):
+        self.request, self.on_prompt_read, self.on_wait = request, on_prompt_read, on_wait
+        self.finished = False
+
+    def __iter__(self) -> "Reply":
+        return self
+
+    def __next__(self) -> GenerationResponse:
+        while not self.finished:
+            try:
+                item = self.request.out.get(timeout=KEEPALIVE_SECONDS if self.on_wait is not None else None)
+            except queue.Empty:
+                self._hear(self.on_wait)
+                continue
+            if item is DONE:
+                self.finished = True
+            elif isinstance(item, Progress):
+                if self.on_prompt_read is not None:
+                    self._hear(self.on_prompt_read, item.read, item.total)
+            elif isinstance(item, BaseException):
+                self.close()
+                raise item
+            else:
+                return item
+        self.close()
+        raise StopIteration
+
+    def _hear(self, callback: Callable[..., None], *args: Any) -> None:
+        try:
+            callback(*args)
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        self.request.cancel.set()
+
+    def __del__(self) -> None:
+        self.request.cancel.set()

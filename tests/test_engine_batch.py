@@ -1,0 +1,129 @@
+"""One Engine serving concurrent callers in one batch (scheduler.py), on the real SmolLM2
+with its shipped head and context drafts, as the server runs it: callers arrive at random
+times, ask for replies of random lengths, share beginnings, go on with their
+conversations, leave while queued, while their prompt is read or mid-reply, and fail in
+the middle of a round; every reply that completes is plain mlx-lm decoding's of the same
+request alone, token for token. A full queue refuses with Busy."""
+
+import random
+import threading
+import time
+
+import pytest
+
+import mlx_eagle.decoder
+from mlx_eagle.errors import Busy
+from mlx_eagle.plan import load_draft
+from mlx_eagle.replies import chat_tokens
+from mlx_eagle.session import Engine
+from plain import plain
+
+pytestmark = pytest.mark.slow  # the real model
+
+SYSTEM = "You are a careful assistant. Answer in one short sentence, plainly, and never use lists."
+QUESTIONS = ["What is the capital of France?", "Name a red fruit.", "What colour is the sky?",
+             "How many legs has a cat?", "What is two plus two?", "Write one line about the sea.",
+             "Tell me one fact about owls.", "Why is the sea salty?"]
+FAILING = "Please fail in your second round."
+
+
+class Injected(Exception):
+    """A failure injected into one conversation's round."""
+
+
+def caller(engine, ids, max_tokens, action, rng, results, index):
+    """One client: its reply's tokens, and whether it finished, in ``results[index]``."""
+    time.sleep(rng.random() * 0.5)
+    tokens, finished = [], False
+    cancel = threading.Event()
+    try:
+        if action == "leave_queued":
+            cancel.set()
+        reply = engine.generate(ids, cancel, max_tokens=max_tokens)
+        for response in reply:
+            tokens.append(response.token)
+            finished = response.finish_reason is not None
+            if action == "leave_early" and len(tokens) == 3:
+                break
+    except Injected:
+        pass
+    results[index] = (ids, max_tokens, tokens, finished, action)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_concurrent_callers_each_get_their_reply_alone(smollm, seed, monkeypatch):
+    model, tokenizer = smollm
+    rng = random.Random(seed)
+    conclude = mlx_eagle.decoder.SpeculativeDecoder.conclude
+    rounds = {}
+
+    def failing_conclude(self, drafted, *args):
+        # The conversation whose prompt ends with FAILING fails in its second round, in the
+        # middle of a batched round; the others' rounds in that very pass go on.
+        if FAILING in tokenizer.decode(drafted.committed):
+            rounds[id(self)] = rounds.get(id(self), 0) + 1
+            if rounds[id(self)] == 2:
+                raise Injected("a round failed")
+        return conclude(self, drafted, *args)
+
+    monkeypatch.setattr(mlx_eagle.decoder.SpeculativeDecoder, "conclude", failing_conclude)
+    engine = Engine(loaded=(model, tokenizer, load_draft("auto", model)), history=False, max_concurrency=4,
+                    prompt_cache_bytes=24 << 20)
+    try:
+        conversations = [chat_tokens(tokenizer, [{"role": "system", "content": SYSTEM},
+                                                 {"role": "user", "content": q}]) for q in QUESTIONS]
+        checked = 0
+        for wave in range(2):
+            jobs = []
+            for _ in range(8):
+                which = rng.randrange(len(conversations))
+                action = rng.choice(["complete", "complete", "complete", "leave_early", "leave_queued"])
+                jobs.append((conversations[which], rng.randrange(4, 40), action))
+            jobs.append((chat_tokens(tokenizer, [{"role": "user", "content": FAILING}]), 30, "complete"))
+            results = [None] * len(jobs)
+            threads = [threading.Thread(target=caller, args=(engine, ids, n, action, random.Random(seed * 100 + i),
+                                                             results, i))
+                       for i, (ids, n, action) in enumerate(jobs)]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join(300)
+            assert all(result is not None for result in results), "a caller never returned"
+            for ids, max_tokens, tokens, finished, action in results:
+                if action == "leave_queued":
+                    assert tokens == []
+                if not finished:
+                    continue
+                assert tokens == plain(model, ids, max_tokens, tokenizer.eos_token_ids).tokens, (seed, wave, action)
+                checked += 1
+            assert not results[-1][3], "the failing conversation finished"
+            # some conversations go on: their reply and a new question
+            conversations += [ids + tokens + tokenizer.encode(rng.choice(QUESTIONS))
+                              for ids, _, tokens, finished, _ in results[:3] if finished]
+        assert checked >= 6
+        assert engine.scheduler.stats["rows"] > engine.scheduler.stats["rounds"]  # rounds were shared
+    finally:
+        engine.close()
+
+
+def test_a_full_queue_refuses_with_busy_and_a_queued_caller_can_leave(smollm):
+    model, tokenizer = smollm
+    engine = Engine(loaded=(model, tokenizer, None), draft="lookup", history=False, max_concurrency=1, max_queue=1)
+    try:
+        ids = chat_tokens(tokenizer, [{"role": "user", "content": "Write a very long story about a dragon."}])
+        first = engine.generate(ids, max_tokens=400)
+        next(first)  # seated and replying
+        queued = engine.generate(ids, max_tokens=4)  # waits for the seat
+        with pytest.raises(Busy) as refused:
+            engine.generate(ids, max_tokens=4)
+        assert refused.value.retry_after >= 1 and "--max-queue 1" in str(refused.value)
+        queued.close()  # leaves while queued: never runs, and frees its place
+        first.close()
+        deadline = time.monotonic() + 60
+        while engine.in_progress:  # (the worker drops them between rounds)
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        again = "".join(r.text for r in engine.generate(ids, max_tokens=6))
+        assert again and engine.in_progress == 0
+    finally:
+        engine.close()
