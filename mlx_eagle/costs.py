@@ -69,6 +69,10 @@ class Costs:
     # The context the next round attends to: the decoder sets it before each round, and what
     # ``verify`` and ``steps`` answer is for it. (One generation at a time uses a model's costs.)
     attending: int = CALIBRATION_CONTEXT
+    # The packed pass the next round's block joins (decoder.batched_round): the tokens it
+    # verifies for other conversations, and its rows ((0, 1): the round is alone). Set by the
+    # decoder before each round, as ``attending`` is; ``steps`` answers for it.
+    beside: Tuple[int, int] = (0, 1)
     # With quantized KV caches: the same curves timed over packed keys (MLX's quantized matrix
     # products cost their own, on a CPU several times the float ones), which price a round
     # once the cache holds ``quantized_from`` entries and has turned quantized.
@@ -109,8 +113,18 @@ class Costs:
             self.quantized.measure_long()
 
     def steps(self, tokens: int) -> float:
-        """A forward over ``tokens`` in plain decoding steps (one token = 1)."""
-        return self.verify(tokens) / self.verify(1)
+        """A forward over ``tokens`` in plain decoding steps (one token = 1). In a packed
+        pass (``beside``: ``others`` tokens of ``rows - 1`` other conversations), a block's
+        share of the pass's fixed cost plus all it adds, ``verify(others + tokens) -
+        (rows - 1) / rows * verify(others)``, in steps of a plain batched pass's row (its
+        share of a pass over ``rows`` tokens): a node then pays where its chance of
+        acceptance per unit of added cost beats the whole batch's tokens per unit of cost,
+        as one budget for the batch asks. Under load only confident nodes are verified, and
+        none where none pays: the round is plain batching."""
+        others, rows = self.beside
+        if rows <= 1:
+            return self.verify(tokens) / self.verify(1)
+        return (self.verify(others + tokens) - (rows - 1) / rows * self.verify(others)) / (self.verify(rows) / rows)
 
     __call__ = steps  # what drafters size themselves with
 

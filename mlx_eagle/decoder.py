@@ -157,9 +157,6 @@ class SpeculativeDecoder:
             self._costs = self._costs_of()
         return self._costs
 
-    def _steps(self, tokens: int) -> float:
-        return self._measured().steps(tokens)
-
     def _tolerance(self) -> float:
         if self.tolerance is None:
             drift = self._measured().logit_drift if self._costs_of is not None else None
@@ -323,10 +320,11 @@ class SpeculativeDecoder:
             out = self._verify(drafted.tree, drafted.tokens, drafted.unread)
         return self.conclude(drafted, out, recorded)
 
-    def draft(self, room: int) -> Drafted:
+    def draft(self, room: int, beside: Tuple[int, int] = (0, 1)) -> Drafted:
         """A round's first half: what is verified after the root (the drafter's proposal,
         admitted, shared between ranks and shaped by a grammar). The caches hold nothing
-        certain until ``conclude``."""
+        certain until ``conclude``. ``beside``: (tokens, rows) the packed pass verifies for
+        other conversations, which prices this one's nodes (Costs.steps)."""
         committed, self.state.tokens = self.state.tokens, []  # an interrupted round leaves nothing certain
         self.state.unfinished = True
         unread = committed[len(committed) - 1 - self.state.unread:-1]
@@ -334,10 +332,11 @@ class SpeculativeDecoder:
         proposal = None
         nodes = MAX_TREE_NODES - len(unread) if self.drafter is not None and len(unread) < MAX_UNREAD else 0
         if self.drafter is not None:
-            if self._costs_of is not None:  # verifying costs more deep in a long context (costs.py)
+            if self._costs_of is not None:  # verifying costs more deep in a long context, and beside others (costs.py)
                 self._measured().attending = CONTEXT_STEP * (len(committed) // CONTEXT_STEP)
+                self._measured().beside = beside
             budget = Budget(room=room - 1, nodes=nodes, verified=1 + len(unread), chain=not self.drives_target,
-                            costs=self._steps if self._costs_of is not None else None, vocab=self.vocab)
+                            costs=self._measured() if self._costs_of is not None else None, vocab=self.vocab)
             proposal = admit_or_warn(self.drafter, self.drafter.propose(budget), budget)
         tree, tokens = (proposal.tree, proposal.tokens) if proposal else (DraftTree(), NO_TOKENS)
         if self.shards:  # every rank verifies rank 0's tree, whatever its own drafters proposed (distributed.py)
@@ -420,11 +419,17 @@ def batched_round(decoders: Sequence[SpeculativeDecoder], rooms: Sequence[int]) 
     the others' rounds are what they would be without it."""
     results: List[Union[Round, Exception, None]] = [None] * len(decoders)
     drafted: List[Tuple[int, Drafted]] = []
+    # What the pass verifies for the others as each drafts: the drafted blocks, and the
+    # roots (and unread tokens) of those still to draft.
+    waiting = [1 + decoder.state.unread for decoder in decoders]
     for index, (decoder, room) in enumerate(zip(decoders, rooms)):
+        others = sum(waiting) - waiting[index]
         try:
-            drafted.append((index, decoder.draft(room)))
+            drafted.append((index, decoder.draft(room, beside=(others, len(decoders)))))
+            waiting[index] = 1 + len(drafted[-1][1].unread) + len(drafted[-1][1].tree)
         except Exception as error:
             results[index] = error
+            waiting[index] = 0
     if drafted:
         with ExitStack() as stack:
             recorded = [stack.enter_context(decoders[i]._before_verify(d)) for i, d in drafted]

@@ -260,3 +260,19 @@ def test_batch_generate(tmp_path):
     rows = json.loads((tmp_path / "batch.json").read_text())["rows"]
     assert [row["batch"] for row in rows] == [1, 2] and all(row["identical"] for row in rows)
     assert all(row["ours, batched"]["tokens_per_s"] > 0 for row in rows)
+
+
+def test_concurrency_runs_clients_at_once_against_a_server(tmp_path, qwen_coder_gguf):
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    run("concurrency.py", "--model", qwen_coder_gguf, "--servers", "ours-none", "--clients", "2",
+        "--workloads", "chat,agent", "--requests", 1, "--max-tokens", 4, "--port", port,
+        "--out", tmp_path / "concurrency.json")
+    result = json.loads((tmp_path / "concurrency.json").read_text())
+    assert result["identical"]
+    chat = result["runs"]["chat"]["ours-none"][0]
+    assert chat["clients"] == 2 and chat["tokens"] == 8 and len(chat["replies"]) == 2
+    assert result["runs"]["agent"]["ours-none"][0]["tokens"] > 0

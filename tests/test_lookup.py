@@ -214,3 +214,21 @@ def test_the_command_drafts_from_the_context_and_says_so(smollm, tmp_path, monke
     assert lookup.stdout == plain.stdout and "quick brown fox" in lookup.stdout
     tau = float(lookup.stderr.split("tau: ")[1].split()[0])
     assert tau > 1.5, lookup.stderr
+
+
+def test_in_a_packed_pass_a_draft_is_priced_by_the_whole_batch():
+    """Beside other conversations a block's nodes cost what they add to the shared pass,
+    in a plain batched row's steps: on a curve nearly flat alone (a CPU's small blocks), a
+    draft accepted one time in five pays alone and not beside seven others; alone, the
+    price is the one-row curve's."""
+    costs = Costs({1: 100.0, 8: 135.0, 16: 175.0, 32: 255.0})
+    alone = costs(9)
+    costs.beside = (7, 8)  # seven others' roots
+    assert costs(1) == pytest.approx((135.0 - 7 / 8 * 130.0) / (135.0 / 8))  # its share, and the row it adds
+    assert costs(9) - costs(1) > 5 * (alone - 1.0)  # eight nodes cost far more here than alone
+    drafter = LookupDrafter(costs)
+    for index in range(50):  # all of it one time in five, else nothing
+        drafter.record(LookupDraft(list(range(8)), kind=1), accepted=8 if index % 5 == 0 else 0)
+    assert drafter.best_length(1, 8, verified=1, expected=1.0) == 0  # plain batching
+    costs.beside = (0, 1)
+    assert costs(9) == alone and drafter.best_length(1, 8, verified=1, expected=1.0) == 8

@@ -47,7 +47,8 @@ class ChainDrafter(Drafter):
     def best_length(self, kind: int, limit: int, verified: int, expected: float) -> int:
         """The draft length with the most expected tokens per unit of cost, beside
         ``verified`` tokens already in the round that yield ``expected`` tokens."""
-        key = (verified, getattr(self.cost, "attending", 0))  # (the context a round attends to: costs.Costs)
+        # (the context a round attends to, and the packed pass it joins: costs.Costs)
+        key = (verified, getattr(self.cost, "attending", 0), getattr(self.cost, "beside", None))
         if key not in self._costs:
             self._costs[key] = np.array([self.cost(verified + n) + self.step_cost * n
                                          for n in range(self.max_tokens + 1)])
