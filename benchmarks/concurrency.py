@@ -4,12 +4,14 @@ and ours with ``--draft none``.
 
     python benchmarks/concurrency.py [--model GGUF_OR_DIR] [--clients 1,2,4,8,16]
         [--workloads chat,agent] [--requests 2] [--max-tokens 64]
-        [--servers mlx-lm,ours,ours-none] [--out benchmarks/results/concurrency.json] [--plot PNG]
+        [--servers mlx-lm,ours,ours-none] [--repeat-prompts] [--out benchmarks/results/concurrency.json]
+        [--plot PNG]
 
 Workloads:
 - ``chat``: each of C clients sends ``--requests`` chat prompts one after another (MT-bench
-  questions and edit-style rewrites, alternating; a client's prompts are its own), streamed,
-  greedy, ``--max-tokens`` each, all clients starting together;
+  questions and edit-style rewrites, alternating; a client's prompts are its own, and each
+  level's are new to every server unless ``--repeat-prompts``), streamed, greedy,
+  ``--max-tokens`` each, all clients starting together;
 - ``agent``: C agents run benchmarks/agent.py's tool loop at once (task i % 4 each), greedy.
 One server is measured at a time (the others idle), the order rotating per level.
 
@@ -41,12 +43,13 @@ from mlx_eagle.models import resolve_model  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def chat_prompts(count: int) -> List[str]:
-    """MT-bench first turns and edit-style rewrites, alternating."""
+def chat_prompts(count: int, skip: int = 0) -> List[str]:
+    """MT-bench first turns and edit-style rewrites, alternating while both last (100 in
+    all, then again from the first), from the ``skip``-th on."""
     questions = [p.turns[0] for p in mtbench_suite()]
     edits = [p.turns[0] for p in read_prompts(ROOT / "benchmarks" / "prompts" / "edit.jsonl")]
-    mixed = [prompt for pair in zip(questions, edits) for prompt in pair]
-    return (mixed * (count // len(mixed) + 1))[:count]
+    mixed = [prompt for pair in zip(questions, edits) for prompt in pair] + questions[len(edits):]
+    return [mixed[(skip + i) % len(mixed)] for i in range(count)]
 
 
 def chat_request(client: openai.OpenAI, prompt: str, max_tokens: int) -> dict:
@@ -76,10 +79,12 @@ def agent_request(client: openai.OpenAI, task: str, max_tokens: int) -> dict:
             "seconds": time.perf_counter() - tic, "first_token": None}
 
 
-def run_level(client: openai.OpenAI, workload: str, clients: int, requests: int, max_tokens: int) -> dict:
-    """``clients`` clients at once; each one's requests one after another."""
-    prompts = chat_prompts(clients * requests) if workload == "chat" else [TASKS[i % len(TASKS)]
-                                                                           for i in range(clients)]
+def run_level(client: openai.OpenAI, workload: str, clients: int, requests: int, max_tokens: int,
+              skip: int = 0) -> dict:
+    """``clients`` clients at once; each one's requests one after another (chat prompts from
+    the ``skip``-th on)."""
+    prompts = chat_prompts(clients * requests, skip) if workload == "chat" else [TASKS[i % len(TASKS)]
+                                                                                 for i in range(clients)]
     per_client = requests if workload == "chat" else 1
     done: List[List[dict]] = [[] for _ in range(clients)]
     errors: List[BaseException] = []
@@ -155,6 +160,9 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--servers", default="mlx-lm,ours,ours-none")
     parser.add_argument("--port", type=int, default=8491, help="the first of three consecutive ports")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "concurrency.json")
+    parser.add_argument("--repeat-prompts", action="store_true",
+                        help="every level sends the same first prompts (a server that drafts from earlier "
+                        "replies has seen them); by default each level's chat prompts are new to every server")
     parser.add_argument("--plot", type=Path, help="write the plot here (a .png)")
     args = parser.parse_args(argv)
     kinds, levels = args.servers.split(","), [int(c) for c in args.clients.split(",")]
@@ -173,8 +181,9 @@ def main(argv: Optional[List[str]] = None) -> None:
             wait_ready(clients[kind], processes[kind])
         for workload in workloads:
             for index, level in enumerate(levels):
+                skip = 0 if args.repeat_prompts else sum(levels[:index]) * args.requests
                 for kind in kinds[index % len(kinds):] + kinds[:index % len(kinds)]:
-                    run = run_level(clients[kind], workload, level, args.requests, args.max_tokens)
+                    run = run_level(clients[kind], workload, level, args.requests, args.max_tokens, skip)
                     runs[workload][kind].append(run)
                     print(f"{workload} {level:2} clients {kind:9}: {run['tokens_per_s']:6.1f} tokens/s, "
                           f"p50 {run['p50_latency']:6.1f} s", file=sys.stderr, flush=True)
@@ -191,7 +200,7 @@ def main(argv: Optional[List[str]] = None) -> None:
                 for prompt, text in run["replies"].items():
                     identical &= reference.setdefault(f"{workload}:{prompt}", text) == text
     result = {"model": str(model_dir), "max_tokens": args.max_tokens, "requests_per_client": args.requests,
-              "identical": identical, "runs": runs}
+              "repeat_prompts": args.repeat_prompts, "identical": identical, "runs": runs}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     base = "mlx-lm" if "mlx-lm" in kinds else kinds[0]

@@ -115,16 +115,17 @@ class Costs:
     def steps(self, tokens: int) -> float:
         """A forward over ``tokens`` in plain decoding steps (one token = 1). In a packed
         pass (``beside``: ``others`` tokens of ``rows - 1`` other conversations), a block's
-        share of the pass's fixed cost plus all it adds, ``verify(others + tokens) -
-        (rows - 1) / rows * verify(others)``, in steps of a plain batched pass's row (its
-        share of a pass over ``rows`` tokens): a node then pays where its chance of
-        acceptance per unit of added cost beats the whole batch's tokens per unit of cost,
-        as one budget for the batch asks. Under load only confident nodes are verified, and
-        none where none pays: the round is plain batching."""
+        share of the pass with its root alone plus all its other tokens add,
+        ``verify(others + 1) / rows + verify(others + tokens) - verify(others + 1)``, in
+        steps of a plain batched pass's row (its share of a pass over ``rows`` tokens): a
+        node then pays where its chance of acceptance per unit of added cost beats the whole
+        batch's tokens per unit of cost, as one budget for the batch asks. Under load only
+        confident nodes are verified, and none where none pays: the round is plain batching."""
         others, rows = self.beside
         if rows <= 1:
             return self.verify(tokens) / self.verify(1)
-        return (self.verify(others + tokens) - (rows - 1) / rows * self.verify(others)) / (self.verify(rows) / rows)
+        root = self.verify(others + 1)
+        return (root / rows + self.verify(others + tokens) - root) / (self.verify(rows) / rows)
 
     __call__ = steps  # what drafters size themselves with
 

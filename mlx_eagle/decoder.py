@@ -30,7 +30,7 @@ the forward pass, and the rows masked after it (grammar.py): the same loop, the 
 from __future__ import annotations
 
 from contextlib import ExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, ContextManager, Iterator, List, Optional, Sequence, Tuple, Union
 
 import mlx.core as mx
@@ -58,6 +58,7 @@ class Round:
     tokens: List[int]  # the accepted draft tokens, then the bonus token
     drafted: int  # tree nodes the target verified
     logits: Optional[mx.array] = None  # with keep_logits: the rows each token was chosen from [tokens, vocab]
+    rows: int = 1  # conversations whose blocks the verify pass held (batched_round)
 
 
 @dataclass
@@ -439,7 +440,7 @@ def batched_round(decoders: Sequence[SpeculativeDecoder], rooms: Sequence[int]) 
             decoder = decoders[index]
             decoder.forwards += 1
             try:
-                results[index] = decoder.conclude(round_drafted, out, rows)
+                results[index] = replace(decoder.conclude(round_drafted, out, rows), rows=len(drafted))
             except Exception as error:
                 results[index] = error
     return results

@@ -41,7 +41,9 @@ class GenerationResponse:
     ``prompt_cache`` (not read again); ``sources``: per drafter, the nodes it added to
     the verified trees and how many of them were accepted; ``rechecked``: greedy
     positions whose top two logits lay too close to trust a block's rounding, decided
-    by a one-row pass as plain decoding decides them."""
+    by a one-row pass as plain decoding decides them; ``batch_rows`` and ``nodes_per_round``:
+    per round of this reply so far, the conversations its verify pass held (1: alone) and
+    the draft nodes verified for this one."""
 
     text: str
     token: int
@@ -59,6 +61,8 @@ class GenerationResponse:
     sources: Dict[str, "SourceStats"] = field(default_factory=dict)
     rechecked: int = 0
     logprobs: Optional[mx.array] = None  # with logprobs=True: the target's log-probabilities the token was chosen from
+    batch_rows: float = 1.0
+    nodes_per_round: float = 0.0
 
 
 def _prompt_ids(tokenizer, prompt: Union[str, List[int], mx.array]) -> List[int]:
@@ -219,7 +223,7 @@ class Generation:
         self.detokenizer = tokenizer.detokenizer
         self.detokenizer.reset()
         self.watchdog = Watchdog()  # a rank that hangs ends the others (distributed.py; idle on one machine)
-        self.generated = self.produced = self.rounds = self.accepted = 0
+        self.generated = self.produced = self.rounds = self.accepted = self.rows = self.nodes = 0
         self.done = False
         self.prompt_tps = 0.0
         self.tic = time.perf_counter()
@@ -260,6 +264,8 @@ class Generation:
         if (length // CLEAR_CACHE_EVERY) != ((length - len(result.tokens)) // CLEAR_CACHE_EVERY):
             mx.clear_cache()  # a round crossed a boundary (multi-token rounds jump over exact multiples)
         self.rounds += 1
+        self.rows += result.rows
+        self.nodes += result.drafted
         self.produced += len(result.tokens)
         self.accepted = len(result.tokens) - 1
         self.sources = source_statistics(self.cache.drafter)
@@ -297,6 +303,8 @@ class Generation:
                 target_forwards=self.decoder.forwards, prompt_reused=self.decoder.reused,
                 sources=self.sources, rechecked=self.decoder.rechecked,
                 logprobs=logprobs[index] if logprobs is not None else None,
+                batch_rows=self.rows / self.rounds if self.rounds else 1.0,
+                nodes_per_round=self.nodes / self.rounds if self.rounds else 0.0,
             )
             if self.done:
                 return

@@ -268,9 +268,13 @@ def _is_harmless(asks_nothing, value: Any) -> bool:
         return False
 
 
-def usage(last: Optional[GenerationResponse], prompt_tokens: int) -> Dict[str, Any]:
+def usage(last: Optional[GenerationResponse], prompt_tokens: int,
+          first_token_seconds: Optional[float] = None) -> Dict[str, Any]:
+    """OpenAI's counts, and ours: the speculation, and the seconds from the request's arrival
+    to its first token (waiting for a seat and reading the prompt included)."""
     completion = last.generation_tokens if last is not None else 0
     return {
+        "time_to_first_token": round(first_token_seconds, 3) if first_token_seconds is not None else None,
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion,
         "total_tokens": prompt_tokens + completion,
@@ -282,6 +286,8 @@ def usage(last: Optional[GenerationResponse], prompt_tokens: int) -> Dict[str, A
             "drafters": {name: {"proposed": stats.proposed, "accepted": stats.accepted}
                          for name, stats in (last.sources if last is not None else {}).items()},
             "rechecked": last.rechecked if last is not None else 0,
+            "batch_rows": round(last.batch_rows, 2) if last is not None else 1.0,
+            "nodes_per_round": round(last.nodes_per_round, 2) if last is not None else 0.0,
         },
     }
 
@@ -290,6 +296,8 @@ class Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     server: "Server"
     read_closed = False  # the client has shut its sending side (it may still be reading)
+    arrived = 0.0  # when the request in progress was queued (time.monotonic)
+    first_token_seconds: Optional[float] = None  # from then to its first token
     heartbeat = False  # a plain reply's status line is out, spaces follow until its JSON
 
     def setup(self) -> None:
@@ -468,12 +476,15 @@ class Handler(BaseHTTPRequestHandler):
         the generation)."""
         from .replies import split_reply
 
+        self.arrived, self.first_token_seconds = time.monotonic(), None
         responses = self.server.engine.generate(request.ids, tree=self.server.tree, history_key=request.model,
                                                 on_prompt_read=on_prompt_read, on_wait=on_wait, **request.options)
         return self._watched(split_reply(responses, request.splitter) if request.chat else responses)
 
     def _watched(self, responses: Iterator[GenerationResponse]) -> Iterator[GenerationResponse]:
         for response in responses:
+            if self.first_token_seconds is None:
+                self.first_token_seconds = time.monotonic() - self.arrived
             yield response
             if not self.read_closed and self._read_side_closed():
                 self.read_closed = self.close_connection = True
@@ -542,7 +553,7 @@ class Handler(BaseHTTPRequestHandler):
             payload["choices"] = [{"index": 0, "text": text, "finish_reason": finish,
                                    "logprobs": completion_logprobs(logprobs) if request.top_logprobs is not None
                                    else None}]
-        payload["usage"] = usage(last, len(request.ids))
+        payload["usage"] = usage(last, len(request.ids), self.first_token_seconds)
         if self.heartbeat:
             self.wfile.write(json.dumps(payload).encode())
         else:
@@ -600,7 +611,7 @@ class Handler(BaseHTTPRequestHandler):
                                  .encode())
                 return
             if request.include_usage:
-                event(None, usage=usage(last, len(request.ids)))
+                event(None, usage=usage(last, len(request.ids), self.first_token_seconds))
             self.wfile.write(b"data: [DONE]\n\n")
             self.wfile.flush()
         except (BrokenPipeError, ConnectionResetError):
@@ -738,7 +749,12 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         print(f"warning: listening on {host}, reachable from other machines; the API has no authentication",
               file=sys.stderr)
     shards = f", {sharding(engine.model)}" if sharding(engine.model) else ""
-    print(f"serving {engine.name} ({engine.drafting}{shards}) at http://{host}:{port}/v1", file=sys.stderr, flush=True)
+    together = (f"up to {args.max_concurrency} requests at once, their rounds verified together" if engine.batches
+                else f"up to {args.max_concurrency} requests at once, their rounds one after another (this model's "
+                "cannot share a forward pass)" if args.max_concurrency > 1 and not engine.shards
+                else "one request at a time")
+    print(f"serving {engine.name} ({engine.drafting}{shards}; {together}) at http://{host}:{port}/v1",
+          file=sys.stderr, flush=True)
     if not LAUNCHED:  # (under mlx.launch, SIGTERM means another rank ended: cli.py ends this one at once)
         signal.signal(signal.SIGTERM, _stop)
     try:

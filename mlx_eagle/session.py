@@ -35,7 +35,8 @@ from .plan import DraftPlan, history_of, load_draft, open_target, plan_drafts, r
 from .scheduler import Reply, Request, Scheduler
 from .replies import ChatResponse, ReplySplitter, chat_prompt, check_messages, check_tool_support, check_tools, \
     split_reply
-from .target import kv_quantization
+from .rewind import needs_rewind
+from .target import kv_quantization, make_cache, packs
 
 Message = Dict[str, Any]
 
@@ -200,6 +201,13 @@ class Engine:
             return self.plan().describe()
 
         return self._call(describe)
+
+    @property
+    def batches(self) -> bool:
+        """Whether concurrent replies share forward passes (else each turn they take their
+        rounds one after another: a hybrid's recurrent layers, latent attention, shards)."""
+        return packs(self.model) and not needs_rewind(make_cache(self.model)) and not self.shards \
+            and self.scheduler.max_concurrency > 1
 
     @property
     def context_length(self) -> Optional[int]:

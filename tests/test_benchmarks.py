@@ -276,3 +276,11 @@ def test_concurrency_runs_clients_at_once_against_a_server(tmp_path, qwen_coder_
     chat = result["runs"]["chat"]["ours-none"][0]
     assert chat["clients"] == 2 and chat["tokens"] == 8 and len(chat["replies"]) == 2
     assert result["runs"]["agent"]["ours-none"][0]["tokens"] > 0
+
+
+def test_batch_pricing(tmp_path, smollm_float32):
+    run("batch_pricing.py", "--model", smollm_float32, "--rows", "1,2", "--context", 8, "--repeats", 1,
+        "--out", tmp_path / "pricing.json")
+    result = json.loads((tmp_path / "pricing.json").read_text())
+    assert set(result["passes_ms"]["2"]) == {"packed", "mlx_lm"}
+    assert result["priced"]["apple-gpu-like"]["1"]["nodes_per_row"] > 0

@@ -127,3 +127,32 @@ def test_a_full_queue_refuses_with_busy_and_a_queued_caller_can_leave(smollm):
         assert again and engine.in_progress == 0
     finally:
         engine.close()
+
+
+def test_a_hybrid_s_concurrent_callers_take_their_rounds_in_turn(tmp_path):
+    """Recurrent layers do not pack: concurrent callers of a hybrid's Engine each take a
+    round a turn, and each reply is still plain decoding's."""
+    from hybrids import write_directory
+    from mlx_eagle import load
+
+    model, tokenizer = load(str(write_directory(tmp_path, "qwen3_next")))
+    engine = Engine(loaded=(model, tokenizer, None), draft="lookup", history=False)
+    try:
+        assert not engine.batches
+        prompts = [tokenizer.encode(text) for text in ("one two three one two three one", "the cat sat on the",
+                                                        "a b a b a b a b")]
+        results = [None] * len(prompts)
+
+        def ask(index):
+            results[index] = [r.token for r in engine.generate(prompts[index], max_tokens=12)]
+
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(prompts))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(120)
+        for prompt, tokens in zip(prompts, results):
+            assert tokens == plain(model, prompt, 12, tokenizer.eos_token_ids).tokens
+        assert engine.scheduler.stats["rounds"] == 0  # no pass was shared
+    finally:
+        engine.close()

@@ -222,9 +222,10 @@ def test_in_a_packed_pass_a_draft_is_priced_by_the_whole_batch():
     draft accepted one time in five pays alone and not beside seven others; alone, the
     price is the one-row curve's."""
     costs = Costs({1: 100.0, 8: 135.0, 16: 175.0, 32: 255.0})
-    alone = costs(9)
+    verify, alone = costs.verify, costs(9)
     costs.beside = (7, 8)  # seven others' roots
-    assert costs(1) == pytest.approx((135.0 - 7 / 8 * 130.0) / (135.0 / 8))  # its share, and the row it adds
+    assert costs(1) == pytest.approx(1.0)  # a root beside seven: one batched row's share
+    assert costs(2) == pytest.approx(1 + (verify(9) - verify(8)) / (verify(8) / 8))
     assert costs(9) - costs(1) > 5 * (alone - 1.0)  # eight nodes cost far more here than alone
     drafter = LookupDrafter(costs)
     for index in range(50):  # all of it one time in five, else nothing

@@ -92,3 +92,30 @@ def test_where_the_cache_turns_is_where_plain_mlx_lm_s_does(model, length, start
     next(steps)
     turned = min(offset for offset, quantized in held if quantized)
     assert turned == kv.turns_at(length, step=16)
+
+
+def test_a_sweep_of_one_off_prompts_leaves_a_conversation_that_went_on_warm(model):
+    """The prefix cache (PromptCaches) evicts one-off prompts' slots before a conversation's
+    that was continued, and never a slot in use (mlx-serve #378: a 32-document sweep evicted
+    a live conversation)."""
+    from mlx_eagle.prompt_cache import PromptCaches, cache_bytes
+
+    def read(slot, tokens):
+        model(mx.array([tokens[:-1]]), cache=slot.target)
+        slot.tokens = list(tokens)
+
+    conversation = list(range(1, 40))
+    caches = PromptCaches(model, 1 << 30)
+    first = caches.take(conversation)
+    read(first, conversation)
+    conversation += [41, 42, 43]
+    assert caches.take(conversation) is first  # the conversation goes on in its slot
+    read(first, conversation)
+    caches.max_bytes = 3 * cache_bytes(first)  # room for about three slots like it
+    busy = caches.take([44] * 45)
+    read(busy, [44] * 45)
+    for document in range(8):  # a sweep of unrelated prompts, each read once
+        tokens = [document % 40 + 5] * 45
+        read(caches.take(tokens, busy=[busy]), tokens)
+    assert first in caches.slots and busy in caches.slots
+    assert len(caches.slots) <= 4

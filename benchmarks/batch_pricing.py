@@ -1,0 +1,125 @@
+"""The batch layout and its pricing: a packed pass (target.packed_forward: every row's new
+token through the dense layers together, each row's attention over its own cache) timed
+against mlx-lm's own batched forward over ``BatchKVCache``, for each number of rows; then
+what ``Costs.steps`` makes of drafts in a batch: rows drafting in turn as batched_round
+has them (each beside the blocks drafted so far and the roots still to draft), with draft
+tokens each accepted ``--acceptance`` of the time, on this device's measured packed curve
+and on an Apple-GPU-like curve (a 16-token block costs about one step, then linear), as
+throughput against plain batching of the same rows.
+
+    python benchmarks/batch_pricing.py [--model GGUF_OR_DIR] [--rows 1,2,4,8,16,32]
+        [--context 300] [--acceptance 0.7] [--out benchmarks/results/batch-pricing.json]
+"""
+
+import argparse
+import json
+import time
+from pathlib import Path
+from typing import Dict, List, Optional
+
+import numpy as np
+
+from mlx_eagle.cli import use_fast_blas
+
+ROOT = Path(__file__).resolve().parent.parent
+GPU_LIKE = {1: 10.0, 16: 10.5, 32: 20.0, 64: 40.0, 128: 80.0}  # milliseconds: flat to 16 tokens, then linear
+MAX_DRAFT = 8
+
+
+def time_passes(model, rows: int, context: int, repeats: int) -> Dict[str, float]:
+    """Milliseconds of one new token for each of ``rows`` rows: packed, and mlx-lm batched."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import BatchKVCache
+
+    from mlx_eagle.target import Block, make_cache, packed_forward
+
+    caches = []
+    for _ in range(rows):
+        cache = make_cache(model)
+        model(mx.array([[5] * context]), cache=cache)
+        mx.eval([layer.state for layer in cache])
+        caches.append(cache)
+    batched = [BatchKVCache([0] * rows) for _ in model.layers]
+    model(mx.array([[5] * context] * rows), cache=batched)
+    mx.eval([layer.state for layer in batched])
+
+    def packed() -> None:
+        outs = packed_forward(model, [Block(mx.array([7], dtype=mx.int32), cache, cache[0].offset, None, None)
+                                      for cache in caches])
+        mx.eval([out.logits for out in outs])
+        for cache in caches:
+            for layer in cache:
+                layer.trim(1)
+
+    def mlx_lm() -> None:
+        mx.eval(model(mx.array([[7]] * rows), cache=batched))
+        for layer in batched:
+            layer.trim(1)
+
+    timed = {}
+    for name, step in (("packed", packed), ("mlx_lm", mlx_lm)):
+        step()
+        tic = time.perf_counter()
+        for _ in range(repeats):
+            step()
+        timed[name] = 1000 * (time.perf_counter() - tic) / repeats
+    return timed
+
+
+def priced(curve: Dict[int, float], rows: int, acceptance: float) -> Dict[str, float]:
+    """Rows drafting in turn as Costs.steps sizes them: nodes per row, and throughput against
+    plain batching of the same rows."""
+    from mlx_eagle.costs import Costs
+    from mlx_eagle.drafters.lookup import LookupDraft, LookupDrafter
+
+    costs = Costs(dict(curve))
+    drafter = LookupDrafter(costs)
+    rng = np.random.default_rng(0)
+    for _ in range(400):  # a draft whose every token is accepted with ``acceptance``, given the ones before
+        accepted = 0
+        while accepted < MAX_DRAFT and rng.random() < acceptance:
+            accepted += 1
+        drafter.record(LookupDraft(list(range(MAX_DRAFT)), kind=1), accepted=accepted)
+    sizes: List[int] = []
+    for row in range(rows):
+        costs.beside = (sum(1 + n for n in sizes) + rows - row - 1, rows)
+        sizes.append(drafter.best_length(1, MAX_DRAFT, verified=1, expected=1.0))
+    tokens = sum(1 + sum(acceptance ** j for j in range(1, n + 1)) for n in sizes)
+    return {"nodes_per_row": sum(sizes) / rows,
+            "vs_plain_batching": (tokens / costs.verify(rows + sum(sizes))) / (rows / costs.verify(rows))}
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=str(Path.home() / ".cache/mlx-eagle/gguf/"
+                                              "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"),
+                        help="a GGUF or model directory (default: Qwen2.5-Coder-0.5B-Instruct)")
+    parser.add_argument("--rows", default="1,2,4,8,16,32")
+    parser.add_argument("--context", type=int, default=300, help="tokens cached per row")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--acceptance", type=float, default=0.7)
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "batch-pricing.json")
+    args = parser.parse_args(argv)
+    use_fast_blas()
+    from mlx_eagle import load
+
+    model, _ = load(args.model)
+    rows = [int(r) for r in args.rows.split(",")]
+    passes = {r: time_passes(model, r, args.context, args.repeats) for r in rows}
+    here = {r: passes[r]["packed"] for r in rows}
+    result = {"model": args.model, "context": args.context, "acceptance": args.acceptance, "passes_ms": passes,
+              "priced": {"this device": {r: priced(here, r, args.acceptance) for r in rows},
+                         "apple-gpu-like": {r: priced(GPU_LIKE, r, args.acceptance) for r in rows}}}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"{'rows':>4} {'packed ms':>10} {'mlx-lm ms':>10}   " + "   ".join(
+        f"{curve + ': nodes/row, vs plain':>38}" for curve in result["priced"]))
+    for r in rows:
+        cells = [result["priced"][curve][r] for curve in result["priced"]]
+        print(f"{r:4} {passes[r]['packed']:10.0f} {passes[r]['mlx_lm']:10.0f}   " + "   ".join(
+            f"{cell['nodes_per_row']:28.1f} {cell['vs_plain_batching']:8.2f}x" for cell in cells))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
