@@ -10,6 +10,7 @@ and ``tune`` times the same way with more sizes and repeats.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import platform
@@ -33,7 +34,7 @@ from .compiled import compiles_verification, verify_block
 from .distributed import every_rank, first_rank_numbers, sharded, sharding
 from .files import cache_dir, read_json, writable, write_json
 from .progress import progress_bar
-from .target import KVQuantization, is_driven, make_cache, target_forward
+from .target import Block, KVQuantization, is_driven, make_cache, packed_forward, packs, target_forward
 
 CALIBRATION_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 32)
 CALIBRATION_CONTEXT = 256  # entries cached while the curve is timed
@@ -67,7 +68,8 @@ class Costs:
     # Times them and keeps them in the calibration file (measure_long).
     time_long: Optional[Callable[[], Optional[Dict[int, float]]]] = field(default=None, repr=False, compare=False)
     # The context the next round attends to: the decoder sets it before each round, and what
-    # ``verify`` and ``steps`` answer is for it. (One generation at a time uses a model's costs.)
+    # ``verify`` and ``steps`` answer is for it. (Conversations draft one at a time, on one
+    # thread, even in a batch.)
     attending: int = CALIBRATION_CONTEXT
     # The packed pass the next round's block joins (decoder.batched_round): the tokens it
     # verifies for other conversations, and its rows ((0, 1): the round is alone). Set by the
@@ -215,28 +217,38 @@ def time_forwards(model: nn.Module, sizes: Sequence[int] = CALIBRATION_SIZES, co
     return dict(zip(sizes, non_decreasing(timed)))
 
 
-def logit_drift(model: nn.Module, context: int = 256, size: int = 16, kv: Optional[KVQuantization] = None) -> float:
+def logit_drift(model: nn.Module, context: int = 256, size: int = 16, kv: Optional[KVQuantization] = None,
+                rows: int = 8) -> float:
     """How far the target's logits for ``size`` tokens verified in one pass (as the decoder
     verifies a chain) lie from the same tokens read one at a time through the model's own
     forward pass (as plain mlx-lm decodes): kernels differ by shape (a matrix-vector
-    product for one row, a matrix product for a block), and so do their roundings. The
-    decoder decides a greedy position whose top two logits lie closer than this (with a
-    margin) as plain decoding would. ``kv``: with the cache quantized after the context, as
-    it is once quantized KV caches start: the quantized kernels' roundings drift further."""
+    product for one row, a matrix product for a block), and so do their roundings. Where
+    conversations share a packed pass (target.packed_forward, decoder.batched_round), also
+    for the block beside ``rows - 1`` others, whose products see ``rows`` times the rows:
+    the larger of the two. The decoder decides a greedy position whose top two logits lie
+    closer than this (with a margin) as plain decoding would. ``kv``: with the cache
+    quantized after the context, as it is once quantized KV caches start: the quantized
+    kernels' roundings drift further."""
     tokens = ordinary_tokens(model.args.vocab_size, context + size, seed=1)
     cache = make_cache(model)
     mx.eval(model(mx.array(tokens[None, :context]), cache=cache))
     if kv is not None:
         replace(kv, start=0).quantize_when_due(cache)
+    others = [copy.deepcopy(cache) for _ in range(rows - 1)] if packs(model) else []
     block = mx.array(tokens[None, context:])
     if is_driven(model):
-        together = target_forward(model, block, cache, context, "causal").logits[0]
+        together = [target_forward(model, block, cache, context, "causal").logits[0]]
+        trim_prompt_cache(cache, size)
+        if others:
+            together.append(packed_forward(model, [Block(block[0], c, context, "causal") for c in [cache] + others])
+                            [0].logits)
+            trim_prompt_cache(cache, size)
     else:
-        together = model(block, cache=cache)[0]
+        together = [model(block, cache=cache)[0]]
+        trim_prompt_cache(cache, size)
     mx.eval(together)
-    trim_prompt_cache(cache, size)
-    alone = mx.concatenate([model(block[:, i:i + 1], cache=cache)[0] for i in range(size)])
-    return float(mx.abs(together.astype(mx.float32) - alone.astype(mx.float32)).max().item())
+    alone = mx.concatenate([model(block[:, i:i + 1], cache=cache)[0] for i in range(size)]).astype(mx.float32)
+    return max(float(mx.abs(logits.astype(mx.float32) - alone).max().item()) for logits in together)
 
 
 MAX_DRIFT = 1e3
@@ -279,7 +291,7 @@ def device_key(model: nn.Module) -> str:
 
 # Bumped when the way a verification runs changes, so that timings taken by older code
 # are taken again.
-TIMING_VERSION = 3
+TIMING_VERSION = 4
 
 
 def model_digest(model: nn.Module) -> str:

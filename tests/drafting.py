@@ -1,8 +1,11 @@
 """A decoder built by hand, as the tests drive it: a head's tree and context lookup
 merged through the drafter seam, as plan_drafts would merge them; and greedy decoding
-through any drafter."""
+through any drafter; and a verify pass's logits perturbed as another kernel's rounding
+might perturb them."""
 
 from typing import Optional
+
+import mlx.core as mx
 
 from mlx_eagle.decoder import SpeculativeDecoder
 from mlx_eagle.drafters.composite import Composite
@@ -28,3 +31,13 @@ def decode(model, drafter, prompt, count):
     while len(tokens) < count:
         tokens += decoding.round(count - len(tokens)).tokens
     return tokens[:count], decoding
+
+
+def swap_close_calls(logits: mx.array, tolerance: float) -> mx.array:
+    """``logits`` [rows, vocab] with every row's top two swapped where they lie within
+    ``tolerance``: what another kernel's rounding might do to a near tie."""
+    top = mx.topk(logits, 2, axis=-1)
+    first, second = mx.max(top, axis=-1), mx.min(top, axis=-1)
+    close = (first - second <= tolerance)[:, None]
+    winner, runner = logits == first[:, None], logits == second[:, None]
+    return mx.where(close & winner, second[:, None], mx.where(close & runner, first[:, None], logits))

@@ -17,6 +17,7 @@ from mlx_eagle.drafters import Budget
 from mlx_eagle.drafters.admit import Malformed, admit
 from mlx_eagle.trees import DraftTree
 from mlx_eagle.verify import Sampling, accept
+from drafting import swap_close_calls
 from plain import plain_tokens
 
 VOCAB = 100
@@ -240,13 +241,7 @@ def test_close_calls_are_decided_by_one_row(smollm, reference, monkeypatch, draf
 
     def perturbed(self, tree, tokens, unread):
         out = unperturbed(self, tree, tokens, unread)
-        top = mx.topk(out.logits, 2, axis=-1)
-        first, second = mx.max(top, axis=-1), mx.min(top, axis=-1)
-        close = (first - second <= tolerance)[:, None]
-        winner = out.logits == first[:, None]
-        runner = out.logits == second[:, None]
-        swapped = mx.where(close & winner, second[:, None], mx.where(close & runner, first[:, None], out.logits))
-        return decoder_module.TargetOutput(swapped, out.features, out.hidden)
+        return decoder_module.TargetOutput(swap_close_calls(out.logits, tolerance), out.features, out.hidden)
 
     monkeypatch.setattr(decoder_module.SpeculativeDecoder, "_verify", perturbed)
 

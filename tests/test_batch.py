@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from checkpoints import tiny_target
-from drafting import decoder as make_decoder
+from drafting import decoder as make_decoder, swap_close_calls
 from mlx_eagle import batch_generate
 from mlx_eagle.decoder import SpeculativeDecoder, batched_round, batches
 from mlx_eagle.drafters.lookup import LookupDrafter
@@ -133,3 +133,35 @@ def test_conversations_joining_and_leaving_between_rounds_each_get_their_own_rep
     for _, prompt, wanted, reply, leaves_after in finished:
         shown = min(wanted, leaves_after or wanted)
         assert reply[:shown] == plain_tokens(model, prompt, shown), (prompt, wanted, leaves_after)
+
+
+@pytest.mark.slow  # the real model
+def test_near_ties_in_a_packed_pass_are_decided_as_each_alone(smollm, monkeypatch):
+    """The packed pass's logits perturbed as its larger products' rounding might: wherever
+    a row's top two lie within the tolerance they are swapped. Each conversation's greedy
+    reply is still plain decoding's, because such positions are read again alone; without
+    the rule it changes."""
+    import mlx_eagle.decoder as decoder_module
+
+    model, tokenizer = smollm
+    prompts = [chat_tokens(tokenizer, [{"role": "user", "content": question}]) for question in (
+        "Name three rivers of Europe.", "What is a prime number?", "Write a haiku about rain.")]
+    expected = [plain_tokens(model, prompt, 24) for prompt in prompts]
+    packed = decoder_module.packed_forward
+
+    def perturbed(target, blocks):
+        return [decoder_module.TargetOutput(swap_close_calls(out.logits, 1.0), out.features, out.hidden)
+                for out in packed(target, blocks)]
+
+    monkeypatch.setattr(decoder_module, "packed_forward", perturbed)
+
+    def decode(tolerance):
+        decoders = [make_decoder(model, new_head(model, "eagle3", seed=index), "static:default", Sampling(),
+                                 lookup=LookupDrafter(lambda k: 1.0)) for index in range(len(prompts))]
+        for decoder in decoders:
+            decoder.tolerance = tolerance
+        return batched(decoders, prompts, [24] * len(prompts)), sum(d.rechecked for d in decoders)
+
+    replies, rechecked = decode(1.0)
+    assert replies == expected and rechecked > 0
+    assert decode(0.0)[0] != expected, "the perturbation flips a choice when nothing rechecks it"

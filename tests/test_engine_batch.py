@@ -156,3 +156,34 @@ def test_a_hybrid_s_concurrent_callers_take_their_rounds_in_turn(tmp_path):
         assert engine.scheduler.stats["rounds"] == 0  # no pass was shared
     finally:
         engine.close()
+
+
+def test_concurrent_chats_on_qwen_are_each_the_reply_alone(qwen_coder):
+    """Qwen2.5-Coder-0.5B, drafting as by default (context drafts and earlier replies):
+    four chats at once, one of them with tools, each reply plain decoding's."""
+    model, tokenizer = qwen_coder
+    engine = Engine(loaded=(model, tokenizer, None), draft="lookup")
+    weather = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+    conversations = [([{"role": "user", "content": text}], tools) for text, tools in (
+        ("Write a Python function that reverses a string.", None), ("What is the weather in Paris?", [weather]),
+        ("Rewrite this more briefly: the meeting that was planned for Monday is moved to Tuesday.", None),
+        ("def add(a, b):\n    return a + b\n\nAdd type hints to this function.", None))]
+    try:
+        results = [None] * len(conversations)
+
+        def ask(index):
+            messages, tools = conversations[index]
+            results[index] = [r.token for r in engine.generate(chat_tokens(tokenizer, messages, tools),
+                                                               max_tokens=24)]
+
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(conversations))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(300)
+        for (messages, tools), tokens in zip(conversations, results):
+            assert tokens == plain(model, chat_tokens(tokenizer, messages, tools), 24, tokenizer.eos_token_ids).tokens
+        assert engine.scheduler.stats["rows"] > engine.scheduler.stats["rounds"]
+    finally:
+        engine.close()
