@@ -32,7 +32,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
+from contextlib import contextmanager
+from typing import Dict, Iterator, List, Optional, Tuple
 
 import openai
 
@@ -139,6 +140,33 @@ def wait_ready(client: openai.OpenAI, process: subprocess.Popen, seconds: float 
     raise SystemExit("error: a server did not answer in time")
 
 
+def add_model_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=str(Path.home() / ".cache/mlx-eagle/gguf/"
+                                              "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"),
+                        help="a GGUF or model directory (default: Qwen2.5-Coder-0.5B-Instruct, from "
+                        "benchmarks/qwen_models.py)")
+
+
+@contextmanager
+def servers(kinds: List[str], model_dir: Path, port: int, timeout: float = 1800) -> Iterator[Dict[str, openai.OpenAI]]:
+    """A client for each kind's server, started on consecutive ports from ``port`` and
+    answering; the servers stop on leaving."""
+    processes, clients = {}, {}
+    try:
+        for offset, kind in enumerate(kinds):
+            processes[kind] = start(kind, model_dir, port + offset)
+            clients[kind] = openai.OpenAI(base_url=f"http://127.0.0.1:{port + offset}/v1", api_key="local",
+                                          max_retries=0, timeout=timeout)
+        for kind in kinds:
+            wait_ready(clients[kind], processes[kind])
+        yield clients
+    finally:
+        for process in processes.values():
+            process.terminate()
+        for process in processes.values():
+            process.wait(timeout=60)
+
+
 def calls_of(message) -> List[Tuple[str, dict]]:
     """(name, arguments) of a reply's calls: its tool_calls, else a bare-JSON call in its text."""
     if message.tool_calls:
@@ -207,10 +235,7 @@ def summary(requests: List[dict]) -> Dict[str, dict]:
 
 def main(argv: Optional[List[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default=str(Path.home() / ".cache/mlx-eagle/gguf/"
-                                              "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"),
-                        help="a GGUF or model directory (default: Qwen2.5-Coder-0.5B-Instruct, from "
-                        "benchmarks/qwen_models.py)")
+    add_model_argument(parser)
     parser.add_argument("--tasks", type=int, default=len(TASKS), help="tool-loop tasks to run")
     parser.add_argument("--json-tasks", type=int, default=len(JSON_TASKS), help="structured-reply tasks to run")
     parser.add_argument("--max-tokens", type=int, default=160)
@@ -220,14 +245,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     args = parser.parse_args(argv)
     kinds = args.servers.split(",")
     model_dir = resolve_model(args.model)  # a GGUF is converted once, as --model converts it
-    processes, clients = {}, {}
-    try:
-        for offset, kind in enumerate(kinds):
-            processes[kind] = start(kind, model_dir, args.port + offset)
-            clients[kind] = openai.OpenAI(base_url=f"http://127.0.0.1:{args.port + offset}/v1", api_key="local",
-                                          max_retries=0, timeout=1800)
-        for kind in kinds:
-            wait_ready(clients[kind], processes[kind])
+    with servers(kinds, model_dir, args.port) as clients:
         transcripts = {kind: [] for kind in kinds}
         requests = {kind: [] for kind in kinds}
         for index, task in enumerate(TASKS[:args.tasks]):
@@ -248,11 +266,6 @@ def main(argv: Optional[List[str]] = None) -> None:
                 requests[kind] += figures
             print(f"JSON task {index + 1}/{args.json_tasks}: " + ", ".join(
                 f"{k} {requests[k][-1]['seconds']:.1f} s" for k in ours), file=sys.stderr)
-    finally:
-        for process in processes.values():
-            process.terminate()
-        for process in processes.values():
-            process.wait(timeout=60)
     loop = {kind: [r for r in requests[kind] if r["kind"] != JSON_KIND] for kind in kinds}
     totals = {kind: sum(r["seconds"] for r in loop[kind]) for kind in kinds}
     reference = "mlx-lm" if "mlx-lm" in kinds else kinds[0]

@@ -35,7 +35,7 @@ from typing import Dict, List, Optional
 import openai
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from agent import TASKS, run_task, start, wait_ready  # noqa: E402 (the sibling script's workload and servers)
+from agent import TASKS, add_model_argument, run_task, servers  # noqa: E402 (the sibling script's workload and servers)
 
 from mlx_eagle.bench import mtbench_suite, read_prompts  # noqa: E402
 from mlx_eagle.models import resolve_model  # noqa: E402
@@ -149,10 +149,7 @@ def plot(result: dict, path: Path) -> None:
 
 def main(argv: Optional[List[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default=str(Path.home() / ".cache/mlx-eagle/gguf/"
-                                              "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"),
-                        help="a GGUF or model directory (default: Qwen2.5-Coder-0.5B-Instruct, from "
-                        "benchmarks/qwen_models.py)")
+    add_model_argument(parser)
     parser.add_argument("--clients", default="1,2,4,8,16", help="concurrency levels, comma-separated")
     parser.add_argument("--workloads", default="chat,agent", help="chat, agent, or both")
     parser.add_argument("--requests", type=int, default=2, help="chat prompts each client sends, one after another")
@@ -170,15 +167,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     if not set(workloads) <= {"chat", "agent"}:
         raise SystemExit(f"error: --workloads takes chat and agent, not {args.workloads}")
     model_dir = resolve_model(args.model)  # a GGUF is converted once, as --model converts it
-    processes, clients = {}, {}
     runs: Dict[str, Dict[str, List[dict]]] = {w: {k: [] for k in kinds} for w in workloads}
-    try:
-        for offset, kind in enumerate(kinds):
-            processes[kind] = start(kind, model_dir, args.port + offset)
-            clients[kind] = openai.OpenAI(base_url=f"http://127.0.0.1:{args.port + offset}/v1", api_key="local",
-                                          max_retries=0, timeout=3600)
-        for kind in kinds:
-            wait_ready(clients[kind], processes[kind])
+    with servers(kinds, model_dir, args.port, timeout=3600) as clients:
         for workload in workloads:
             for index, level in enumerate(levels):
                 skip = 0 if args.repeat_prompts else sum(levels[:index]) * args.requests
@@ -187,11 +177,6 @@ def main(argv: Optional[List[str]] = None) -> None:
                     runs[workload][kind].append(run)
                     print(f"{workload} {level:2} clients {kind:9}: {run['tokens_per_s']:6.1f} tokens/s, "
                           f"p50 {run['p50_latency']:6.1f} s", file=sys.stderr, flush=True)
-    finally:
-        for process in processes.values():
-            process.terminate()
-        for process in processes.values():
-            process.wait(timeout=60)
     reference: Dict[str, str] = {}
     identical = True
     for workload in workloads:
