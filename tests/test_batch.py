@@ -145,8 +145,8 @@ def test_near_ties_in_a_packed_pass_are_decided_as_each_alone(smollm, monkeypatc
 
     model, tokenizer = smollm
     prompts = [chat_tokens(tokenizer, [{"role": "user", "content": question}]) for question in (
-        "Name three rivers of Europe.", "What is a prime number?", "Write a haiku about rain.")]
-    expected = [plain_tokens(model, prompt, 24) for prompt in prompts]
+        "Name three rivers of Europe.", "Write a haiku about rain.")]
+    expected = [plain_tokens(model, prompt, 16) for prompt in prompts]
     packed = decoder_module.packed_forward
 
     def perturbed(target, blocks):
@@ -160,7 +160,7 @@ def test_near_ties_in_a_packed_pass_are_decided_as_each_alone(smollm, monkeypatc
                                  lookup=LookupDrafter(lambda k: 1.0)) for index in range(len(prompts))]
         for decoder in decoders:
             decoder.tolerance = tolerance
-        return batched(decoders, prompts, [24] * len(prompts)), sum(d.rechecked for d in decoders)
+        return batched(decoders, prompts, [16] * len(prompts)), sum(d.rechecked for d in decoders)
 
     replies, rechecked = decode(1.0)
     assert replies == expected and rechecked > 0

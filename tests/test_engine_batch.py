@@ -78,7 +78,7 @@ def test_concurrent_callers_each_get_their_reply_alone(smollm, seed, monkeypatch
             for _ in range(8):
                 which = rng.randrange(len(conversations))
                 action = rng.choice(["complete", "complete", "complete", "leave_early", "leave_queued"])
-                jobs.append((conversations[which], rng.randrange(4, 40), action))
+                jobs.append((conversations[which], rng.randrange(4, 24), action))
             jobs.append((chat_tokens(tokenizer, [{"role": "user", "content": FAILING}]), 30, "complete"))
             results = [None] * len(jobs)
             threads = [threading.Thread(target=caller, args=(engine, ids, n, action, random.Random(seed * 100 + i),
@@ -160,14 +160,13 @@ def test_a_hybrid_s_concurrent_callers_take_their_rounds_in_turn(tmp_path):
 
 def test_concurrent_chats_on_qwen_are_each_the_reply_alone(qwen_coder):
     """Qwen2.5-Coder-0.5B, drafting as by default (context drafts and earlier replies):
-    four chats at once, one of them with tools, each reply plain decoding's."""
+    three chats at once, one of them with tools, each reply plain decoding's."""
     model, tokenizer = qwen_coder
     engine = Engine(loaded=(model, tokenizer, None), draft="lookup")
     weather = {"type": "function", "function": {"name": "get_weather", "parameters": {
         "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
     conversations = [([{"role": "user", "content": text}], tools) for text, tools in (
         ("Write a Python function that reverses a string.", None), ("What is the weather in Paris?", [weather]),
-        ("Rewrite this more briefly: the meeting that was planned for Monday is moved to Tuesday.", None),
         ("def add(a, b):\n    return a + b\n\nAdd type hints to this function.", None))]
     try:
         results = [None] * len(conversations)
@@ -175,7 +174,7 @@ def test_concurrent_chats_on_qwen_are_each_the_reply_alone(qwen_coder):
         def ask(index):
             messages, tools = conversations[index]
             results[index] = [r.token for r in engine.generate(chat_tokens(tokenizer, messages, tools),
-                                                               max_tokens=24)]
+                                                               max_tokens=16)]
 
         threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(conversations))]
         for thread in threads:
@@ -183,7 +182,7 @@ def test_concurrent_chats_on_qwen_are_each_the_reply_alone(qwen_coder):
         for thread in threads:
             thread.join(300)
         for (messages, tools), tokens in zip(conversations, results):
-            assert tokens == plain(model, chat_tokens(tokenizer, messages, tools), 24, tokenizer.eos_token_ids).tokens
+            assert tokens == plain(model, chat_tokens(tokenizer, messages, tools), 16, tokenizer.eos_token_ids).tokens
         assert engine.scheduler.stats["rows"] > engine.scheduler.stats["rounds"]
     finally:
         engine.close()
