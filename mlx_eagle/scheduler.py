@@ -132,21 +132,26 @@ class Scheduler:
     def turn(self) -> None:
         if self.progress_at is None:  # (what /health reads: a turn that never ends is a stall)
             self.progress_at = time.monotonic()
-        for request in [r for r in self.live if r.stopped]:
-            self._finish(request)
-        for request in [r for r in self.waiting if r.stopped]:  # left while queued: never starts
-            self.waiting.remove(request)
-            self._unseat(request)
-        self._seat()
-        self._read_prompts()
-        self._decode()
+        try:
+            for request in [r for r in self.live if r.stopped]:
+                self._finish(request)
+            # Left while queued: never starts (not even on a sharded model: no rank has begun it).
+            for request in [r for r in self.waiting if r.cancel.is_set()]:
+                self.waiting.remove(request)
+                self._unseat(request)
+            self._seat()
+            self._read_prompts()
+            self._decode()
+        except Exception as error:  # a fault of the loop's own: every reply in progress ends with it
+            for request in list(self.live):
+                self._fail(request, error)
         self.progress_at = time.monotonic() if self.live else None
 
     def _seat(self) -> None:
         while self.waiting and len(self.live) < self.max_concurrency:
             request = self.waiting.popleft()
             self._unseat(request)
-            if request.stopped:
+            if request.cancel.is_set():
                 continue
             self.live.append(request)
             try:
@@ -160,7 +165,7 @@ class Scheduler:
         """``request`` no longer waits (seated, or dropped: it then never starts)."""
         with self._lock:
             self._unseated -= 1
-        if request.stopped:
+        if request.cancel.is_set():
             request.out.put(DONE)
 
     def _busy_slots(self) -> List[PromptCache]:

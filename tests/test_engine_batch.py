@@ -1,8 +1,8 @@
 """One Engine serving concurrent callers in one batch (scheduler.py), on the real SmolLM2
 with its shipped head and context drafts, as the server runs it: callers arrive at random
-times, ask for replies of random lengths, share beginnings, go on with their
-conversations, leave while queued, while their prompt is read or mid-reply, and fail in
-the middle of a round; every reply that completes is plain mlx-lm decoding's of the same
+times, draft with trees of their own, ask for replies of random lengths, share
+beginnings, go on with their conversations, leave while queued, while their prompt is
+read or mid-reply, and fail in the middle of a round; every reply that completes is plain mlx-lm decoding's of the same
 request alone, token for token. A full queue refuses with Busy."""
 
 import random
@@ -31,15 +31,19 @@ class Injected(Exception):
     """A failure injected into one conversation's round."""
 
 
+TREES = [None, "chain:2", "static:default", "none"]  # the engine's tree, two others, context drafts alone
+
+
 def caller(engine, ids, max_tokens, action, rng, results, index):
-    """One client: its reply's tokens, and whether it finished, in ``results[index]``."""
+    """One client, drafting with a tree of its own: its reply's tokens, and whether it
+    finished, in ``results[index]``."""
     time.sleep(rng.random() * 0.5)
     tokens, finished = [], False
     cancel = threading.Event()
     try:
         if action == "leave_queued":
             cancel.set()
-        reply = engine.generate(ids, cancel, max_tokens=max_tokens)
+        reply = engine.generate(ids, cancel, max_tokens=max_tokens, tree=rng.choice(TREES))
         for response in reply:
             tokens.append(response.token)
             finished = response.finish_reason is not None
