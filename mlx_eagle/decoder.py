@@ -30,7 +30,7 @@ the forward pass, and the rows masked after it (grammar.py): the same loop, the 
 from __future__ import annotations
 
 from contextlib import ExitStack
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Callable, ContextManager, Iterator, List, Optional, Sequence, Tuple, Union
 
 import mlx.core as mx
@@ -43,7 +43,7 @@ from .distributed import check_same, shared_proposal, sharded
 from .errors import UserError
 from .grammar import Grammar, Shaped, mask_logits
 from .prompt_cache import PromptCache, make_prompt_cache
-from .rewind import Rewind
+from .rewind import Rewind, needs_rewind
 from .compiled import compiles_verification, verify_block
 from .target import MLX_LM_PREFILL_STEP, Block, KVQuantization, TargetOutput, check_target, is_driven, \
     keep_cache_entries, lm_head, packed_forward, packs, tapped_forward, target_forward, tree_mask
@@ -333,12 +333,16 @@ class SpeculativeDecoder:
         proposal = None
         nodes = MAX_TREE_NODES - len(unread) if self.drafter is not None and len(unread) < MAX_UNREAD else 0
         if self.drafter is not None:
-            if self._costs_of is not None:  # verifying costs more deep in a long context, and beside others (costs.py)
-                self._measured().attending = CONTEXT_STEP * (len(committed) // CONTEXT_STEP)
-                self._measured().beside = beside
+            costs = self._measured() if self._costs_of is not None else None
+            if costs is not None:  # verifying costs more deep in a long context, and beside others (costs.py)
+                costs.attending, costs.beside = CONTEXT_STEP * (len(committed) // CONTEXT_STEP), beside
             budget = Budget(room=room - 1, nodes=nodes, verified=1 + len(unread), chain=not self.drives_target,
-                            costs=self._measured() if self._costs_of is not None else None, vocab=self.vocab)
-            proposal = admit_or_warn(self.drafter, self.drafter.propose(budget), budget)
+                            costs=costs, vocab=self.vocab)
+            try:
+                proposal = admit_or_warn(self.drafter, self.drafter.propose(budget), budget)
+            finally:
+                if costs is not None:  # (shared by the plan's conversations: priced alone unless a batch says)
+                    costs.beside = (0, 1)
         tree, tokens = (proposal.tree, proposal.tokens) if proposal else (DraftTree(), NO_TOKENS)
         if self.shards:  # every rank verifies rank 0's tree, whatever its own drafters proposed (distributed.py)
             tree, tokens, own = shared_proposal(tree, tokens, MAX_TREE_NODES)
@@ -407,7 +411,14 @@ def batches(decoder: SpeculativeDecoder) -> bool:
     """Whether ``decoder``'s rounds can share a packed forward pass with others: its target
     is one packed_forward runs, its caches roll back by cutting (no recurrent state), and its
     target is whole on this machine."""
-    return packs(decoder.target) and decoder.rewind is None and not decoder.shards
+    return rounds_pack(decoder.target, decoder.target_cache, decoder.shards)
+
+
+def rounds_pack(model: nn.Module, cache: List, shards: bool) -> bool:
+    """Whether rounds over ``model`` with caches like ``cache`` can share a packed forward
+    pass: packed_forward runs the model, the caches roll back by cutting (no recurrent
+    state: rewind.py), and the model is whole on this machine."""
+    return packs(model) and not needs_rewind(cache) and not shards
 
 
 def batched_round(decoders: Sequence[SpeculativeDecoder], rooms: Sequence[int]) -> List[Union[Round, Exception]]:
@@ -440,7 +451,8 @@ def batched_round(decoders: Sequence[SpeculativeDecoder], rooms: Sequence[int]) 
             decoder = decoders[index]
             decoder.forwards += 1
             try:
-                results[index] = replace(decoder.conclude(round_drafted, out, rows), rows=len(drafted))
+                results[index] = decoder.conclude(round_drafted, out, rows)
+                results[index].rows = len(drafted)
             except Exception as error:
                 results[index] = error
     return results

@@ -85,7 +85,7 @@ class Scheduler:
         self.waiting: Deque[Request] = deque()  # on the worker: handed in, not yet seated
         self.live: List[Request] = []  # seated: reading its prompt or replying
         self.progress_at: Optional[float] = None  # when a reply in progress last moved (None: none in progress)
-        self.stats = {"rounds": 0, "rows": 0, "nodes": 0, "batch": 0}  # batched rounds: the last round's rows in batch
+        self.stats = {"rounds": 0, "rows": 0}  # packed passes, and the conversations they held
         self._unseated = 0  # submitted and not yet seated or dropped (any thread)
         self._lock = threading.Lock()
         self._seconds = 0.0  # a recent request's time in the engine (what Retry-After is estimated from)
@@ -201,7 +201,6 @@ class Scheduler:
                 rounds = [error] * len(together)
             self.stats["rounds"] += 1
             self.stats["rows"] += len(together)
-            self.stats["batch"] = len(together)
             for request, result in zip(together, rounds):
                 self._conclude(request, result)
         for request in [r for r in rows if r not in together]:
@@ -215,7 +214,6 @@ class Scheduler:
         if isinstance(result, Exception):
             self._fail(request, result)
         else:
-            self.stats["nodes"] += result.drafted
             self._hand_out(request, request.generation.take(result))
 
     def _hand_out(self, request: Request, responses: Iterator[GenerationResponse]) -> None:

@@ -35,8 +35,8 @@ from .plan import DraftPlan, history_of, load_draft, open_target, plan_drafts, r
 from .scheduler import Reply, Request, Scheduler
 from .replies import ChatResponse, ReplySplitter, chat_prompt, check_messages, check_tool_support, check_tools, \
     split_reply
-from .rewind import needs_rewind
-from .target import kv_quantization, make_cache, packs
+from .decoder import rounds_pack
+from .target import kv_quantization, make_cache
 
 Message = Dict[str, Any]
 
@@ -206,8 +206,7 @@ class Engine:
     def batches(self) -> bool:
         """Whether concurrent replies share forward passes (else each turn they take their
         rounds one after another: a hybrid's recurrent layers, latent attention, shards)."""
-        return packs(self.model) and not needs_rewind(make_cache(self.model)) and not self.shards \
-            and self.scheduler.max_concurrency > 1
+        return rounds_pack(self.model, make_cache(self.model), self.shards) and self.scheduler.max_concurrency > 1
 
     @property
     def context_length(self) -> Optional[int]:
