@@ -25,6 +25,7 @@ rewind.py knows, the round restores the caches to before its forward pass instea
 the next round reads the accepted tokens again in front of its own chain ("unread" tokens).
 A reply held to a grammar (structured outputs) has each round's tree shaped by it before
 the forward pass, and the rows masked after it (grammar.py): the same loop, the same walk.
+A thinking budget (thinking.py) shapes and masks a round the same way.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from .drafters.admit import admit_or_warn
 from .distributed import check_same, shared_proposal, sharded
 from .errors import UserError
 from .grammar import Grammar, Shaped, mask_logits
+from .thinking import ThinkingBudget
 from .prompt_cache import PromptCache, make_prompt_cache
 from .rewind import Rewind, needs_rewind
 from .compiled import compiles_verification, verify_block
@@ -91,12 +93,13 @@ class SpeculativeDecoder:
     def __init__(self, target: nn.Module, drafter: Optional[Drafter], sampling: Sampling,
                  seed: Optional[int] = None, cache: Optional[PromptCache] = None,
                  on_phase: Optional[Callable[[str], None]] = None, costs: Optional[Callable[[], Costs]] = None,
-                 grammar: Optional[Grammar] = None, kv: Optional[KVQuantization] = None, keep_logits: bool = False):
+                 grammar: Union[Grammar, ThinkingBudget, None] = None, kv: Optional[KVQuantization] = None, keep_logits: bool = False):
         """``drafter``: what drafts each round (None: plain decoding through the same loop).
         ``on_phase``: called with each of PHASES as a round passes it. ``costs``: this
         device's measured costs for the target (asked for when a round first needs them),
         which drafters size their trees by and whose logit drift makes greedy rounds exact.
-        ``grammar``: the reply's structured-output state (grammar.py; None: free text).
+        ``grammar``: the reply's structured-output state (grammar.py), or its thinking budget
+        (thinking.py); None: free text.
         ``kv``: quantized KV caches (target.KVQuantization), checked against the caches.
         ``keep_logits``: keep the rows each committed token was chosen from (``Round.logits``,
         ``root_logits``), for log-probabilities."""
@@ -269,7 +272,8 @@ class SpeculativeDecoder:
 
     def _held(self, logits: mx.array) -> mx.array:
         """The prompt's last logits, held to the grammar (if any) where the reply begins."""
-        return mask_logits(logits[None], self.grammar.mask_now())[0] if self.grammar is not None else logits
+        allowed = self.grammar.mask_now() if self.grammar is not None else None
+        return mask_logits(logits[None], allowed)[0] if allowed is not None else logits
 
     def _unsure(self, logits: mx.array) -> bool:
         """Whether a greedy choice read from a block row may differ from a one-row pass's."""
@@ -362,7 +366,8 @@ class SpeculativeDecoder:
                                                      drafted.tokens, drafted.shaped)
         start = len(committed) - 1  # the root's position
         exact = self.rewind is None and len(tree) > 0  # (a recurrent state is not re-read one row at a time)
-        logits = mask_logits(out.logits, shaped.allowed) if shaped is not None else out.logits
+        masked = shaped is not None and shaped.allowed is not None
+        logits = mask_logits(out.logits, shaped.allowed) if masked else out.logits
         verdict = accept(tree, tokens, logits, self.sampling, self._next_key(),
                          self._tolerance() if exact else 0.0)
         kept = [0] + [n + 1 for n in verdict.path]
@@ -371,7 +376,7 @@ class SpeculativeDecoder:
             self.state.commit(start, kept[:-1], False, recorded)
             alone = self._forward(mx.array(([self.root] + verdict.tokens)[-1:]), start + len(kept) - 1, None)
             alone_logits = alone.logits[-1:]
-            if shaped is not None:
+            if masked:
                 alone_logits = mask_logits(alone_logits, shaped.allowed[kept[-1]:kept[-1] + 1])
             verdict.bonus = self._choose(alone_logits[0])
             if chosen_from is not None:

@@ -19,6 +19,7 @@ from .decoder import Round, SpeculativeDecoder, batched_round, batches
 from .distributed import Watchdog, shared_seed
 from .errors import UserError, check_options
 from .grammar import grammar_for
+from .thinking import thinking_budget_for
 from .plan import DraftPlan, plan_drafts, source_statistics
 from .prompt_cache import PromptCache, make_prompt_cache
 from .target import kv_quantization
@@ -43,7 +44,8 @@ class GenerationResponse:
     positions whose top two logits lay too close to trust a block's rounding, decided
     by a one-row pass as plain decoding decides them; ``batch_rows`` and ``nodes_per_round``:
     per round of this reply so far, the conversations its verify pass held (1: alone) and
-    the draft nodes verified for this one."""
+    the draft nodes verified for this one; ``stop_sequence``: the stop string that ended the
+    reply."""
 
     text: str
     token: int
@@ -63,6 +65,7 @@ class GenerationResponse:
     logprobs: Optional[mx.array] = None  # with logprobs=True: the target's log-probabilities the token was chosen from
     batch_rows: float = 1.0
     nodes_per_round: float = 0.0
+    stop_sequence: Optional[str] = None  # the stop string that ended the reply (None: another end)
 
 
 def _prompt_ids(tokenizer, prompt: Union[str, List[int], mx.array]) -> List[int]:
@@ -73,7 +76,6 @@ def _prompt_ids(tokenizer, prompt: Union[str, List[int], mx.array]) -> List[int]
     return list(prompt)
 
 
-FORCED = "grammar (forced tokens)"  # the source name of the tokens a grammar forces, in statistics
 # MLX keeps freed buffers for reuse; mlx-lm's plain loop frees them every 256 tokens. A
 # speculative round adds several tokens, so the cache is cleared whenever a round crosses
 # a multiple of this (never only at exact multiples, which rounds jump over), and after
@@ -89,17 +91,18 @@ class StopMatcher:
         self.stops = [s for s in stops if s]
         self.shown = 0  # characters already handed out
 
-    def feed(self, text: str, final: bool) -> Tuple[str, bool]:
-        """The new piece of ``text`` (all of it so far) to show, and whether a stop string
-        ended it. ``final``: the text will not grow again."""
-        found = (text.find(s, max(0, self.shown - len(s))) for s in self.stops)
-        cut = min((i for i in found if i >= 0), default=-1)
+    def feed(self, text: str, final: bool) -> Tuple[str, Optional[str]]:
+        """The new piece of ``text`` (all of it so far) to show, and the stop string that
+        ended it (None: none did). ``final``: the text will not grow again."""
+        found = [(at, stop) for stop in self.stops for at in [text.find(stop, max(0, self.shown - len(stop)))]
+                 if at >= 0]
+        cut, stop = min(found, default=(-1, None))
         if cut >= 0:
             text = text[:cut]
         elif not final and self.stops:
             text = text[:max(self.shown, len(text) - max(len(s) for s in self.stops) + 1)]
         piece, self.shown = text[self.shown:], max(self.shown, len(text))
-        return piece, cut >= 0
+        return piece, stop
 
 
 def _context_length(model: nn.Module) -> Optional[int]:
@@ -138,6 +141,7 @@ def stream_generate(
     kv_bits: Optional[int] = None,
     kv_group_size: int = 64,
     quantized_kv_start: Optional[int] = None,
+    thinking_budget: Optional[int] = None,
 ) -> Generator[GenerationResponse, None, None]:
     """Yield the continuation of ``prompt`` token by token.
 
@@ -169,10 +173,13 @@ def stream_generate(
     ``kv_bits``, ``kv_group_size``, ``quantized_kv_start``: quantized KV caches, as mlx-lm's
     (target.KVQuantization; ``quantized_kv_start`` None: mlx-lm's default, 5000): the text is
     plain mlx-lm decoding's with the same settings.
+    ``thinking_budget``: end a reasoning model's thinking after this many tokens, its end
+    marker forced as plain decoding with the same rule forces it (mlx_eagle.thinking);
+    drafting goes on. A model without thinking markers has nothing to budget.
     """
     generation = Generation(model, tokenizer, prompt, max_tokens, draft, tree, lookup, temp, top_p, min_p, top_k,
                             seed, stop, prompt_cache, history, logprobs, response_format, kv_bits, kv_group_size,
-                            quantized_kv_start)
+                            quantized_kv_start, thinking_budget)
     try:
         for read, total in generation.read():
             if prompt_progress_callback is not None:
@@ -199,11 +206,16 @@ class Generation:
                  stop: Optional[Sequence[str]] = None, prompt_cache: Optional[PromptCache] = None,
                  history: Union[bool, str, None, object] = True, logprobs: bool = False,
                  response_format: Optional[Dict[str, Any]] = None, kv_bits: Optional[int] = None,
-                 kv_group_size: int = 64, quantized_kv_start: Optional[int] = None):
+                 kv_group_size: int = 64, quantized_kv_start: Optional[int] = None,
+                 thinking_budget: Optional[int] = None):
         check_options(max_tokens, seed)
         self.ids = _prompt_ids(tokenizer, prompt)
         check_prompt(model, self.ids)
-        self.grammar = grammar_for(tokenizer, model.args.vocab_size, response_format)
+        budget = thinking_budget_for(tokenizer, self.ids, thinking_budget, model.args.vocab_size)
+        if budget is not None and response_format is not None:
+            raise UserError("a thinking budget and a response_format cannot hold one reply together (the format "
+                            "would forbid the thinking); give one of them")
+        self.grammar = grammar_for(tokenizer, model.args.vocab_size, response_format) or budget
         kv = kv_quantization(kv_bits, kv_group_size, quantized_kv_start)
         self.limit = _context_length(model)
         self.plan = plan = plan_drafts(model, draft, tree, lookup, history, tokenizer, kv_bits, kv_group_size,
@@ -270,7 +282,7 @@ class Generation:
         self.accepted = len(result.tokens) - 1
         self.sources = source_statistics(self.cache.drafter)
         if self.grammar is not None and self.grammar.forced.proposed:
-            self.sources = {**self.sources, FORCED: replace(self.grammar.forced)}
+            self.sources = {**self.sources, self.grammar.forced_source: replace(self.grammar.forced)}
         logprobs = _log_softmax(result.logits) if self.logprobs else None
         return self._responses(result.tokens, [True] * self.accepted + [False], logprobs)
 
@@ -289,8 +301,8 @@ class Generation:
                 finish = "length"
             if finish is not None:
                 self.detokenizer.finalize()
-            segment, stopped = self.stops.feed(self.detokenizer.text, final=finish is not None)
-            if stopped:
+            segment, stopped_by = self.stops.feed(self.detokenizer.text, final=finish is not None)
+            if stopped_by is not None:
                 finish = "stop"
             elapsed = time.perf_counter() - self.tic
             self.done = finish is not None
@@ -305,6 +317,7 @@ class Generation:
                 logprobs=logprobs[index] if logprobs is not None else None,
                 batch_rows=self.rows / self.rounds if self.rounds else 1.0,
                 nodes_per_round=self.nodes / self.rounds if self.rounds else 0.0,
+                stop_sequence=stopped_by,
             )
             if self.done:
                 return

@@ -138,7 +138,7 @@ class Shaped:
     tree: DraftTree
     tokens: mx.array  # [nodes] int32
     placed: List[Optional[int]]  # per node of the drafter's proposal: its index here (None: cut)
-    allowed: mx.array  # [1 + nodes, vocab words] uint32: the mask of the root's row, then each node's
+    allowed: Optional[mx.array]  # [1 + nodes, vocab words] uint32: the root's row's mask, then each node's (None: all)
     forced_from: int  # the first node the grammar forced (they come after the drafter's)
 
     def drafters_path(self, path: List[int]) -> List[int]:
@@ -149,6 +149,8 @@ class Shaped:
 
 class Grammar:
     """One reply's grammar state: what its committed tokens have matched so far."""
+
+    forced_source = "grammar (forced tokens)"  # the name of the tokens it forces, in statistics
 
     def __init__(self, tokenizer, grammar: str, vocab: int):
         self.vocab = vocab

@@ -99,13 +99,15 @@ def _check_tool_calls(tool_calls: Any, where: str) -> List[Dict[str, Any]]:
 
 
 def chat_tokens(tokenizer, messages: Sequence[Dict[str, Any]],
-                tools: Optional[Sequence[Dict[str, Any]]] = None) -> List[int]:
+                tools: Optional[Sequence[Dict[str, Any]]] = None, thinking: Optional[bool] = None) -> List[int]:
     """The prompt for ``messages`` (and the ``tools`` offered) through the model's chat
     template, ready for the assistant's turn (a plain "role: text" rendering for models
-    without a template)."""
+    without a template). ``thinking``: whether a reasoning model thinks first (the
+    template's ``enable_thinking``; None: its default)."""
     if tokenizer.chat_template is not None:
+        switch = {"enable_thinking": thinking} if thinking is not None else {}
         return list(tokenizer.apply_chat_template(list(messages), tools=list(tools) if tools else None,
-                                                  add_generation_prompt=True, tokenize=True))
+                                                  add_generation_prompt=True, tokenize=True, **switch))
     text = "\n\n".join(f"{m['role']}: {m['content']}" for m in messages) + "\n\nassistant:"
     return tokenizer.encode(text)
 
@@ -360,17 +362,18 @@ class ChatResponse(GenerationResponse):
 
 
 def chat_prompt(tokenizer, messages: Sequence[Dict[str, Any]], tools: Optional[Sequence[Dict[str, Any]]] = None,
-                tool_choice: Any = None) -> Tuple[List[int], ReplySplitter]:
+                tool_choice: Any = None, thinking: Optional[bool] = None) -> Tuple[List[int], ReplySplitter]:
     """The prompt for checked ``messages`` with the ``tools`` offered (checked here) and
     the splitter that reads the reply; one line for tools the model cannot take, whose
-    ``field`` names the request field at fault (the server's 400 says it)."""
+    ``field`` names the request field at fault (the server's 400 says it). ``thinking``:
+    as for chat_tokens."""
     tools = _in_field("tools", lambda: check_tools(tools) if tools is not None else [])
     choice = _in_field("tool_choice", lambda: check_tool_choice(tool_choice, tools))
     if tools:
         _in_field("tools", lambda: check_tool_support(tokenizer))
     offered = tools if choice != "none" else []
     opening = _in_field("tool_choice", lambda: forced_opening(tokenizer, choice)) if offered else ""
-    ids = chat_tokens(tokenizer, messages, offered)
+    ids = chat_tokens(tokenizer, messages, offered, thinking)
     if opening:
         ids += tokenizer.encode(opening, add_special_tokens=False)
     return ids, ReplySplitter(tokenizer, offered, opening)

@@ -149,6 +149,39 @@ def qwen_coder(qwen_coder_gguf):
 
 
 @pytest.fixture(scope="session")
+def qwen_thinking_dir(qwen_coder_gguf, tmp_path_factory) -> Path:
+    """Qwen2.5-Coder-0.5B-Instruct as a reasoning model's copy: its weights, with Qwen3's
+    thinking markers (``<think>`` and ``</think>``, at Qwen3's ids, which the GGUF's vocabulary
+    holds as padding) and a chat template that opens a thinking block for the reply
+    (``enable_thinking`` false: an empty block, as Qwen3's does). No reasoning model is among
+    the offline weights; this one thinks in the block because its template says so."""
+    import json
+
+    from mlx_eagle.models import converted_gguf
+
+    source = converted_gguf(qwen_coder_gguf, progress=False)
+    out = tmp_path_factory.mktemp("qwen-thinking")
+    for item in source.iterdir():
+        if item.suffix in (".safetensors", ".json") and item.name != "tokenizer.json":
+            os.symlink(item, out / item.name)
+    tokenizer = json.loads((source / "tokenizer.json").read_text())
+    vocab = tokenizer["model"]["vocab"]
+    for token, at in (("<think>", 151667), ("</think>", 151668)):
+        del vocab[f"[PAD{at}]"]
+        vocab[token] = at
+        tokenizer["added_tokens"].append({"id": at, "content": token, "single_word": False, "lstrip": False,
+                                          "rstrip": False, "normalized": False, "special": False})
+    (out / "tokenizer.json").write_text(json.dumps(tokenizer))
+    template = (source / "chat_template.jinja").read_text()
+    opening = "{{- '<|im_start|>assistant\\n' }}"
+    assert opening in template
+    (out / "chat_template.jinja").write_text(template.replace(opening, opening + (
+        "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}"
+        "{%- else %}{{- '<think>\\n' }}{%- endif %}")))
+    return out
+
+
+@pytest.fixture(scope="session")
 def six_token_model():
     """A tiny llama over a 6-token vocabulary with peaky, context-dependent distributions,
     for chi-square checks of sampling."""

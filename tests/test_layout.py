@@ -266,7 +266,7 @@ FLOORS = [
     ("model code and conversion", ("target", "rewind", "verify", "compiled", "costs", "heads", "dflash_model",
                                    "mtp_model", "convert")),
     ("loading", ("models",)),
-    ("drafting", ("drafters", "grammar")),
+    ("drafting", ("drafters", "grammar", "thinking")),
     ("decoding", ("prompt_cache", "decoder", "plan")),
     ("the API", ("generation", "generate", "replies", "scheduler", "session")),
     ("tools and apps", ("", "generate.__main__", "convert.head", "convert.export", "bench", "tune", "train", "data",

@@ -183,10 +183,12 @@ def test_a_stop_string_split_across_tokens_is_never_shown():
 
     matcher = StopMatcher(["END", ""])
     pieces = [matcher.feed(text, final=False) for text in ("abc", "abcE", "abcEN", "abcENDxyz")]
-    assert pieces == [("a", False), ("b", False), ("c", False), ("", True)]
+    assert pieces == [("a", None), ("b", None), ("c", None), ("", "END")]
+    unfinished = StopMatcher(["END", "cE"])
+    assert unfinished.feed("abcEN", final=False) == ("ab", "cE")  # the earliest stop string is the one that ended it
     unfinished = StopMatcher(["END"])
-    assert unfinished.feed("abcEN", final=False) == ("abc", False)
-    assert unfinished.feed("abcEN", final=True) == ("EN", False)  # the text ended: nothing to hold back
+    assert unfinished.feed("abcEN", final=False) == ("abc", None)
+    assert unfinished.feed("abcEN", final=True) == ("EN", None)  # the text ended: nothing to hold back
 
 
 def test_draft_auto_finds_the_shipped_head_by_the_models_identity_not_its_path(smollm_float32, tmp_path):
