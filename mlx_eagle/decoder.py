@@ -93,7 +93,8 @@ class SpeculativeDecoder:
     def __init__(self, target: nn.Module, drafter: Optional[Drafter], sampling: Sampling,
                  seed: Optional[int] = None, cache: Optional[PromptCache] = None,
                  on_phase: Optional[Callable[[str], None]] = None, costs: Optional[Callable[[], Costs]] = None,
-                 grammar: Union[Grammar, ThinkingBudget, None] = None, kv: Optional[KVQuantization] = None, keep_logits: bool = False):
+                 grammar: Union[Grammar, ThinkingBudget, None] = None, kv: Optional[KVQuantization] = None,
+                 keep_logits: bool = False):
         """``drafter``: what drafts each round (None: plain decoding through the same loop).
         ``on_phase``: called with each of PHASES as a round passes it. ``costs``: this
         device's measured costs for the target (asked for when a round first needs them),

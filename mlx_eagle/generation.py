@@ -142,6 +142,7 @@ def stream_generate(
     kv_group_size: int = 64,
     quantized_kv_start: Optional[int] = None,
     thinking_budget: Optional[int] = None,
+    stop_tokens: Optional[Sequence[int]] = None,
 ) -> Generator[GenerationResponse, None, None]:
     """Yield the continuation of ``prompt`` token by token.
 
@@ -176,10 +177,12 @@ def stream_generate(
     ``thinking_budget``: end a reasoning model's thinking after this many tokens, its end
     marker forced as plain decoding with the same rule forces it (mlx_eagle.thinking);
     drafting goes on. A model without thinking markers has nothing to budget.
+    ``stop_tokens``: token ids that end the reply as the end of sequence does (a
+    fill-in-the-middle prompt's, mlx_eagle.infill).
     """
     generation = Generation(model, tokenizer, prompt, max_tokens, draft, tree, lookup, temp, top_p, min_p, top_k,
                             seed, stop, prompt_cache, history, logprobs, response_format, kv_bits, kv_group_size,
-                            quantized_kv_start, thinking_budget)
+                            quantized_kv_start, thinking_budget, stop_tokens)
     try:
         for read, total in generation.read():
             if prompt_progress_callback is not None:
@@ -207,7 +210,7 @@ class Generation:
                  history: Union[bool, str, None, object] = True, logprobs: bool = False,
                  response_format: Optional[Dict[str, Any]] = None, kv_bits: Optional[int] = None,
                  kv_group_size: int = 64, quantized_kv_start: Optional[int] = None,
-                 thinking_budget: Optional[int] = None):
+                 thinking_budget: Optional[int] = None, stop_tokens: Optional[Sequence[int]] = None):
         check_options(max_tokens, seed)
         self.ids = _prompt_ids(tokenizer, prompt)
         check_prompt(model, self.ids)
@@ -230,7 +233,7 @@ class Generation:
                                           costs=(lambda: plan.settings.costs) if plan.active else None,
                                           grammar=self.grammar, kv=kv, keep_logits=logprobs)
         self.max_tokens, self.logprobs = max_tokens, logprobs
-        self.eos = set(tokenizer.eos_token_ids)
+        self.eos = set(tokenizer.eos_token_ids) | set(stop_tokens or ())
         self.stops = StopMatcher(stop or [])
         self.detokenizer = tokenizer.detokenizer
         self.detokenizer.reset()

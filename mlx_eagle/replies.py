@@ -127,6 +127,10 @@ class ToolCall:
         call = {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
         return call if index is None else {"index": index, **call}
 
+    def input(self) -> Dict[str, Any]:
+        """The arguments as an object (they were read as one)."""
+        return json.loads(self.arguments)
+
 
 @dataclass
 class ReplyPiece:

@@ -104,6 +104,11 @@ class Scheduler:
             self._unseated += 1
         self.jobs.put(request)
 
+    @property
+    def queued(self) -> int:
+        """Requests submitted and not yet seated."""
+        return self._unseated
+
     def cancel_all(self) -> None:
         """Cancel every reply in progress (not those waiting for a seat)."""
         for request in list(self.live):

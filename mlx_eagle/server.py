@@ -50,7 +50,6 @@ import threading
 import time
 import uuid
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Sequence, Tuple
@@ -61,11 +60,17 @@ from .cli import LAUNCHED, add_history_arguments, add_kv_arguments, add_model_ar
     new_parser, run_cli
 from .errors import MAX_CONCURRENCY, MAX_QUEUE, MAX_SEED, Busy, UserError, check_options, check_text
 from .grammar import response_grammar
+from .metrics import CONTENT_TYPE, Metrics, log_line
+from .infill import infill_prompt
+from .thinking import check_budget, effort_budget
+from .protocols import Collected, Protocol, Request, RequestError, chat_ids, number
+from .protocols.anthropic import Messages
+from .protocols.infill import Infill
+from .protocols.responses import STORE_BYTES, ResponseStore, Responses, not_found
 from .trees import parse_tree
 
 if TYPE_CHECKING:  # they load mlx-lm: imported where used, so that --help answers at once
     from .generation import GenerationResponse
-    from .replies import ReplySplitter
     from .session import Engine
 
 MAX_BODY_BYTES = 1 << 20
@@ -73,8 +78,13 @@ IDLE_SECONDS = 60  # a client silent this long (reading or writing) is dropped
 STALL_SECONDS = 120  # a generation this long without progress makes /health answer 503 "stalled"
 STOP_SECONDS = 10  # SIGTERM or Ctrl-C ends the process within this, whatever is stuck
 LOCAL_HOSTS = ("localhost", "127.0.0.1", "::1")
-POST_ROUTES = {"/v1/chat/completions": True, "/chat/completions": True, "/v1/completions": False, "/completions": False}
-GET_ROUTES = ("/health", "/v1/models", "/models")
+# Each POST route and what it speaks: OpenAI's chat completions and completions (here),
+# Anthropic's Messages, OpenAI's Responses, llama.cpp's infill (protocols/).
+POST_ROUTES = {"/v1/chat/completions": "chat", "/chat/completions": "chat", "/v1/completions": "completions",
+               "/completions": "completions", "/v1/messages": "messages", "/v1/messages/count_tokens": "count_tokens",
+               "/v1/responses": "responses", "/responses": "responses", "/infill": "infill"}
+GET_ROUTES = ("/health", "/v1/models", "/models", "/metrics")
+RESPONSE_ROUTE = re.compile(r"/v1/responses/(?P<id>[^/]+)")  # GET and DELETE a stored response
 CONTENT_LENGTH = re.compile(r"[0-9]{1,15}")  # ASCII digits only ("\xb2".isdigit() is True), and bounded
 # A Host header: a name or an address (an IPv6 one in brackets), then at most a port; nothing else
 # ("localhost:80@evil.com" names no host of ours).
@@ -90,64 +100,35 @@ UNSUPPORTED = {
     "logit_bias": lambda v: v in (None, {}),
     "best_of": lambda v: v in (None, 1),
     "echo": lambda v: v in (None, False),
-    "suffix": lambda v: v in (None, ""),
 }
 
 
-class RequestError(Exception):
-    """A request the server will not serve: HTTP status, message and the offending field."""
-
-    def __init__(self, status: int, message: str, param: Optional[str] = None, code: Optional[str] = None):
-        super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
-
-
-@dataclass
-class Request:
-    ids: List[int]
-    chat: bool
-    stream: bool
-    include_usage: bool
-    options: Dict[str, Any] = field(default_factory=dict)
-    model: str = ""  # the model id asked for: earlier replies are drafted from per id, never across ids
-    splitter: Optional["ReplySplitter"] = None  # a chat reply's reader: answer text, reasoning, tool calls
-    top_logprobs: Optional[int] = None  # log-probabilities asked for: the chosen token's and this many more
-
-
-def _body_number(body: dict, name: str, default: float, low: float, high: float) -> float:
-    value = body.get(name)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
-        raise RequestError(400, f"{name} must be a number from {low:g} to {high:g}", name)
-    return float(value)
-
-
-def _chat_prompt(body: dict, tokenizer) -> Tuple[List[int], "ReplySplitter"]:
-    """The prompt and reply reader of a chat request; a 400 names the field at fault."""
-    from .replies import chat_prompt, check_messages
-
-    try:
-        messages = check_messages(body.get("messages"))
-    except UserError as error:
-        raise RequestError(400, str(error), "messages") from None
-    try:
-        return chat_prompt(tokenizer, messages, body.get("tools"), body.get("tool_choice"))
-    except UserError as error:
-        raise RequestError(400, str(error), getattr(error, "field", None)) from None
-
-
-def _prompt(body: dict, tokenizer) -> List[int]:
+def _prompt(body: dict, tokenizer) -> Tuple[List[int], Tuple[int, ...]]:
+    """A completion's prompt: its text or token ids; with a ``suffix``, the model's
+    fill-in-the-middle prompt for what goes between the two (infill.py), and the tokens
+    that end the middle."""
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]
+    suffix = body.get("suffix")
+    if suffix is not None and not isinstance(suffix, str):
+        raise RequestError(400, "suffix must be a string: the text after the insertion point", "suffix")
+    if suffix:
+        if not isinstance(prompt, str):
+            raise RequestError(400, "with a suffix, prompt must be a string: the text before the insertion point",
+                               "prompt")
+        try:
+            infill = infill_prompt(tokenizer, check_text(prompt, "prompt"), check_text(suffix, "suffix"))
+        except UserError as error:
+            raise RequestError(400, str(error), "suffix") from None
+        return infill.ids, infill.stop_tokens
     if isinstance(prompt, str) and prompt:
         try:
-            return tokenizer.encode(check_text(prompt, "prompt"))
+            return tokenizer.encode(check_text(prompt, "prompt")), ()
         except UserError as error:
             raise RequestError(400, str(error), "prompt") from None
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        return list(prompt)
+        return list(prompt), ()
     raise RequestError(400, "prompt must be a non-empty string (or one list of token ids)", "prompt")
 
 
@@ -159,7 +140,11 @@ def parse_request(body: Any, chat: bool, engine: Engine, default_max_tokens: int
         if name in body and not _is_harmless(asks_nothing, body[name]):
             raise RequestError(400, f"{name} is not supported by this server; leave it out", name, "unsupported_field")
     limit = engine.context_length or 1 << 30
-    ids, splitter = _chat_prompt(body, engine.tokenizer) if chat else (_prompt(body, engine.tokenizer), None)
+    splitter, ends = None, ()
+    if chat:
+        ids, splitter = chat_ids(engine, body.get("messages"), body.get("tools"), body.get("tool_choice"))
+    else:
+        ids, ends = _prompt(body, engine.tokenizer)
     vocab = engine.model.args.vocab_size
     if any(not 0 <= t < vocab for t in ids):
         raise RequestError(400, f"prompt token ids must lie in 0..{vocab - 1}", "prompt")
@@ -200,15 +185,28 @@ def parse_request(body: Any, chat: bool, engine: Engine, default_max_tokens: int
         raise RequestError(400, str(error), "response_format") from None
     # (A reply made to begin with a tool call is that call: response_format is for answer text.)
     response_format = None if splitter is not None and splitter.forced_call else body.get("response_format")
-    options = dict(max_tokens=max_tokens, temp=_body_number(body, "temperature", 0.0, 0.0, 2.0),
-                   top_p=_body_number(body, "top_p", 1.0, 0.0, 1.0), seed=seed, stop=stop,
-                   logprobs=top_logprobs is not None, response_format=response_format)
+    options = dict(max_tokens=max_tokens, temp=number(body, "temperature", 0.0, 0.0, 2.0),
+                   top_p=number(body, "top_p", 1.0, 0.0, 1.0), seed=seed, stop=stop,
+                   logprobs=top_logprobs is not None, response_format=response_format,
+                   thinking_budget=_thinking_budget(body), stop_tokens=ends or None)
     if options["top_p"] == 0.0:
         raise RequestError(400, "top_p must be above 0", "top_p")
     model = body.get("model")
     return Request(ids=ids, chat=chat, stream=stream, include_usage=bool(stream_options.get("include_usage")),
                    options=options, model=model if isinstance(model, str) else "", splitter=splitter,
                    top_logprobs=top_logprobs)
+
+
+def _thinking_budget(body: dict) -> Optional[int]:
+    """A chat completion's thinking budget: ``thinking_budget`` (tokens), else the one
+    ``reasoning_effort`` names (thinking.EFFORT_BUDGETS)."""
+    try:
+        if body.get("thinking_budget") is not None:
+            return check_budget(body["thinking_budget"])
+        return effort_budget(body.get("reasoning_effort"), "reasoning_effort")
+    except UserError as error:
+        raise RequestError(400, str(error), "thinking_budget" if "thinking_budget" in str(error)
+                           else "reasoning_effort") from None
 
 
 MAX_TOP_LOGPROBS = 20
@@ -299,6 +297,12 @@ class Handler(BaseHTTPRequestHandler):
     arrived = 0.0  # when the request in progress was queued (time.monotonic)
     first_token_seconds: Optional[float] = None  # from then to its first token
     heartbeat = False  # a plain reply's status line is out, spaces follow until its JSON
+    last: Optional[GenerationResponse] = None  # the request's last response so far
+    token_at = 0.0  # when it came (time.monotonic)
+    gaps: List[float] = []  # the seconds between its responses
+    status = 200  # the status the request in progress was answered with
+    request_id = ""  # its id in the --log-requests line
+    reply_text = ""  # its reply's text so far (kept for --log-text)
 
     def setup(self) -> None:
         self.timeout = self.server.idle_seconds
@@ -336,6 +340,12 @@ class Handler(BaseHTTPRequestHandler):
             self.wfile.write(data)
 
     def _send_error(self, error: RequestError, headers: Sequence[tuple] = ()) -> None:
+        """``error`` in the shape of the protocol the route speaks."""
+        self.status = error.status
+        protocol = self.server.protocols.get(POST_ROUTES.get(self.route, ""))
+        if protocol is not None:
+            self._send_json(error.status, protocol.error(error), headers)
+            return
         kind = "server_error" if error.status >= 500 else "invalid_request_error"
         self._send_json(error.status, {"error": {"message": error.message, "type": kind,
                                                  "param": error.param, "code": error.code}}, headers)
@@ -355,7 +365,8 @@ class Handler(BaseHTTPRequestHandler):
 
     def _not_allowed(self) -> None:
         """405 for a method a known route does not take, 404 for an unknown route."""
-        allowed = "POST" if self.route in POST_ROUTES else "GET" if self._is_get_route() else None
+        allowed = "POST" if self.route in POST_ROUTES else "GET, DELETE" if RESPONSE_ROUTE.fullmatch(self.route) \
+            else "GET" if self._is_get_route() else None
         if allowed is None:
             self._send_error(RequestError(404, f"no such endpoint: {self.command} {self.route}"))
         else:
@@ -363,9 +374,24 @@ class Handler(BaseHTTPRequestHandler):
                              [("Allow", allowed)])
 
     def _is_get_route(self) -> bool:
-        return self.route in GET_ROUTES or self.route.startswith(("/v1/models/", "/models/"))
+        return self.route in GET_ROUTES or self.route.startswith(("/v1/models/", "/models/")) or \
+            bool(RESPONSE_ROUTE.fullmatch(self.route))
 
-    do_PUT = do_DELETE = do_PATCH = do_HEAD = do_OPTIONS = _not_allowed  # noqa: N815 (http.server's naming)
+    do_PUT = do_PATCH = do_HEAD = do_OPTIONS = _not_allowed  # noqa: N815 (http.server's naming)
+
+    def do_DELETE(self) -> None:  # noqa: N802
+        """DELETE /v1/responses/{id}: drop a stored response."""
+        try:
+            self._check_host()
+            found = RESPONSE_ROUTE.fullmatch(self.route)
+            if found is None:
+                self._not_allowed()
+                return
+            if not self.server.responses.store.delete(found["id"]):
+                raise not_found(found["id"])
+            self._send_json(200, {"id": found["id"], "object": "response", "deleted": True})
+        except RequestError as error:
+            self._send_error(error)
 
     def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
         try:
@@ -374,7 +400,8 @@ class Handler(BaseHTTPRequestHandler):
                 self._not_allowed()
                 return
             engine, route = self.server.engine, self.route
-            model = {"id": engine.name, "object": "model", "created": self.server.started, "owned_by": "mlx-eagle"}
+            model = {"id": engine.name, "object": "model", "created": self.server.started, "owned_by": "mlx-eagle",
+                     **self.server.drafting}
             if route == "/health":
                 stalled = engine.stalled_for()
                 if stalled > self.server.stall_seconds:
@@ -382,6 +409,14 @@ class Handler(BaseHTTPRequestHandler):
                                               **self.server.counts))
                 else:
                     self._send_json(200, dict(status="ok", **self.server.counts))
+            elif route == "/metrics":
+                self._send_metrics()
+            elif RESPONSE_ROUTE.fullmatch(route):
+                response_id = RESPONSE_ROUTE.fullmatch(route)["id"]
+                held = self.server.responses.store.get(response_id)
+                if held is None:
+                    raise not_found(response_id)
+                self._send_json(200, held[0])
             elif route in ("/v1/models", "/models"):
                 self._send_json(200, {"object": "list", "data": [model]})
             elif route.split("/models/", 1)[1] == engine.name:
@@ -393,6 +428,8 @@ class Handler(BaseHTTPRequestHandler):
             self._send_error(error)
 
     def do_POST(self) -> None:  # noqa: N802
+        began, request = time.monotonic(), None
+        self.status, self.last, self.first_token_seconds, self.gaps = 200, None, None, []
         try:
             body = self._read_body()  # first, so that the client hears whatever the answer is
             self._check_host()
@@ -402,8 +439,15 @@ class Handler(BaseHTTPRequestHandler):
             content_type = (self.headers.get("Content-Type") or "").split(";")[0].strip().lower()
             if content_type != "application/json":
                 raise RequestError(415, f"send the body as application/json, not {content_type or 'untyped'}")
-            request = parse_request(self._parse_json(body), POST_ROUTES[self.route], self.server.engine,
-                                    self.server.default_max_tokens)
+            kind, body = POST_ROUTES[self.route], self._parse_json(body)
+            protocol = self.server.protocols.get(kind)
+            if kind == "count_tokens":
+                self._send_json(200, self.server.protocols["messages"].count(body, self.server.engine))
+                return
+            if protocol is not None:
+                request = protocol.parse(body, self.server.engine, self.server.default_max_tokens)
+            else:
+                request = parse_request(body, kind == "chat", self.server.engine, self.server.default_max_tokens)
             self.server.count("requests")
             with self.server.in_flight():
                 try:
@@ -421,10 +465,31 @@ class Handler(BaseHTTPRequestHandler):
                              [("Retry-After", str(error.retry_after))])
         except (BrokenPipeError, ConnectionResetError):
             self.close_connection = True
+            self.status = 499  # (nginx's name for a client that left before its reply)
         except Exception as error:  # a bug of ours: say so, keep serving
             self.log_error("error serving %s: %r", self.path, error)
-            self._send_json(500, {"error": {"message": f"internal error: {error}", "type": "server_error",
-                                            "param": None, "code": None}})
+            self._send_error(RequestError(500, f"internal error: {error}"))
+        finally:
+            self._observe(request, time.monotonic() - began)
+
+    def _observe(self, request: Optional[Request], seconds: float) -> None:
+        """The request, ended, in the metrics (and its line with --log-requests)."""
+        route = self.route if self.route in POST_ROUTES else "other"
+        self.server.metrics.observe(route, self.status, seconds, self.last, self.first_token_seconds, self.gaps)
+        if self.server.log_requests:
+            tokenizer = self.server.engine.tokenizer
+            log_line(sys.stderr, self.request_id, route, self.status, seconds, self.last, self.first_token_seconds,
+                     usage(self.last, len(request.ids), self.first_token_seconds) if request and self.last else None,
+                     tokenizer.decode(request.ids) if self.server.log_text and request else None,
+                     self.reply_text if self.server.log_text and request else None)
+
+    def _send_metrics(self) -> None:
+        data = self.server.metrics.text()
+        self.send_response(200)
+        self.send_header("Content-Type", CONTENT_TYPE)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
 
     def _read_body(self) -> bytes:
         """The body Content-Length declares. Any problem with it ends the connection too:
@@ -476,15 +541,22 @@ class Handler(BaseHTTPRequestHandler):
         the generation)."""
         from .replies import split_reply
 
-        self.arrived, self.first_token_seconds = time.monotonic(), None
+        self.arrived, self.first_token_seconds, self.last, self.gaps = time.monotonic(), None, None, []
+        self.request_id, self.reply_text = uuid.uuid4().hex[:24], ""
         responses = self.server.engine.generate(request.ids, tree=self.server.tree, history_key=request.model,
                                                 on_prompt_read=on_prompt_read, on_wait=on_wait, **request.options)
         return self._watched(split_reply(responses, request.splitter) if request.chat else responses)
 
     def _watched(self, responses: Iterator[GenerationResponse]) -> Iterator[GenerationResponse]:
         for response in responses:
+            now = time.monotonic()
             if self.first_token_seconds is None:
-                self.first_token_seconds = time.monotonic() - self.arrived
+                self.first_token_seconds = now - self.arrived
+            else:
+                self.gaps.append(now - self.token_at)
+            self.last, self.token_at = response, now
+            if self.server.log_text:
+                self.reply_text += getattr(response, "reasoning", "") + response.text
             yield response
             if not self.read_closed and self._read_side_closed():
                 self.read_closed = self.close_connection = True
@@ -499,6 +571,7 @@ class Handler(BaseHTTPRequestHandler):
         stopping under it."""
         if last is not None and last.finish_reason is not None:
             return None
+        self.status = 503
         return RequestError(503, "the server is shutting down: the reply was cut off; send the request again")
 
     def _beat(self) -> None:
@@ -514,7 +587,7 @@ class Handler(BaseHTTPRequestHandler):
         self.wfile.flush()
 
     def _complete(self, request: Request) -> None:
-        text, reasoning, calls, last, logprobs = "", "", [], None, []
+        collected, logprobs = Collected(), []
         tokenizer = self.server.engine.tokenizer
 
         def reading(read: int, total: int) -> None:
@@ -524,26 +597,36 @@ class Handler(BaseHTTPRequestHandler):
                 self.read_closed = self.close_connection = True
                 self._beat()
 
-        for last in self._generate(request, reading, lambda: reading(0, 0)):
-            text += last.text
+        for piece in self._generate(request, reading, lambda: reading(0, 0)):
+            collected.add(piece)
             if request.top_logprobs is not None:
-                logprobs.append(token_logprobs(tokenizer, last, request.top_logprobs))
-            if request.chat:
-                reasoning += last.reasoning
-                calls += last.tool_calls
+                logprobs.append(token_logprobs(tokenizer, piece, request.top_logprobs))
             if self.read_closed:
                 self._beat()
-        error = self._cut_off(last)
+        error = self._cut_off(collected.last)
         if error is not None:
             if not self.heartbeat:  # else the body stops short: not JSON, so never taken for a reply
                 self._send_error(error)
             return
-        finish = last.finish_reason
+        counts = usage(collected.last, len(request.ids), self.first_token_seconds)
+        if request.protocol is not None:
+            payload = request.protocol.reply(request, collected, counts)
+        else:
+            payload = self._openai_reply(request, collected, logprobs)
+            payload["usage"] = counts
+        if self.heartbeat:
+            self.wfile.write(json.dumps(payload).encode())
+        else:
+            self._send_json(200, payload)
+
+    def _openai_reply(self, request: Request, collected: Collected, logprobs: List[Dict[str, Any]]) -> Dict[str, Any]:
+        """A whole chat completion or completion, but for its usage."""
+        text, calls, finish = collected.text, collected.calls, collected.last.finish_reason
         if request.chat:
             payload = self._envelope(request, "chat.completion")
             message: Dict[str, Any] = {"role": "assistant", "content": text or (None if calls else "")}
-            if reasoning:
-                message["reasoning_content"] = reasoning
+            if collected.reasoning:
+                message["reasoning_content"] = collected.reasoning
             if calls:
                 message["tool_calls"] = [call.openai() for call in calls]
             payload["choices"] = [{"index": 0, "message": message, "finish_reason": finish,
@@ -553,30 +636,51 @@ class Handler(BaseHTTPRequestHandler):
             payload["choices"] = [{"index": 0, "text": text, "finish_reason": finish,
                                    "logprobs": completion_logprobs(logprobs) if request.top_logprobs is not None
                                    else None}]
-        payload["usage"] = usage(last, len(request.ids), self.first_token_seconds)
-        if self.heartbeat:
-            self.wfile.write(json.dumps(payload).encode())
-        else:
-            self._send_json(200, payload)
+        return payload
 
-    def _stream(self, request: Request) -> None:
-        envelope = self._envelope(request, "chat.completion.chunk" if request.chat else "text_completion")
-
-        def comment(text: bytes) -> None:
-            # An SSE comment (clients skip it) after each chunk of a long prompt, and every few
-            # seconds while the request waits for a seat: a client that has gone breaks the
-            # pipe, which cancels the request.
-            self.wfile.write(text)
-            self.wfile.flush()
-
-        responses = self._generate(request, lambda read, total: comment(b": reading the prompt\n\n"),
-                                   lambda: comment(b": waiting for a seat\n\n"))
+    def _start_stream(self) -> None:
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
         self.send_header("Cache-Control", "no-cache")
         self.send_header("Connection", "close")  # the stream ends when the connection does
         self.end_headers()
         self.close_connection = True
+
+    def _write(self, data: bytes) -> None:
+        self.wfile.write(data)
+        self.wfile.flush()
+
+    def _stream_protocol(self, request: Request, protocol: Protocol) -> None:
+        """A streamed reply in another protocol's events (protocols/); its keep-alive after
+        each chunk of a long prompt and every few seconds of waiting for a seat, whose write
+        finds a departed client (which cancels the request)."""
+        responses = self._generate(request, lambda read, total: self._write(protocol.keepalive()),
+                                   lambda: self._write(protocol.keepalive()))
+        self._start_stream()
+        try:
+            for data in protocol.events(request, responses,
+                                        lambda last: usage(last, len(request.ids), self.first_token_seconds)):
+                self._write(data)
+            cut = self._cut_off(self.last)
+            if cut is not None:
+                self._write(protocol.stream_error(cut))
+        except (BrokenPipeError, ConnectionResetError):
+            raise
+        except Exception as error:  # the status line is out: report it in the stream
+            self.log_error("error streaming %s: %r", self.path, error)
+            self._write(protocol.stream_error(RequestError(500, f"internal error: {error}")))
+
+    def _stream(self, request: Request) -> None:
+        if request.protocol is not None:
+            self._stream_protocol(request, request.protocol)
+            return
+        envelope = self._envelope(request, "chat.completion.chunk" if request.chat else "text_completion")
+        # An SSE comment (clients skip it) after each chunk of a long prompt, and every few
+        # seconds while the request waits for a seat: a client that has gone breaks the
+        # pipe, which cancels the request.
+        responses = self._generate(request, lambda read, total: self._write(b": reading the prompt\n\n"),
+                                   lambda: self._write(b": waiting for a seat\n\n"))
+        self._start_stream()
 
         def event(choice: Optional[Dict[str, Any]], **extra) -> None:
             chunk = dict(envelope, choices=[dict(choice, index=0)] if choice is not None else [], **extra)
@@ -627,10 +731,25 @@ class Server(ThreadingHTTPServer):
 
     def __init__(self, address, engine: Optional[Engine] = None, tree: str = "auto", default_max_tokens: int = 512,
                  max_body: int = MAX_BODY_BYTES, quiet: bool = False, allow_hosts: Sequence[str] = (),
-                 idle_seconds: float = IDLE_SECONDS, stall_seconds: float = STALL_SECONDS):
+                 idle_seconds: float = IDLE_SECONDS, stall_seconds: float = STALL_SECONDS,
+                 responses_store_bytes: int = STORE_BYTES, log_requests: bool = False, log_text: bool = False):
         """Binds ``address`` at once; ``engine`` may come later (load the model after
-        the port is known to be free)."""
+        the port is known to be free). ``log_requests``: a JSON line per request on standard
+        error (``log_text``: with the prompt's and the reply's text)."""
         super().__init__(address, Handler)
+        messages = Messages()
+        self.responses = Responses(ResponseStore(responses_store_bytes))
+        self.protocols: Dict[str, Protocol] = {"messages": messages, "count_tokens": messages,
+                                               "responses": self.responses, "infill": Infill()}
+        self.log_requests, self.log_text = log_requests or log_text, log_text
+        self.metrics = Metrics({
+            "requests_waiting": ("Requests waiting for a seat", lambda: self.engine.waiting if self.engine else 0),
+            "requests_running": ("Replies in progress", lambda: self.engine.in_progress if self.engine else 0),
+            "prompt_cache_bytes": ("What the kept conversations' caches hold",
+                                   lambda: self.engine.cache_bytes if self.engine else 0),
+            "responses_stored_bytes": ("What stored Responses API responses hold", lambda: self.responses.store.bytes),
+        })
+        self._drafting: Optional[Dict[str, Any]] = None
         self.engine, self.tree, self.default_max_tokens = engine, tree, default_max_tokens
         self.max_body, self.quiet, self.started = max_body, quiet, int(time.time())
         self.idle_seconds, self.stall_seconds = idle_seconds, stall_seconds
@@ -644,6 +763,13 @@ class Server(ThreadingHTTPServer):
     def count(self, what: str) -> None:
         with self._counting:
             self.counts[what] += 1
+
+    @property
+    def drafting(self) -> Dict[str, Any]:
+        """What drafts for the model, and why any drafter is off (/v1/models says so)."""
+        if self._drafting is None:
+            self._drafting = {"drafting": self.engine.drafting, "drafters_off": self.engine.drafting_notes}
+        return self._drafting
 
     @contextmanager
     def in_flight(self) -> Iterator[None]:
@@ -696,6 +822,14 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parser.add_argument("--max-queue", type=int, default=MAX_QUEUE, metavar="N",
                         help=f"requests waiting for a seat (default {MAX_QUEUE}); past that a request gets a 429 "
                         "with Retry-After")
+    parser.add_argument("--responses-store-bytes", type=int, default=STORE_BYTES, metavar="BYTES",
+                        help="what stored /v1/responses responses may hold together (default 64 MiB; the least "
+                        "recently used go first)")
+    parser.add_argument("--log-requests", action="store_true",
+                        help="a JSON line per request on standard error: id, route, status, tokens, times and "
+                        "speculation (never the text, unless --log-text)")
+    parser.add_argument("--log-text", action="store_true",
+                        help="with --log-requests: the prompt's and the reply's text too")
     parser.add_argument("--quiet", action="store_true", help="no line per request")
     args = parser.parse_args(argv)
     from .distributed import rank, sharding
@@ -717,6 +851,10 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                         f"{args.max_concurrency} and {args.max_queue}")
     if args.prompt_cache_bytes < 0:
         raise UserError(f"--prompt-cache-bytes must be 0 or more, not {args.prompt_cache_bytes}")
+    if args.responses_store_bytes < 0:
+        raise UserError(f"--responses-store-bytes must be 0 or more, not {args.responses_store_bytes}")
+    if args.log_text and not args.log_requests:
+        raise UserError("--log-text adds the text to --log-requests' lines; give --log-requests too")
     kv_quantization(**kv_options(args))
     user_drafter(args.draft)  # your own drafter, imported now: one line if it cannot be
     history = history_choice(args)
@@ -731,7 +869,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         return
     try:
         server = Server((args.host, args.port), None, args.tree, args.max_tokens, quiet=args.quiet,
-                        allow_hosts=args.allow_host, idle_seconds=args.idle_seconds, stall_seconds=args.stall_seconds)
+                        allow_hosts=args.allow_host, idle_seconds=args.idle_seconds, stall_seconds=args.stall_seconds,
+                        responses_store_bytes=args.responses_store_bytes, log_requests=args.log_requests,
+                        log_text=args.log_text)
     except (OSError, OverflowError) as exc:
         reason = getattr(exc, "strerror", None) or str(exc)
         raise UserError(f"cannot listen on {args.host}:{args.port} ({reason}); pick another --port or --host") from None

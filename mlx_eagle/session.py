@@ -24,7 +24,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 
 import mlx.core as mx
 
-from .prompt_cache import PromptCaches
+from .prompt_cache import PromptCaches, slots_bytes
 from .distributed import rank, share_message, sharded
 from .drafters import Drafter
 from .errors import MAX_CONCURRENCY, MAX_QUEUE, UserError
@@ -203,6 +203,11 @@ class Engine:
         return self._call(describe)
 
     @property
+    def drafting_notes(self) -> List[str]:
+        """Why drafters that could draft for this model do not (an empty list: none is off)."""
+        return self._call(lambda: self.plan().notes)
+
+    @property
     def batches(self) -> bool:
         """Whether concurrent replies share forward passes (else each turn they take their
         rounds one after another: a hybrid's recurrent layers, latent attention, shards)."""
@@ -263,6 +268,16 @@ class Engine:
     def in_progress(self) -> int:
         """Replies in progress (reading their prompts or replying)."""
         return len(self.scheduler.live)
+
+    @property
+    def waiting(self) -> int:
+        """Requests waiting for a seat."""
+        return self.scheduler.queued
+
+    @property
+    def cache_bytes(self) -> int:
+        """What the conversations' kept caches hold, in bytes."""
+        return slots_bytes(list(self.caches.slots))
 
     def cancel(self) -> None:
         """Stop every reply in progress, whoever asked for it (safe from any thread);

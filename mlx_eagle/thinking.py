@@ -31,9 +31,10 @@ from .errors import UserError
 from .grammar import Shaped
 from .trees import DraftTree
 
-# Budgets for the effort levels clients name (OpenAI's reasoning.effort, chat completions'
-# reasoning_effort): thinking tokens, sized for a local model's replies.
-EFFORT_BUDGETS = {"minimal": 0, "low": 512, "medium": 2048, "high": 8192}
+# Budgets for the effort levels clients name (OpenAI's reasoning.effort and chat completions'
+# reasoning_effort, Anthropic's output_config.effort): thinking tokens, sized for a local
+# model's replies. "none": no thinking (its block ends at once); "max": no budget.
+EFFORT_BUDGETS = {"none": 0, "minimal": 128, "low": 512, "medium": 2048, "high": 8192, "xhigh": 16384, "max": None}
 
 
 @dataclass(frozen=True)
@@ -159,7 +160,8 @@ def thinking_budget_for(tokenizer, prompt: Sequence[int], budget: Optional[int],
 
 
 def effort_budget(effort: object, where: str) -> Optional[int]:
-    """The thinking budget an effort level names (EFFORT_BUDGETS; None: no effort given)."""
+    """The thinking budget an effort level names (EFFORT_BUDGETS; None: no effort given, or
+    no budget)."""
     if effort is None:
         return None
     if effort not in EFFORT_BUDGETS:

@@ -1,0 +1,326 @@
+"""Anthropic's Messages API: ``POST /v1/messages`` and ``POST /v1/messages/count_tokens``,
+as the ``anthropic`` SDK (and Claude Code) speaks it.
+
+A request's ``system`` and ``messages`` (content blocks ``text``, ``tool_use``,
+``tool_result``; earlier ``thinking`` blocks are left out, as reasoning models' templates
+leave out earlier thinking), its ``tools`` (``input_schema``) and ``tool_choice`` (``auto``,
+``any``, ``tool``, ``none``) become the conversation in OpenAI's shapes that chat
+completions reads, so the same conversation is the same prompt through either. Any model
+name is accepted (a ``claude-*`` name too): the server answers with the model it loaded.
+``thinking`` (``{"type": "enabled", "budget_tokens": N}``) opens a reasoning model's
+thinking, ended after N tokens inside speculation (thinking.py); it is answered with
+``thinking`` blocks; ``output_config`` takes an ``effort`` (a budget for adaptive thinking:
+thinking.EFFORT_BUDGETS) and a JSON schema ``format`` (grammar.py). ``temperature``,
+``top_p`` and ``top_k`` are read where a client still sends them (greedy by default, as
+this server's other routes). Streamed, the reply is Anthropic's events: ``message_start``, a
+``ping``, then per block ``content_block_start``, ``content_block_delta`` (``text_delta``,
+``thinking_delta``, ``input_json_delta``) and ``content_block_stop``, then
+``message_delta`` (stop reason, usage) and ``message_stop``.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+
+from ..errors import UserError, check_text
+from ..grammar import response_grammar
+from ..thinking import check_budget, effort_budget
+from . import Collected, Protocol, Request, RequestError, chat_ids, flag, number, sse, texts, whole
+
+# What a status is called in Anthropic's error shape.
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+               404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 500: "api_error",
+               503: "overloaded_error"}
+MAX_STOP_SEQUENCES = 16
+# Fields asking for what only Anthropic's own service runs: refused (400 naming the field), not ignored.
+REFUSED = ("mcp_servers", "container")
+
+
+def _text(value: Any, where: str) -> str:
+    """A string, or a list of text blocks, as one text."""
+    if isinstance(value, list) and all(isinstance(b, dict) and b.get("type") == "text"
+                                       and isinstance(b.get("text"), str) for b in value):
+        value = "".join(block["text"] for block in value)
+    if not isinstance(value, str):
+        raise RequestError(400, f"{where} must be a string or a list of text blocks", where.split("[")[0])
+    return value
+
+
+def _block_error(where: str, role: str) -> RequestError:
+    kinds = "text, tool_use and thinking" if role == "assistant" else "text and tool_result"
+    return RequestError(400, f"{where}.type must be one of {kinds} in a {role} message (this server reads text "
+                             "only)", "messages")
+
+
+def conversation(body: Dict[str, Any]) -> List[Dict[str, Any]]:
+    """``system`` and ``messages`` as OpenAI's messages (tool_use blocks as an assistant's
+    tool_calls, tool_result blocks as tool messages)."""
+    out: List[Dict[str, Any]] = []
+    if body.get("system") is not None:
+        system = _text(body["system"], "system")
+        if system:
+            out.append({"role": "system", "content": system})
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise RequestError(400, "messages must be a non-empty list of {'role': 'user' or 'assistant', 'content': ...}",
+                           "messages")
+    for index, message in enumerate(messages):
+        at = f"messages[{index}]"
+        role = message.get("role") if isinstance(message, dict) else None
+        if role not in ("user", "assistant"):
+            raise RequestError(400, f"{at} must be an object whose role is 'user' or 'assistant'", "messages")
+        content = message.get("content")
+        if isinstance(content, str):
+            out.append({"role": role, "content": content})
+            continue
+        if not isinstance(content, list):
+            raise RequestError(400, f"{at}.content must be a string or a list of content blocks", "messages")
+        text, calls, results = "", [], []
+        for number_, block in enumerate(content):
+            where = f"{at}.content[{number_}]"
+            kind = block.get("type") if isinstance(block, dict) else None
+            if kind == "text" and isinstance(block.get("text"), str):
+                text += block["text"]
+            elif kind == "tool_use" and role == "assistant":
+                if not isinstance(block.get("id"), str) or not isinstance(block.get("name"), str) or \
+                        not isinstance(block.get("input", {}), dict):
+                    raise RequestError(400, f"{where} must have a string id and name and an input object", "messages")
+                calls.append({"id": block["id"], "type": "function",
+                              "function": {"name": block["name"], "arguments": block.get("input", {})}})
+            elif kind == "tool_result" and role == "user":
+                if not isinstance(block.get("tool_use_id"), str):
+                    raise RequestError(400, f"{where}.tool_use_id must name a tool_use block of an earlier message",
+                                       "messages")
+                result = _text(block.get("content", ""), f"{where}.content")
+                results.append({"role": "tool", "tool_call_id": block["tool_use_id"],
+                                "content": f"Error: {result}" if block.get("is_error") else result})
+            elif kind in ("thinking", "redacted_thinking") and role == "assistant":
+                continue
+            else:
+                raise _block_error(where, role)
+        if role == "user":
+            out += results
+            if text or not results:
+                out.append({"role": "user", "content": text})
+        else:
+            out.append({"role": "assistant", "content": text, **({"tool_calls": calls} if calls else {})})
+    return out
+
+
+def tools(value: Any) -> Optional[List[Dict[str, Any]]]:
+    """Anthropic's tools as OpenAI's function tools (checked again there)."""
+    if value is None:
+        return None
+    if not isinstance(value, list):
+        raise RequestError(400, "tools must be a list of {'name': ..., 'description': ..., 'input_schema': {...}}",
+                           "tools")
+    out = []
+    for index, tool in enumerate(value):
+        where = f"tools[{index}]"
+        if not isinstance(tool, dict):
+            raise RequestError(400, f"{where} must be an object", "tools")
+        if tool.get("type", "custom") not in ("custom", None):
+            raise RequestError(400, f"{where} is Anthropic's server tool {tool['type']!r}: this server runs only "
+                                    "your own tools (name, description, input_schema)", "tools")
+        if not isinstance(tool.get("input_schema"), dict):
+            raise RequestError(400, f"{where}.input_schema must be a JSON schema object", "tools")
+        function = {k: tool[k] for k in ("name", "description") if k in tool}  # (chat completions' order)
+        out.append({"type": "function", "function": {**function, "parameters": tool["input_schema"]}})
+    return out
+
+
+def tool_choice(value: Any) -> Any:
+    """Anthropic's tool_choice as OpenAI's: auto, required (any), a named function (tool), none."""
+    if value is None:
+        return None
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind == "tool" and isinstance(value.get("name"), str):
+        return {"type": "function", "function": {"name": value["name"]}}
+    if kind not in ("auto", "any", "none"):
+        raise RequestError(400, "tool_choice must be {'type': 'auto'}, {'type': 'any'}, {'type': 'none'} or "
+                                "{'type': 'tool', 'name': ...}", "tool_choice")
+    return {"auto": "auto", "any": "required", "none": "none"}[kind]
+
+
+def thinking(value: Any, max_tokens: Optional[int], effort: Optional[int]) -> Tuple[bool, Optional[int]]:
+    """Whether the model thinks first, and its budget (None: none); ``effort``: the budget
+    output_config.effort names, for adaptive thinking."""
+    if value is None:
+        return False, None
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind == "disabled":
+        return False, None
+    if kind in ("adaptive", "between_tools"):
+        return True, effort
+    if kind != "enabled":
+        raise RequestError(400, "thinking must be {'type': 'enabled', 'budget_tokens': N}, {'type': 'adaptive'} or "
+                                "{'type': 'disabled'}", "thinking")
+    try:
+        budget = check_budget(value.get("budget_tokens"), "thinking.budget_tokens")
+    except UserError as error:
+        raise RequestError(400, str(error), "thinking") from None
+    if budget is None or (max_tokens is not None and budget >= max_tokens):
+        raise RequestError(400, "thinking.budget_tokens must be a whole number of tokens below max_tokens", "thinking")
+    return True, budget
+
+
+def prompt(body: Any, engine, counting: bool = False) -> Tuple[List[int], Any, Dict[str, Any]]:
+    """A Messages request's prompt, reply reader and options, checked (``counting``: for
+    count_tokens, which takes no max_tokens)."""
+    if not isinstance(body, dict):
+        raise RequestError(400, "the request body must be a JSON object")
+    if not isinstance(body.get("model"), str) or not body["model"]:
+        raise RequestError(400, "model is required: any name (this server answers with the model it loaded)", "model")
+    for name in REFUSED:
+        if body.get(name):
+            raise RequestError(400, f"{name} is not supported by this server; leave it out", name)
+    limit = engine.context_length or 1 << 30
+    max_tokens = whole(body, "max_tokens", 1, limit, required=not counting)
+    output = body.get("output_config") or {}
+    if not isinstance(output, dict):
+        raise RequestError(400, "output_config must be an object such as {'effort': 'low'}", "output_config")
+    try:
+        effort = effort_budget(output.get("effort"), "output_config.effort")
+        response_format = None if output.get("format") is None else {"type": "json_schema", "json_schema": output[
+            "format"]} if isinstance(output["format"], dict) and output["format"].get("type") == "json_schema" \
+            else {"type": output["format"]}
+        response_grammar(response_format, "output_config.format")
+    except UserError as error:
+        raise RequestError(400, str(error), "output_config") from None
+    thinks, budget = thinking(body.get("thinking"), max_tokens, effort)
+    ids, splitter = chat_ids(engine, conversation(body), tools(body.get("tools")), tool_choice(body.get("tool_choice")),
+                             thinks)
+    if splitter.forced_call:  # the reply is a tool call: the format is for answer text
+        response_format = None
+    return ids, splitter, {"thinking_budget": budget, "max_tokens": max_tokens, "response_format": response_format}
+
+
+class Messages(Protocol):
+    """Anthropic's Messages API."""
+
+    def parse(self, body: Any, engine, default_max_tokens: int) -> Request:
+        ids, splitter, options = prompt(body, engine)
+        try:
+            stop = [check_text(s, "stop_sequences") for s in texts(body, "stop_sequences", MAX_STOP_SEQUENCES) or []]
+        except UserError as error:
+            raise RequestError(400, str(error), "stop_sequences") from None
+        if body.get("metadata") is not None and not isinstance(body["metadata"], dict):
+            raise RequestError(400, "metadata must be an object", "metadata")
+        top_p = number(body, "top_p", 1.0, 0.0, 1.0)
+        if top_p == 0.0:
+            raise RequestError(400, "top_p must be above 0", "top_p")
+        options.update(temp=number(body, "temperature", 0.0, 0.0, 1.0), top_p=top_p,
+                       top_k=whole(body, "top_k", 0, 1 << 30, default=0), stop=stop or None)
+        return Request(ids=ids, chat=True, stream=flag(body, "stream"), options=options, model=body["model"],
+                       splitter=splitter, protocol=self, echo={"model": body["model"]})
+
+    def count(self, body: Any, engine) -> Dict[str, Any]:
+        """``/v1/messages/count_tokens``: the prompt's tokens."""
+        ids, _, _ = prompt(body, engine, counting=True)
+        return {"input_tokens": len(ids)}
+
+    def error(self, error: RequestError) -> Dict[str, Any]:
+        kind = ERROR_TYPES.get(error.status, "api_error" if error.status >= 500 else "invalid_request_error")
+        return {"type": "error", "error": {"type": kind, "message": error.message}}
+
+    @staticmethod
+    def _stop(last) -> Tuple[str, Optional[str]]:
+        finish = last.finish_reason
+        if finish == "tool_calls":
+            return "tool_use", None
+        if finish == "length":
+            return "max_tokens", None
+        if last.stop_sequence is not None:
+            return "stop_sequence", last.stop_sequence
+        return "end_turn", None
+
+    @staticmethod
+    def _usage(usage: Dict[str, Any]) -> Dict[str, Any]:
+        cached = usage["prompt_tokens_details"]["cached_tokens"]
+        return {"input_tokens": usage["prompt_tokens"] - cached, "output_tokens": usage["completion_tokens"],
+                "cache_read_input_tokens": cached, "cache_creation_input_tokens": 0,
+                "time_to_first_token": usage["time_to_first_token"], "speculation": usage["speculation"]}
+
+    @staticmethod
+    def _message(request: Request, content: List[Dict[str, Any]]) -> Dict[str, Any]:
+        return {"id": f"msg_{uuid.uuid4().hex[:24]}", "type": "message", "role": "assistant",
+                "model": request.echo["model"], "content": content, "stop_reason": None, "stop_sequence": None}
+
+    def reply(self, request: Request, collected: Collected, usage: Dict[str, Any]) -> Dict[str, Any]:
+        content: List[Dict[str, Any]] = []
+        if collected.reasoning:
+            content.append({"type": "thinking", "thinking": collected.reasoning, "signature": ""})
+        if collected.text or not collected.calls:
+            content.append({"type": "text", "text": collected.text})
+        content += [{"type": "tool_use", "id": _tool_id(call.id), "name": call.name, "input": call.input()}
+                    for call in collected.calls]
+        stop_reason, stop_sequence = self._stop(collected.last)
+        return {**self._message(request, content), "stop_reason": stop_reason, "stop_sequence": stop_sequence,
+                "usage": self._usage(usage)}
+
+    def events(self, request: Request, responses: Iterator[Any],
+               usage: Callable[[Any], Dict[str, Any]]) -> Iterator[bytes]:
+        message = self._message(request, [])
+        message["usage"] = {"input_tokens": len(request.ids), "output_tokens": 0}
+        yield sse("message_start", {"type": "message_start", "message": message})
+        yield sse("ping", {"type": "ping"})
+        blocks = _Blocks()
+        last = None
+        for last in responses:
+            if last.reasoning:
+                yield from blocks.delta("thinking", {"type": "thinking_delta", "thinking": last.reasoning})
+            if last.text:
+                yield from blocks.delta("text", {"type": "text_delta", "text": last.text})
+            for call in last.tool_calls:
+                yield from blocks.tool(call)
+        if last is None or last.finish_reason is None:
+            return  # cut off: the server says so in its own error event
+        yield from blocks.close()
+        stop_reason, stop_sequence = self._stop(last)
+        yield sse("message_delta", {"type": "message_delta",
+                                    "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
+                                    "usage": self._usage(usage(last))})
+        yield sse("message_stop", {"type": "message_stop"})
+
+    def stream_error(self, error: RequestError) -> bytes:
+        return sse("error", self.error(error))
+
+    def keepalive(self) -> bytes:
+        return sse("ping", {"type": "ping"})
+
+
+class _Blocks:
+    """The content blocks of a streamed reply: which is open, and their indices."""
+
+    def __init__(self):
+        self.index, self.open = -1, None
+
+    def _start(self, block: Dict[str, Any]) -> bytes:
+        self.index += 1
+        self.open = block["type"]
+        return sse("content_block_start", {"type": "content_block_start", "index": self.index, "content_block": block})
+
+    def close(self) -> Iterator[bytes]:
+        if self.open is not None:
+            yield sse("content_block_stop", {"type": "content_block_stop", "index": self.index})
+            self.open = None
+
+    def delta(self, kind: str, delta: Dict[str, Any]) -> Iterator[bytes]:
+        if self.open != kind:
+            yield from self.close()
+            yield self._start({"type": "thinking", "thinking": "", "signature": ""} if kind == "thinking"
+                              else {"type": "text", "text": ""})
+        yield sse("content_block_delta", {"type": "content_block_delta", "index": self.index, "delta": delta})
+
+    def tool(self, call) -> Iterator[bytes]:
+        yield from self.close()
+        yield self._start({"type": "tool_use", "id": _tool_id(call.id), "name": call.name, "input": {}})
+        yield sse("content_block_delta", {"type": "content_block_delta", "index": self.index,
+                                          "delta": {"type": "input_json_delta", "partial_json": call.arguments}})
+        yield from self.close()
+
+
+def _tool_id(call_id: str) -> str:
+    """Anthropic's spelling of a call's id."""
+    return "toolu_" + call_id.split("_", 1)[-1]

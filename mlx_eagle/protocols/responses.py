@@ -1,0 +1,393 @@
+"""OpenAI's Responses API: ``POST /v1/responses``, ``GET`` and ``DELETE /v1/responses/{id}``,
+as the ``openai`` SDK (and Codex CLI) speaks it.
+
+A request's ``input`` (a string, or items: messages, ``function_call``,
+``function_call_output``; earlier ``reasoning`` items are left out) and ``instructions``,
+its function ``tools`` and ``tool_choice`` become the conversation in OpenAI's chat shapes,
+so the same conversation is the same prompt as through chat completions. ``text.format``
+holds the reply to a JSON schema (grammar.py), ``reasoning.effort`` budgets a reasoning
+model's thinking (thinking.EFFORT_BUDGETS), answered as a ``reasoning`` item.
+
+Responses are stored (``store``, true by default) in memory, under a byte bound
+(``--responses-store-bytes``), the least recently used dropped first: ``previous_response_id``
+continues a stored one's conversation (its input and output; not its instructions, as
+OpenAI's does not), ``GET`` returns one and ``DELETE`` drops it; an id not held is a 404.
+Streamed, the reply is the SDK's events: ``response.created``, ``response.in_progress``,
+per output item ``response.output_item.added``, its deltas (``response.output_text.delta``,
+``response.reasoning_text.delta``, ``response.function_call_arguments.delta``) and dones,
+then ``response.completed`` (``response.incomplete`` when cut by max_output_tokens).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import uuid
+from collections import OrderedDict
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+
+from ..errors import UserError
+from ..grammar import response_grammar
+from ..thinking import effort_budget
+from . import Collected, Protocol, Request, RequestError, chat_ids, flag, number, sse, whole
+
+STORE_BYTES = 64 << 20  # what stored responses may hold together, by default
+# Fields that ask for nothing this server lacks at these values (others: 400 naming the field).
+HARMLESS = {"truncation": (None, "disabled", "auto"), "background": (None, False), "prompt": (None,),
+            "conversation": (None,)}
+
+
+class ResponseStore:
+    """Stored responses and the conversations they end, in memory, under ``max_bytes``
+    (their JSON's size), the least recently used dropped first."""
+
+    def __init__(self, max_bytes: int = STORE_BYTES):
+        self.max_bytes, self.bytes = max_bytes, 0
+        self._held: "OrderedDict[str, Tuple[Dict[str, Any], List[Dict[str, Any]], int]]" = OrderedDict()
+        self._lock = threading.Lock()
+
+    def put(self, response: Dict[str, Any], conversation: List[Dict[str, Any]]) -> None:
+        size = len(json.dumps([response, conversation]))
+        with self._lock:
+            self._drop(response["id"])
+            self._held[response["id"]] = (response, conversation, size)
+            self.bytes += size
+            while self.bytes > self.max_bytes:
+                self._drop(next(iter(self._held)))
+
+    def get(self, response_id: str) -> Optional[Tuple[Dict[str, Any], List[Dict[str, Any]]]]:
+        with self._lock:
+            if response_id not in self._held:
+                return None
+            self._held.move_to_end(response_id)
+            response, conversation, _ = self._held[response_id]
+            return response, conversation
+
+    def delete(self, response_id: str) -> bool:
+        with self._lock:
+            return self._drop(response_id)
+
+    def _drop(self, response_id: str) -> bool:
+        held = self._held.pop(response_id, None)
+        if held is not None:
+            self.bytes -= held[2]
+        return held is not None
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+
+def not_found(response_id: str, param: Optional[str] = None) -> RequestError:
+    return RequestError(404, f"no response with id {response_id!r} is stored here (it was never stored, was deleted, "
+                             "or was dropped to keep the store under its byte bound)", param, "response_not_found")
+
+
+def _content(value: Any, where: str) -> str:
+    """A message's content: a string, or a list of text parts (input_text, output_text, text)."""
+    if isinstance(value, list) and all(isinstance(p, dict) and p.get("type") in ("input_text", "output_text", "text")
+                                       and isinstance(p.get("text"), str) for p in value):
+        value = "".join(part["text"] for part in value)
+    if not isinstance(value, str):
+        raise RequestError(400, f"{where} must be a string or a list of input_text parts (this server reads text "
+                                "only)", "input")
+    return value
+
+
+def conversation(value: Any) -> List[Dict[str, Any]]:
+    """``input`` as OpenAI's chat messages: function_call items as the calls of an
+    assistant message, function_call_output items as tool messages."""
+    if isinstance(value, str):
+        return [{"role": "user", "content": value}]
+    if not isinstance(value, list) or not value:
+        raise RequestError(400, "input must be a string or a non-empty list of items (messages, function_call, "
+                                "function_call_output)", "input")
+    out: List[Dict[str, Any]] = []
+    for index, item in enumerate(value):
+        where = f"input[{index}]"
+        kind = item.get("type", "message") if isinstance(item, dict) else None
+        if kind == "message" and item.get("role") in ("user", "assistant", "system", "developer"):
+            out.append({"role": item["role"], "content": _content(item.get("content"), f"{where}.content")})
+        elif kind == "function_call":
+            if not all(isinstance(item.get(k), str) for k in ("call_id", "name", "arguments")):
+                raise RequestError(400, f"{where} must have string call_id, name and arguments", "input")
+            call = {"id": item["call_id"], "type": "function",
+                    "function": {"name": item["name"], "arguments": item["arguments"]}}
+            if out and out[-1]["role"] == "assistant":  # a turn's text and calls are one assistant message
+                out[-1].setdefault("tool_calls", []).append(call)
+            else:
+                out.append({"role": "assistant", "content": "", "tool_calls": [call]})
+        elif kind == "function_call_output":
+            if not isinstance(item.get("call_id"), str):
+                raise RequestError(400, f"{where}.call_id must name an earlier function_call", "input")
+            out.append({"role": "tool", "tool_call_id": item["call_id"],
+                        "content": _content(item.get("output"), f"{where}.output")})
+        elif kind == "reasoning":
+            continue
+        else:
+            raise RequestError(400, f"{where} must be a message (role user, assistant, system or developer), a "
+                                    "function_call, a function_call_output or a reasoning item", "input")
+    return out
+
+
+def tools(value: Any) -> Optional[List[Dict[str, Any]]]:
+    """The Responses API's function tools in chat completions' shape (checked there)."""
+    if value is None:
+        return None
+    if not isinstance(value, list):
+        raise RequestError(400, "tools must be a list of {'type': 'function', 'name': ..., 'parameters': {...}}",
+                           "tools")
+    out = []
+    for index, tool in enumerate(value):
+        if not isinstance(tool, dict) or tool.get("type") != "function":
+            kind = tool.get("type") if isinstance(tool, dict) else None
+            raise RequestError(400, f"tools[{index}] must be a function tool; {kind!r} tools run on OpenAI's service, "
+                                    "not here", "tools")
+        out.append({"type": "function", "function": {k: tool[k] for k in ("name", "description", "parameters")
+                                                      if k in tool}})
+    return out
+
+
+def tool_choice(value: Any) -> Any:
+    if isinstance(value, dict) and value.get("type") == "function" and isinstance(value.get("name"), str):
+        return {"type": "function", "function": {"name": value["name"]}}
+    if value is None or value in ("auto", "none", "required"):
+        return value
+    raise RequestError(400, "tool_choice must be 'auto', 'none', 'required' or {'type': 'function', 'name': ...}",
+                       "tool_choice")
+
+
+def text_format(value: Any) -> Optional[Dict[str, Any]]:
+    """``text.format`` as chat completions' response_format."""
+    if value is None:
+        return None
+    if not isinstance(value, dict) or not isinstance(value.get("format", {}), dict):
+        raise RequestError(400, "text must be an object such as {'format': {'type': 'json_schema', ...}}", "text")
+    fmt = value.get("format")
+    if fmt is None or fmt.get("type") == "text":
+        return None
+    if fmt.get("type") == "json_schema":
+        fmt = {"type": "json_schema", "json_schema": {k: fmt[k] for k in ("name", "schema", "strict") if k in fmt}}
+    try:
+        response_grammar(fmt, "text.format")
+    except UserError as error:
+        raise RequestError(400, str(error), "text") from None
+    return fmt
+
+
+class Responses(Protocol):
+    """OpenAI's Responses API, with its store."""
+
+    def __init__(self, store: ResponseStore):
+        self.store = store
+
+    def parse(self, body: Any, engine, default_max_tokens: int) -> Request:
+        if not isinstance(body, dict):
+            raise RequestError(400, "the request body must be a JSON object")
+        for name, values in HARMLESS.items():
+            if body.get(name) not in values:
+                raise RequestError(400, f"{name} is not supported by this server; leave it out", name,
+                                   "unsupported_field")
+        model = body.get("model", engine.name)
+        if not isinstance(model, str):
+            raise RequestError(400, "model must be a string", "model")
+        instructions = body.get("instructions")
+        if instructions is not None and not isinstance(instructions, str):
+            raise RequestError(400, "instructions must be a string", "instructions")
+        earlier: List[Dict[str, Any]] = []
+        previous = body.get("previous_response_id")
+        if previous is not None:
+            held = self.store.get(previous) if isinstance(previous, str) else None
+            if held is None:
+                raise not_found(str(previous), "previous_response_id")
+            earlier = held[1]
+        conversation_ = earlier + conversation(body.get("input"))
+        reasoning = body.get("reasoning")
+        if reasoning is not None and not isinstance(reasoning, dict):
+            raise RequestError(400, "reasoning must be an object such as {'effort': 'low'}", "reasoning")
+        effort = (reasoning or {}).get("effort")
+        try:
+            budget = effort_budget(effort, "reasoning.effort")
+        except UserError as error:
+            raise RequestError(400, str(error), "reasoning") from None
+        response_format = text_format(body.get("text"))
+        system = [{"role": "system", "content": instructions}] if instructions else []
+        thinks = None if effort is None else effort != "none"
+        ids, splitter = chat_ids(engine, system + conversation_, tools(body.get("tools")),
+                                 tool_choice(body.get("tool_choice")), thinks, "input")
+        if splitter.forced_call:  # the reply is a tool call: the format is for answer text
+            response_format = None
+        limit = engine.context_length or 1 << 30
+        top_p = number(body, "top_p", 1.0, 0.0, 1.0)
+        if top_p == 0.0:
+            raise RequestError(400, "top_p must be above 0", "top_p")
+        if body.get("metadata") is not None and not isinstance(body["metadata"], dict):
+            raise RequestError(400, "metadata must be an object", "metadata")
+        options = dict(max_tokens=whole(body, "max_output_tokens", 1, limit, default=default_max_tokens),
+                       temp=number(body, "temperature", 0.0, 0.0, 2.0), top_p=top_p,
+                       response_format=response_format, thinking_budget=budget)
+        echo = {"model": model, "instructions": instructions, "tools": body.get("tools") or [],
+                "tool_choice": body.get("tool_choice") or "auto", "max_output_tokens": body.get("max_output_tokens"),
+                "temperature": options["temp"], "top_p": top_p, "previous_response_id": previous,
+                "store": flag(body, "store", True), "metadata": body.get("metadata") or {},
+                "text": body.get("text") or {"format": {"type": "text"}}, "reasoning": reasoning or {},
+                "parallel_tool_calls": flag(body, "parallel_tool_calls", True), "conversation": conversation_}
+        return Request(ids=ids, chat=True, stream=flag(body, "stream"), options=options, model=model,
+                       splitter=splitter, protocol=self, echo=echo)
+
+    def error(self, error: RequestError) -> Dict[str, Any]:
+        kind = "server_error" if error.status >= 500 else "invalid_request_error"
+        return {"error": {"message": error.message, "type": kind, "param": error.param, "code": error.code}}
+
+    def stream_error(self, error: RequestError) -> bytes:
+        return sse("error", {"type": "error", "code": error.code or "server_error", "message": error.message,
+                             "param": error.param})
+
+    def _response(self, request: Request, status: str, output: List[Dict[str, Any]],
+                  usage: Optional[Dict[str, Any]] = None, response_id: Optional[str] = None) -> Dict[str, Any]:
+        echo = request.echo
+        return {"id": response_id or f"resp_{uuid.uuid4().hex}", "object": "response", "created_at": int(time.time()),
+                "status": status, "model": echo["model"], "output": output, "error": None,
+                "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+                **{k: echo[k] for k in ("instructions", "tools", "tool_choice", "max_output_tokens", "temperature",
+                                         "top_p", "previous_response_id", "store", "metadata", "text", "reasoning",
+                                         "parallel_tool_calls")},
+                "truncation": "disabled", "usage": usage}
+
+    @staticmethod
+    def _usage(usage: Dict[str, Any], reasoning_tokens: int) -> Dict[str, Any]:
+        return {"input_tokens": usage["prompt_tokens"],
+                "input_tokens_details": {"cached_tokens": usage["prompt_tokens_details"]["cached_tokens"]},
+                "output_tokens": usage["completion_tokens"],
+                "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
+                "total_tokens": usage["total_tokens"], "time_to_first_token": usage["time_to_first_token"],
+                "speculation": usage["speculation"]}
+
+    def _finish(self, request: Request, collected: Collected, output: List[Dict[str, Any]],
+                usage: Dict[str, Any], response_id: str) -> Dict[str, Any]:
+        """The finished response, stored when asked."""
+        status = "incomplete" if collected.last.finish_reason == "length" else "completed"
+        response = self._response(request, status, output, self._usage(usage, collected.reasoning_tokens), response_id)
+        if request.echo["store"]:
+            turn = {"role": "assistant", "content": collected.text}
+            if collected.calls:
+                turn["tool_calls"] = [call.openai() for call in collected.calls]
+            self.store.put(response, request.echo["conversation"] + [turn])
+        return response
+
+    def reply(self, request: Request, collected: Collected, usage: Dict[str, Any]) -> Dict[str, Any]:
+        output = []
+        if collected.reasoning:
+            output.append(_reasoning_item(f"rs_{uuid.uuid4().hex}", collected.reasoning))
+        if collected.text or not collected.calls:
+            output.append(_message_item(f"msg_{uuid.uuid4().hex}", collected.text))
+        output += [_call_item(call) for call in collected.calls]
+        return self._finish(request, collected, output, usage, f"resp_{uuid.uuid4().hex}")
+
+    def events(self, request: Request, responses: Iterator[Any],
+               usage: Callable[[Any], Dict[str, Any]]) -> Iterator[bytes]:
+        response_id = f"resp_{uuid.uuid4().hex}"
+        items = _Items()
+        started = self._response(request, "in_progress", [], None, response_id)
+        yield items.event("response.created", response=started)
+        yield items.event("response.in_progress", response=started)
+        collected = Collected()
+        for piece in responses:
+            collected.add(piece)
+            if piece.reasoning:
+                yield from items.delta("reasoning", piece.reasoning)
+            if piece.text:
+                yield from items.delta("message", piece.text)
+            for call in piece.tool_calls:
+                yield from items.call(call)
+        if collected.last is None or collected.last.finish_reason is None:
+            return  # cut off: the server says so in its own error event
+        yield from items.close()
+        if not items.output:  # an empty reply is still a message
+            yield from items.delta("message", "")
+            yield from items.close()
+        response = self._finish(request, collected, items.output, usage(collected.last), response_id)
+        yield items.event("response.completed" if response["status"] == "completed" else "response.incomplete",
+                          response=response)
+
+
+def _message_item(item_id: str, text: str, status: str = "completed") -> Dict[str, Any]:
+    return {"type": "message", "id": item_id, "status": status, "role": "assistant",
+            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}] if status ==
+            "completed" else []}
+
+
+def _reasoning_item(item_id: str, text: str) -> Dict[str, Any]:
+    return {"type": "reasoning", "id": item_id, "summary": [], "content": [{"type": "reasoning_text", "text": text}]}
+
+
+def _call_item(call, status: str = "completed") -> Dict[str, Any]:
+    return {"type": "function_call", "id": "fc_" + call.id.split("_", 1)[-1], "call_id": call.id, "name": call.name,
+            "arguments": call.arguments if status == "completed" else "", "status": status}
+
+
+class _Items:
+    """The output items of a streamed response: which is open, their events, and the items
+    finished so far (``output``)."""
+
+    def __init__(self):
+        self.output: List[Dict[str, Any]] = []
+        self.sequence = 0
+        self.open: Optional[str] = None
+        self.item_id, self.text = "", ""
+
+    def event(self, kind: str, **fields) -> bytes:
+        data = {"type": kind, "sequence_number": self.sequence, **fields}
+        self.sequence += 1
+        return sse(kind, data)
+
+    def _where(self) -> Dict[str, Any]:
+        return {"item_id": self.item_id, "output_index": len(self.output), "content_index": 0}
+
+    def delta(self, kind: str, text: str) -> Iterator[bytes]:
+        if self.open != kind:
+            yield from self.close()
+            self.open, self.text = kind, ""
+            self.item_id = f"{'rs' if kind == 'reasoning' else 'msg'}_{uuid.uuid4().hex}"
+            item = _reasoning_item(self.item_id, "") if kind == "reasoning" else _message_item(self.item_id, "",
+                                                                                                "in_progress")
+            if kind == "reasoning":
+                item["content"] = []
+            yield self.event("response.output_item.added", output_index=len(self.output), item=item)
+            part = {"type": "reasoning_text", "text": ""} if kind == "reasoning" else \
+                {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+            yield self.event("response.content_part.added", part=part, **self._where())
+        self.text += text
+        if text:
+            name = "response.reasoning_text.delta" if kind == "reasoning" else "response.output_text.delta"
+            extra = {} if kind == "reasoning" else {"logprobs": []}
+            yield self.event(name, delta=text, **self._where(), **extra)
+
+    def close(self) -> Iterator[bytes]:
+        if self.open is None:
+            return
+        if self.open == "reasoning":
+            item = _reasoning_item(self.item_id, self.text)
+            yield self.event("response.reasoning_text.done", text=self.text, **self._where())
+            part = item["content"][0]
+        else:
+            item = _message_item(self.item_id, self.text)
+            yield self.event("response.output_text.done", text=self.text, logprobs=[], **self._where())
+            part = item["content"][0]
+        yield self.event("response.content_part.done", part=part, **self._where())
+        yield self.event("response.output_item.done", output_index=len(self.output), item=item)
+        self.output.append(item)
+        self.open = None
+
+    def call(self, call) -> Iterator[bytes]:
+        yield from self.close()
+        added = _call_item(call, "in_progress")
+        index = len(self.output)
+        yield self.event("response.output_item.added", output_index=index, item=added)
+        yield self.event("response.function_call_arguments.delta", item_id=added["id"], output_index=index,
+                         delta=call.arguments)
+        yield self.event("response.function_call_arguments.done", item_id=added["id"], output_index=index,
+                         arguments=call.arguments, name=call.name)
+        item = _call_item(call)
+        yield self.event("response.output_item.done", output_index=index, item=item)
+        self.output.append(item)
