@@ -19,10 +19,10 @@ from .decoder import Round, SpeculativeDecoder, batched_round, batches
 from .distributed import Watchdog, shared_seed
 from .errors import UserError, check_options
 from .grammar import grammar_for
-from .thinking import thinking_budget_for
-from .plan import DraftPlan, plan_drafts, source_statistics
+from .plan import DraftPlan, drafters_failed, plan_drafts, source_statistics
 from .prompt_cache import PromptCache, make_prompt_cache
 from .target import kv_quantization
+from .thinking import thinking_budget_for
 from .verify import Sampling
 
 if TYPE_CHECKING:
@@ -45,7 +45,8 @@ class GenerationResponse:
     by a one-row pass as plain decoding decides them; ``batch_rows`` and ``nodes_per_round``:
     per round of this reply so far, the conversations its verify pass held (1: alone) and
     the draft nodes verified for this one; ``stop_sequence``: the stop string that ended the
-    reply."""
+    reply; ``drafting``: what drafts, and ``drafting_off``: which drafters do not draft here (or
+    failed during this conversation), and why."""
 
     text: str
     token: int
@@ -66,6 +67,8 @@ class GenerationResponse:
     batch_rows: float = 1.0
     nodes_per_round: float = 0.0
     stop_sequence: Optional[str] = None  # the stop string that ended the reply (None: another end)
+    drafting: str = ""  # what drafts for this reply, in words
+    drafting_off: List[str] = field(default_factory=list)  # drafters that do not draft here, or failed, and why
 
 
 def _prompt_ids(tokenizer, prompt: Union[str, List[int], mx.array]) -> List[int]:
@@ -243,6 +246,8 @@ class Generation:
         self.prompt_tps = 0.0
         self.tic = time.perf_counter()
         self.sources: Dict[str, "SourceStats"] = {}
+        self.drafting = plan.describe()
+        self.drafting_off = plan.off
 
     def read(self) -> Iterator[Tuple[int, int]]:
         """Read the prompt, a chunk at a time: (read, total) after each, as stream_generate's
@@ -284,6 +289,7 @@ class Generation:
         self.produced += len(result.tokens)
         self.accepted = len(result.tokens) - 1
         self.sources = source_statistics(self.cache.drafter)
+        self.drafting_off = self.plan.off + drafters_failed(self.cache.drafter)
         if self.grammar is not None and self.grammar.forced.proposed:
             self.sources = {**self.sources, self.grammar.forced_source: replace(self.grammar.forced)}
         logprobs = _log_softmax(result.logits) if self.logprobs else None
@@ -320,7 +326,7 @@ class Generation:
                 logprobs=logprobs[index] if logprobs is not None else None,
                 batch_rows=self.rows / self.rounds if self.rounds else 1.0,
                 nodes_per_round=self.nodes / self.rounds if self.rounds else 0.0,
-                stop_sequence=stopped_by,
+                stop_sequence=stopped_by, drafting=self.drafting, drafting_off=self.drafting_off,
             )
             if self.done:
                 return

@@ -72,6 +72,11 @@ class DraftPlan:
         return [source.note for source in self.sources if source.note]
 
     @property
+    def off(self) -> List[str]:
+        """The sources that decided not to draft here, and why."""
+        return [f"{source.name}: {source.note}" for source in self.sources if source.make is None]
+
+    @property
     def head(self):
         """The EAGLE head drafting in this plan, if any."""
         return next((s.draft for s in self.active if s.draft is not None), None)
@@ -90,6 +95,14 @@ class DraftPlan:
 def source_statistics(drafter: Optional[Drafter]) -> Dict[str, SourceStats]:
     """Per source, the nodes it added to verified trees and how many were accepted."""
     return drafter.statistics() if isinstance(drafter, Composite) else {}
+
+
+def drafters_failed(drafter: Optional[Drafter]) -> List[str]:
+    """The sources that failed during this conversation and went off, and why."""
+    if not isinstance(drafter, Composite):
+        return []
+    return [f"{name}: {one.failure}" for name, one in zip(drafter.names, drafter.drafters)
+            if getattr(one, "failure", None)]
 
 
 DRAFTER_GROUP = "mlx_eagle.drafters"  # installed packages' entry points: name = "package.module:Name"
@@ -175,6 +188,7 @@ class FreshPerConversation(Drafter):
 
     def __init__(self, make: Callable[[], Drafter], name: str = "yours"):
         self.make, self.name = make, name
+        self.failure: Optional[str] = None  # why it went off in this conversation
         self.runner: Optional[_Runner] = _Runner()
         self.current: Optional[Drafter] = None
         self.current = self._contained("making it", make)
@@ -195,7 +209,7 @@ class FreshPerConversation(Drafter):
         except BaseException as error:  # your code's, whatever it is (a sys.exit too: it ran on the drafter's thread)
             problem = f"{what} failed: {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
         warn_once(self.make, f"drafter {self.name}: {problem}; its conversation went on without it")
-        self.current = None
+        self.current, self.failure = None, problem
         if limit is not None:  # the thread may be stuck in the call: left to it
             self.runner.stop()
             self.runner = None

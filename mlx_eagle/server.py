@@ -286,6 +286,8 @@ def usage(last: Optional[GenerationResponse], prompt_tokens: int,
             "rechecked": last.rechecked if last is not None else 0,
             "batch_rows": round(last.batch_rows, 2) if last is not None else 1.0,
             "nodes_per_round": round(last.nodes_per_round, 2) if last is not None else 0.0,
+            "drafting": last.drafting if last is not None else "",
+            "drafting_off": last.drafting_off if last is not None else [],
         },
     }
 
@@ -768,7 +770,7 @@ class Server(ThreadingHTTPServer):
     def drafting(self) -> Dict[str, Any]:
         """What drafts for the model, and why any drafter is off (/v1/models says so)."""
         if self._drafting is None:
-            self._drafting = {"drafting": self.engine.drafting, "drafters_off": self.engine.drafting_notes}
+            self._drafting = {"drafting": self.engine.drafting, "drafting_off": self.engine.drafting_off}
         return self._drafting
 
     @contextmanager

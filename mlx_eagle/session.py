@@ -203,9 +203,9 @@ class Engine:
         return self._call(describe)
 
     @property
-    def drafting_notes(self) -> List[str]:
-        """Why drafters that could draft for this model do not (an empty list: none is off)."""
-        return self._call(lambda: self.plan().notes)
+    def drafting_off(self) -> List[str]:
+        """The drafters that do not draft for this model, and why (empty: none is off)."""
+        return self._call(lambda: self.plan().off)
 
     @property
     def batches(self) -> bool:
