@@ -63,10 +63,9 @@ from .grammar import response_grammar
 from .metrics import CONTENT_TYPE, Metrics, log_line
 from .infill import infill_prompt
 from .thinking import check_budget, effort_budget
-from .protocols import Collected, Protocol, Request, RequestError, chat_ids, number
-from .protocols.anthropic import Messages
+from .protocols import Collected, Protocol, Request, RequestError, number
 from .protocols.infill import Infill
-from .protocols.responses import STORE_BYTES, ResponseStore, Responses, not_found
+from .protocols.store import STORE_BYTES, ResponseStore, not_found
 from .trees import parse_tree
 
 if TYPE_CHECKING:  # they load mlx-lm: imported where used, so that --help answers at once
@@ -140,6 +139,8 @@ def parse_request(body: Any, chat: bool, engine: Engine, default_max_tokens: int
         if name in body and not _is_harmless(asks_nothing, body[name]):
             raise RequestError(400, f"{name} is not supported by this server; leave it out", name, "unsupported_field")
     limit = engine.context_length or 1 << 30
+    from .protocols.chat import chat_ids
+
     splitter, ends = None, ()
     if chat:
         ids, splitter = chat_ids(engine, body.get("messages"), body.get("tools"), body.get("tool_choice"))
@@ -738,6 +739,9 @@ class Server(ThreadingHTTPServer):
         """Binds ``address`` at once; ``engine`` may come later (load the model after
         the port is known to be free). ``log_requests``: a JSON line per request on standard
         error (``log_text``: with the prompt's and the reply's text)."""
+        from .protocols.anthropic import Messages
+        from .protocols.responses import Responses
+
         super().__init__(address, Handler)
         messages = Messages()
         self.responses = Responses(ResponseStore(responses_store_bytes))

@@ -268,9 +268,9 @@ FLOORS = [
     ("loading", ("models",)),
     ("drafting", ("drafters", "grammar", "thinking")),
     ("decoding", ("prompt_cache", "decoder", "plan")),
-    ("the API", ("generation", "generate", "replies", "scheduler", "session")),
+    ("the API", ("generation", "generate", "replies", "infill", "scheduler", "session")),
     ("tools and apps", ("", "generate.__main__", "convert.head", "convert.export", "bench", "tune", "train", "data",
-                        "features", "chat", "server")),
+                        "features", "chat", "protocols", "metrics", "server")),
 ]
 
 

@@ -137,25 +137,3 @@ def texts(body: Dict[str, Any], name: str, most: int) -> Optional[List[str]]:
         raise RequestError(400, f"{name} must be a string or a list of up to {most} strings", name)
     return value
 
-
-def chat_ids(engine, messages: Any, tools: Optional[List[Dict[str, Any]]], tool_choice: Any,
-             thinking: Optional[bool] = None, where: str = "messages"):
-    """The prompt's tokens and the reply's reader for a conversation in OpenAI's shapes
-    (messages, function tools, tool_choice), checked: a 400 names the field at fault
-    (``where``: the request's name for the conversation)."""
-    from ..errors import UserError
-    from ..replies import chat_prompt, check_messages
-
-    try:
-        checked = check_messages(messages, where)
-    except UserError as error:
-        raise RequestError(400, str(error), where) from None
-    try:
-        ids, splitter = chat_prompt(engine.tokenizer, checked, tools, tool_choice, thinking)
-    except UserError as error:
-        raise RequestError(400, str(error), getattr(error, "field", None)) from None
-    limit = engine.context_length or 1 << 30
-    if len(ids) >= limit:
-        raise RequestError(400, f"the prompt is {len(ids)} tokens; the model's context holds {limit}", where,
-                           "context_length_exceeded")
-    return ids, splitter

@@ -26,7 +26,8 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 from ..errors import UserError, check_text
 from ..grammar import response_grammar
 from ..thinking import check_budget, effort_budget
-from . import Collected, Protocol, Request, RequestError, chat_ids, flag, number, sse, texts, whole
+from . import Collected, Protocol, Request, RequestError, flag, number, sse, texts, whole
+from .chat import chat_ids
 
 # What a status is called in Anthropic's error shape.
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",

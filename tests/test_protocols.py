@@ -1,0 +1,351 @@
+"""The protocols agent and editor clients speak, through their official SDKs, on the real
+Qwen2.5-Coder-0.5B-Instruct: Anthropic's Messages (``anthropic``), OpenAI's Responses
+(``openai``), fill-in-the-middle (``suffix`` on /v1/completions, llama.cpp's /infill), and what
+an operator sees (/metrics, --log-requests, /v1/models). Every reply is the target's own
+greedy text, drafting on; one conversation is the same prompt, and the same reply, through
+all three chat protocols; malformed fields get a 4xx in the protocol's own error shape."""
+
+import http.client
+import json
+import threading
+
+import anthropic
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from mlx_eagle.infill import infill_prompt, infill_tokens
+from mlx_eagle.protocols.store import ResponseStore
+from mlx_eagle.replies import chat_prompt, check_messages
+from mlx_eagle.session import Engine
+from plain import plain_tokens
+
+pytestmark = pytest.mark.slow  # a server with the real Qwen2.5-Coder-0.5B
+
+WEATHER = {"name": "get_weather", "description": "The current weather in a city.",
+           "parameters": {"type": "object", "properties": {"city": {"type": "string", "description": "the city"}},
+                          "required": ["city"]}}
+SYSTEM = "You are a helpful assistant. Use the tools when they help."
+QUESTION = "What is the weather in Paris right now?"
+RESULT = "18 degrees Celsius and sunny."
+
+
+@pytest.fixture(scope="module")
+def served(qwen_coder):
+    """A server over an engine on Qwen2.5-Coder-0.5B: (its base URL, the engine, the server)."""
+    from mlx_eagle.server import Server
+
+    model, tokenizer = qwen_coder
+    engine = Engine(loaded=(model, tokenizer, None), name="qwen-coder", history=False)
+    server = Server(("127.0.0.1", 0), engine=engine, quiet=True, responses_store_bytes=1 << 20)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}", engine, server
+    server.shutdown()
+    server.server_close()
+    engine.close()
+
+
+@pytest.fixture(scope="module")
+def claude(served):
+    return anthropic.Anthropic(base_url=served[0], api_key="local", max_retries=0, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def oai(served):
+    return openai.OpenAI(base_url=served[0] + "/v1", api_key="local", max_retries=0, timeout=300)
+
+
+def plain_reply(qwen_coder, messages, tools=None, max_tokens=48):
+    """Plain decoding's text for a conversation in OpenAI's shapes, as chat completions builds it."""
+    model, tokenizer = qwen_coder
+    ids = chat_prompt(tokenizer, check_messages(messages), tools)[0]
+    tokens = plain_tokens(model, ids, max_tokens, tokenizer.eos_token_ids)
+    return tokenizer.decode([t for t in tokens if t not in tokenizer.eos_token_ids])
+
+
+def raw(base, method, path, body=None):
+    host, port = base.split("//")[1].split(":")
+    connection = http.client.HTTPConnection(host, int(port), timeout=300)
+    connection.request(method, path, body=json.dumps(body) if body is not None else None,
+                       headers={"Content-Type": "application/json"})
+    response = connection.getresponse()
+    payload = response.read()
+    connection.close()
+    return response.status, payload
+
+
+def test_a_tool_round_trip_through_messages_plain_and_streamed(claude, qwen_coder):
+    tools = [{"name": WEATHER["name"], "description": WEATHER["description"], "input_schema": WEATHER["parameters"]}]
+    ask = [{"role": "user", "content": QUESTION}]
+    reply = claude.messages.create(model="claude-sonnet-4-5", max_tokens=48, system=SYSTEM, messages=ask, tools=tools)
+    assert reply.stop_reason == "tool_use" and reply.model == "claude-sonnet-4-5"
+    (use,) = [block for block in reply.content if block.type == "tool_use"]
+    assert use.name == "get_weather" and use.input == {"city": "Paris"} and use.id.startswith("toolu_")
+    assert reply.usage.input_tokens + reply.usage.cache_read_input_tokens == \
+        claude.messages.count_tokens(model="claude-x", system=SYSTEM, messages=ask, tools=tools).input_tokens
+    with claude.messages.stream(model="claude-x", max_tokens=48, system=SYSTEM, messages=ask, tools=tools) as stream:
+        events = [event.type for event in stream]
+        streamed = stream.get_final_message()
+    assert events[0] == "message_start" and events[-1] == "message_stop" and "content_block_delta" in events
+    assert streamed.stop_reason == "tool_use" and [(b.name, b.input) for b in streamed.content] == \
+        [("get_weather", {"city": "Paris"})]
+    answered = ask + [{"role": "assistant", "content": reply.content},
+                      {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": RESULT}]}]
+    final = claude.messages.create(model="claude-x", max_tokens=48, system=SYSTEM, messages=answered, tools=tools)
+    expected = plain_reply(qwen_coder, [
+        {"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTION},
+        {"role": "assistant", "content": "", "tool_calls": [{"id": use.id, "type": "function", "function": {
+            "name": "get_weather", "arguments": {"city": "Paris"}}}]},
+        {"role": "tool", "tool_call_id": use.id, "content": RESULT}], [{"type": "function", "function": WEATHER}])
+    assert "".join(b.text for b in final.content if b.type == "text") == expected
+    assert final.stop_reason in ("end_turn", "max_tokens", "tool_use")
+
+
+def test_a_tool_round_trip_through_responses_plain_and_streamed(oai, qwen_coder):
+    tools = [{"type": "function", **WEATHER}]
+    first = oai.responses.create(model="qwen-coder", instructions=SYSTEM, input=QUESTION, tools=tools,
+                                 max_output_tokens=48)
+    (call,) = [item for item in first.output if item.type == "function_call"]
+    assert first.status == "completed" and call.name == "get_weather" and json.loads(call.arguments) == \
+        {"city": "Paris"}
+    with oai.responses.stream(model="qwen-coder", instructions=SYSTEM, input=QUESTION, tools=tools,
+                              max_output_tokens=48) as stream:
+        kinds = [event.type for event in stream]
+        streamed = stream.get_final_response()
+    assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == "response.completed"
+    assert "response.function_call_arguments.done" in kinds
+    assert [(i.name, i.arguments) for i in streamed.output] == [(call.name, call.arguments)]
+    # The next turn continues the stored response by its id (instructions are not carried: given again).
+    final = oai.responses.create(model="qwen-coder", previous_response_id=first.id, instructions=SYSTEM,
+                                 input=[{"type": "function_call_output", "call_id": call.call_id, "output": RESULT}],
+                                 tools=tools, max_output_tokens=48)
+    expected = plain_reply(qwen_coder, [
+        {"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTION},
+        {"role": "assistant", "content": "", "tool_calls": [{"id": call.call_id, "type": "function", "function": {
+            "name": "get_weather", "arguments": call.arguments}}]},
+        {"role": "tool", "tool_call_id": call.call_id, "content": RESULT}], [{"type": "function", "function": WEATHER}])
+    assert final.output_text == expected and final.previous_response_id == first.id
+    assert oai.responses.retrieve(first.id).output[0].call_id == call.call_id
+    oai.responses.delete(first.id)
+    with pytest.raises(openai.NotFoundError, match="no response"):
+        oai.responses.retrieve(first.id)
+    with pytest.raises(openai.NotFoundError, match="no response"):
+        oai.responses.create(model="m", previous_response_id=first.id, input="and now?", max_output_tokens=4)
+
+
+def test_one_conversation_is_one_reply_through_all_three_protocols(claude, oai, qwen_coder):
+    """System, user, an assistant's call and its result, offered tools: the same prompt, so
+    the same greedy tokens, through chat completions, Messages and Responses."""
+    chat_messages = [
+        {"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTION},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
+            "name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": RESULT},
+        {"role": "user", "content": "Should I take an umbrella? Answer in one sentence."}]
+    chat = oai.chat.completions.create(model="m", messages=chat_messages, max_tokens=40,
+                                       tools=[{"type": "function", "function": WEATHER}])
+    messages = claude.messages.create(model="claude-x", max_tokens=40, system=SYSTEM, tools=[
+        {"name": WEATHER["name"], "description": WEATHER["description"], "input_schema": WEATHER["parameters"]}],
+        messages=[{"role": "user", "content": QUESTION},
+                  {"role": "assistant", "content": [{"type": "tool_use", "id": "call_1", "name": "get_weather",
+                                                     "input": {"city": "Paris"}}]},
+                  {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "call_1", "content": RESULT},
+                                               {"type": "text", "text": chat_messages[-1]["content"]}]}])
+    responses = oai.responses.create(model="m", instructions=SYSTEM, tools=[{"type": "function", **WEATHER}],
+                                     max_output_tokens=40, input=[
+        {"role": "user", "content": QUESTION},
+        {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "Paris"}'},
+        {"type": "function_call_output", "call_id": "call_1", "output": RESULT},
+        {"role": "user", "content": [{"type": "input_text", "text": chat_messages[-1]["content"]}]}])
+    expected = plain_reply(qwen_coder, chat_messages, [{"type": "function", "function": WEATHER}], 40)
+    assert chat.choices[0].message.content == expected
+    assert messages.content[0].text == expected
+    assert responses.output_text == expected
+    assert chat.usage.prompt_tokens == messages.usage.input_tokens + messages.usage.cache_read_input_tokens == \
+        responses.usage.input_tokens
+
+
+def test_structured_replies_and_stop_sequences_in_each_protocol(claude, oai):
+    schema = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+              "required": ["name", "age"], "additionalProperties": False}
+    ask = "Give a person named Ann who is 30, as JSON."
+    reply = oai.responses.create(model="m", input=ask, max_output_tokens=40,
+                                 text={"format": {"type": "json_schema", "name": "person", "schema": schema}})
+    assert json.loads(reply.output_text) == {"name": "Ann", "age": 30}
+    reply = claude.messages.create(model="claude-x", max_tokens=40, messages=[{"role": "user", "content": ask}],
+                                   output_config={"format": {"type": "json_schema", "schema": schema}})
+    assert json.loads(reply.content[0].text) == {"name": "Ann", "age": 30}
+    stopped = claude.messages.create(model="claude-x", max_tokens=40, stop_sequences=["Ann"],
+                                     messages=[{"role": "user", "content": ask}])
+    assert stopped.stop_reason == "stop_sequence" and stopped.stop_sequence == "Ann"
+    assert "Ann" not in stopped.content[0].text
+    cut = oai.responses.create(model="m", input=ask, max_output_tokens=3)
+    assert cut.status == "incomplete" and cut.incomplete_details.reason == "max_output_tokens"
+
+
+MESSAGES_OK = {"model": "claude-x", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
+MALFORMED_MESSAGES = [
+    {"max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]},  # no model
+    {**MESSAGES_OK, "max_tokens": None},
+    {**MESSAGES_OK, "max_tokens": 0},
+    {**MESSAGES_OK, "messages": []},
+    {**MESSAGES_OK, "messages": [{"role": "system", "content": "hi"}]},
+    {**MESSAGES_OK, "messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},
+    {**MESSAGES_OK, "messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "nope",
+                                                                "content": "x"}]}]},
+    {**MESSAGES_OK, "system": 5},
+    {**MESSAGES_OK, "temperature": 3},
+    {**MESSAGES_OK, "top_k": -1},
+    {**MESSAGES_OK, "stop_sequences": 7},
+    {**MESSAGES_OK, "tools": [{"name": "f"}]},
+    {**MESSAGES_OK, "tools": [{"type": "web_search_20250305", "name": "web_search"}]},
+    {**MESSAGES_OK, "tool_choice": {"type": "sometimes"}},
+    {**MESSAGES_OK, "tools": [{"name": "f", "input_schema": {"type": "object"}}],
+     "tool_choice": {"type": "tool", "name": "g"}},
+    {**MESSAGES_OK, "thinking": {"type": "enabled", "budget_tokens": 10}},  # not below max_tokens
+    {**MESSAGES_OK, "thinking": {"type": "sometimes"}},
+    {**MESSAGES_OK, "output_config": {"effort": "extreme"}},
+    {**MESSAGES_OK, "output_config": {"format": {"type": "json_schema", "schema": {"type": "bogus"}}}},
+    {**MESSAGES_OK, "metadata": "x"},
+    {**MESSAGES_OK, "stream": "yes"},
+    {**MESSAGES_OK, "mcp_servers": [{"url": "x"}]},
+]
+RESPONSES_OK = {"model": "m", "input": "hi", "max_output_tokens": 4}
+MALFORMED_RESPONSES = [
+    {**RESPONSES_OK, "input": 5},
+    {**RESPONSES_OK, "input": []},
+    {**RESPONSES_OK, "input": [{"type": "image_generation_call"}]},
+    {**RESPONSES_OK, "input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+    {**RESPONSES_OK, "input": [{"type": "function_call_output", "call_id": "nope", "output": "x"}]},
+    {**RESPONSES_OK, "instructions": 5},
+    {**RESPONSES_OK, "max_output_tokens": 0},
+    {**RESPONSES_OK, "temperature": 9},
+    {**RESPONSES_OK, "top_p": 0},
+    {**RESPONSES_OK, "tools": [{"type": "web_search"}]},
+    {**RESPONSES_OK, "tools": [{"type": "function", "name": "bad name!"}]},
+    {**RESPONSES_OK, "tool_choice": "sometimes"},
+    {**RESPONSES_OK, "reasoning": {"effort": "extreme"}},
+    {**RESPONSES_OK, "text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "bogus"}}}},
+    {**RESPONSES_OK, "text": {"format": {"type": "yaml"}}},
+    {**RESPONSES_OK, "store": "yes"},
+    {**RESPONSES_OK, "background": True},
+    {**RESPONSES_OK, "previous_response_id": "resp_unknown"},
+]
+
+
+@pytest.mark.parametrize("body", MALFORMED_MESSAGES)
+def test_malformed_messages_get_a_4xx_in_anthropics_shape(served, body):
+    status, payload = raw(served[0], "POST", "/v1/messages", body)
+    error = json.loads(payload)
+    assert 400 <= status < 500 and error["type"] == "error", error
+    assert error["error"]["type"] in ("invalid_request_error", "not_found_error") and error["error"]["message"]
+
+
+@pytest.mark.parametrize("body", MALFORMED_RESPONSES)
+def test_malformed_responses_requests_get_a_4xx_in_openais_shape(served, body):
+    status, payload = raw(served[0], "POST", "/v1/responses", body)
+    error = json.loads(payload)["error"]
+    assert 400 <= status < 500 and error["message"] and error["type"] == "invalid_request_error", error
+    assert (status == 404) == ("previous_response_id" in body)
+
+
+def test_the_sdks_raise_their_own_errors(claude, oai):
+    with pytest.raises(anthropic.BadRequestError, match="max_tokens"):
+        claude.messages.create(model="claude-x", max_tokens=0, messages=[{"role": "user", "content": "hi"}])
+    with pytest.raises(openai.BadRequestError, match="max_output_tokens"):
+        oai.responses.create(model="m", input="hi", max_output_tokens=0)
+
+
+def test_the_response_store_drops_the_least_recently_used_under_its_byte_bound():
+    store = ResponseStore(max_bytes=600)
+    for name in "abc":
+        store.put({"id": name, "text": name * 100}, [{"role": "user", "content": name * 50}])
+    assert store.get("a") is None and store.get("b") is not None  # a dropped; b used now
+    store.put({"id": "d", "text": "d" * 100}, [])
+    assert store.get("c") is None and store.get("b") is not None and store.get("d") is not None
+    assert store.bytes <= 600 and store.delete("b") and not store.delete("b") and len(store) == 1
+    store.put({"id": "huge", "text": "x" * 1000}, [])  # larger than the bound: not kept
+    assert store.get("huge") is None and store.bytes <= 600
+
+
+CIRCLE = ("import math\n\n\ndef circle_area(radius: float) -> float:\n    ", "\n    return area\n")
+
+
+def test_fill_in_the_middle_is_plain_decoding_of_the_models_own_infill_prompt(served, oai, qwen_coder):
+    """A body between a signature and its return: the model's own FIM tokens, read from its
+    tokenizer; the middle is plain decoding's, and the file compiles."""
+    model, tokenizer = qwen_coder
+    prefix, suffix = CIRCLE
+    infill = infill_prompt(tokenizer, prefix, suffix)
+    assert tokenizer.decode(infill.ids) == f"<|fim_prefix|>{prefix}<|fim_suffix|>{suffix}<|fim_middle|>"
+    tokens = plain_tokens(model, infill.ids, 48, set(tokenizer.eos_token_ids) | set(infill.stop_tokens))
+    expected = tokenizer.decode([t for t in tokens if t not in infill.stop_tokens and t not in tokenizer.eos_token_ids])
+    completion = oai.completions.create(model="m", prompt=prefix, suffix=suffix, max_tokens=48)
+    assert completion.choices[0].text == expected
+    status, payload = raw(served[0], "POST", "/infill", {"input_prefix": prefix, "input_suffix": suffix,
+                                                         "n_predict": 48})
+    assert status == 200 and json.loads(payload)["content"] == expected
+    if completion.choices[0].finish_reason == "stop":
+        compile(prefix + expected + suffix, "circle.py", "exec")
+    # Other files come first, behind the model's file separator; streamed, the last line says stop.
+    extra = [{"filename": "geometry.py", "text": "PI = 3.14159\n"}]
+    with_extra = infill_prompt(tokenizer, prefix, suffix, extra)
+    assert tokenizer.decode(with_extra.ids).startswith("<|file_sep|>geometry.py\nPI = 3.14159\n")
+    status, payload = raw(served[0], "POST", "/infill", {"input_prefix": prefix, "input_suffix": suffix,
+                                                         "input_extra": extra, "n_predict": 8, "stream": True})
+    lines = [json.loads(line[6:]) for line in payload.decode().split("\n\n") if line.startswith("data: ")]
+    assert status == 200 and lines[-1]["stop"] and not any(line["stop"] for line in lines[:-1])
+
+
+def test_a_model_without_fill_in_the_middle_tokens_gets_a_400(smollm, served):
+    from types import SimpleNamespace
+
+    from mlx_eagle.errors import UserError
+    from mlx_eagle.protocols import RequestError
+    from mlx_eagle.protocols.infill import Infill
+
+    _, tokenizer = smollm
+    assert infill_tokens(tokenizer) is None
+    with pytest.raises(UserError, match="no fill-in-the-middle tokens"):
+        infill_prompt(tokenizer, "def f():", "return 1")
+    engine = SimpleNamespace(tokenizer=tokenizer, context_length=8192, name="smollm")
+    with pytest.raises(RequestError, match="no fill-in-the-middle tokens") as raised:
+        Infill().parse({"input_prefix": "def f():", "input_suffix": "return 1"}, engine, 16)
+    assert raised.value.status == 400
+    status, payload = raw(served[0], "POST", "/v1/completions", {"prompt": [1, 2], "suffix": "x"})
+    assert status == 400 and json.loads(payload)["error"]["param"] == "prompt"
+
+
+def test_metrics_count_requests_tokens_and_drafts(served, oai):
+    base, engine, server = served
+    oai.completions.create(model="m", prompt="def fibonacci(n):", max_tokens=12)
+    raw(base, "POST", "/v1/messages", {"model": "x"})  # a 400
+    status, payload = raw(base, "GET", "/metrics")
+    assert status == 200
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for family in text_string_to_metric_families(payload.decode()) for s in family.samples}
+    assert samples[("mlx_eagle_requests_total", (("route", "/v1/completions"), ("status", "200")))] >= 1
+    assert samples[("mlx_eagle_requests_total", (("route", "/v1/messages"), ("status", "400")))] >= 1
+    assert samples[("mlx_eagle_completion_tokens_total", ())] >= 12
+    assert samples[("mlx_eagle_time_to_first_token_seconds_count", ())] >= 1
+    assert samples[("mlx_eagle_time_between_tokens_seconds_count", ())] >= 11
+    assert samples[("mlx_eagle_target_forwards_total", ())] >= 1
+    assert any(name == "mlx_eagle_draft_tokens_proposed_total" for name, _ in samples)
+    assert samples[("mlx_eagle_requests_waiting", ())] == 0 and samples[("mlx_eagle_prompt_cache_bytes", ())] > 0
+    model = oai.models.list().data[0]
+    assert model.drafting == engine.drafting and isinstance(model.drafting_off, list)
+
+
+@pytest.mark.parametrize("text", [False, True])
+def test_log_requests_writes_a_json_line_per_request_and_text_only_when_asked(served, oai, capsys, text):
+    base, _, server = served
+    server.log_requests, server.log_text = True, text
+    try:
+        oai.completions.create(model="m", prompt="def secret_function(x):", max_tokens=6)
+    finally:
+        server.log_requests = server.log_text = False
+    (line,) = [json.loads(line) for line in capsys.readouterr().err.splitlines() if line.startswith("{")]
+    assert line["route"] == "/v1/completions" and line["status"] == 200 and line["completion_tokens"] == 6
+    assert line["speculation"]["target_forwards"] >= 1 and line["time_to_first_token"] > 0
+    assert ("secret_function" in json.dumps(line)) == text and ("text" in line) == text
