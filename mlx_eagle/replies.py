@@ -28,6 +28,7 @@ from mlx_lm.generate import TextStateMachine, make_text_state_machine
 
 from .errors import UserError, check_nesting, check_text
 from .generation import GenerationResponse
+from .thinking import opens_thinking
 
 ROLES = ("system", "user", "assistant", "tool")
 
@@ -266,14 +267,16 @@ def parsed_calls(parser, text: str, tools: Sequence[Dict[str, Any]]) -> Optional
 
 class ReplySplitter:
     """Splits a reply's text, as it streams, into answer text, reasoning and tool calls.
-    ``tools``: those the request offered (None or empty: a call is left as text)."""
+    ``tools``: those the request offered (None or empty: a call is left as text);
+    ``thinking``: the reply begins inside a thinking block (the template opened it)."""
 
-    def __init__(self, tokenizer, tools: Optional[Sequence[Dict[str, Any]]] = None, opening: str = ""):
+    def __init__(self, tokenizer, tools: Optional[Sequence[Dict[str, Any]]] = None, opening: str = "",
+                 thinking: bool = False):
         self.tools = list(tools or [])
         self.parser = tokenizer.tool_parser if self.tools else None
         self.machine = make_text_state_machine(tokenizer)
         self.markers = (tokenizer.tool_call_start or "", tokenizer.tool_call_end or "")
-        self.state = self.machine.make_state("normal")
+        self.state = self.machine.make_state("reasoning" if thinking else "normal")
         self.call_text = ""  # the call being written, between the template's markers
         self.held = ""  # answer text held back while it may be a bare JSON call
         self.content_seen = False  # the reply is known not to be a bare call: its text goes out as it comes
@@ -380,7 +383,7 @@ def chat_prompt(tokenizer, messages: Sequence[Dict[str, Any]], tools: Optional[S
     ids = chat_tokens(tokenizer, messages, offered, thinking)
     if opening:
         ids += tokenizer.encode(opening, add_special_tokens=False)
-    return ids, ReplySplitter(tokenizer, offered, opening)
+    return ids, ReplySplitter(tokenizer, offered, opening, opens_thinking(tokenizer, ids))
 
 
 def _in_field(name: str, check):

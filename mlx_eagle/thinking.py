@@ -137,6 +137,13 @@ def _opens(prompt: Sequence[int], start: Tuple[int, ...], end: Tuple[int, ...]) 
     return last(start) > last(end)
 
 
+def opens_thinking(tokenizer, prompt: Sequence[int]) -> bool:
+    """Whether the reply to ``prompt`` begins inside a thinking block its template opened."""
+    if not getattr(tokenizer, "has_thinking", False) or not tokenizer.think_start_tokens:
+        return False
+    return _opens(prompt, tuple(tokenizer.think_start_tokens), tuple(tokenizer.think_end_tokens))
+
+
 def check_budget(budget: object, where: str = "thinking_budget") -> Optional[int]:
     """A budget as given (None: none): a whole number of tokens, 0 or more."""
     if budget is None:

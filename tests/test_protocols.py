@@ -258,15 +258,19 @@ def test_the_sdks_raise_their_own_errors(claude, oai):
 
 
 def test_the_response_store_drops_the_least_recently_used_under_its_byte_bound():
-    store = ResponseStore(max_bytes=600)
+    def entry(name):
+        return {"id": name, "text": name * 100}, [{"role": "user", "content": name * 50}]
+
+    size = len(json.dumps(list(entry("a"))))
+    store = ResponseStore(max_bytes=int(2.5 * size))  # two entries fit
     for name in "abc":
-        store.put({"id": name, "text": name * 100}, [{"role": "user", "content": name * 50}])
+        store.put(*entry(name))
     assert store.get("a") is None and store.get("b") is not None  # a dropped; b used now
-    store.put({"id": "d", "text": "d" * 100}, [])
+    store.put(*entry("d"))
     assert store.get("c") is None and store.get("b") is not None and store.get("d") is not None
-    assert store.bytes <= 600 and store.delete("b") and not store.delete("b") and len(store) == 1
-    store.put({"id": "huge", "text": "x" * 1000}, [])  # larger than the bound: not kept
-    assert store.get("huge") is None and store.bytes <= 600
+    assert store.bytes == 2 * size and store.delete("b") and not store.delete("b") and len(store) == 1
+    store.put({"id": "huge", "text": "x" * 10 * size}, [])  # larger than the bound: not kept
+    assert store.get("huge") is None and store.bytes <= 2.5 * size
 
 
 CIRCLE = ("import math\n\n\ndef circle_area(radius: float) -> float:\n    ", "\n    return area\n")
