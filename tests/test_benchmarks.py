@@ -278,6 +278,31 @@ def test_concurrency_runs_clients_at_once_against_a_server(tmp_path, qwen_coder_
     assert result["runs"]["agent"]["ours-none"][0]["tokens"] > 0
 
 
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def test_protocols_runs_the_agent_loop_through_each_protocol(tmp_path, qwen_coder_gguf):
+    run("protocols.py", "--model", qwen_coder_gguf, "--protocols", "messages,responses", "--tasks", 1,
+        "--max-tokens", 6, "--port", free_port(), "--out", tmp_path / "protocols.json")
+    result = json.loads((tmp_path / "protocols.json").read_text())
+    assert result["identical"] and set(result["seconds"]) == {"messages", "responses"}
+    assert result["requests"]["messages"][0]["tokens"] == 6 and result["metrics"]["observe_seconds"] > 0
+
+
+def test_editor_sends_fill_in_the_middle_requests(tmp_path, qwen_coder_gguf):
+    run("editor.py", "--model", qwen_coder_gguf, "--servers", "ours-none", "--sites", 1, "--steps", 2,
+        "--max-tokens", 4, "--port", free_port(), "--out", tmp_path / "editor.json")
+    result = json.loads((tmp_path / "editor.json").read_text())
+    requests = result["by_request"]["ours-none"]
+    assert result["requests"] == 2 and len(requests) == 2 and requests[0]["tokens"] <= 4
+    assert requests[1]["cached_tokens"] > 0  # the same file again: its beginning is not read again
+
+
 def test_batch_pricing(tmp_path, smollm_float32):
     run("batch_pricing.py", "--model", smollm_float32, "--rows", "1,2", "--context", 8, "--repeats", 1,
         "--out", tmp_path / "pricing.json")

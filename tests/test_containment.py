@@ -76,10 +76,12 @@ def test_a_drafter_that_raises_warns_once_and_the_text_is_the_model_s(smollm, wh
     plain = [r.token for r in stream_generate(model, tokenizer, ids, draft="none", max_tokens=24)]
     kind = type(f"Raises_{where}", (RaisesIn,), {"where": where})
     draft = kind() if where == "fork" else kind
-    got = [r.token for r in stream_generate(model, tokenizer, ids, draft=draft, max_tokens=24)]
-    assert got == plain
+    responses = list(stream_generate(model, tokenizer, ids, draft=draft, max_tokens=24))
+    assert [r.token for r in responses] == plain
     warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning: drafter")]
     assert len(warnings) == 1 and kind.__name__ in warnings[0] and "went on without it" in warnings[0], warnings
+    (off,) = responses[-1].drafting_off  # the reply says so too (the server's usage.speculation.drafting_off)
+    assert "failed" in off
 
 
 def test_a_propose_that_never_returns_is_abandoned_after_its_time_limit(smollm, capsys):
