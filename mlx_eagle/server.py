@@ -2,8 +2,12 @@
 
     python -m mlx_eagle.server [--model M] [--draft D] [--port 8080]
 
-Serves /v1/chat/completions and /v1/completions (streamed or not), /v1/models
-(and /v1/models/{id}) and /health on 127.0.0.1 by default. One model and head are
+Serves /v1/chat/completions and /v1/completions (streamed or not; a completion with a
+``suffix`` fills in the middle, infill.py), /v1/models (and /v1/models/{id}), /metrics and
+/health on 127.0.0.1 by default; and, through protocols/, Anthropic's /v1/messages (and
+count_tokens), OpenAI's /v1/responses (and GET, DELETE /v1/responses/{id}) and llama.cpp's
+/infill. Thinking budgets (``thinking_budget``, ``reasoning_effort``) hold inside speculation
+(thinking.py). One model and head are
 loaded once; up to --max-concurrency requests are served at once, their rounds verified
 together in one forward pass (scheduler.py), and up to --max-queue more wait for a seat
 (a streamed one hears an SSE comment every few seconds); past that a request gets a 429
@@ -60,12 +64,12 @@ from .cli import LAUNCHED, add_history_arguments, add_kv_arguments, add_model_ar
     new_parser, run_cli
 from .errors import MAX_CONCURRENCY, MAX_QUEUE, MAX_SEED, Busy, UserError, check_options, check_text
 from .grammar import response_grammar
-from .metrics import CONTENT_TYPE, Metrics, log_line
 from .infill import infill_prompt
-from .thinking import check_budget, effort_budget
+from .metrics import CONTENT_TYPE, Metrics, log_line
 from .protocols import Collected, Protocol, Request, RequestError, number
 from .protocols.infill import Infill
 from .protocols.store import STORE_BYTES, ResponseStore, not_found
+from .thinking import check_budget, effort_budget
 from .trees import parse_tree
 
 if TYPE_CHECKING:  # they load mlx-lm: imported where used, so that --help answers at once
