@@ -359,7 +359,7 @@ class Handler(BaseHTTPRequestHandler):
 
     @property
     def route(self) -> str:
-        return self.path.split("?", 1)[0]
+        return getattr(self, "path", "").split("?", 1)[0]  # (no path: a request line http.server could not read)
 
     def _check_host(self) -> None:
         """403 unless the Host header names this machine (or an allowed name)."""
