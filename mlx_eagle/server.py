@@ -66,7 +66,7 @@ from .errors import MAX_CONCURRENCY, MAX_QUEUE, MAX_SEED, Busy, UserError, check
 from .grammar import response_grammar
 from .infill import infill_prompt
 from .metrics import CONTENT_TYPE, Metrics, log_line
-from .protocols import Collected, Protocol, Request, RequestError, number
+from .protocols import Collected, Protocol, Request, RequestError, check_together, number
 from .protocols.infill import Infill
 from .protocols.store import STORE_BYTES, ResponseStore, not_found
 from .thinking import check_budget, effort_budget
@@ -407,8 +407,6 @@ class Handler(BaseHTTPRequestHandler):
                 self._not_allowed()
                 return
             engine, route = self.server.engine, self.route
-            model = {"id": engine.name, "object": "model", "created": self.server.started, "owned_by": "mlx-eagle",
-                     **self.server.drafting}
             if route == "/health":
                 stalled = engine.stalled_for()
                 if stalled > self.server.stall_seconds:
@@ -425,9 +423,9 @@ class Handler(BaseHTTPRequestHandler):
                     raise not_found(response_id)
                 self._send_json(200, held[0])
             elif route in ("/v1/models", "/models"):
-                self._send_json(200, {"object": "list", "data": [model]})
+                self._send_json(200, {"object": "list", "data": [self.server.model_card()]})
             elif route.split("/models/", 1)[1] == engine.name:
-                self._send_json(200, model)
+                self._send_json(200, self.server.model_card())
             else:
                 raise RequestError(404, f"no model {route.split('/models/', 1)[1]!r}; this server has {engine.name!r}",
                                    "model", "model_not_found")
@@ -455,6 +453,7 @@ class Handler(BaseHTTPRequestHandler):
                 request = protocol.parse(body, self.server.engine, self.server.default_max_tokens)
             else:
                 request = parse_request(body, kind == "chat", self.server.engine, self.server.default_max_tokens)
+            check_together(self.server.engine, request.options)
             self.server.count("requests")
             with self.server.in_flight():
                 try:
@@ -774,12 +773,13 @@ class Server(ThreadingHTTPServer):
         with self._counting:
             self.counts[what] += 1
 
-    @property
-    def drafting(self) -> Dict[str, Any]:
-        """What drafts for the model, and why any drafter is off (/v1/models says so)."""
+    def model_card(self) -> Dict[str, Any]:
+        """/v1/models' entry: the model, what drafts for it and why any drafter is off (asked
+        of the engine's worker once: main asks at startup, while the worker is free)."""
         if self._drafting is None:
             self._drafting = {"drafting": self.engine.drafting, "drafting_off": self.engine.drafting_off}
-        return self._drafting
+        return {"id": self.engine.name, "object": "model", "created": self.started, "owned_by": "mlx-eagle",
+                **self._drafting}
 
     @contextmanager
     def in_flight(self) -> Iterator[None]:
@@ -898,12 +898,13 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     if exposed:
         print(f"warning: listening on {host}, reachable from other machines; the API has no authentication",
               file=sys.stderr)
+    card = server.model_card()  # (what drafts, asked now: a worker busy later would keep /v1/models waiting)
     shards = f", {sharding(engine.model)}" if sharding(engine.model) else ""
     together = (f"up to {args.max_concurrency} requests at once, their rounds verified together" if engine.batches
                 else f"up to {args.max_concurrency} requests at once, their rounds one after another (this model's "
                 "cannot share a forward pass)" if args.max_concurrency > 1 and not engine.shards
                 else "one request at a time")
-    print(f"serving {engine.name} ({engine.drafting}{shards}; {together}) at http://{host}:{port}/v1",
+    print(f"serving {engine.name} ({card['drafting']}{shards}; {together}) at http://{host}:{port}/v1",
           file=sys.stderr, flush=True)
     if not LAUNCHED:  # (under mlx.launch, SIGTERM means another rank ended: cli.py ends this one at once)
         signal.signal(signal.SIGTERM, _stop)

@@ -161,6 +161,10 @@ def test_the_protocols_budget_thinking_and_answer_it_as_thinking(thinking_model,
             kinds = [(event.type, getattr(getattr(event, "delta", None), "type", None)) for event in stream]
             final = stream.get_final_message()
         assert ("content_block_delta", "thinking_delta") in kinds and final.content[0].thinking == thought
+        with pytest.raises(anthropic.BadRequestError, match="thinking budget and a structured output"):
+            claude.messages.create(model="claude-x", max_tokens=40, messages=QUESTION, stream=True,
+                                   thinking={"type": "enabled", "budget_tokens": 12},
+                                   output_config={"format": {"type": "json_schema", "schema": {"type": "object"}}})
         disabled = claude.messages.create(model="claude-x", max_tokens=20, messages=QUESTION)
         assert all(block.type != "thinking" for block in disabled.content)  # the template's empty block
     finally:

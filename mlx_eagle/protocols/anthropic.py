@@ -183,10 +183,7 @@ def prompt(body: Any, engine, counting: bool = False) -> Tuple[List[int], Any, D
         raise RequestError(400, "output_config must be an object such as {'effort': 'low'}", "output_config")
     try:
         effort = effort_budget(output.get("effort"), "output_config.effort")
-        response_format = None if output.get("format") is None else {"type": "json_schema", "json_schema": output[
-            "format"]} if isinstance(output["format"], dict) and output["format"].get("type") == "json_schema" \
-            else {"type": output["format"]}
-        response_grammar(response_format, "output_config.format")
+        response_format = _output_format(output.get("format"))
     except UserError as error:
         raise RequestError(400, str(error), "output_config") from None
     thinks, budget = thinking(body.get("thinking"), max_tokens, effort)
@@ -195,6 +192,18 @@ def prompt(body: Any, engine, counting: bool = False) -> Tuple[List[int], Any, D
     if splitter.forced_call:  # the reply is a tool call: the format is for answer text
         response_format = None
     return ids, splitter, {"thinking_budget": budget, "max_tokens": max_tokens, "response_format": response_format}
+
+
+def _output_format(value: Any) -> Optional[Dict[str, Any]]:
+    """``output_config.format`` ({"type": "json_schema", "schema": {...}}) as chat
+    completions' response_format, checked."""
+    if value is None:
+        return None
+    if not isinstance(value, dict) or value.get("type") != "json_schema":
+        raise UserError("output_config.format must be {'type': 'json_schema', 'schema': {...}}")
+    response_format = {"type": "json_schema", "json_schema": value}
+    response_grammar(response_format, "output_config.format")
+    return response_format
 
 
 class Messages(Protocol):
