@@ -107,7 +107,7 @@ QUESTION = [{"role": "user", "content": "Write a Python function that checks whe
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("budget", [0, 9, 33])
+@pytest.mark.parametrize("budget", [0, 5, 17])
 def test_greedy_text_equals_plain_decoding_under_the_same_budget(thinking_model, budget):
     model, tokenizer = thinking_model
     assert tokenizer.has_thinking and tokenizer.think_end_tokens == (151668,)
@@ -115,12 +115,12 @@ def test_greedy_text_equals_plain_decoding_under_the_same_budget(thinking_model,
     assert thinking_budget_for(tokenizer, ids, budget, model.args.vocab_size) is not None  # the template opened it
     end = tokenizer.think_end_tokens[0]
     expected = []
-    for (token, _), _ in zip(generate_step(mx.array(ids), model, max_tokens=60,
-                                           logits_processors=[budget_processor(len(ids), end, budget)]), range(60)):
+    for (token, _), _ in zip(generate_step(mx.array(ids), model, max_tokens=30,
+                                           logits_processors=[budget_processor(len(ids), end, budget)]), range(30)):
         expected.append(int(token))
         if expected[-1] in tokenizer.eos_token_ids:
             break
-    responses = list(stream_generate(model, tokenizer, ids, max_tokens=60, thinking_budget=budget))
+    responses = list(stream_generate(model, tokenizer, ids, max_tokens=30, thinking_budget=budget))
     assert [r.token for r in responses] == expected
     assert expected.index(end) == budget  # the thinking held the budget, then the marker
     if budget:  # (a budget of 0 forces the first token, which no round drafts)
@@ -142,28 +142,28 @@ def test_the_protocols_budget_thinking_and_answer_it_as_thinking(thinking_model,
     base = f"http://127.0.0.1:{server.server_address[1]}"
     try:
         ids = tokenizer.apply_chat_template(QUESTION, add_generation_prompt=True)
-        plain = list(stream_generate(model, tokenizer, ids, max_tokens=40, thinking_budget=12, draft="none"))
+        plain = list(stream_generate(model, tokenizer, ids, max_tokens=16, thinking_budget=6, draft="none"))
         thought = "".join(r.text for r in plain).split("</think>")[0]
         claude = anthropic.Anthropic(base_url=base, api_key="local", max_retries=0, timeout=300)
-        reply = claude.messages.create(model="claude-x", max_tokens=40, messages=QUESTION,
-                                       thinking={"type": "enabled", "budget_tokens": 12})
+        reply = claude.messages.create(model="claude-x", max_tokens=16, messages=QUESTION,
+                                       thinking={"type": "enabled", "budget_tokens": 6})
         assert reply.content[0].type == "thinking" and reply.content[0].thinking == thought
         oai = openai.OpenAI(base_url=base + "/v1", api_key="local", max_retries=0, timeout=300)
-        chat = oai.chat.completions.create(model="m", messages=QUESTION, max_tokens=40,
-                                           extra_body={"thinking_budget": 12})
+        chat = oai.chat.completions.create(model="m", messages=QUESTION, max_tokens=16,
+                                           extra_body={"thinking_budget": 6})
         assert json.loads(chat.model_dump_json())["choices"][0]["message"]["reasoning_content"] == thought
-        monkeypatch.setitem(EFFORT_BUDGETS, "minimal", 12)  # (128 by default: a shorter test)
-        response = oai.responses.create(model="m", input=QUESTION[0]["content"], max_output_tokens=40,
+        monkeypatch.setitem(EFFORT_BUDGETS, "minimal", 6)  # (128 by default: a shorter test)
+        response = oai.responses.create(model="m", input=QUESTION[0]["content"], max_output_tokens=16,
                                         reasoning={"effort": "minimal"})
         assert response.output[0].type == "reasoning" and response.output[0].content[0].text == thought
-        with claude.messages.stream(model="claude-x", max_tokens=40, messages=QUESTION,
-                                    thinking={"type": "enabled", "budget_tokens": 12}) as stream:
+        with claude.messages.stream(model="claude-x", max_tokens=16, messages=QUESTION,
+                                    thinking={"type": "enabled", "budget_tokens": 6}) as stream:
             kinds = [(event.type, getattr(getattr(event, "delta", None), "type", None)) for event in stream]
             final = stream.get_final_message()
         assert ("content_block_delta", "thinking_delta") in kinds and final.content[0].thinking == thought
         with pytest.raises(anthropic.BadRequestError, match="thinking budget and a structured output"):
-            claude.messages.create(model="claude-x", max_tokens=40, messages=QUESTION, stream=True,
-                                   thinking={"type": "enabled", "budget_tokens": 12},
+            claude.messages.create(model="claude-x", max_tokens=16, messages=QUESTION, stream=True,
+                                   thinking={"type": "enabled", "budget_tokens": 6},
                                    output_config={"format": {"type": "json_schema", "schema": {"type": "object"}}})
         disabled = claude.messages.create(model="claude-x", max_tokens=20, messages=QUESTION)
         assert all(block.type != "thinking" for block in disabled.content)  # the template's empty block
