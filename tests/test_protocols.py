@@ -11,6 +11,7 @@ import threading
 
 import anthropic
 import openai
+import pydantic
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -176,6 +177,23 @@ def test_structured_replies_and_stop_sequences_in_each_protocol(claude, oai):
     reply = claude.messages.create(model="claude-x", max_tokens=40, messages=[{"role": "user", "content": ask}],
                                    output_config={"format": {"type": "json_schema", "schema": schema}})
     assert json.loads(reply.content[0].text) == {"name": "Ann", "age": 30}
+
+    class Person(pydantic.BaseModel):  # the SDKs' own structured-output helpers
+        name: str
+        age: int
+
+    assert oai.responses.parse(model="m", input=ask, text_format=Person, max_output_tokens=40).output_parsed == \
+        Person(name="Ann", age=30)
+    assert claude.messages.parse(model="claude-x", max_tokens=40, messages=[{"role": "user", "content": ask}],
+                                 output_format=Person).parsed_output == Person(name="Ann", age=30)
+
+    class GetWeather(pydantic.BaseModel):
+        city: str
+
+    with oai.responses.stream(model="m", input=QUESTION, max_output_tokens=48,  # (a tool with a null description)
+                              tools=[openai.pydantic_function_tool(GetWeather)]) as stream:
+        (call,) = stream.get_final_response().output
+    assert call.parsed_arguments == GetWeather(city="Paris")
     stopped = claude.messages.create(model="claude-x", max_tokens=40, stop_sequences=["Ann"],
                                      messages=[{"role": "user", "content": ask}])
     assert stopped.stop_reason == "stop_sequence" and stopped.stop_sequence == "Ann"

@@ -126,7 +126,7 @@ def tools(value: Any) -> Optional[List[Dict[str, Any]]]:
                                     "your own tools (name, description, input_schema)", "tools")
         if not isinstance(tool.get("input_schema"), dict):
             raise RequestError(400, f"{where}.input_schema must be a JSON schema object", "tools")
-        function = {k: tool[k] for k in ("name", "description") if k in tool}  # (chat completions' order)
+        function = {k: tool[k] for k in ("name", "description") if tool.get(k) is not None}  # (chat's order)
         out.append({"type": "function", "function": {**function, "parameters": tool["input_schema"]}})
     return out
 

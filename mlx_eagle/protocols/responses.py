@@ -97,7 +97,7 @@ def tools(value: Any) -> Optional[List[Dict[str, Any]]]:
             raise RequestError(400, f"tools[{index}] must be a function tool; {kind!r} tools run on OpenAI's service, "
                                     "not here", "tools")
         out.append({"type": "function", "function": {k: tool[k] for k in ("name", "description", "parameters")
-                                                      if k in tool}})
+                                                      if tool.get(k) is not None}})  # (the SDK sends null ones)
     return out
 
 
