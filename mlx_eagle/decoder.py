@@ -353,7 +353,8 @@ class SpeculativeDecoder:
             tree, tokens, own = shared_proposal(tree, tokens, MAX_TREE_NODES)
             proposal = proposal if own else None
         shaped = None
-        if self.grammar is not None:  # the nodes it allows, with masks, and the tokens it forces (grammar.py)
+        # The nodes a grammar allows, masks, forced tokens; the tree's rows reach its depth.
+        if self.grammar is not None and self.grammar.binds(min(room, 1 + max(tree.depths, default=0))):
             shaped = self.grammar.shape(proposal.host_tokens() if proposal else tree.tokens, tree.parents, room - 1,
                                         nodes)
             tree, tokens = shaped.tree, shaped.tokens

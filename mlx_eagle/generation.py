@@ -217,10 +217,7 @@ class Generation:
         check_options(max_tokens, seed)
         self.ids = _prompt_ids(tokenizer, prompt)
         check_prompt(model, self.ids)
-        budget = thinking_budget_for(tokenizer, self.ids, thinking_budget, model.args.vocab_size)
-        if budget is not None and response_format is not None:
-            raise UserError("a thinking budget and a response_format cannot hold one reply together (the format "
-                            "would forbid the thinking); give one of them")
+        budget = thinking_budget_for(tokenizer, self.ids, thinking_budget, model.args.vocab_size, response_format)
         self.grammar = grammar_for(tokenizer, model.args.vocab_size, response_format) or budget
         kv = kv_quantization(kv_bits, kv_group_size, quantized_kv_start)
         self.limit = _context_length(model)
@@ -246,8 +243,8 @@ class Generation:
         self.prompt_tps = 0.0
         self.tic = time.perf_counter()
         self.sources: Dict[str, "SourceStats"] = {}
-        self.drafting = plan.describe()
-        self.drafting_off = plan.off
+        self.drafting, self.off_here = plan.describe(), plan.off
+        self.drafting_off = self.off_here  # and the drafters that failed during the conversation
 
     def read(self) -> Iterator[Tuple[int, int]]:
         """Read the prompt, a chunk at a time: (read, total) after each, as stream_generate's
@@ -289,7 +286,7 @@ class Generation:
         self.produced += len(result.tokens)
         self.accepted = len(result.tokens) - 1
         self.sources = source_statistics(self.cache.drafter)
-        self.drafting_off = self.plan.off + drafters_failed(self.cache.drafter)
+        self.drafting_off = self.off_here + drafters_failed(self.cache.drafter)
         if self.grammar is not None and self.grammar.forced.proposed:
             self.sources = {**self.sources, self.grammar.forced_source: replace(self.grammar.forced)}
         logprobs = _log_softmax(result.logits) if self.logprobs else None

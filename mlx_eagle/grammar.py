@@ -167,6 +167,11 @@ class Grammar:
         the value, never runs on as prose."""
         self.matcher.unsafe_compute_mask_ptr(rows[row].ctypes.data, rows[row].nbytes)
 
+    def binds(self, room: int) -> bool:
+        """Whether a round whose rows lie up to ``room`` tokens ahead is shaped: always (every
+        token is the grammar's)."""
+        return True
+
     def mask_now(self) -> mx.array:
         """[1, words]: the allowed tokens after what was committed."""
         rows = np.zeros((1, self.words), dtype=np.int32)

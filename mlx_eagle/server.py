@@ -66,10 +66,10 @@ from .errors import MAX_CONCURRENCY, MAX_QUEUE, MAX_SEED, Busy, UserError, check
 from .grammar import response_grammar
 from .infill import infill_prompt
 from .metrics import CONTENT_TYPE, Metrics, log_line
-from .protocols import Collected, Protocol, Request, RequestError, check_together, number
+from .protocols import Collected, Protocol, Request, RequestError, number
 from .protocols.infill import Infill
 from .protocols.store import STORE_BYTES, ResponseStore, not_found
-from .thinking import check_budget, effort_budget
+from .thinking import check_budget, check_budget_alone, effort_budget
 from .trees import parse_tree
 
 if TYPE_CHECKING:  # they load mlx-lm: imported where used, so that --help answers at once
@@ -205,13 +205,11 @@ def parse_request(body: Any, chat: bool, engine: Engine, default_max_tokens: int
 def _thinking_budget(body: dict) -> Optional[int]:
     """A chat completion's thinking budget: ``thinking_budget`` (tokens), else the one
     ``reasoning_effort`` names (thinking.EFFORT_BUDGETS)."""
+    name = "thinking_budget" if body.get("thinking_budget") is not None else "reasoning_effort"
     try:
-        if body.get("thinking_budget") is not None:
-            return check_budget(body["thinking_budget"])
-        return effort_budget(body.get("reasoning_effort"), "reasoning_effort")
+        return check_budget(body[name]) if name == "thinking_budget" else effort_budget(body.get(name), name)
     except UserError as error:
-        raise RequestError(400, str(error), "thinking_budget" if "thinking_budget" in str(error)
-                           else "reasoning_effort") from None
+        raise RequestError(400, str(error), name) from None
 
 
 MAX_TOP_LOGPROBS = 20
@@ -453,7 +451,11 @@ class Handler(BaseHTTPRequestHandler):
                 request = protocol.parse(body, self.server.engine, self.server.default_max_tokens)
             else:
                 request = parse_request(body, kind == "chat", self.server.engine, self.server.default_max_tokens)
-            check_together(self.server.engine, request.options)
+            try:  # (said before a stream starts)
+                check_budget_alone(self.server.engine.tokenizer, request.options.get("thinking_budget"),
+                                   request.options.get("response_format"))
+            except UserError as error:
+                raise RequestError(400, str(error), "response_format") from None
             self.server.count("requests")
             with self.server.in_flight():
                 try:

@@ -14,8 +14,9 @@ same seam of the decoder): a drafted node past the boundary that is not the mark
 with its subtree (the target could never accept it), the marker's tokens are grafted after
 the drafter's best path (drafted for free: they are certain), and the rows where the marker
 is forced are masked to it before the round accepts, so that greedy choices and sampled
-distributions are those of plain decoding under the rule. Rounds with no forced row are not
-masked at all: the budget costs nothing until it runs out.
+distributions are those of plain decoding under the rule. Rounds that cannot reach the budget
+are not shaped at all, and rows that are not forced are not masked: the budget costs nothing
+until it is near.
 """
 
 from __future__ import annotations
@@ -83,6 +84,12 @@ class ThinkingBudget:
         """[1, words]: the allowed tokens after what was committed (None: any)."""
         return self._masks([self.state])
 
+    def binds(self, room: int) -> bool:
+        """Whether a round whose rows lie at most ``room`` tokens past what was committed may
+        reach the budget (else it is not shaped at all: its drafts stay on the device, its rows
+        unmasked). The spent count only grows, by at most a token a position."""
+        return self.state.spent + room >= self.budget
+
     def commit(self, tokens: Sequence[int], shaped: Optional[Shaped] = None, path: Sequence[int] = ()) -> None:
         """Tokens the reply now holds; after a round, the ``shaped`` tree it verified and the
         nodes of it accepted (``path``)."""
@@ -137,11 +144,16 @@ def _opens(prompt: Sequence[int], start: Tuple[int, ...], end: Tuple[int, ...]) 
     return last(start) > last(end)
 
 
+def thinks(tokenizer) -> bool:
+    """Whether the model has thinking markers (mlx-lm reads them from its vocabulary)."""
+    return bool(getattr(tokenizer, "has_thinking", False) and tokenizer.think_start_tokens
+                and tokenizer.think_end_tokens)
+
+
 def opens_thinking(tokenizer, prompt: Sequence[int]) -> bool:
     """Whether the reply to ``prompt`` begins inside a thinking block its template opened."""
-    if not getattr(tokenizer, "has_thinking", False) or not tokenizer.think_start_tokens:
-        return False
-    return _opens(prompt, tuple(tokenizer.think_start_tokens), tuple(tokenizer.think_end_tokens))
+    return thinks(tokenizer) and _opens(prompt, tuple(tokenizer.think_start_tokens),
+                                        tuple(tokenizer.think_end_tokens))
 
 
 def check_budget(budget: object, where: str = "thinking_budget") -> Optional[int]:
@@ -153,17 +165,24 @@ def check_budget(budget: object, where: str = "thinking_budget") -> Optional[int
     return budget
 
 
-def thinking_budget_for(tokenizer, prompt: Sequence[int], budget: Optional[int],
-                        vocab: int) -> Optional[ThinkingBudget]:
+def check_budget_alone(tokenizer, budget: Optional[int], response_format: object) -> None:
+    """One line where a budget would hold a model's thinking in a reply a ``response_format``
+    holds too: the format would forbid the thinking."""
+    if budget is not None and response_format is not None and thinks(tokenizer):
+        raise UserError("a thinking budget and a structured output format cannot hold one reply together (the "
+                        "format would forbid the thinking); send one of them")
+
+
+def thinking_budget_for(tokenizer, prompt: Sequence[int], budget: Optional[int], vocab: int,
+                        response_format: object = None) -> Optional[ThinkingBudget]:
     """A fresh budget for one reply to ``prompt`` (None: no budget, or a model without
-    thinking markers, whose replies have no thinking to end)."""
+    thinking markers, whose replies have no thinking to end). A budget cannot hold a reply
+    that a ``response_format`` holds too: one line (check_budget_alone)."""
     budget = check_budget(budget)
-    if budget is None or not getattr(tokenizer, "has_thinking", False):
+    check_budget_alone(tokenizer, budget, response_format)
+    if budget is None or not thinks(tokenizer):
         return None
-    start, end = tokenizer.think_start_tokens, tokenizer.think_end_tokens
-    if not start or not end:
-        return None
-    return ThinkingBudget(start, end, budget, prompt, vocab)
+    return ThinkingBudget(tokenizer.think_start_tokens, tokenizer.think_end_tokens, budget, prompt, vocab)
 
 
 def effort_budget(effort: object, where: str) -> Optional[int]:

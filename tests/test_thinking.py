@@ -45,6 +45,7 @@ def budget_processor(prompt_length, end, budget, open_at_start=True):
 def test_shape_cuts_drafts_past_the_budget_and_grafts_the_end_marker():
     budget = ThinkingBudget([START], [END], 2, PROMPT + [START], VOCAB)
     assert budget.mask_now() is None  # nothing forced yet: rounds are not masked
+    assert not budget.binds(1) and budget.binds(2)  # a round one row deep cannot reach it: not shaped
     # root -> 0 -> 1 -> 2 (past the budget: cut, with its child 4); root -> 3 (the end marker itself)
     shaped = budget.shape([0, 1, 2, 4, 3], [-1, 0, 1, 2, -1], room=8, nodes=16)
     assert shaped.placed == [0, 1, None, None, 2]

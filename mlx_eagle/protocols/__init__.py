@@ -88,17 +88,6 @@ class Protocol:
         return b": waiting\n\n"
 
 
-def check_together(engine, options: Dict[str, Any]) -> Dict[str, Any]:
-    """``options`` for the engine, once more checked together: a thinking budget and a
-    response_format cannot hold one reply of a model that thinks (the format would forbid
-    the thinking). Said before the reply starts, a 400 naming the format."""
-    if options.get("thinking_budget") is not None and options.get("response_format") is not None and \
-            getattr(engine.tokenizer, "has_thinking", False):
-        raise RequestError(400, "a thinking budget and a structured output format cannot hold one reply together "
-                                "(the format would forbid the thinking); send one of them", "response_format")
-    return options
-
-
 def sse(event: Optional[str], data: Dict[str, Any]) -> bytes:
     """One server-sent event (named, or a bare data line)."""
     head = f"event: {event}\n" if event else ""

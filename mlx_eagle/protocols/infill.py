@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any, Callable, Dict, Iterator
 
 from ..errors import UserError
-from ..infill import infill_prompt
+from ..infill import check_extra, infill_prompt
 from . import Collected, Protocol, Request, RequestError, flag, number, sse, texts, whole
 
 
@@ -27,18 +27,20 @@ class Infill(Protocol):
             if not isinstance(pieces[name], str):
                 raise RequestError(400, f"{name} must be a string", name)
         try:
-            infill = infill_prompt(engine.tokenizer, pieces["input_prefix"] + pieces["prompt"], pieces["input_suffix"],
-                                body.get("input_extra") or [])
+            extra = check_extra(body.get("input_extra"))
         except UserError as error:
-            raise RequestError(400, str(error), "input_extra" if "input_extra" in str(error) else "input_suffix") \
-                from None
+            raise RequestError(400, str(error), "input_extra") from None
+        try:
+            infill = infill_prompt(engine.tokenizer, pieces["input_prefix"] + pieces["prompt"], pieces["input_suffix"],
+                                   extra)
+        except UserError as error:  # a model without fill-in-the-middle tokens
+            raise RequestError(400, str(error), "input_suffix") from None
         ids, limit = infill.ids, engine.context_length or 1 << 30
         if len(ids) >= limit:
             raise RequestError(400, f"the prompt is {len(ids)} tokens; the model's context holds {limit}",
                                "input_prefix", "context_length_exceeded")
-        predict = body.get("n_predict", body.get("max_tokens"))
-        max_tokens = default_max_tokens if predict in (None, -1) else whole({"n_predict": predict}, "n_predict", 1,
-                                                                               limit)
+        name = "n_predict" if "n_predict" in body else "max_tokens"
+        max_tokens = default_max_tokens if body.get(name) in (None, -1) else whole(body, name, 1, limit)
         top_p = number(body, "top_p", 1.0, 0.0, 1.0)
         if top_p == 0.0:
             raise RequestError(400, "top_p must be above 0", "top_p")

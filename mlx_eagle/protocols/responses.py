@@ -231,9 +231,9 @@ class Responses(Protocol):
     def reply(self, request: Request, collected: Collected, usage: Dict[str, Any]) -> Dict[str, Any]:
         output = []
         if collected.reasoning:
-            output.append(_reasoning_item(f"rs_{uuid.uuid4().hex}", collected.reasoning))
+            output.append(_item("reasoning", f"rs_{uuid.uuid4().hex}", collected.reasoning))
         if collected.text or not collected.calls:
-            output.append(_message_item(f"msg_{uuid.uuid4().hex}", collected.text))
+            output.append(_item("message", f"msg_{uuid.uuid4().hex}", collected.text))
         output += [_call_item(call) for call in collected.calls]
         return self._finish(request, collected, output, usage, f"resp_{uuid.uuid4().hex}")
 
@@ -264,14 +264,20 @@ class Responses(Protocol):
                           response=response)
 
 
-def _message_item(item_id: str, text: str, status: str = "completed") -> Dict[str, Any]:
-    return {"type": "message", "id": item_id, "status": status, "role": "assistant",
-            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}] if status ==
-            "completed" else []}
+def _part(kind: str, text: str) -> Dict[str, Any]:
+    """A message's output_text part, or a reasoning item's reasoning_text."""
+    if kind == "reasoning":
+        return {"type": "reasoning_text", "text": text}
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
 
 
-def _reasoning_item(item_id: str, text: str) -> Dict[str, Any]:
-    return {"type": "reasoning", "id": item_id, "summary": [], "content": [{"type": "reasoning_text", "text": text}]}
+def _item(kind: str, item_id: str, text: Optional[str]) -> Dict[str, Any]:
+    """A message or reasoning item, finished with ``text`` (None: just begun, no content yet)."""
+    content = [] if text is None else [_part(kind, text)]
+    if kind == "reasoning":
+        return {"type": "reasoning", "id": item_id, "summary": [], "content": content}
+    return {"type": "message", "id": item_id, "status": "in_progress" if text is None else "completed",
+            "role": "assistant", "content": content}
 
 
 def _call_item(call, status: str = "completed") -> Dict[str, Any]:
@@ -302,14 +308,9 @@ class _Items:
             yield from self.close()
             self.open, self.text = kind, ""
             self.item_id = f"{'rs' if kind == 'reasoning' else 'msg'}_{uuid.uuid4().hex}"
-            item = _reasoning_item(self.item_id, "") if kind == "reasoning" else _message_item(self.item_id, "",
-                                                                                                "in_progress")
-            if kind == "reasoning":
-                item["content"] = []
-            yield self.event("response.output_item.added", output_index=len(self.output), item=item)
-            part = {"type": "reasoning_text", "text": ""} if kind == "reasoning" else \
-                {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
-            yield self.event("response.content_part.added", part=part, **self._where())
+            yield self.event("response.output_item.added", output_index=len(self.output),
+                             item=_item(kind, self.item_id, None))
+            yield self.event("response.content_part.added", part=_part(kind, ""), **self._where())
         self.text += text
         if text:
             name = "response.reasoning_text.delta" if kind == "reasoning" else "response.output_text.delta"
@@ -319,15 +320,12 @@ class _Items:
     def close(self) -> Iterator[bytes]:
         if self.open is None:
             return
+        item = _item(self.open, self.item_id, self.text)
         if self.open == "reasoning":
-            item = _reasoning_item(self.item_id, self.text)
             yield self.event("response.reasoning_text.done", text=self.text, **self._where())
-            part = item["content"][0]
         else:
-            item = _message_item(self.item_id, self.text)
             yield self.event("response.output_text.done", text=self.text, logprobs=[], **self._where())
-            part = item["content"][0]
-        yield self.event("response.content_part.done", part=part, **self._where())
+        yield self.event("response.content_part.done", part=item["content"][0], **self._where())
         yield self.event("response.output_item.done", output_index=len(self.output), item=item)
         self.output.append(item)
         self.open = None
