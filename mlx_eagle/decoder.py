@@ -50,7 +50,7 @@ from .compiled import compiles_verification, verify_block
 from .target import MLX_LM_PREFILL_STEP, Block, KVQuantization, TargetOutput, check_target, is_driven, \
     keep_cache_entries, lm_head, packed_forward, packs, tapped_forward, target_forward, tree_mask
 from .trees import MAX_TREE_NODES, DraftTree
-from .verify import Sampling, accept, sample, too_close
+from .verify import Sampling, accept
 
 NO_TOKENS = mx.array([], dtype=mx.int32)
 
@@ -113,7 +113,9 @@ class SpeculativeDecoder:
         self.target, self.drafter, self.sampling = target, drafter, sampling
         self.taps = drafter.taps if self.reads_states else None
         self.on_phase = on_phase or (lambda phase: None)
-        self.key = mx.random.key(seed) if seed is not None else None  # None: MLX's global generator
+        # Every position samples with noise fixed by (seed, position) (verify.py); without a
+        # seed, one drawn from MLX's global generator (mx.random.seed makes it reproducible).
+        self.seed = seed if seed is not None else int(mx.random.randint(0, 2**31 - 1, ()).item())
         self.state = cache if cache is not None else make_prompt_cache(target)
         self.state.bind(target, kv)
         self.reused = 0  # prompt tokens the last prefill found already in the caches
@@ -121,8 +123,8 @@ class SpeculativeDecoder:
         self.rechecked = 0  # greedy positions too close to call in a block, decided by a one-row pass
         self._costs_of = costs
         self._costs: Optional[Costs] = None
-        # How close a greedy block row's top two logits may come (None: from the costs, when first needed).
-        self.tolerance: Optional[float] = None if sampling.greedy else 0.0
+        # How close a block row's top two logits may come (None: from the costs, when first needed).
+        self.tolerance: Optional[float] = None
         self.vocab: Optional[int] = None  # the target's, known from its first logits
         self.root: Optional[int] = None
         # (the verify pass's own rows along the accepted path)
@@ -150,12 +152,6 @@ class SpeculativeDecoder:
         """Tokens committed so far, the root included."""
         return len(self.state.tokens)
 
-    def _next_key(self) -> Optional[mx.array]:
-        if self.key is None:
-            return None
-        self.key, key = mx.random.split(self.key)
-        return key
-
     def _measured(self) -> Costs:
         """This device's costs for the target, asked for once, when a round first needs them."""
         if self._costs is None:
@@ -170,11 +166,10 @@ class SpeculativeDecoder:
             self.tolerance = DRIFT_MARGIN * drift if drift else 0.0
         return self.tolerance
 
-    def _choose(self, logits: mx.array) -> int:
+    def _choose(self, logits: mx.array, position: int) -> int:
+        """The token at ``position``, chosen from its one-row ``logits``."""
         self.vocab = logits.shape[-1]
-        if self.sampling.greedy:
-            return int(mx.argmax(logits).item())
-        return int(sample(self.sampling.probabilities(logits), self._next_key()).item())
+        return int(self.sampling.choices(logits[None], self.seed, [position])[0].item())
 
     def _forward(self, tokens: mx.array, positions, mask) -> TargetOutput:
         self.forwards += 1
@@ -222,7 +217,7 @@ class SpeculativeDecoder:
                 yield end - self.reused, len(prompt) - self.reused
             logits = self._held(self._forward(mx.array(prompt[-1:]), last, None).logits[-1])
             self.state.quantize_when_due()
-            self.root = self._choose(logits)
+            self.root = self._choose(logits, len(prompt))
         else:
             # The model's own forward pass computes logits for every token: the last one alone.
             # (So too where the cache may turn quantized before it, as plain decoding's does.)
@@ -242,14 +237,14 @@ class SpeculativeDecoder:
                 yield end - self.reused, len(prompt) - self.reused
             # (For a model's own forward pass, its LM head: models scale their logits their own ways.)
             logits = self._held(lm_head(self.target, out.hidden[-1]) if self.drives_target else out.logits[-1])
-            if end - begin > 1 and self._unsure(logits):  # read the last token alone, as plain decoding does
+            if end - begin > 1 and self._unsure(logits, len(prompt)):  # read the last token alone, as plain decoding does
                 keep_cache_entries(self.target_cache, last, [])
                 out = self._forward(mx.array(prompt[-1:]), last, None)
                 features[-1] = mx.concatenate([features[-1][:-1], out.features])
                 hidden[-1] = mx.concatenate([hidden[-1][:-1], out.hidden])
                 logits = self._held(lm_head(self.target, out.hidden[-1]) if self.drives_target else out.logits[-1])
                 self.rechecked += 1
-            self.root = self._choose(logits)
+            self.root = self._choose(logits, len(prompt))
             states = TargetStates(mx.concatenate(features), mx.concatenate(hidden), self.taps)
         self.state.keep_at = 0  # (kept while this prompt was read, or not at all)
         self.root_logits = logits if self.keep_logits else None
@@ -276,10 +271,10 @@ class SpeculativeDecoder:
         allowed = self.grammar.mask_now() if self.grammar is not None else None
         return mask_logits(logits[None], allowed)[0] if allowed is not None else logits
 
-    def _unsure(self, logits: mx.array) -> bool:
-        """Whether a greedy choice read from a block row may differ from a one-row pass's."""
-        tolerance = self._tolerance() if self.sampling.greedy else 0.0
-        return tolerance > 0 and bool(too_close(logits, tolerance).item())
+    def _unsure(self, logits: mx.array, position: int) -> bool:
+        """Whether the choice read from a block row may differ from a one-row pass's."""
+        tolerance = self._tolerance()
+        return tolerance > 0 and bool(self.sampling.choices(logits[None], self.seed, [position], tolerance)[1].item())
 
     def _verified_tokens(self, tree: DraftTree, tokens: mx.array, unread: List[int]) -> mx.array:
         """What the verify pass reads: [unread tokens, root, tree]."""
@@ -370,7 +365,7 @@ class SpeculativeDecoder:
         exact = self.rewind is None and len(tree) > 0  # (a recurrent state is not re-read one row at a time)
         masked = shaped is not None and shaped.allowed is not None
         logits = mask_logits(out.logits, shaped.allowed) if masked else out.logits
-        verdict = accept(tree, tokens, logits, self.sampling, self._next_key(),
+        verdict = accept(tree, tokens, logits, self.sampling, self.seed, start + 1,
                          self._tolerance() if exact else 0.0)
         kept = [0] + [n + 1 for n in verdict.path]
         chosen_from = logits[mx.array(kept)] if self.keep_logits else None
@@ -380,7 +375,7 @@ class SpeculativeDecoder:
             alone_logits = alone.logits[-1:]
             if masked:
                 alone_logits = mask_logits(alone_logits, shaped.allowed[kept[-1]:kept[-1] + 1])
-            verdict.bonus = self._choose(alone_logits[0])
+            verdict.bonus = self._choose(alone_logits[0], start + len(kept))
             if chosen_from is not None:
                 chosen_from = mx.concatenate([chosen_from[:-1], alone_logits])
             self.rechecked += 1

@@ -109,7 +109,7 @@ def walk_counts(tree, tokens, probabilities, draws=2000):
     rows = mx.broadcast_to(logits, (1 + len(tree), logits.size))
     counts = np.zeros(logits.size)
     for seed in range(draws):
-        verdict = accept(tree, tokens, rows, Sampling(temp=1.0), mx.random.key(seed))
+        verdict = accept(tree, tokens, rows, Sampling(temp=1.0), seed)
         counts[(verdict.tokens + [verdict.bonus])[0]] += 1
     return counts / draws
 

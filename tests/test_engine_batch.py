@@ -190,3 +190,44 @@ def test_concurrent_chats_on_qwen_are_each_the_reply_alone(qwen_coder):
         assert engine.scheduler.stats["rows"] > engine.scheduler.stats["rounds"]
     finally:
         engine.close()
+
+
+def test_a_seed_reproduces_its_reply_whatever_drafts_it(smollm):
+    """A sampled reply with a seed is one text: alone, again (its own reply now in the earlier
+    replies the context drafter reads), after unrelated requests, as one of 8 in a batch,
+    and decoded plainly (--draft none), since every position samples with noise fixed by
+    (seed, position) and a draft is accepted only where it equals that sample."""
+    model, tokenizer = smollm
+    ask = chat_tokens(tokenizer, [{"role": "system", "content": SYSTEM},
+                                  {"role": "user", "content": "Write two lines about a cat."}])
+    options = {"max_tokens": 40, "temp": 0.7, "top_p": 0.95, "seed": 1234}
+
+    def reply(engine, ids, **extra):
+        return [response.token for response in engine.generate(ids, **{**options, **extra})]
+
+    plain_engine = Engine(loaded=(model, tokenizer, None), draft="none", history=False)
+    engine = Engine(loaded=(model, tokenizer, load_draft("auto", model)), history=True, max_concurrency=8)
+    try:
+        expected = reply(plain_engine, ask)
+        assert reply(plain_engine, ask, seed=1235) != expected  # (another seed, another text: the test bites)
+        assert reply(engine, ask) == expected
+        assert reply(engine, ask) == expected  # its own reply is among the earlier ones now
+        for question in QUESTIONS[:3]:
+            reply(engine, chat_tokens(tokenizer, [{"role": "user", "content": question}]), seed=7)
+        assert reply(engine, ask) == expected
+        results = [None] * 8
+
+        def call(index):
+            ids = ask if index == 5 else chat_tokens(tokenizer, [{"role": "user", "content": QUESTIONS[index]}])
+            results[index] = reply(engine, ids, seed=1234 if index == 5 else index)
+
+        threads = [threading.Thread(target=call, args=(index,)) for index in range(8)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert results[5] == expected
+        assert engine.scheduler.stats["rows"] > engine.scheduler.stats["rounds"]  # the batch shared passes
+    finally:
+        engine.close()
+        plain_engine.close()

@@ -93,7 +93,7 @@ def test_the_acceptance_step_is_exact(setting, shape):
     outcomes = sorted(exact)
     counts = np.zeros(len(outcomes))
     for seed in range(SAMPLES):
-        verdict = accept(tree, mx.array(tokens, dtype=mx.int32), logits, sampling, mx.random.key(seed))
+        verdict = accept(tree, mx.array(tokens, dtype=mx.int32), logits, sampling, seed)
         counts[outcomes.index(tuple(verdict.tokens + [verdict.bonus]))] += 1
     assert chi_square_ok(counts, np.array([exact[o] for o in outcomes]))
     assert sum(count for outcome, count in zip(outcomes, counts) if len(outcome) > 1) > SAMPLES / 10  # accepted
