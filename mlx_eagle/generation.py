@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, Generator, Iterator, List
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, SPMStreamingDetokenizer
 
 from .costs import LONG_CONTEXT
 from .decoder import Round, SpeculativeDecoder, batched_round, batches
@@ -106,6 +107,48 @@ class StopMatcher:
             text = text[:max(self.shown, len(text) - max(len(s) for s in self.stops) + 1)]
         piece, self.shown = text[self.shown:], max(self.shown, len(text))
         return piece, stop
+
+
+def continuing_detokenizer(tokenizer, before: int):
+    """A streaming detokenizer whose ``text`` is exactly what a reply's tokens add after the
+    token ``before`` them: mlx-lm's for the tokenizer (its speed), kept from dropping the
+    first token's leading space, which it trims as the start of a text. A completion or a
+    fill-in-the-middle continues text, where that space is the model's own."""
+    detokenizer = tokenizer.detokenizer
+    if isinstance(detokenizer, SPMStreamingDetokenizer):
+        detokenizer.trim_space = False
+    elif isinstance(detokenizer, BPEStreamingDetokenizer):
+        detokenizer._maybe_trim_space = lambda text: text  # (its one trim: the text's first space)
+    else:  # the tokenizer's own decode, which may trim a first token too: each line decoded after its token before
+        detokenizer = _DecodedAfter(tokenizer, before)
+    detokenizer.reset()
+    return detokenizer
+
+
+class _DecodedAfter:
+    """Any tokenizer's text a line at a time (as mlx-lm's NaiveStreamingDetokenizer), each
+    line decoded after the token before it and cut after that token's own text."""
+
+    def __init__(self, tokenizer, before: int):
+        self.decode, self.before = tokenizer.decode, before
+
+    def reset(self) -> None:
+        self.tokens, self.done, self.line = [], "", [self.before]
+
+    def add_token(self, token: int) -> None:
+        self.tokens.append(token)
+        self.line.append(token)
+
+    def finalize(self) -> None:
+        self.done, self.line = self.text, self.line[-1:]
+
+    @property
+    def text(self) -> str:
+        head, whole = self.decode(self.line[:1]), self.decode(self.line)
+        current = whole[len(head):] if whole.startswith(head) else self.decode(self.line[1:])
+        if current.endswith("\n"):
+            self.done, self.line, current = self.done + current, self.line[-1:], ""
+        return self.done + current.rstrip("\ufffd")  # (a character whose bytes have not all come)
 
 
 def _context_length(model: nn.Module) -> Optional[int]:
@@ -235,8 +278,7 @@ class Generation:
         self.max_tokens, self.logprobs = max_tokens, logprobs
         self.eos = set(tokenizer.eos_token_ids) | set(stop_tokens or ())
         self.stops = StopMatcher(stop or [])
-        self.detokenizer = tokenizer.detokenizer
-        self.detokenizer.reset()
+        self.detokenizer = continuing_detokenizer(tokenizer, self.ids[-1])
         self.watchdog = Watchdog()  # a rank that hangs ends the others (distributed.py; idle on one machine)
         self.generated = self.produced = self.rounds = self.accepted = self.rows = self.nodes = 0
         self.done = False

@@ -85,7 +85,9 @@ def infill_prompt(tokenizer, prefix: str, suffix: str, extra: Sequence[Dict[str,
                         "alone (no suffix), or use a code model that has them (Qwen2.5-Coder, StarCoder2, CodeLlama)")
 
     def encode(text: str) -> List[int]:
-        return tokenizer.encode(text, add_special_tokens=False) if text else []
+        """The user's text as text: a marker or an end of text typed in code stays characters
+        (llama.cpp's /infill reads it so); only the markers placed here are special."""
+        return tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True) if text else []
 
     ids: List[int] = []
     for chunk in check_extra(list(extra)):

@@ -323,6 +323,56 @@ def test_fill_in_the_middle_is_plain_decoding_of_the_models_own_infill_prompt(se
     assert status == 200 and lines[-1]["stop"] and not any(line["stop"] for line in lines[:-1])
 
 
+def continuation(tokenizer, ids, tokens, ends=()):
+    """What ``tokens`` add to the text of ``ids``: the whole sequence decoded, cut at the prompt's end."""
+    kept = [t for t in tokens if t not in ends and t not in tokenizer.eos_token_ids]
+    return tokenizer.decode(ids + kept)[len(tokenizer.decode(ids)):]
+
+
+def test_a_reply_that_continues_text_keeps_its_first_space(served, oai, qwen_coder):
+    """A completion's first token begins with a space, and a middle's first token is the
+    indentation after a docstring line: each reply is exactly the text the model wrote after
+    the prompt (mlx-lm's detokenizer drops the first token's leading space), plain and
+    streamed, and the middle makes the file compile."""
+    model, tokenizer = qwen_coder
+    prompt = "The capital of France is"
+    ids = tokenizer.encode(prompt)
+    expected = continuation(tokenizer, ids, plain_tokens(model, ids, 6, tokenizer.eos_token_ids))
+    assert expected.startswith(" ")
+    assert oai.completions.create(model="m", prompt=prompt, max_tokens=6).choices[0].text == expected
+    streamed = oai.completions.create(model="m", prompt=prompt, max_tokens=6, stream=True)
+    assert "".join(chunk.choices[0].text for chunk in streamed) == expected
+    prefix = 'class Point:\n    def __init__(self, x, y):\n        """A point in the plane."""\n'
+    suffix = "\n\n    def norm(self):\n        return (self.x ** 2 + self.y ** 2) ** 0.5\n"
+    infill = infill_prompt(tokenizer, prefix, suffix)
+    tokens = plain_tokens(model, infill.ids, 12, set(tokenizer.eos_token_ids) | set(infill.stop_tokens))
+    expected = continuation(tokenizer, infill.ids, tokens, infill.stop_tokens)
+    assert expected.startswith("        self.")  # (the model's first token: seven spaces)
+    status, payload = raw(served[0], "POST", "/infill", {"input_prefix": prefix, "input_suffix": suffix,
+                                                         "n_predict": 12})
+    assert status == 200 and json.loads(payload)["content"] == expected
+    assert oai.completions.create(model="m", prompt=prefix, suffix=suffix, max_tokens=12).choices[0].text == expected
+    middle = expected.split("\n\n")[0]
+    compile(prefix + middle + suffix, "point.py", "exec")
+
+
+def test_marker_text_typed_in_code_stays_text(served, qwen_coder):
+    """A prefix, suffix and extra file holding every fill-in-the-middle marker's text, and the
+    end of text: the prompt holds exactly the markers the server places, and the text reads back."""
+    _, tokenizer = qwen_coder
+    markers = infill_tokens(tokenizer)
+    typed = "".join(tokenizer.decode([token]) for token in markers.ends) + "<|endoftext|><|im_end|>"
+    prefix, suffix = f'MARKERS = "{typed}"\n', f"\nEND = '{typed}'\n"
+    infill = infill_prompt(tokenizer, prefix, suffix, [{"filename": "tokens.py", "text": typed}])
+    special = {token for token in tokenizer.all_special_ids} | set(markers.ends)
+    placed = [token for token in infill.ids if token in special]
+    assert placed == [markers.file, markers.prefix, markers.suffix, markers.middle]
+    assert tokenizer.decode(infill.ids).count(typed) == 3
+    status, payload = raw(served[0], "POST", "/infill", {"input_prefix": prefix, "input_suffix": suffix,
+                                                         "n_predict": 4})
+    assert status == 200 and json.loads(payload)["tokens_evaluated"] == len(infill_prompt(tokenizer, prefix, suffix).ids)
+
+
 def test_a_model_without_fill_in_the_middle_tokens_gets_a_400(smollm, served):
     from types import SimpleNamespace
 
@@ -374,3 +424,20 @@ def test_log_requests_writes_a_json_line_per_request_and_text_only_when_asked(se
     assert line["route"] == "/v1/completions" and line["status"] == 200 and line["completion_tokens"] == 6
     assert line["speculation"]["target_forwards"] >= 1 and line["time_to_first_token"] > 0
     assert ("secret_function" in json.dumps(line)) == text and ("text" in line) == text
+
+
+def test_any_tokenizers_decode_continues_after_the_token_before(qwen_coder):
+    """The detokenizer for tokenizers mlx-lm has no streaming one for (their own decode, a
+    line at a time): the same text as the whole sequence decoded and cut at the prompt's end."""
+    from mlx_eagle.generation import _DecodedAfter
+
+    _, tokenizer = qwen_coder
+    ids = tokenizer.encode("def f(x):\n")
+    reply = tokenizer.encode("    return x  # é\n\n    pass", add_special_tokens=False)
+    detokenizer = _DecodedAfter(tokenizer, ids[-1])
+    detokenizer.reset()
+    for token in reply:
+        detokenizer.add_token(token)
+        assert continuation(tokenizer, ids, reply).startswith(detokenizer.text)
+    detokenizer.finalize()
+    assert detokenizer.text == continuation(tokenizer, ids, reply)
