@@ -736,6 +736,9 @@ class Handler(BaseHTTPRequestHandler):
 
 class Server(ThreadingHTTPServer):
     daemon_threads = True
+    # Connections waiting to be accepted: socketserver's 5 reset a burst of clients before any
+    # handler (or the queue's 429) could answer them; the kernel caps this at its own maximum.
+    request_queue_size = max(socket.SOMAXCONN, 4096)
 
     def __init__(self, address, engine: Optional[Engine] = None, tree: str = "auto", default_max_tokens: int = 512,
                  max_body: int = MAX_BODY_BYTES, quiet: bool = False, allow_hosts: Sequence[str] = (),

@@ -10,6 +10,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -440,6 +441,29 @@ def test_a_body_that_stops_arriving_gets_408_not_500(impatient_server):
     assert got == 408 and "stopped arriving" in json.loads(body)["error"]["message"]
     assert time.monotonic() - tic < 20
     assert raw(impatient_server, "GET", "/health")[0] == 200
+
+
+def test_a_burst_of_clients_each_gets_an_answer_not_a_reset(server):
+    """64 clients at one instant (a gateway, an agent fanning out sub-agents): each gets a 200
+    or a 429, none a reset (the listen backlog holds the burst, so the queue decides)."""
+    barrier, statuses = threading.Barrier(64), []
+
+    def call(index):
+        body = {"messages": [{"role": "user", "content": f"Say {index}."}], "max_tokens": 1} if index % 2 else \
+            {"model": "m", "messages": [{"role": "user", "content": "Count me."}]}
+        path = "/v1/chat/completions" if index % 2 else "/v1/messages/count_tokens"
+        barrier.wait()
+        try:
+            statuses.append(raw(server, "POST", path, json.dumps(body).encode())[0])
+        except OSError as error:  # a reset, a refusal
+            statuses.append(repr(error))
+
+    threads = [threading.Thread(target=call, args=(index,)) for index in range(64)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(statuses) == 64 and set(statuses) <= {200, 429}, statuses
 
 
 def test_past_the_queue_a_request_gets_429_and_a_queued_stream_hears_keep_alives(smollm):
