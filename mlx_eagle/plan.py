@@ -175,16 +175,24 @@ def user_drafter(draft: object) -> Optional[UserDrafter]:
                     "function that makes one")
 
 
+# Seconds a plug-in drafter's calls other than ``propose`` may take (``propose``: its own
+# ``time_limit``) before its conversation goes on without it: they learn or tidy, and a
+# batch's round waits for them. Making it may load weights, so it gets longer.
+CALL_LIMIT = 10.0
+MAKE_LIMIT = 60.0
+
+
 class FreshPerConversation(Drafter):
     """Your drafter, made afresh whenever a prompt does not continue the conversation it
     drafted for (a new chat, another client of the server); within one it lives on.
 
     Contained: an exception from your code (making or forking it, ``propose``, ``observe``,
     ``reusable``, ``branch``, ``finish``) warns once, naming the drafter and the error, and
-    the conversation goes on without it; a ``propose`` that takes longer than the drafter's
-    ``time_limit`` is abandoned the same way. The text is the model's either way. Its calls
-    run on a thread of their own (``_Runner``), so that one that never returns holds nothing
-    of the engine's."""
+    the conversation goes on without it; a call that takes too long is abandoned the same
+    way: ``propose`` past the drafter's ``time_limit``, any other call past CALL_LIMIT (making
+    it past MAKE_LIMIT). The text is the model's either way. Its calls run on a thread of
+    their own (``_Runner``), so that one that never returns holds nothing of the engine's
+    beyond its bound, and only its own conversation loses its drafts."""
 
     def __init__(self, make: Callable[[], Drafter], name: str = "yours"):
         self.make, self.name = make, name
@@ -197,7 +205,10 @@ class FreshPerConversation(Drafter):
 
     def _contained(self, what: str, call: Callable[[], Any], limit: Optional[float] = None) -> Any:
         """``call()`` on the drafter's thread (None once the drafter is off); an error, or a
-        call past ``limit`` seconds, turns it off for this conversation with one warning."""
+        call past its bound (``propose``: ``limit`` seconds, None for none; any other call:
+        CALL_LIMIT, or MAKE_LIMIT making it), turns it off for this conversation with one warning."""
+        if what != "propose":
+            limit = MAKE_LIMIT if what == "making it" else CALL_LIMIT
         if self.runner is None and what == "making it":  # a new conversation: a new thread (the last may be stuck)
             self.runner = _Runner()
         if self.runner is None or (self.current is None and what != "making it"):
@@ -205,7 +216,8 @@ class FreshPerConversation(Drafter):
         try:
             return self.runner.run(call, limit)
         except _TooLong:
-            problem = f"{what} took longer than its time_limit ({limit:g} s)"
+            bound = "its time_limit" if what == "propose" else "the bound on a drafter's calls"
+            problem = f"{what} took longer than {bound} ({limit:g} s)"
         except BaseException as error:  # your code's, whatever it is (a sys.exit too: it ran on the drafter's thread)
             problem = f"{what} failed: {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
         warn_once(self.make, f"drafter {self.name}: {problem}; its conversation went on without it")

@@ -918,9 +918,10 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     except KeyboardInterrupt:
         print("stopping: replies in flight are cut off", file=sys.stderr)
     finally:
-        deadline = time.monotonic() + STOP_SECONDS - 1
+        # Within STOP_SECONDS with margin: the handlers' last words, then the worker, then exit.
+        deadline = time.monotonic() + STOP_SECONDS - 3
         server.server_close()  # no new connections
-        server.cut_in_flight(wait=STOP_SECONDS / 2)
+        server.cut_in_flight(wait=STOP_SECONDS / 3)
         if not engine.close(wait=max(0.0, deadline - time.monotonic())):
             # A model or drafter call that never returns: nothing can end it but the process.
             print("stopped: the generation in progress did not stop in time", file=sys.stderr, flush=True)
