@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, Generator, Iterator, List
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, SPMStreamingDetokenizer
+from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, NaiveStreamingDetokenizer, SPMStreamingDetokenizer
 
 from .costs import LONG_CONTEXT
 from .decoder import Round, SpeculativeDecoder, batched_round, batches
@@ -113,13 +113,14 @@ def continuing_detokenizer(tokenizer, before: int):
     """A streaming detokenizer whose ``text`` is exactly what a reply's tokens add after the
     token ``before`` them: mlx-lm's for the tokenizer (its speed), kept from dropping the
     first token's leading space, which it trims as the start of a text. A completion or a
-    fill-in-the-middle continues text, where that space is the model's own."""
+    fill-in-the-middle continues text, where that space is the model's own. (Another
+    detokenizer, a tokenizer's own, is used as it is.)"""
     detokenizer = tokenizer.detokenizer
     if isinstance(detokenizer, SPMStreamingDetokenizer):
         detokenizer.trim_space = False
     elif isinstance(detokenizer, BPEStreamingDetokenizer):
         detokenizer._maybe_trim_space = lambda text: text  # (its one trim: the text's first space)
-    else:  # the tokenizer's own decode, which may trim a first token too: each line decoded after its token before
+    elif isinstance(detokenizer, NaiveStreamingDetokenizer):  # the tokenizer's decode, which may trim a first token
         detokenizer = _DecodedAfter(tokenizer, before)
     detokenizer.reset()
     return detokenizer

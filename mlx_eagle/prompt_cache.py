@@ -10,11 +10,13 @@ what plain decoding of the new prompt would (``KVQuantization.holds_as_plain``).
 from __future__ import annotations
 
 import copy
+import os
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import ContextManager, List, Optional, Sequence, Tuple
 
 import mlx.nn as nn
+from mlx.utils import tree_flatten
 from mlx_lm.models.cache import can_trim_prompt_cache
 
 from .drafters import Drafter, common_prefix
@@ -163,6 +165,15 @@ def slots_bytes(slots: List[PromptCache]) -> int:
     return sum(map(cache_bytes, slots)) + sum(map(cache_bytes, beginnings.values()))
 
 
+def default_cache_bytes(model: nn.Module) -> int:
+    """What the conversations' caches may hold by default: twice the model's weights (a
+    small model's conversations need no gigabytes), at least 256 MiB (a 27k-token agent
+    prompt of a 0.5B model is about 0.7 GB), and at most an eighth of this machine's memory."""
+    weights = sum(value.nbytes for _, value in tree_flatten(model.parameters()))
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return int(min(memory // 8, max(256 << 20, 2 * weights)))
+
+
 class PromptCaches:
     """Several conversations' caches, so that requests that interleave each continue their
     own, and a new conversation that begins as a kept one did (a long system prompt, the
@@ -178,13 +189,15 @@ class PromptCaches:
     sweep of one-off prompts leaves a live conversation warm); the slots of replies in
     progress stay. A slot whose prompt read or round did not finish is dropped, never
     reused; with quantized KV caches (``kv``), a slot's caches are copied only where they
-    hold what plain decoding of the new prompt would (``KVQuantization.holds_as_plain``)."""
+    hold what plain decoding of the new prompt would (``KVQuantization.holds_as_plain``).
+    ``max_bytes`` None: ``default_cache_bytes``."""
 
     MIN_SHARED = 16  # fewer shared tokens are not worth a copy (a chat template's header)
     CONTINUES = 0.9  # a prompt sharing this much of what a slot holds goes on with its conversation
 
-    def __init__(self, model: nn.Module, max_bytes: int, kv: Optional[KVQuantization] = None):
-        self.model, self.max_bytes, self.kv = model, max_bytes, kv
+    def __init__(self, model: nn.Module, max_bytes: Optional[int] = None, kv: Optional[KVQuantization] = None):
+        self.model, self.kv = model, kv
+        self.max_bytes = default_cache_bytes(model) if max_bytes is None else max_bytes
         self.slots: List[PromptCache] = []  # the most recently used last
 
     def take(self, prompt: List[int], busy: Sequence[PromptCache] = ()) -> PromptCache:

@@ -35,6 +35,10 @@ from .prompt_cache import PromptCache, PromptCaches
 DONE = object()  # the end of a request's queue
 PROMPT_TOKENS_PER_TURN = 512  # new prompts' tokens read a turn, all together (the decoder's chunk)
 KEEPALIVE_SECONDS = 5.0  # a waiting caller's on_wait is called this often (a server's keep-alive)
+# A reply's time in its seat assumed before any has finished (Retry-After's first estimate):
+# a few hundred tokens at the speeds of a small model on a CPU.
+REPLY_SECONDS_PRIOR = 30.0
+MAX_RETRY_AFTER = 600  # seconds
 
 
 @dataclass
@@ -58,6 +62,7 @@ class Request:
     keep_going: bool = False
     out: "queue.Queue" = field(default_factory=queue.Queue)
     queued_at: float = field(default_factory=time.monotonic)
+    seated_at: Optional[float] = None
     generation: Optional[Generation] = None
     reading: Optional[Iterator[Tuple[int, int]]] = None  # the prompt's reading, until it ends
     read: int = 0
@@ -88,7 +93,9 @@ class Scheduler:
         self.stats = {"rounds": 0, "rows": 0}  # packed passes, and the conversations they held
         self._unseated = 0  # submitted and not yet seated or dropped (any thread)
         self._lock = threading.Lock()
-        self._seconds = 0.0  # a recent request's time in the engine (what Retry-After is estimated from)
+        # Seconds recent replies held their seats, smoothed (what Retry-After is estimated from;
+        # None: none has finished yet).
+        self._reply_seconds: Optional[float] = None
 
     # ---- any thread
 
@@ -97,10 +104,11 @@ class Scheduler:
         with self._lock:
             queued = self._unseated - max(0, self.max_concurrency - len(self.live))
             if queued >= self.max_queue:
-                seconds = self._seconds * (queued + 1) / self.max_concurrency
+                per_reply = REPLY_SECONDS_PRIOR if self._reply_seconds is None else self._reply_seconds
+                seconds = per_reply * (queued + 1) / self.max_concurrency  # until a seat is free for it
                 raise Busy(f"the server is busy: {len(self.live)} replies in progress and {queued} waiting "
                            f"(--max-concurrency {self.max_concurrency}, --max-queue {self.max_queue}); "
-                           "try again shortly", retry_after=min(60, max(1, math.ceil(seconds))))
+                           "try again shortly", retry_after=min(MAX_RETRY_AFTER, max(1, math.ceil(seconds))))
             self._unseated += 1
         self.jobs.put(request)
 
@@ -159,6 +167,7 @@ class Scheduler:
             if request.cancel.is_set():
                 continue
             self.live.append(request)
+            request.seated_at = time.monotonic()
             try:
                 slot = self.caches.take(request.ids, busy=self._busy_slots())
                 request.generation = request.make(slot)
@@ -248,7 +257,9 @@ class Scheduler:
                 self.caches.evict(keep=[request.generation.cache, *self._busy_slots()])
         except Exception as error:
             request.out.put(error)
-        self._seconds = time.monotonic() - request.queued_at
+        if request.seated_at is not None:
+            seated = time.monotonic() - request.seated_at
+            self._reply_seconds = seated if self._reply_seconds is None else 0.7 * self._reply_seconds + 0.3 * seated
         request.out.put(DONE)
 
     def _stop(self) -> None:

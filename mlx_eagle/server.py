@@ -829,8 +829,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                         help="/health answers 503 \"stalled\" while a generation has made no progress this long")
     add_history_arguments(parser)
     add_kv_arguments(parser)
-    parser.add_argument("--prompt-cache-bytes", type=int, default=2 << 30, metavar="BYTES",
-                        help="what the caches of the conversations kept may hold together (default 2 GiB): a "
+    parser.add_argument("--prompt-cache-bytes", type=int, default=None, metavar="BYTES",
+                        help="what the caches of the conversations kept may hold together (default: twice the "
+                        "model's weights, at least 256 MiB, at most an eighth of this machine's memory): a "
                         "request continuing one, or beginning as one did, reads only what is new")
     parser.add_argument("--max-concurrency", type=int, default=MAX_CONCURRENCY, metavar="N",
                         help=f"replies in progress at once, their rounds verified together (default {MAX_CONCURRENCY})")
@@ -864,7 +865,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     if args.max_concurrency < 1 or args.max_queue < 0:
         raise UserError(f"--max-concurrency must be 1 or more and --max-queue 0 or more, not "
                         f"{args.max_concurrency} and {args.max_queue}")
-    if args.prompt_cache_bytes < 0:
+    if args.prompt_cache_bytes is not None and args.prompt_cache_bytes < 0:
         raise UserError(f"--prompt-cache-bytes must be 0 or more, not {args.prompt_cache_bytes}")
     if args.responses_store_bytes < 0:
         raise UserError(f"--responses-store-bytes must be 0 or more, not {args.responses_store_bytes}")

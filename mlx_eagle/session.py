@@ -41,7 +41,6 @@ from .target import kv_quantization, make_cache
 Message = Dict[str, Any]
 
 
-PROMPT_CACHE_BYTES = 2 << 30  # what the conversations' caches may hold together, by default
 STOP_SECONDS = 5.0  # how long close() waits for the generation in progress to stop
 MAX_PLANS = 16  # draft plans kept (one per tree and history key: a server's requested model ids), least recent out
 
@@ -61,7 +60,7 @@ class Engine:
 
     def __init__(self, model: Optional[str] = None, draft: Union[str, Drafter, type, None] = "auto",
                  loaded: Optional[tuple] = None, name: Optional[str] = None, tree: Any = "auto", history: Any = True,
-                 lookup: bool = True, prompt_cache_bytes: int = PROMPT_CACHE_BYTES, kv_bits: Optional[int] = None,
+                 lookup: bool = True, prompt_cache_bytes: Optional[int] = None, kv_bits: Optional[int] = None,
                  kv_group_size: int = 64, quantized_kv_start: Optional[int] = None, pipeline: bool = False,
                  max_concurrency: int = MAX_CONCURRENCY, max_queue: int = MAX_QUEUE):
         """``draft``: a drafter's directory, "auto" (the model's own drafter, if any),
@@ -75,7 +74,8 @@ class Engine:
         ``history``: the earlier replies context drafts draft from (True: this engine's, in
         memory; a path: kept in that file; False: none), kept apart per history key.
         ``prompt_cache_bytes``: what the caches of the conversations kept (prompt_cache.PromptCaches)
-        may hold; a request continuing one of them reads only its new tokens. ``kv_bits``,
+        may hold (None: sized from the model and this machine's memory, prompt_cache.default_cache_bytes);
+        a request continuing one of them reads only its new tokens. ``kv_bits``,
         ``kv_group_size``, ``quantized_kv_start``: every conversation's KV caches quantized, as
         mlx-lm's settings ask (target.KVQuantization). ``max_concurrency``: replies in
         progress at once; ``max_queue``: requests waiting for a seat, past which ``generate``

@@ -188,7 +188,7 @@ def prompt(body: Any, engine, counting: bool = False) -> Tuple[List[int], Any, D
         raise RequestError(400, str(error), "output_config") from None
     thinks, budget = thinking(body.get("thinking"), max_tokens, effort)
     ids, splitter = chat_ids(engine, conversation(body), tools(body.get("tools")), tool_choice(body.get("tool_choice")),
-                             thinks)
+                             thinks, counting=counting)
     if splitter.forced_call:  # the reply is a tool call: the format is for answer text
         response_format = None
     return ids, splitter, {"thinking_budget": budget, "max_tokens": max_tokens, "response_format": response_format}

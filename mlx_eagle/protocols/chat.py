@@ -10,10 +10,13 @@ from . import RequestError
 
 
 def chat_ids(engine, messages: Any, tools: Optional[List[Dict[str, Any]]], tool_choice: Any,
-             thinking: Optional[bool] = None, where: str = "messages") -> Tuple[List[int], ReplySplitter]:
+             thinking: Optional[bool] = None, where: str = "messages",
+             counting: bool = False) -> Tuple[List[int], ReplySplitter]:
     """The prompt's tokens and the reply's reader for a conversation in OpenAI's shapes
     (messages, function tools, tool_choice), checked: a 400 names the field at fault
-    (``where``: the request's name for the conversation)."""
+    (``where``: the request's name for the conversation). ``counting``: only its tokens are
+    wanted, so a prompt longer than the context is counted, not refused (a client counts
+    to decide when to compact a conversation)."""
     try:
         checked = check_messages(messages, where)
     except UserError as error:
@@ -23,7 +26,7 @@ def chat_ids(engine, messages: Any, tools: Optional[List[Dict[str, Any]]], tool_
     except UserError as error:
         raise RequestError(400, str(error), getattr(error, "field", None)) from None
     limit = engine.context_length or 1 << 30
-    if len(ids) >= limit:
+    if len(ids) >= limit and not counting:
         raise RequestError(400, f"the prompt is {len(ids)} tokens; the model's context holds {limit}", where,
                            "context_length_exceeded")
     return ids, splitter

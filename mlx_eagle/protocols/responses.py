@@ -150,7 +150,10 @@ class Responses(Protocol):
         earlier: List[Dict[str, Any]] = []
         previous = body.get("previous_response_id")
         if previous is not None:
-            held = self.store.get(previous) if isinstance(previous, str) else None
+            if not isinstance(previous, str):
+                raise RequestError(400, f"previous_response_id must be a string (a response's id), not "
+                                        f"{type(previous).__name__}", "previous_response_id")
+            held = self.store.get(previous)
             if held is None:
                 raise not_found(str(previous), "previous_response_id")
             earlier = held[1]

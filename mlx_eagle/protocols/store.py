@@ -22,14 +22,19 @@ class ResponseStore:
         self._held: "OrderedDict[str, Tuple[Dict[str, Any], List[Dict[str, Any]], int]]" = OrderedDict()
         self._lock = threading.Lock()
 
-    def put(self, response: Dict[str, Any], conversation: List[Dict[str, Any]]) -> None:
+    def put(self, response: Dict[str, Any], conversation: List[Dict[str, Any]]) -> bool:
+        """Store ``response``; False: it alone is larger than the bound, so it is not kept
+        (and nothing else is dropped for it)."""
         size = len(json.dumps([response, conversation]))
+        if size > self.max_bytes:
+            return False
         with self._lock:
             self._drop(response["id"])
             self._held[response["id"]] = (response, conversation, size)
             self.bytes += size
             while self.bytes > self.max_bytes:
                 self._drop(next(iter(self._held)))
+        return True
 
     def get(self, response_id: str) -> Optional[Tuple[Dict[str, Any], List[Dict[str, Any]]]]:
         with self._lock:
