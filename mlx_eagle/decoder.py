@@ -237,7 +237,7 @@ class SpeculativeDecoder:
                 yield end - self.reused, len(prompt) - self.reused
             # (For a model's own forward pass, its LM head: models scale their logits their own ways.)
             logits = self._held(lm_head(self.target, out.hidden[-1]) if self.drives_target else out.logits[-1])
-            if end - begin > 1 and self._unsure(logits, len(prompt)):  # the last token read alone, as plain decoding does
+            if end - begin > 1 and self._unsure(logits, len(prompt)):  # read the last token alone, as plain decoding
                 keep_cache_entries(self.target_cache, last, [])
                 out = self._forward(mx.array(prompt[-1:]), last, None)
                 features[-1] = mx.concatenate([features[-1][:-1], out.features])

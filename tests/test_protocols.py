@@ -373,7 +373,8 @@ def test_marker_text_typed_in_code_stays_text(served, qwen_coder):
     assert tokenizer.decode(infill.ids).count(typed) == 3
     status, payload = raw(served[0], "POST", "/infill", {"input_prefix": prefix, "input_suffix": suffix,
                                                          "n_predict": 4})
-    assert status == 200 and json.loads(payload)["tokens_evaluated"] == len(infill_prompt(tokenizer, prefix, suffix).ids)
+    evaluated = json.loads(payload)["tokens_evaluated"]
+    assert status == 200 and evaluated == len(infill_prompt(tokenizer, prefix, suffix).ids)
 
 
 def test_a_model_without_fill_in_the_middle_tokens_gets_a_400(smollm, served):
