@@ -100,17 +100,64 @@ def _check_tool_calls(tool_calls: Any, where: str) -> List[Dict[str, Any]]:
 
 
 def chat_tokens(tokenizer, messages: Sequence[Dict[str, Any]],
-                tools: Optional[Sequence[Dict[str, Any]]] = None, thinking: Optional[bool] = None) -> List[int]:
+                tools: Optional[Sequence[Dict[str, Any]]] = None, thinking: Optional[bool] = None,
+                literal: bool = False) -> List[int]:
     """The prompt for ``messages`` (and the ``tools`` offered) through the model's chat
     template, ready for the assistant's turn (a plain "role: text" rendering for models
     without a template). ``thinking``: whether a reasoning model thinks first (the
-    template's ``enable_thinking``; None: its default)."""
-    if tokenizer.chat_template is not None:
-        switch = {"enable_thinking": thinking} if thinking is not None else {}
+    template's ``enable_thinking``; None: its default). ``literal``: special tokens' text
+    inside the messages' text (``<|im_end|>`` typed by a user) stays text, instead of
+    becoming the marker the tokenizer reads it as (the template's own markers stay special)."""
+    switch = {"enable_thinking": thinking} if thinking is not None else {}
+    hidden: List[str] = []
+    if literal:
+        messages = [_hide_special(tokenizer, message, hidden) for message in messages]
+    if tokenizer.chat_template is None:
+        text = "\n\n".join(f"{m['role']}: {m['content']}" for m in messages) + "\n\nassistant:"
+    elif not hidden:
         return list(tokenizer.apply_chat_template(list(messages), tools=list(tools) if tools else None,
                                                   add_generation_prompt=True, tokenize=True, **switch))
-    text = "\n\n".join(f"{m['role']}: {m['content']}" for m in messages) + "\n\nassistant:"
-    return tokenizer.encode(text)
+    else:
+        text = tokenizer.apply_chat_template(list(messages), tools=list(tools) if tools else None,
+                                             add_generation_prompt=True, tokenize=False, **switch)
+    if not hidden:
+        return tokenizer.encode(text)
+    # The template's text read as its tokenize=True reads it (special tokens parsed; a model
+    # without a template: its beginning of sequence first), the hidden pieces as text.
+    ids: List[int] = [] if tokenizer.chat_template is not None else tokenizer.encode("")
+    for index, piece in enumerate(_HIDDEN.split(text)):
+        ids += tokenizer.encode(hidden[int(piece)] if index % 2 else piece, add_special_tokens=False,
+                                split_special_tokens=bool(index % 2)) if piece else []
+    return ids
+
+
+# A special token's text taken out of a message while the template renders it (private-use
+# characters, which no template adds): its index among those taken out.
+_HIDDEN = re.compile("\ue000(\\d+)\ue001")
+
+
+def _hide_special(tokenizer, message: Dict[str, Any], hidden: List[str]) -> Dict[str, Any]:
+    """``message`` with the special tokens' text in its text replaced by _HIDDEN marks."""
+    added = getattr(getattr(tokenizer, "_tokenizer", tokenizer), "added_tokens_decoder", None) or {}
+    specials = sorted({token.content for token in added.values() if getattr(token, "special", False)},
+                      key=len, reverse=True)
+    if not specials:
+        return message
+    pattern = re.compile("|".join(map(re.escape, specials)))
+
+    def hide(text: str) -> str:
+        def mark(match: "re.Match") -> str:
+            hidden.append(match.group())
+            return f"\ue000{len(hidden) - 1}\ue001"
+        return pattern.sub(mark, text)
+
+    content = message.get("content")
+    if isinstance(content, str):
+        return {**message, "content": hide(content)}
+    if isinstance(content, list):
+        return {**message, "content": [{**part, "text": hide(part["text"])} if isinstance(part, dict)
+                                       and isinstance(part.get("text"), str) else part for part in content]}
+    return message
 
 TOOL_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 FENCE = re.compile(r"^```(?:json)?\s*(.*?)\s*```$", re.S)
@@ -369,18 +416,19 @@ class ChatResponse(GenerationResponse):
 
 
 def chat_prompt(tokenizer, messages: Sequence[Dict[str, Any]], tools: Optional[Sequence[Dict[str, Any]]] = None,
-                tool_choice: Any = None, thinking: Optional[bool] = None) -> Tuple[List[int], ReplySplitter]:
+                tool_choice: Any = None, thinking: Optional[bool] = None,
+                literal: bool = False) -> Tuple[List[int], ReplySplitter]:
     """The prompt for checked ``messages`` with the ``tools`` offered (checked here) and
     the splitter that reads the reply; one line for tools the model cannot take, whose
-    ``field`` names the request field at fault (the server's 400 says it). ``thinking``:
-    as for chat_tokens."""
+    ``field`` names the request field at fault (the server's 400 says it). ``thinking``,
+    ``literal``: as for chat_tokens."""
     tools = _in_field("tools", lambda: check_tools(tools) if tools is not None else [])
     choice = _in_field("tool_choice", lambda: check_tool_choice(tool_choice, tools))
     if tools:
         _in_field("tools", lambda: check_tool_support(tokenizer))
     offered = tools if choice != "none" else []
     opening = _in_field("tool_choice", lambda: forced_opening(tokenizer, choice)) if offered else ""
-    ids = chat_tokens(tokenizer, messages, offered, thinking)
+    ids = chat_tokens(tokenizer, messages, offered, thinking, literal)
     if opening:
         ids += tokenizer.encode(opening, add_special_tokens=False)
     return ids, ReplySplitter(tokenizer, offered, opening, opens_thinking(tokenizer, ids))

@@ -841,6 +841,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parser.add_argument("--responses-store-bytes", type=int, default=STORE_BYTES, metavar="BYTES",
                         help="what stored /v1/responses responses may hold together (default 64 MiB; the least "
                         "recently used go first)")
+    parser.add_argument("--escape-special-text", action="store_true",
+                        help="special tokens' text typed in chat messages (<|im_end|>, say) stays text instead of "
+                        "becoming the template's markers: for a server that fronts untrusted users")
     parser.add_argument("--log-requests", action="store_true",
                         help="a JSON line per request on standard error: id, route, status, tokens, times and "
                         "speculation (never the text, unless --log-text)")
@@ -878,7 +881,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     def make_engine() -> Engine:
         return Engine(args.model, args.draft, tree=args.tree, history=history, lookup=not args.no_lookup,
                       prompt_cache_bytes=args.prompt_cache_bytes, pipeline=args.pipeline,
-                      max_concurrency=args.max_concurrency, max_queue=args.max_queue, **kv_options(args))
+                      max_concurrency=args.max_concurrency, max_queue=args.max_queue,
+                      escape_special_text=args.escape_special_text, **kv_options(args))
 
     if rank():  # a sharded model: rank 0 serves, this rank does what its engine does
         make_engine().follow()

@@ -62,7 +62,8 @@ class Engine:
                  loaded: Optional[tuple] = None, name: Optional[str] = None, tree: Any = "auto", history: Any = True,
                  lookup: bool = True, prompt_cache_bytes: Optional[int] = None, kv_bits: Optional[int] = None,
                  kv_group_size: int = 64, quantized_kv_start: Optional[int] = None, pipeline: bool = False,
-                 max_concurrency: int = MAX_CONCURRENCY, max_queue: int = MAX_QUEUE):
+                 max_concurrency: int = MAX_CONCURRENCY, max_queue: int = MAX_QUEUE,
+                 escape_special_text: bool = False):
         """``draft``: a drafter's directory, "auto" (the model's own drafter, if any),
         "lookup" (drafts from the context alone), "none" (plain decoding), or your own
         drafter: a ``Drafter`` object or class, or "package.module:Name" (fresh for every
@@ -81,7 +82,10 @@ class Engine:
         progress at once; ``max_queue``: requests waiting for a seat, past which ``generate``
         raises errors.Busy. Under mlx.launch the model is sharded (by layers with
         ``pipeline``; one reply at a time): rank 0's engine is the one to use, and every
-        other rank's runs ``follow``."""
+        other rank's runs ``follow``. ``escape_special_text``: special tokens' text typed in a
+        chat message stays text (replies.chat_tokens' ``literal``), for engines that serve
+        untrusted users."""
+        self.escape_special_text = escape_special_text
         kv = kv_quantization(kv_bits, kv_group_size, quantized_kv_start)  # one line, before anything loads
         self.kv_options = {"kv_bits": kv_bits, "kv_group_size": kv_group_size, "quantized_kv_start": quantized_kv_start}
         self._jobs: "queue.Queue" = queue.Queue()
@@ -254,7 +258,8 @@ class Engine:
         text, ``reasoning`` the model's thinking and ``tool_calls`` the calls it finished
         (replies.py); a reply that made calls finishes with "tool_calls". Options as for
         ``generate``."""
-        ids, splitter = chat_prompt(self.tokenizer, check_messages(messages), tools, tool_choice)
+        ids, splitter = chat_prompt(self.tokenizer, check_messages(messages), tools, tool_choice,
+                                    literal=self.escape_special_text)
         if splitter.forced_call:  # the reply is a tool call: response_format is for answer text
             options.pop("response_format", None)
         return split_reply(self.generate(ids, cancel, **options), splitter)

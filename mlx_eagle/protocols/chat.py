@@ -22,7 +22,8 @@ def chat_ids(engine, messages: Any, tools: Optional[List[Dict[str, Any]]], tool_
     except UserError as error:
         raise RequestError(400, str(error), where) from None
     try:
-        ids, splitter = chat_prompt(engine.tokenizer, checked, tools, tool_choice, thinking)
+        ids, splitter = chat_prompt(engine.tokenizer, checked, tools, tool_choice, thinking,
+                                    getattr(engine, "escape_special_text", False))
     except UserError as error:
         raise RequestError(400, str(error), getattr(error, "field", None)) from None
     limit = engine.context_length or 1 << 30
