@@ -140,3 +140,51 @@ def test_distribution_is_what_mlx_lm_samples(setting):
     draws = np.array(sampler(mx.broadcast_to(logprobs, (20000, 12))))
     counts = np.bincount(draws, minlength=12)
     assert chi_square_ok(counts, np.array(setting.probabilities(logits[0])).astype(np.float64))
+
+
+@pytest.fixture(scope="module")
+def six_layer_model():
+    """A six-token llama deep enough for every drafter's taps, with peaky distributions."""
+    from checkpoints import tiny_target
+
+    model = tiny_target(seed=7, vocab=VOCAB)
+    model.lm_head.weight = model.lm_head.weight * 12
+    mx.eval(model.parameters())
+    return model
+
+
+def _drafter_of_kind(kind, model, tmp_path):
+    """A fresh drafter of ``kind`` for ``model`` (random weights: proposals the target often
+    rejects, and sometimes accepts)."""
+    from checkpoints import write_dflash
+
+    from mlx_eagle.drafters.dflash import DFlashDrafter, load
+    from mlx_eagle.drafters.eagle import EagleDrafter
+    from mlx_eagle.heads import new_head
+    from mlx_eagle.trees import parse_tree
+
+    if kind == "dflash":
+        directory = tmp_path / "dflash"
+        if not directory.exists():
+            write_dflash(directory, model, [1, 3], block=4, mask=5)
+        drafted = load(directory, model)
+        return lambda: DFlashDrafter(drafted, model, lambda k: 1.0)
+    family, tree = {"eagle-3 dynamic tree": ("eagle3", "dynamic:topk=2,depth=3,tokens=6"),
+                    "eagle-1 chain": ("eagle1", "chain:3")}[kind]
+    head = new_head(model, family, seed=3)
+    return lambda: EagleDrafter(head, model, parse_tree(tree))
+
+
+@pytest.mark.slow  # 3,000 decodes a kind
+@pytest.mark.parametrize("kind", ["eagle-3 dynamic tree", "eagle-1 chain", "dflash"])
+def test_every_drafter_kind_keeps_the_target_distribution(six_layer_model, kind, tmp_path):
+    """The drafter kinds with weights of their own, each drafting for real (random weights),
+    sampled with the seeded Gumbel draws: the first three tokens follow the exact joint
+    distribution (the oracle tree, context drafts, draft models, hybrids, compiled rounds,
+    grammars, thinking budgets, batches and quantized caches have their own checks)."""
+    sampling = SETTINGS["temp 1"]
+    joint = exact_joint(six_layer_model, sampling)
+    counts, accepted = sample_first_three(six_layer_model, None, sampling,
+                                          drafter=_drafter_of_kind(kind, six_layer_model, tmp_path))
+    assert chi_square_ok(counts, joint)
+    assert accepted > 0  # its drafts were verified and some accepted
