@@ -107,7 +107,45 @@ def chat_tokens(tokenizer, messages: Sequence[Dict[str, Any]],
     without a template). ``thinking``: whether a reasoning model thinks first (the
     template's ``enable_thinking``; None: its default). ``literal``: special tokens' text
     inside the messages' text (``<|im_end|>`` typed by a user) stays text, instead of
-    becoming the marker the tokenizer reads it as (the template's own markers stay special)."""
+    becoming the marker the tokenizer reads it as (the template's own markers stay special).
+    A system message past the first is rendered where it stands; where the template refuses
+    that, it is folded into a user message's text (fold_late_system)."""
+    try:
+        return _rendered(tokenizer, messages, tools, thinking, literal)
+    except Exception:  # a template that raises (jinja's raise_exception): some refuse a late system message
+        folded = fold_late_system(messages)
+        if folded == list(messages):
+            raise
+        return _rendered(tokenizer, folded, tools, thinking, literal)
+
+
+def fold_late_system(messages: Sequence[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """``messages`` with every system message after the first message folded into a user
+    message's text where it stood, as "System: ..." paragraphs: before the next user
+    message's text, or after the last one's (for templates that take a system message only
+    first, such as Anthropic's mid-conversation system messages need)."""
+    out: List[Dict[str, Any]] = []
+    pending: List[str] = []
+    for index, message in enumerate(messages):
+        if message["role"] == "system" and index > 0:
+            pending.append(f"System: {message['content']}")
+            continue
+        if pending and message["role"] == "user":
+            message = {**message, "content": "\n\n".join(pending + [message["content"]])}
+            pending = []
+        out.append(message)
+    if pending:
+        users = [index for index, message in enumerate(out) if message["role"] == "user"]
+        if users:
+            out[users[-1]] = {**out[users[-1]], "content": "\n\n".join([out[users[-1]]["content"]] + pending)}
+        else:
+            out.append({"role": "user", "content": "\n\n".join(pending)})
+    return out
+
+
+def _rendered(tokenizer, messages: Sequence[Dict[str, Any]], tools: Optional[Sequence[Dict[str, Any]]],
+              thinking: Optional[bool], literal: bool) -> List[int]:
+    """chat_tokens, once, as the template renders the messages given."""
     switch = {"enable_thinking": thinking} if thinking is not None else {}
     hidden: List[str] = []
     if literal:

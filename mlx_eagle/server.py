@@ -382,7 +382,21 @@ class Handler(BaseHTTPRequestHandler):
         return self.route in GET_ROUTES or self.route.startswith(("/v1/models/", "/models/")) or \
             bool(RESPONSE_ROUTE.fullmatch(self.route))
 
-    do_PUT = do_PATCH = do_HEAD = do_OPTIONS = _not_allowed  # noqa: N815 (http.server's naming)
+    do_PUT = do_PATCH = do_OPTIONS = _not_allowed  # noqa: N815 (http.server's naming)
+
+    def do_HEAD(self) -> None:  # noqa: N802
+        """A client's probe (Claude Code sends HEAD / first): 200 for the root and the GET
+        routes, with no body."""
+        try:
+            self._check_host()
+            if self.route != "/" and not self._is_get_route():
+                self._not_allowed()
+                return
+            self.send_response(200)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+        except RequestError as error:
+            self._send_error(error)
 
     def do_DELETE(self) -> None:  # noqa: N802
         """DELETE /v1/responses/{id}: drop a stored response."""
@@ -448,9 +462,9 @@ class Handler(BaseHTTPRequestHandler):
                 self._send_json(200, self.server.protocols["messages"].count(body, self.server.engine))
                 return
             if protocol is not None:
-                request = protocol.parse(body, self.server.engine, self.server.default_max_tokens)
+                request = protocol.parse(body, self.server.engine, self.server.reply_bound)
             else:
-                request = parse_request(body, kind == "chat", self.server.engine, self.server.default_max_tokens)
+                request = parse_request(body, kind == "chat", self.server.engine, self.server.reply_bound)
             try:  # (said before a stream starts)
                 check_budget_alone(self.server.engine.tokenizer, request.options.get("thinking_budget"),
                                    request.options.get("response_format"))
@@ -740,7 +754,8 @@ class Server(ThreadingHTTPServer):
     # handler (or the queue's 429) could answer them; the kernel caps this at its own maximum.
     request_queue_size = max(socket.SOMAXCONN, 4096)
 
-    def __init__(self, address, engine: Optional[Engine] = None, tree: str = "auto", default_max_tokens: int = 512,
+    def __init__(self, address, engine: Optional[Engine] = None, tree: str = "auto",
+                 default_max_tokens: Optional[int] = None,
                  max_body: int = MAX_BODY_BYTES, quiet: bool = False, allow_hosts: Sequence[str] = (),
                  idle_seconds: float = IDLE_SECONDS, stall_seconds: float = STALL_SECONDS,
                  responses_store_bytes: int = STORE_BYTES, log_requests: bool = False, log_text: bool = False):
@@ -774,6 +789,13 @@ class Server(ThreadingHTTPServer):
         self.allowed_hosts = set(LOCAL_HOSTS) | {h.lower() for h in allow_hosts} | \
             ({bound} if bound not in ("0.0.0.0", "::") else set())
 
+    @property
+    def reply_bound(self) -> int:
+        """A reply's length when a request gives none: the operator's --max-tokens, else until
+        the reply ends or the context is full, as the hosted APIs answer (aider and most chat
+        clients send no max_tokens)."""
+        return self.default_max_tokens or self.engine.context_length or 1 << 30
+
     def count(self, what: str) -> None:
         with self._counting:
             self.counts[what] += 1
@@ -784,6 +806,7 @@ class Server(ThreadingHTTPServer):
         if self._drafting is None:
             self._drafting = {"drafting": self.engine.drafting, "drafting_off": self.engine.drafting_off}
         return {"id": self.engine.name, "object": "model", "created": self.started, "owned_by": "mlx-eagle",
+                "context_length": self.engine.context_length, "max_model_len": self.engine.context_length,
                 **self._drafting}
 
     @contextmanager
@@ -822,7 +845,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parser.add_argument("--allow-host", action="append", default=[], metavar="NAME",
                         help="also serve requests addressed to this host name (repeatable); "
                              "by default only localhost and the listening address")
-    parser.add_argument("--max-tokens", type=int, default=512, help="reply length when a request gives none")
+    parser.add_argument("--max-tokens", type=int, default=None,
+                        help="reply length when a request gives none (default: until the reply ends or the context "
+                        "is full, as the hosted APIs answer)")
     parser.add_argument("--idle-seconds", type=float, default=IDLE_SECONDS,
                         help="drop a client silent this long, reading or writing")
     parser.add_argument("--stall-seconds", type=float, default=STALL_SECONDS,
@@ -861,7 +886,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         parse_tree(args.tree)
     if not 0 <= args.port <= 65535:
         raise UserError(f"--port {args.port} is not a port; give 1 to 65535, or 0 for any free one")
-    check_options(args.max_tokens, None)
+    if args.max_tokens is not None:
+        check_options(args.max_tokens, None)
     for flag, seconds in (("--idle-seconds", args.idle_seconds), ("--stall-seconds", args.stall_seconds)):
         if not 0 < seconds <= 86400:
             raise UserError(f"{flag} {seconds:g} is out of range; give seconds above 0, up to 86400")

@@ -217,7 +217,6 @@ MALFORMED_MESSAGES = [
     {**MESSAGES_OK, "top_k": -1},
     {**MESSAGES_OK, "stop_sequences": 7},
     {**MESSAGES_OK, "tools": [{"name": "f"}]},
-    {**MESSAGES_OK, "tools": [{"type": "web_search_20250305", "name": "web_search"}]},
     {**MESSAGES_OK, "tool_choice": {"type": "sometimes"}},
     {**MESSAGES_OK, "tools": [{"name": "f", "input_schema": {"type": "object"}}],
      "tool_choice": {"type": "tool", "name": "g"}},
@@ -240,7 +239,6 @@ MALFORMED_RESPONSES = [
     {**RESPONSES_OK, "max_output_tokens": 0},
     {**RESPONSES_OK, "temperature": 9},
     {**RESPONSES_OK, "top_p": 0},
-    {**RESPONSES_OK, "tools": [{"type": "web_search"}]},
     {**RESPONSES_OK, "tools": [{"type": "function", "name": "bad name!"}]},
     {**RESPONSES_OK, "tool_choice": "sometimes"},
     {**RESPONSES_OK, "reasoning": {"effort": "extreme"}},
@@ -485,3 +483,133 @@ def test_marker_text_in_a_chat_message_is_escaped_when_the_server_says(qwen_code
     assert markers(escaped) == markers(ids(trusting, plain_message))
     assert tokenizer.decode(escaped) == tokenizer.decode(ids(trusting, messages))  # the same text
     assert ids(escaping, plain_message) == ids(trusting, plain_message)  # nothing to escape: the same prompt
+
+
+BILLING = "x-anthropic-billing-header: cc_version=2.1.197.{}; cc_entrypoint=cli; cch={};"
+
+
+def claude_code_request(billing: int, stream: bool = False) -> dict:
+    """What Claude Code sends with a local model name (shortened): the billing header first in
+    system, a mid-conversation system message, Anthropic's server tool beside its own, and the
+    fields it always carries."""
+    return {"model": "qwen-local", "max_tokens": 8, "stream": stream,
+            "system": [{"type": "text", "text": BILLING.format(billing, billing * 7919)},
+                       {"type": "text", "text": SYSTEM, "cache_control": {"type": "ephemeral"}}],
+            "messages": [{"role": "user", "content": [{"type": "text", "text": QUESTION,
+                                                       "cache_control": {"type": "ephemeral"}}]},
+                         {"role": "system", "content": "Answer in French."}],
+            "tools": [{**{k: WEATHER[k] for k in ("name", "description")}, "input_schema": WEATHER["parameters"]},
+                      {"type": "web_search_20250305", "name": "web_search", "max_uses": 5}],
+            "thinking": {"type": "adaptive"}, "output_config": {"effort": "high"},
+            "context_management": {"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]},
+            "metadata": {"user_id": json.dumps({"device_id": "d", "session_id": "s"})}}
+
+
+def test_claude_codes_requests_are_served_and_its_prompt_is_kept_across_turns(served, qwen_coder):
+    """A mid-conversation system message rendered where it stands, the billing header left out
+    of the prompt (so the next request, whose header differs, reads only what is new), the
+    server tool left out and named in usage, ?beta=true, HEAD / answered."""
+    _, tokenizer = qwen_coder
+    by_hand = chat_prompt(tokenizer, check_messages([{"role": "system", "content": SYSTEM},
+                                                     {"role": "user", "content": QUESTION},
+                                                     {"role": "system", "content": "Answer in French."}]),
+                          [{"type": "function", "function": WEATHER}])[0]
+    status, payload = raw(served[0], "POST", "/v1/messages/count_tokens?beta=true", claude_code_request(1))
+    assert status == 200 and json.loads(payload)["input_tokens"] == len(by_hand)
+    status, payload = raw(served[0], "POST", "/v1/messages?beta=true", claude_code_request(1))
+    first = json.loads(payload)
+    assert status == 200, first
+    assert first["usage"]["tools_left_out"] == ["web_search"]
+    assert first["usage"]["input_tokens"] + first["usage"]["cache_read_input_tokens"] == len(by_hand)
+    status, payload = raw(served[0], "POST", "/v1/messages?beta=true", claude_code_request(2))
+    second = json.loads(payload)["usage"]
+    assert second["cache_read_input_tokens"] >= len(by_hand) - 1  # the whole prompt but its last token
+    assert raw(served[0], "HEAD", "/")[0] == 200
+
+
+def test_a_streamed_empty_reply_has_the_same_content_as_a_plain_one(served, qwen_coder):
+    model, tokenizer = qwen_coder
+    messages = [{"role": "user", "content": QUESTION}]
+    ids = chat_prompt(tokenizer, check_messages(messages))[0]
+    first = tokenizer.decode(plain_tokens(model, ids, 1))[:1]
+    body = {"model": "m", "max_tokens": 8, "messages": messages, "stop_sequences": [first]}
+    status, payload = raw(served[0], "POST", "/v1/messages", body)
+    assert status == 200 and json.loads(payload)["content"] == [{"type": "text", "text": ""}]
+    status, payload = raw(served[0], "POST", "/v1/messages", {**body, "stream": True})
+    starts = [json.loads(line[6:]) for line in payload.decode().split("\n") if line.startswith("data: ")
+              and '"content_block_start"' in line]
+    assert [start["content_block"] for start in starts] == [{"type": "text", "text": ""}]
+
+
+CODEX_TOOLS = [{"type": "function", "name": "shell", "description": "Runs a shell command.", "strict": True,
+                "parameters": {"type": "object", "properties": {"command": {"type": "array", "items":
+                                                                            {"type": "string"}}},
+                               "required": ["command"], "additionalProperties": False}},
+               {"type": "namespace", "name": "multi_agent_v1", "description": "Sub-agents.", "tools": [
+                   {"type": "function", "name": "spawn_agent", "description": "Starts a sub-agent.", "strict": True,
+                    "parameters": {"type": "object", "properties": {"task": {"type": "string"}},
+                                   "required": ["task"], "additionalProperties": False}}]},
+               {"type": "web_search", "external_web_access": False}]
+
+
+def test_codexs_requests_are_served_and_a_namespaced_call_comes_back_with_its_namespace(served, qwen_coder):
+    """Codex's default request shape: developer and user items with ids, a namespace of tools
+    (flattened into the prompt), web_search (left out, named), and the fields it always sends;
+    streamed, every item's id is the same in the events and in the completed response. A call
+    of a namespaced tool comes back under its own name with its namespace, and reads back."""
+    _, tokenizer = qwen_coder
+    items = [{"type": "message", "id": "m1", "role": "developer", "content": [{"type": "input_text", "text": SYSTEM}]},
+             {"type": "message", "id": "m2", "role": "user", "content": [{"type": "input_text", "text": QUESTION}]}]
+    body = {"model": "qwen-local", "input": items, "tools": CODEX_TOOLS, "tool_choice": "auto",
+            "parallel_tool_calls": True, "reasoning": {"summary": "auto"}, "store": False, "stream": True,
+            "include": ["reasoning.encrypted_content"], "prompt_cache_key": "k", "client_metadata": {"a": "b"},
+            "max_output_tokens": 8}
+    status, payload = raw(served[0], "POST", "/v1/responses", body)
+    events = [json.loads(line[6:]) for line in payload.decode().split("\n") if line.startswith("data: ")]
+    assert status == 200 and events[-1]["type"] in ("response.completed", "response.incomplete"), events[-1]
+    done = [event["item"]["id"] for event in events if event["type"] == "response.output_item.done"]
+    final = events[-1]["response"]
+    assert done == [item["id"] for item in final["output"]] and final["usage"]["tools_left_out"] == ["web_search"]
+    flat = [{"type": "function", "function": {k: t[k] for k in ("name", "description", "parameters")}}
+            for t in (CODEX_TOOLS[0], CODEX_TOOLS[1]["tools"][0])]
+    by_hand = chat_prompt(tokenizer, check_messages([{"role": "system", "content": SYSTEM},
+                                                     {"role": "user", "content": QUESTION}]), flat)[0]
+    assert final["usage"]["input_tokens"] == len(by_hand)
+    forced = {**body, "stream": False, "max_output_tokens": 40,
+              "tool_choice": {"type": "function", "name": "spawn_agent", "namespace": "multi_agent_v1"}}
+    status, payload = raw(served[0], "POST", "/v1/responses", forced)
+    (call,) = [item for item in json.loads(payload)["output"] if item["type"] == "function_call"]
+    assert status == 200 and call["name"] == "spawn_agent" and call["namespace"] == "multi_agent_v1"
+    again = {**forced, "tool_choice": "auto", "input": items + [call, {"type": "function_call_output",
+                                                                       "call_id": call["call_id"], "output": "ok"}]}
+    status, payload = raw(served[0], "POST", "/v1/responses", again)
+    assert status == 200, payload
+
+
+def test_late_system_messages_fold_into_user_text_where_a_template_refuses_them(qwen_coder):
+    from mlx_eagle.replies import chat_tokens, fold_late_system
+
+    _, tokenizer = qwen_coder
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+                {"role": "system", "content": "Answer in French."}]
+    assert fold_late_system(messages) == [{"role": "system", "content": "Be brief."},
+                                          {"role": "user", "content": "Hi\n\nSystem: Answer in French."}]
+    strict = ("{% for m in messages %}{% if m.role == 'system' and not loop.first %}"
+              "{{ raise_exception('System message must be first') }}{% endif %}"
+              "<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+              "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    kept = tokenizer.chat_template
+    try:
+        tokenizer._tokenizer.chat_template = strict
+        folded = chat_tokens(tokenizer, messages)
+        assert tokenizer.decode(folded).endswith("<|im_start|>user\nHi\n\nSystem: Answer in French.<|im_end|>\n"
+                                                 "<|im_start|>assistant\n")
+    finally:
+        tokenizer._tokenizer.chat_template = kept
+
+
+def test_a_request_without_a_reply_length_runs_to_the_end_and_models_say_the_context(served):
+    base, engine, server = served
+    assert server.reply_bound == engine.context_length
+    status, payload = raw(base, "GET", "/v1/models")
+    assert json.loads(payload)["data"][0]["context_length"] == engine.context_length

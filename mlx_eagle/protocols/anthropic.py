@@ -20,6 +20,7 @@ this server's other routes). Streamed, the reply is Anthropic's events: ``messag
 
 from __future__ import annotations
 
+import re
 import uuid
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
@@ -54,12 +55,29 @@ def _block_error(where: str, role: str) -> RequestError:
                              "only)", "messages")
 
 
+# A system block that carries a client's metadata for Anthropic's service and no instruction
+# for the model: Claude Code's first block, "x-anthropic-billing-header: cc_version=...;
+# cch=...;", whose value changes between requests. Left out of the prompt, so consecutive
+# turns share their whole prefix and the prompt cache keeps it.
+CLIENT_METADATA = re.compile(r"x-anthropic-[a-z0-9-]+:[^\n]*(\n|$)", re.I)
+
+
+def _system_text(value: Any, where: str) -> str:
+    """A system prompt (a string or text blocks) as one text, client metadata left out."""
+    if isinstance(value, list):
+        value = [block for block in value if not (isinstance(block, dict) and isinstance(block.get("text"), str)
+                                                  and CLIENT_METADATA.fullmatch(block["text"].strip()))]
+    text = _text(value, where)
+    return CLIENT_METADATA.sub("", text, count=1) if CLIENT_METADATA.match(text) else text
+
+
 def conversation(body: Dict[str, Any]) -> List[Dict[str, Any]]:
     """``system`` and ``messages`` as OpenAI's messages (tool_use blocks as an assistant's
-    tool_calls, tool_result blocks as tool messages)."""
+    tool_calls, tool_result blocks as tool messages, a system message among the messages,
+    Anthropic's mid-conversation system message, where it stands)."""
     out: List[Dict[str, Any]] = []
     if body.get("system") is not None:
-        system = _text(body["system"], "system")
+        system = _system_text(body["system"], "system")
         if system:
             out.append({"role": "system", "content": system})
     messages = body.get("messages")
@@ -69,8 +87,14 @@ def conversation(body: Dict[str, Any]) -> List[Dict[str, Any]]:
     for index, message in enumerate(messages):
         at = f"messages[{index}]"
         role = message.get("role") if isinstance(message, dict) else None
-        if role not in ("user", "assistant"):
-            raise RequestError(400, f"{at} must be an object whose role is 'user' or 'assistant'", "messages")
+        if role not in ("user", "assistant", "system"):
+            raise RequestError(400, f"{at} must be an object whose role is 'user', 'assistant' or 'system'",
+                               "messages")
+        if role == "system":
+            text = _system_text(message.get("content"), f"{at}.content")
+            if text:
+                out.append({"role": "system", "content": text})
+            continue
         content = message.get("content")
         if isinstance(content, str):
             out.append({"role": role, "content": content})
@@ -106,29 +130,34 @@ def conversation(body: Dict[str, Any]) -> List[Dict[str, Any]]:
                 out.append({"role": "user", "content": text})
         else:
             out.append({"role": "assistant", "content": text, **({"tool_calls": calls} if calls else {})})
+    if all(message["role"] == "system" for message in out):
+        raise RequestError(400, "messages must hold a user message, not only system ones", "messages")
     return out
 
 
-def tools(value: Any) -> Optional[List[Dict[str, Any]]]:
-    """Anthropic's tools as OpenAI's function tools (checked again there)."""
+def tools(value: Any) -> Tuple[Optional[List[Dict[str, Any]]], List[str]]:
+    """Anthropic's tools as OpenAI's function tools (checked again there), and the names of
+    those left out: Anthropic's own tools (``web_search_*``, ``code_execution_*``, ``bash_*``
+    and the like: a ``type`` and no ``input_schema``), which run on Anthropic's service or
+    need its schema. The model is not offered them, and the reply's usage names them."""
     if value is None:
-        return None
+        return None, []
     if not isinstance(value, list):
         raise RequestError(400, "tools must be a list of {'name': ..., 'description': ..., 'input_schema': {...}}",
                            "tools")
-    out = []
+    out, left_out = [], []
     for index, tool in enumerate(value):
         where = f"tools[{index}]"
         if not isinstance(tool, dict):
             raise RequestError(400, f"{where} must be an object", "tools")
-        if tool.get("type", "custom") not in ("custom", None):
-            raise RequestError(400, f"{where} is Anthropic's server tool {tool['type']!r}: this server runs only "
-                                    "your own tools (name, description, input_schema)", "tools")
+        if tool.get("type", "custom") not in ("custom", None) and "input_schema" not in tool:
+            left_out.append(str(tool.get("name") or tool["type"]))
+            continue
         if not isinstance(tool.get("input_schema"), dict):
             raise RequestError(400, f"{where}.input_schema must be a JSON schema object", "tools")
         function = {k: tool[k] for k in ("name", "description") if tool.get(k) is not None}  # (chat's order)
         out.append({"type": "function", "function": {**function, "parameters": tool["input_schema"]}})
-    return out
+    return out, left_out
 
 
 def tool_choice(value: Any) -> Any:
@@ -187,11 +216,13 @@ def prompt(body: Any, engine, counting: bool = False) -> Tuple[List[int], Any, D
     except UserError as error:
         raise RequestError(400, str(error), "output_config") from None
     thinks, budget = thinking(body.get("thinking"), max_tokens, effort)
-    ids, splitter = chat_ids(engine, conversation(body), tools(body.get("tools")), tool_choice(body.get("tool_choice")),
+    offered, left_out = tools(body.get("tools"))
+    ids, splitter = chat_ids(engine, conversation(body), offered or None, tool_choice(body.get("tool_choice")),
                              thinks, counting=counting)
     if splitter.forced_call:  # the reply is a tool call: the format is for answer text
         response_format = None
-    return ids, splitter, {"thinking_budget": budget, "max_tokens": max_tokens, "response_format": response_format}
+    return ids, splitter, {"thinking_budget": budget, "max_tokens": max_tokens, "response_format": response_format,
+                           "tools_left_out": left_out}
 
 
 def _output_format(value: Any) -> Optional[Dict[str, Any]]:
@@ -220,10 +251,11 @@ class Messages(Protocol):
         top_p = number(body, "top_p", 1.0, 0.0, 1.0)
         if top_p == 0.0:
             raise RequestError(400, "top_p must be above 0", "top_p")
+        left_out = options.pop("tools_left_out")
         options.update(temp=number(body, "temperature", 0.0, 0.0, 1.0), top_p=top_p,
                        top_k=whole(body, "top_k", 0, 1 << 30, default=0), stop=stop or None)
         return Request(ids=ids, chat=True, stream=flag(body, "stream"), options=options, model=body["model"],
-                       splitter=splitter, protocol=self, echo={"model": body["model"]})
+                       splitter=splitter, protocol=self, echo={"model": body["model"], "tools_left_out": left_out})
 
     def count(self, body: Any, engine) -> Dict[str, Any]:
         """``/v1/messages/count_tokens``: the prompt's tokens."""
@@ -246,11 +278,13 @@ class Messages(Protocol):
         return "end_turn", None
 
     @staticmethod
-    def _usage(usage: Dict[str, Any]) -> Dict[str, Any]:
+    def _usage(request: Request, usage: Dict[str, Any]) -> Dict[str, Any]:
         cached = usage["prompt_tokens_details"]["cached_tokens"]
+        left_out = request.echo["tools_left_out"]
         return {"input_tokens": usage["prompt_tokens"] - cached, "output_tokens": usage["completion_tokens"],
                 "cache_read_input_tokens": cached, "cache_creation_input_tokens": 0,
-                "time_to_first_token": usage["time_to_first_token"], "speculation": usage["speculation"]}
+                "time_to_first_token": usage["time_to_first_token"], "speculation": usage["speculation"],
+                **({"tools_left_out": left_out} if left_out else {})}
 
     @staticmethod
     def _message(request: Request, content: List[Dict[str, Any]]) -> Dict[str, Any]:
@@ -267,7 +301,7 @@ class Messages(Protocol):
                     for call in collected.calls]
         stop_reason, stop_sequence = self._stop(collected.last)
         return {**self._message(request, content), "stop_reason": stop_reason, "stop_sequence": stop_sequence,
-                "usage": self._usage(usage)}
+                "usage": self._usage(request, usage)}
 
     def events(self, request: Request, responses: Iterator[Any],
                usage: Callable[[Any], Dict[str, Any]]) -> Iterator[bytes]:
@@ -286,11 +320,13 @@ class Messages(Protocol):
                 yield from blocks.tool(call)
         if last is None or last.finish_reason is None:
             return  # cut off: the server says so in its own error event
+        if blocks.index < 0:  # an empty reply: one empty text block, as the whole reply has
+            yield blocks._start({"type": "text", "text": ""})
         yield from blocks.close()
         stop_reason, stop_sequence = self._stop(last)
         yield sse("message_delta", {"type": "message_delta",
                                     "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
-                                    "usage": self._usage(usage(last))})
+                                    "usage": self._usage(request, usage(last))})
         yield sse("message_stop", {"type": "message_stop"})
 
     def stream_error(self, error: RequestError) -> bytes:

@@ -20,9 +20,11 @@ then ``response.completed`` (``response.incomplete`` when cut by max_output_toke
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
-from typing import Any, Callable, Dict, Iterator, List, Optional
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 from ..errors import UserError
 from ..grammar import response_grammar
@@ -47,9 +49,16 @@ def _content(value: Any, where: str) -> str:
     return value
 
 
-def conversation(value: Any) -> List[Dict[str, Any]]:
-    """``input`` as OpenAI's chat messages: function_call items as the calls of an
-    assistant message, function_call_output items as tool messages."""
+# Input items that record what a hosted tool did, or a client's own bookkeeping, with nothing
+# the model could read here: left out of the prompt, as earlier reasoning is.
+SKIPPED_ITEMS = ("reasoning", "web_search_call", "file_search_call", "image_generation_call", "code_interpreter_call",
+                 "compaction", "item_reference")
+
+
+def conversation(value: Any, names: Optional[Dict[tuple, str]] = None) -> List[Dict[str, Any]]:
+    """``input`` as OpenAI's chat messages: function_call (and custom_tool_call) items as the
+    calls of an assistant message, their outputs as tool messages. ``names``: (namespace,
+    name) -> the name the prompt offers a namespaced tool by (Tools.flat)."""
     if isinstance(value, str):
         return [{"role": "user", "content": value}]
     if not isinstance(value, list) or not value:
@@ -61,49 +70,90 @@ def conversation(value: Any) -> List[Dict[str, Any]]:
         kind = item.get("type", "message") if isinstance(item, dict) else None
         if kind == "message" and item.get("role") in ("user", "assistant", "system", "developer"):
             out.append({"role": item["role"], "content": _content(item.get("content"), f"{where}.content")})
-        elif kind == "function_call":
-            if not all(isinstance(item.get(k), str) for k in ("call_id", "name", "arguments")):
-                raise RequestError(400, f"{where} must have string call_id, name and arguments", "input")
-            call = {"id": item["call_id"], "type": "function",
-                    "function": {"name": item["name"], "arguments": item["arguments"]}}
+        elif kind in ("function_call", "custom_tool_call"):
+            field = "arguments" if kind == "function_call" else "input"
+            if not all(isinstance(item.get(k), str) for k in ("call_id", "name", field)):
+                raise RequestError(400, f"{where} must have string call_id, name and {field}", "input")
+            name = (names or {}).get((item.get("namespace"), item["name"]), item["name"])
+            arguments = item["arguments"] if kind == "function_call" else json.dumps({"input": item["input"]})
+            call = {"id": item["call_id"], "type": "function", "function": {"name": name, "arguments": arguments}}
             if out and out[-1]["role"] == "assistant":  # a turn's text and calls are one assistant message
                 out[-1].setdefault("tool_calls", []).append(call)
             else:
                 out.append({"role": "assistant", "content": "", "tool_calls": [call]})
-        elif kind == "function_call_output":
+        elif kind in ("function_call_output", "custom_tool_call_output"):
             if not isinstance(item.get("call_id"), str):
                 raise RequestError(400, f"{where}.call_id must name an earlier function_call", "input")
             out.append({"role": "tool", "tool_call_id": item["call_id"],
                         "content": _content(item.get("output"), f"{where}.output")})
-        elif kind == "reasoning":
+        elif kind in SKIPPED_ITEMS:
             continue
         else:
             raise RequestError(400, f"{where} must be a message (role user, assistant, system or developer), a "
                                     "function_call, a function_call_output or a reasoning item", "input")
+    if not out:
+        raise RequestError(400, "input holds nothing the model reads: send a message", "input")
     return out
 
 
-def tools(value: Any) -> Optional[List[Dict[str, Any]]]:
-    """The Responses API's function tools in chat completions' shape (checked there)."""
+@dataclass
+class Tools:
+    """A request's tools as the prompt offers them: function tools in chat completions' shape
+    (checked there), namespaces flattened into their function tools; ``namespaces``: each
+    offered name of a namespaced tool -> (its namespace, its own name), which its calls come
+    back under; ``left_out``: the tools this server cannot run (hosted ones such as
+    ``web_search``, which run on OpenAI's service; freeform ``custom`` ones), not offered."""
+
+    functions: List[Dict[str, Any]] = field(default_factory=list)
+    namespaces: Dict[str, Tuple[str, str]] = field(default_factory=dict)
+    left_out: List[str] = field(default_factory=list)
+
+    @property
+    def flat(self) -> Dict[tuple, str]:
+        return {spaced: name for name, spaced in self.namespaces.items()}
+
+
+def _function(tool: Dict[str, Any], name: str) -> Dict[str, Any]:
+    function = {k: tool[k] for k in ("description", "parameters") if tool.get(k) is not None}  # (the SDK sends nulls)
+    return {"type": "function", "function": {"name": name, **function}}
+
+
+def tools(value: Any) -> Tools:
+    """The Responses API's tools as the prompt offers them (Tools)."""
+    found = Tools()
     if value is None:
-        return None
+        return found
     if not isinstance(value, list):
         raise RequestError(400, "tools must be a list of {'type': 'function', 'name': ..., 'parameters': {...}}",
                            "tools")
-    out = []
+    inner = [t.get("name") for tool in value if isinstance(tool, dict) and tool.get("type") == "namespace"
+             for t in tool.get("tools") or [] if isinstance(t, dict)]
+    plain = {tool.get("name") for tool in value if isinstance(tool, dict) and tool.get("type") == "function"}
     for index, tool in enumerate(value):
-        if not isinstance(tool, dict) or tool.get("type") != "function":
-            kind = tool.get("type") if isinstance(tool, dict) else None
-            raise RequestError(400, f"tools[{index}] must be a function tool; {kind!r} tools run on OpenAI's service, "
-                                    "not here", "tools")
-        out.append({"type": "function", "function": {k: tool[k] for k in ("name", "description", "parameters")
-                                                      if tool.get(k) is not None}})  # (the SDK sends null ones)
-    return out
+        kind = tool.get("type") if isinstance(tool, dict) else None
+        if kind == "function":
+            found.functions.append(_function(tool, tool.get("name")))
+        elif kind == "namespace" and isinstance(tool.get("name"), str) and isinstance(tool.get("tools"), list):
+            for member in tool["tools"]:
+                if not isinstance(member, dict) or member.get("type", "function") != "function":
+                    raise RequestError(400, f"tools[{index}].tools must hold function tools", "tools")
+                name = member.get("name")
+                # (a name that another tool has too is offered under its namespace's)
+                offered = name if inner.count(name) == 1 and name not in plain else f"{tool['name']}.{name}"
+                found.namespaces[offered] = (tool["name"], name)
+                found.functions.append(_function(member, offered))
+        elif isinstance(kind, str):
+            found.left_out.append(tool.get("name") or kind)
+        else:
+            raise RequestError(400, f"tools[{index}] must be an object with a type, such as {{'type': 'function', "
+                                    "'name': ..., 'parameters': {...}}", "tools")
+    return found
 
 
-def tool_choice(value: Any) -> Any:
+def tool_choice(value: Any, offered: Tools) -> Any:
     if isinstance(value, dict) and value.get("type") == "function" and isinstance(value.get("name"), str):
-        return {"type": "function", "function": {"name": value["name"]}}
+        name = offered.flat.get((value.get("namespace"), value["name"]), value["name"])
+        return {"type": "function", "function": {"name": name}}
     if value is None or value in ("auto", "none", "required"):
         return value
     raise RequestError(400, "tool_choice must be 'auto', 'none', 'required' or {'type': 'function', 'name': ...}",
@@ -157,7 +207,8 @@ class Responses(Protocol):
             if held is None:
                 raise not_found(str(previous), "previous_response_id")
             earlier = held[1]
-        conversation_ = earlier + conversation(body.get("input"))
+        offered = tools(body.get("tools"))
+        conversation_ = earlier + conversation(body.get("input"), offered.flat)
         reasoning = body.get("reasoning")
         if reasoning is not None and not isinstance(reasoning, dict):
             raise RequestError(400, "reasoning must be an object such as {'effort': 'low'}", "reasoning")
@@ -169,8 +220,8 @@ class Responses(Protocol):
         response_format = text_format(body.get("text"))
         system = [{"role": "system", "content": instructions}] if instructions else []
         thinks = None if effort is None else effort != "none"
-        ids, splitter = chat_ids(engine, system + conversation_, tools(body.get("tools")),
-                                 tool_choice(body.get("tool_choice")), thinks, "input")
+        ids, splitter = chat_ids(engine, system + conversation_, offered.functions or None,
+                                 tool_choice(body.get("tool_choice"), offered), thinks, "input")
         if splitter.forced_call:  # the reply is a tool call: the format is for answer text
             response_format = None
         limit = engine.context_length or 1 << 30
@@ -187,7 +238,8 @@ class Responses(Protocol):
                 "temperature": options["temp"], "top_p": top_p, "previous_response_id": previous,
                 "store": flag(body, "store", True), "metadata": body.get("metadata") or {},
                 "text": body.get("text") or {"format": {"type": "text"}}, "reasoning": reasoning or {},
-                "parallel_tool_calls": flag(body, "parallel_tool_calls", True), "conversation": conversation_}
+                "parallel_tool_calls": flag(body, "parallel_tool_calls", True), "conversation": conversation_,
+                "namespaces": offered.namespaces, "tools_left_out": offered.left_out}
         return Request(ids=ids, chat=True, stream=flag(body, "stream"), options=options, model=model,
                        splitter=splitter, protocol=self, echo=echo)
 
@@ -211,8 +263,9 @@ class Responses(Protocol):
                 "truncation": "disabled", "usage": usage}
 
     @staticmethod
-    def _usage(usage: Dict[str, Any], reasoning_tokens: int) -> Dict[str, Any]:
-        return {"input_tokens": usage["prompt_tokens"],
+    def _usage(request: Request, usage: Dict[str, Any], reasoning_tokens: int) -> Dict[str, Any]:
+        left_out = request.echo["tools_left_out"]
+        return {**({"tools_left_out": left_out} if left_out else {}), "input_tokens": usage["prompt_tokens"],
                 "input_tokens_details": {"cached_tokens": usage["prompt_tokens_details"]["cached_tokens"]},
                 "output_tokens": usage["completion_tokens"],
                 "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
@@ -223,7 +276,8 @@ class Responses(Protocol):
                 usage: Dict[str, Any], response_id: str) -> Dict[str, Any]:
         """The finished response, stored when asked."""
         status = "incomplete" if collected.last.finish_reason == "length" else "completed"
-        response = self._response(request, status, output, self._usage(usage, collected.reasoning_tokens), response_id)
+        response = self._response(request, status, output, self._usage(request, usage, collected.reasoning_tokens),
+                                  response_id)
         if request.echo["store"]:
             turn = {"role": "assistant", "content": collected.text}
             if collected.calls:
@@ -237,13 +291,13 @@ class Responses(Protocol):
             output.append(_item("reasoning", f"rs_{uuid.uuid4().hex}", collected.reasoning))
         if collected.text or not collected.calls:
             output.append(_item("message", f"msg_{uuid.uuid4().hex}", collected.text))
-        output += [_call_item(call) for call in collected.calls]
+        output += [_call_item(call, request.echo["namespaces"]) for call in collected.calls]
         return self._finish(request, collected, output, usage, f"resp_{uuid.uuid4().hex}")
 
     def events(self, request: Request, responses: Iterator[Any],
                usage: Callable[[Any], Dict[str, Any]]) -> Iterator[bytes]:
         response_id = f"resp_{uuid.uuid4().hex}"
-        items = _Items()
+        items = _Items(request.echo["namespaces"])
         started = self._response(request, "in_progress", [], None, response_id)
         yield items.event("response.created", response=started)
         yield items.event("response.in_progress", response=started)
@@ -283,8 +337,12 @@ def _item(kind: str, item_id: str, text: Optional[str]) -> Dict[str, Any]:
             "role": "assistant", "content": content}
 
 
-def _call_item(call, status: str = "completed") -> Dict[str, Any]:
-    return {"type": "function_call", "id": "fc_" + call.id.split("_", 1)[-1], "call_id": call.id, "name": call.name,
+def _call_item(call, namespaces: Dict[str, Tuple[str, str]], status: str = "completed") -> Dict[str, Any]:
+    """A function_call item; a namespaced tool's call under its own name and its namespace (as
+    Codex reads it)."""
+    namespace, name = namespaces.get(call.name, (None, call.name))
+    return {"type": "function_call", "id": "fc_" + call.id.split("_", 1)[-1], "call_id": call.id, "name": name,
+            **({"namespace": namespace} if namespace else {}),
             "arguments": call.arguments if status == "completed" else "", "status": status}
 
 
@@ -292,7 +350,8 @@ class _Items:
     """The output items of a streamed response: which is open, their events, and the items
     finished so far (``output``)."""
 
-    def __init__(self):
+    def __init__(self, namespaces: Dict[str, Tuple[str, str]]):
+        self.namespaces = namespaces
         self.output: List[Dict[str, Any]] = []
         self.sequence = 0
         self.open: Optional[str] = None
@@ -335,13 +394,13 @@ class _Items:
 
     def call(self, call) -> Iterator[bytes]:
         yield from self.close()
-        added = _call_item(call, "in_progress")
+        added = _call_item(call, self.namespaces, "in_progress")
         index = len(self.output)
         yield self.event("response.output_item.added", output_index=index, item=added)
         yield self.event("response.function_call_arguments.delta", item_id=added["id"], output_index=index,
                          delta=call.arguments)
         yield self.event("response.function_call_arguments.done", item_id=added["id"], output_index=index,
                          arguments=call.arguments, name=call.name)
-        item = _call_item(call)
+        item = _call_item(call, self.namespaces)
         yield self.event("response.output_item.done", output_index=index, item=item)
         self.output.append(item)
