@@ -206,7 +206,7 @@ class SpeculativeDecoder:
             # chunks round differently in their last bits, which a quantized cache can turn into
             # another level.
             chunk = MLX_LM_PREFILL_STEP
-        states = None
+        states, features, hidden = None, [], []
         if not self.reads_states:  # as mlx-lm reads a prompt: only the last token's logits are computed
             for begin, end in self._spans(last, chunk):
                 self.forwards += 1
@@ -214,7 +214,7 @@ class SpeculativeDecoder:
                 self.state.quantize_when_due()
                 mx.eval([layer_cache.state for layer_cache in self.target_cache])
                 self.state.keep_beginning(end, prompt)
-                yield end - self.reused, len(prompt) - self.reused
+                yield from self._chunk_read(prompt, end, features, hidden)
             logits = self._held(self._forward(mx.array(prompt[-1:]), last, None).logits[-1])
             self.state.quantize_when_due()
             self.root = self._choose(logits, len(prompt))
@@ -224,7 +224,6 @@ class SpeculativeDecoder:
             last_alone = not self.drives_target or self.kv is not None
             spans = self._spans(last, chunk) + [(last, len(prompt))] if last_alone \
                 else self._spans(len(prompt), chunk)
-            features, hidden = [], []
             for begin, end in spans:
                 out = self._forward(mx.array(prompt[begin:end]), begin, "causal" if end - begin > 1 else None)
                 features.append(out.features)
@@ -234,7 +233,7 @@ class SpeculativeDecoder:
                 self.state.quantize_when_due()
                 mx.eval(out.features, out.hidden, [] if self.drives_target else [c.state for c in self.target_cache])
                 self.state.keep_beginning(end, prompt)
-                yield end - self.reused, len(prompt) - self.reused
+                yield from self._chunk_read(prompt, end, features, hidden)
             # (For a model's own forward pass, its LM head: models scale their logits their own ways.)
             logits = self._held(lm_head(self.target, out.hidden[-1]) if self.drives_target else out.logits[-1])
             if end - begin > 1 and self._unsure(logits, len(prompt)):  # read the last token alone, as plain decoding
@@ -255,6 +254,26 @@ class SpeculativeDecoder:
             self.drafter.observe(Outcome(tokens, self.reused, states, from_prompt=True))
         self.state.tokens = tokens
         self.state.unfinished = False
+
+    def _chunk_read(self, prompt: List[int], end: int, features: List[mx.array],
+                    hidden: List[mx.array]) -> Iterator[Tuple[int, int]]:
+        """Yield the reading's progress after a chunk that read the prompt up to ``end``. A
+        reading stopped there (closed: its client left, or gave up waiting) keeps what the
+        finished chunks hold: the caches hold ``prompt[:end]`` exactly as plain decoding's
+        would, so they become a clean prefix, the drafter observing it as a prompt whose next
+        token is ``prompt[end]``, and a retry of the prompt reads on from there."""
+        try:
+            yield end - self.reused, len(prompt) - self.reused
+        except GeneratorExit:
+            if end < len(prompt):  # (read whole, the last token's choice not made: nothing to keep)
+                tokens = list(prompt[:end + 1])
+                if self.drafter is not None:
+                    states = TargetStates(mx.concatenate(features), mx.concatenate(hidden), self.taps) \
+                        if self.reads_states else None
+                    self.drafter.observe(Outcome(tokens, self.reused, states, from_prompt=True))
+                self.state.keep_at = 0
+                self.state.tokens, self.state.unfinished = tokens, False
+            raise
 
     def _spans(self, end: int, chunk: int) -> List[Tuple[int, int]]:
         """The (begin, end) spans of the prompt up to ``end`` read by one forward pass each:

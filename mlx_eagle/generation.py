@@ -288,11 +288,13 @@ class Generation:
         self.sources: Dict[str, "SourceStats"] = {}
         self.drafting, self.off_here = plan.describe(), plan.off
         self.drafting_off = self.off_here  # and the drafters that failed during the conversation
+        self._reading: Optional[Iterator[Tuple[int, int]]] = None  # the prompt's reading, while it goes on
 
     def read(self) -> Iterator[Tuple[int, int]]:
         """Read the prompt, a chunk at a time: (read, total) after each, as stream_generate's
         prompt_progress_callback hears them."""
-        reading, seconds = self.decoder.reading(self.ids), 0.0
+        self._reading = reading = self.decoder.reading(self.ids)
+        seconds = 0.0
         while True:
             tic = time.perf_counter()  # (only the reading's own time: a batch reads between rounds)
             progress = next(reading, None)
@@ -301,6 +303,7 @@ class Generation:
             if progress is None:
                 break
             yield progress
+        self._reading = None
         self.prompt_tps = (len(self.ids) - self.decoder.reused) / max(seconds, 1e-9)
         if self.plan.active and len(self.ids) >= LONG_CONTEXT:  # rounds this deep are priced by forwards timed
             self.plan.settings.costs.measure_long()  # this deep, once per device and setting: after the reading
@@ -372,7 +375,11 @@ class Generation:
                 return
 
     def close(self) -> None:
-        """However the reply ended: the caches hold what was handed out, drafters keep it."""
+        """However the reply ended: the caches hold what was handed out, drafters keep it (a
+        reply stopped while its prompt was read: what the finished chunks read)."""
+        if self._reading is not None:
+            self._reading.close()  # (SpeculativeDecoder._chunk_read keeps it)
+            self._reading = None
         self.watchdog.stop()
         self.decoder.truncate(len(self.ids) + self.generated)
         if self.cache.drafter is not None:

@@ -306,11 +306,12 @@ def test_malformed_requests_get_4xx_and_the_server_keeps_serving(server):
                 "presence_penalty": 0, "frequency_penalty": 0.0, "logit_bias": {}}
     assert raw(server, "POST", "/v1/chat/completions", json.dumps(dict(messages=QUESTION, max_tokens=2,
                                                                        **harmless)).encode())[0] == 200
-    connection = http.client.HTTPConnection(*server, timeout=60)
-    connection.request("HEAD", "/health")
-    response = connection.getresponse()
-    assert response.status == 405 and response.read() == b""  # no body for HEAD
-    connection.close()
+    for path, status in (("/health", 200), ("/", 200), ("/v1/chat/completions", 405)):  # HEAD where GET is
+        connection = http.client.HTTPConnection(*server, timeout=60)
+        connection.request("HEAD", path)
+        response = connection.getresponse()
+        assert response.status == status and response.read() == b""  # no body for HEAD
+        connection.close()
     assert raw(server, "GET", "/health?probe=1")[0] == 200  # a query string does not change the route
     assert client(server).models.retrieve(resolve_model().name).id == resolve_model().name
     with pytest.raises(openai.BadRequestError, match="max_tokens"):

@@ -154,3 +154,26 @@ def test_plans_kept_per_requested_model_id_are_bounded(smollm):
         assert kept == {f"client-{n}" for n in range(4, MAX_PLANS + 4)}
     finally:
         engine.close()
+
+
+@pytest.mark.parametrize("draft", ["auto", "lookup"])
+def test_a_retry_after_a_cancelled_read_reads_only_what_the_first_did_not(smollm, draft):
+    """A client that leaves while its long prompt is read leaves the finished chunks in the
+    cache as a clean prefix: its retry reads on from there (the head, which reads the target's
+    states, having observed them too), and its reply is plain decoding's."""
+    model, tokenizer = smollm
+    ids = tokenizer.encode(" ".join(LONE * 40) + " Now say which line came first.")
+    assert len(ids) > 1200
+    engine = Engine(loaded=(model, tokenizer, load_draft(draft, model)), draft=draft, history=False)
+    try:
+        def leave(read, total):
+            if read >= 512:
+                raise Injected("the client gave up waiting")
+
+        with pytest.raises(Injected):
+            list(engine.generate(ids, max_tokens=8, on_prompt_read=leave))
+        responses = list(engine.generate(ids, max_tokens=8))
+        assert responses[-1].prompt_reused >= 512
+        assert [r.token for r in responses] == plain(model, ids, 8, tokenizer.eos_token_ids).tokens
+    finally:
+        engine.close()
