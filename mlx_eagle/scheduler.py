@@ -5,12 +5,13 @@ Requests wait for a seat (at most ``max_concurrency`` replies in progress, at mo
 worker then:
 1. drops what was cancelled (a reply leaves between rounds; the others never notice);
 2. seats what waits, each in its conversation's prompt-cache slot;
-3. reads new prompts, at most ``PROMPT_TOKENS_PER_TURN`` tokens of them (a chunk), so a long
-   prompt never holds the replies in progress back by more than one chunk a turn;
+3. reads new prompts, at most ``PROMPT_TOKENS_PER_TURN`` tokens of them (a chunk), the one with
+   the least left to read first, so a long prompt never holds the replies in progress back by
+   more than one chunk a turn, and a short one waits for at most one chunk of it;
 4. gives every reply in progress one round, their blocks verified in one packed forward pass
    (decoder.batched_round) where the target allows, each alone where not (a hybrid's
    recurrent layers, a sharded model).
-Each conversation keeps its own drafters, sampling key, grammar, stops and cache slot: its
+Each conversation keeps its own drafters, sampling noise, grammar, stops and cache slot: its
 reply is the one it gets served alone (tests/test_batch.py, tests/test_engine_batch.py).
 
 What a caller reads comes through its request's queue, on its own thread: prompt progress,
@@ -66,6 +67,7 @@ class Request:
     generation: Optional[Generation] = None
     reading: Optional[Iterator[Tuple[int, int]]] = None  # the prompt's reading, until it ends
     read: int = 0
+    unread: Optional[int] = None  # prompt tokens still to read (None: not known before its first chunk)
 
     @property
     def stopped(self) -> bool:
@@ -186,8 +188,12 @@ class Scheduler:
         return [r.generation.cache for r in self.live if r.generation is not None]
 
     def _read_prompts(self) -> None:
+        """Read new prompts, PROMPT_TOKENS_PER_TURN a turn all together, the prompt with the
+        least left to read first: a short request waits for at most the chunk in progress of
+        another's long prompt, never for all of it."""
         budget = PROMPT_TOKENS_PER_TURN
-        for request in [r for r in self.live if r.reading is not None]:
+        reading = [r for r in self.live if r.reading is not None]
+        for request in sorted(reading, key=lambda r: len(r.ids) if r.unread is None else r.unread):
             while budget > 0 and not request.stopped:
                 try:
                     progress = next(request.reading, None)
@@ -200,7 +206,7 @@ class Scheduler:
                     break
                 read, total = progress
                 budget -= read - request.read
-                request.read = read
+                request.read, request.unread = read, total - read
                 if not request.cancel.is_set():
                     request.out.put(Progress(read, total))
 

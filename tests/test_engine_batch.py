@@ -231,3 +231,34 @@ def test_a_seed_reproduces_its_reply_whatever_drafts_it(smollm):
     finally:
         engine.close()
         plain_engine.close()
+
+
+def test_a_short_request_does_not_wait_behind_another_s_long_prompt(smollm):
+    """A long prompt is being read when a short request arrives: the short one is read next
+    (least left to read first) and answers before the long prompt's reading ends; both
+    replies are plain decoding's."""
+    model, tokenizer = smollm
+    long_ids = tokenizer.encode(" ".join(QUESTIONS * 32))
+    short_ids = chat_tokens(tokenizer, [{"role": "user", "content": QUESTIONS[0]}])
+    assert len(long_ids) > 3 * 512
+    engine = Engine(loaded=(model, tokenizer, None), draft="lookup", history=False)
+    first_token, tokens, started = {}, {}, threading.Event()
+
+    def call(name, ids, **extra):
+        tokens[name] = []
+        for response in engine.generate(ids, max_tokens=6, **extra):
+            first_token.setdefault(name, time.monotonic())
+            tokens[name].append(response.token)
+
+    try:
+        long_caller = threading.Thread(target=call, args=("long", long_ids),
+                                       kwargs={"on_prompt_read": lambda read, total: started.set()})
+        long_caller.start()
+        assert started.wait(120)
+        call("short", short_ids)
+        long_caller.join()
+        assert first_token["short"] < first_token["long"]
+        assert tokens["short"] == plain(model, short_ids, 6, tokenizer.eos_token_ids).tokens
+        assert tokens["long"] == plain(model, long_ids, 6, tokenizer.eos_token_ids).tokens
+    finally:
+        engine.close()
