@@ -8,6 +8,7 @@ all three chat protocols; malformed fields get a 4xx in the protocol's own error
 import http.client
 import json
 import threading
+from pathlib import Path
 
 import anthropic
 import openai
@@ -613,3 +614,47 @@ def test_a_request_without_a_reply_length_runs_to_the_end_and_models_say_the_con
     assert server.reply_bound == engine.context_length
     status, payload = raw(base, "GET", "/v1/models")
     assert json.loads(payload)["data"][0]["context_length"] == engine.context_length
+
+
+FIXTURES = Path(__file__).parent / "fixtures"
+
+
+def test_the_real_clients_first_requests_are_read_as_the_conversation_written_by_hand(served, qwen_coder):
+    """The first requests Claude Code (with a local model name) and Codex CLI (its default
+    configuration) really sent, captured: each is accepted, and its prompt is the one the
+    same conversation gets written by hand in chat completions' shapes (the billing header
+    and web_search left out, the namespace's tools offered beside the others)."""
+    from types import SimpleNamespace
+
+    from mlx_eagle.protocols.anthropic import prompt
+    from mlx_eagle.protocols.responses import Responses
+
+    _, tokenizer = qwen_coder
+    engine = SimpleNamespace(tokenizer=tokenizer, context_length=32768, name="qwen-coder")
+    claude_code = json.loads((FIXTURES / "claude_code_2.1.197_first_request.json").read_text())["body"]
+    system = "".join(block["text"] for block in claude_code["system"]
+                     if not block["text"].startswith("x-anthropic-billing-header:"))
+    messages = [{"role": "system", "content": system}]
+    for message in claude_code["messages"]:
+        content = message["content"]
+        messages.append({"role": message["role"], "content": content if isinstance(content, str)
+                         else "".join(block["text"] for block in content)})
+    tools = [{"type": "function", "function": {"name": t["name"], "description": t["description"],
+                                               "parameters": t["input_schema"]}} for t in claude_code["tools"]]
+    by_hand = chat_prompt(tokenizer, check_messages(messages), tools)[0]
+    assert prompt(claude_code, engine)[0] == by_hand
+    status, payload = raw(served[0], "POST", "/v1/messages/count_tokens?beta=true", claude_code)
+    assert status == 200 and json.loads(payload)["input_tokens"] == len(by_hand)
+
+    codex = json.loads((FIXTURES / "codex_0.171.0_first_request.json").read_text())["body"]
+    messages = [{"role": item["role"], "content": "".join(part["text"] for part in item["content"])}
+                for item in codex["input"]]
+    functions = [member for tool in codex["tools"] for member in
+                 ([tool] if tool["type"] == "function" else tool["tools"] if tool["type"] == "namespace" else [])]
+    tools = [{"type": "function", "function": {k: t[k] for k in ("name", "description", "parameters")}}
+             for t in functions]
+    assert [t["type"] for t in codex["tools"]].count("namespace") == 1 and any(t["type"] == "web_search"
+                                                                               for t in codex["tools"])
+    parsed = Responses(ResponseStore()).parse(codex, engine, 64)
+    assert parsed.ids == chat_prompt(tokenizer, check_messages(messages), tools)[0]
+    assert parsed.echo["tools_left_out"] == ["web_search"]
