@@ -322,15 +322,32 @@ def bare_calls(text: str, tools: Sequence[Dict[str, Any]]) -> Optional[List[Tool
 def may_become_call(text: str) -> bool:
     """Whether a reply beginning with ``text`` may still turn out to be a bare JSON call."""
     text = text.lstrip()
-    if not text or text[0] in "{[":
+    if not text:
         return True
+    if text[0] in "{[":
+        return _may_be_one_call(text)
     if not text.startswith("```"):
         return "```".startswith(text)
     body = text[3:]
     if "json".startswith(body):  # "```" up to "```json": not decided yet
         return True
     body = (body[4:] if body.startswith("json") else body).lstrip()
-    return not body or body[0] in "{["
+    return not body or body[0] in "{[" and _may_be_one_call(body, fenced=True)
+
+
+def _may_be_one_call(text: str, fenced: bool = False) -> bool:
+    """Whether JSON text that began as a call could still be one: not once a whole value has
+    been written that is not a call's shape, or that more text follows (a fence's close
+    aside), so that such a reply streams instead of being held to its end."""
+    try:
+        value, end = json.JSONDecoder().raw_decode(text)
+    except ValueError:  # (not complete yet: undecided)
+        return True
+    calls = value if isinstance(value, list) else [value]
+    shaped = bool(calls) and all(isinstance(c, dict) and isinstance(c.get("name"), str)
+                                 and set(c) <= {"name", "arguments", "parameters"} for c in calls)
+    rest = text[end:].strip()
+    return shaped and (not rest or (fenced and "```".startswith(rest)))
 
 
 def parsed_calls(parser, text: str, tools: Sequence[Dict[str, Any]]) -> Optional[List[ToolCall]]:

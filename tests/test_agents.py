@@ -180,5 +180,10 @@ def test_a_reply_splits_into_reasoning_answer_and_calls_however_it_streams():
 def test_text_is_held_back_only_while_it_may_still_be_a_bare_call():
     assert all(may_become_call(t) for t in ("", "  ", "{", " [", "`", "``", "```", "```js", "```json\n{"))
     assert not any(may_become_call(t) for t in ("Hello", "```python", "``` x", "1 + 1", "```\nprint"))
+    # A whole JSON value that is not a call, or a call that more text follows, streams at once.
+    call = '{"name": "read", "arguments": {"path": "a.txt"}}'
+    assert all(may_become_call(t) for t in (call, call + "\n", "```json\n" + call + "\n``", "[" + call))
+    assert not any(may_become_call(t) for t in ('{"answer": 42}', "[1, 2]", call + "\n{", call + " and then",
+                                                "```json\n" + call + "\n```\nDone"))
     splitter = ReplySplitter(Markers(), TOOLS)
     assert splitter.feed("Sure").content == "Sure" and splitter.feed(" {x}").content == " {x}"
