@@ -4,7 +4,8 @@ Requests wait for a seat (at most ``max_concurrency`` replies in progress, at mo
 ``max_queue`` waiting: past that a request is refused with ``Busy``). Each turn of the
 worker then:
 1. drops what was cancelled (a reply leaves between rounds; the others never notice);
-2. seats what waits, each in its conversation's prompt-cache slot;
+2. seats what waits, each in its conversation's prompt-cache slot (a request whose long
+   beginning another's prompt is reading waits for that reading, then copies it);
 3. reads new prompts, at most ``PROMPT_TOKENS_PER_TURN`` tokens of them (a chunk), the one with
    the least left to read first, so a long prompt never holds the replies in progress back by
    more than one chunk a turn, and a short one waits for at most one chunk of it;
@@ -31,11 +32,14 @@ from typing import Any, Callable, Deque, Iterator, List, Optional, Tuple
 from .decoder import batched_round, batches
 from .errors import Busy
 from .generation import Generation, GenerationResponse
+from .drafters import common_prefix
 from .prompt_cache import PromptCache, PromptCaches
 
 DONE = object()  # the end of a request's queue
 PROMPT_TOKENS_PER_TURN = 512  # new prompts' tokens read a turn, all together (the decoder's chunk)
 KEEPALIVE_SECONDS = 5.0  # a waiting caller's on_wait is called this often (a server's keep-alive)
+# A beginning this long, shared with a prompt being read, is copied once read rather than read again.
+SHARED_READ = PROMPT_TOKENS_PER_TURN
 # A reply's time in its seat assumed before any has finished (Retry-After's first estimate):
 # a few hundred tokens at the speeds of a small model on a CPU.
 REPLY_SECONDS_PRIOR = 30.0
@@ -163,8 +167,12 @@ class Scheduler:
         self.progress_at = time.monotonic() if self.live else None
 
     def _seat(self) -> None:
+        deferred = []
         while self.waiting and len(self.live) < self.max_concurrency:
             request = self.waiting.popleft()
+            if not request.cancel.is_set() and self._being_read(request):
+                deferred.append(request)
+                continue
             self._unseat(request)
             if request.cancel.is_set():
                 continue
@@ -176,6 +184,15 @@ class Scheduler:
                 request.reading = request.generation.read()
             except Exception as error:
                 self._fail(request, error)
+        self.waiting.extendleft(reversed(deferred))
+
+    def _being_read(self, request: Request) -> bool:
+        """Whether a prompt being read shares a long beginning with ``request``'s (agents
+        started together, sub-agents of one client): then ``request`` waits for that reading
+        to end and starts from a copy of its caches (PromptCaches.take), instead of reading
+        the same beginning beside it."""
+        return any(other.reading is not None and common_prefix(other.ids, request.ids) >= SHARED_READ
+                   for other in self.live)
 
     def _unseat(self, request: Request) -> None:
         """``request`` no longer waits (seated, or dropped: it then never starts)."""

@@ -262,3 +262,31 @@ def test_a_short_request_does_not_wait_behind_another_s_long_prompt(smollm):
         assert tokens["long"] == plain(model, long_ids, 6, tokenizer.eos_token_ids).tokens
     finally:
         engine.close()
+
+
+def test_agents_starting_together_on_one_long_prefix_read_it_once(smollm):
+    """Two requests sharing a 1,600-token beginning arrive together: the second waits for the
+    first's reading and starts from a copy of it (reading only its own end), and both replies
+    are plain decoding's."""
+    model, tokenizer = smollm
+    prefix = tokenizer.encode(" ".join(QUESTIONS * 32))
+    asks = [prefix + tokenizer.encode(f" Question {n}: {QUESTIONS[n]}") for n in (1, 2)]
+    engine = Engine(loaded=(model, tokenizer, None), draft="lookup", history=False)
+    results = [None, None]
+
+    def call(index):
+        results[index] = list(engine.generate(asks[index], max_tokens=6))
+
+    try:
+        threads = [threading.Thread(target=call, args=(index,)) for index in (0, 1)]
+        for thread in threads:
+            thread.start()
+            time.sleep(0.05)
+        for thread in threads:
+            thread.join()
+        reused = sorted(responses[-1].prompt_reused for responses in results)
+        assert reused[0] == 0 and reused[1] >= len(prefix) - 16  # the beginning read once
+        for ids, responses in zip(asks, results):
+            assert [r.token for r in responses] == plain(model, ids, 6, tokenizer.eos_token_ids).tokens
+    finally:
+        engine.close()
