@@ -676,8 +676,8 @@ class Handler(BaseHTTPRequestHandler):
         """A streamed reply in another protocol's events (protocols/); its keep-alive after
         each chunk of a long prompt and every few seconds of waiting for a seat, whose write
         finds a departed client (which cancels the request)."""
-        responses = self._generate(request, lambda read, total: self._write(protocol.keepalive()),
-                                   lambda: self._write(protocol.keepalive()))
+        responses = self._generate(request, lambda read, total: self._write(protocol.keepalive(request)),
+                                   lambda: self._write(protocol.keepalive(request)))
         self._start_stream()
         try:
             for data in protocol.events(request, responses,

@@ -658,3 +658,32 @@ def test_the_real_clients_first_requests_are_read_as_the_conversation_written_by
     parsed = Responses(ResponseStore()).parse(codex, engine, 64)
     assert parsed.ids == chat_prompt(tokenizer, check_messages(messages), tools)[0]
     assert parsed.echo["tools_left_out"] == ["web_search"]
+
+
+def test_a_responses_stream_says_it_is_alive_with_events_not_comments(qwen_coder, monkeypatch):
+    """While the prompt is read, the request waits, or the text is held while it may be a call,
+    a Responses stream repeats response.in_progress (Codex's idle limit does not count SSE
+    comments), in sequence with the other events."""
+    from types import SimpleNamespace
+
+    from mlx_eagle.protocols import responses as responses_protocol
+
+    _, tokenizer = qwen_coder
+    monkeypatch.setattr(responses_protocol, "ALIVE_SECONDS", -1.0)
+    protocol = responses_protocol.Responses(ResponseStore())
+    engine = SimpleNamespace(tokenizer=tokenizer, context_length=32768, name="qwen-coder")
+    request = protocol.parse({"model": "m", "input": "hi", "stream": True}, engine, 16)
+    usage = {"prompt_tokens": 3, "prompt_tokens_details": {"cached_tokens": 0}, "completion_tokens": 2,
+             "total_tokens": 5, "time_to_first_token": 0.1, "speculation": {}}
+    said = []
+
+    def pieces():
+        said.append(protocol.keepalive(request))  # as the server writes one while the prompt is read
+        for text, finish in (("", None), ("", None), ("Hello", "stop")):
+            yield SimpleNamespace(text=text, reasoning="", tool_calls=[], finish_reason=finish)
+
+    streamed = list(protocol.events(request, pieces(), lambda last: usage))
+    events = [json.loads(data.decode().split("data: ", 1)[1]) for data in streamed[:2] + said + streamed[2:]]
+    kinds = [event["type"] for event in events]
+    assert kinds[:5] == ["response.created"] + ["response.in_progress"] * 4 and kinds[-1] == "response.completed"
+    assert [event["sequence_number"] for event in events] == list(range(len(events)))

@@ -83,8 +83,8 @@ class Protocol:
         """The event that ends a stream cut off by ``error``."""
         raise NotImplementedError
 
-    def keepalive(self) -> bytes:
-        """What a stream says while the request waits or its prompt is read."""
+    def keepalive(self, request: "Request") -> bytes:
+        """What ``request``'s stream says while it waits or its prompt is read."""
         return b": waiting\n\n"
 
 

@@ -332,7 +332,7 @@ class Messages(Protocol):
     def stream_error(self, error: RequestError) -> bytes:
         return sse("error", self.error(error))
 
-    def keepalive(self) -> bytes:
+    def keepalive(self, request: Request) -> bytes:
         return sse("ping", {"type": "ping"})
 
 

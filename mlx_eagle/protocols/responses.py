@@ -33,6 +33,7 @@ from . import Collected, Protocol, Request, RequestError, flag, number, sse, who
 from .chat import chat_ids
 from .store import ResponseStore, not_found
 
+ALIVE_SECONDS = 5.0  # a stream silent this long while generating says response.in_progress again
 # Fields that ask for nothing this server lacks at these values (others: 400 naming the field).
 HARMLESS = {"truncation": (None, "disabled", "auto"), "background": (None, False), "prompt": (None,),
             "conversation": (None,)}
@@ -243,6 +244,10 @@ class Responses(Protocol):
         return Request(ids=ids, chat=True, stream=flag(body, "stream"), options=options, model=model,
                        splitter=splitter, protocol=self, echo=echo)
 
+    def keepalive(self, request: Request) -> bytes:
+        alive = request.echo.get("alive")
+        return alive() if alive is not None else super().keepalive(request)
+
     def error(self, error: RequestError) -> Dict[str, Any]:
         kind = "server_error" if error.status >= 500 else "invalid_request_error"
         return {"error": {"message": error.message, "type": kind, "param": error.param, "code": error.code}}
@@ -301,8 +306,18 @@ class Responses(Protocol):
         started = self._response(request, "in_progress", [], None, response_id)
         yield items.event("response.created", response=started)
         yield items.event("response.in_progress", response=started)
+        # While nothing else is said (waiting for a seat, the prompt read, text held while it may
+        # be a call), an event clients count as activity: Codex's idle limit skips comments.
+        request.echo["alive"] = lambda: items.event("response.in_progress", response=started)
+        said = time.monotonic()
         collected = Collected()
         for piece in responses:
+            now = time.monotonic()
+            if piece.reasoning or piece.text or piece.tool_calls:
+                said = now
+            elif now - said > ALIVE_SECONDS:
+                said = now
+                yield request.echo["alive"]()
             collected.add(piece)
             if piece.reasoning:
                 yield from items.delta("reasoning", piece.reasoning)
