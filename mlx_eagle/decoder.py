@@ -207,6 +207,9 @@ class SpeculativeDecoder:
             # another level.
             chunk = MLX_LM_PREFILL_STEP
         states, features, hidden = None, [], []
+        # (0, total) first, as mlx-lm's loop says it: how much of the prompt is to be read,
+        # known now that the caches' reusable beginning is.
+        yield from self._chunk_read(prompt, self.reused, features, hidden)
         if not self.reads_states:  # as mlx-lm reads a prompt: only the last token's logits are computed
             for begin, end in self._spans(last, chunk):
                 self.forwards += 1
@@ -257,7 +260,7 @@ class SpeculativeDecoder:
 
     def _chunk_read(self, prompt: List[int], end: int, features: List[mx.array],
                     hidden: List[mx.array]) -> Iterator[Tuple[int, int]]:
-        """Yield the reading's progress after a chunk that read the prompt up to ``end``. A
+        """Yield the reading's progress once it has read the prompt up to ``end``. A
         reading stopped there (closed: its client left, or gave up waiting) keeps what the
         finished chunks hold: the caches hold ``prompt[:end]`` exactly as plain decoding's
         would, so they become a clean prefix, the drafter observing it as a prompt whose next
@@ -267,7 +270,7 @@ class SpeculativeDecoder:
         except GeneratorExit:
             if end < len(prompt):  # (read whole, the last token's choice not made: nothing to keep)
                 tokens = list(prompt[:end + 1])
-                if self.drafter is not None:
+                if self.drafter is not None and end > self.reused:  # (nothing read: nothing new to observe)
                     states = TargetStates(mx.concatenate(features), mx.concatenate(hidden), self.taps) \
                         if self.reads_states else None
                     self.drafter.observe(Outcome(tokens, self.reused, states, from_prompt=True))

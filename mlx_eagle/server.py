@@ -676,7 +676,7 @@ class Handler(BaseHTTPRequestHandler):
         """A streamed reply in another protocol's events (protocols/); its keep-alive after
         each chunk of a long prompt and every few seconds of waiting for a seat, whose write
         finds a departed client (which cancels the request)."""
-        responses = self._generate(request, lambda read, total: self._write(protocol.keepalive(request)),
+        responses = self._generate(request, lambda read, total: self._write(protocol.keepalive(request, total)),
                                    lambda: self._write(protocol.keepalive(request)))
         self._start_stream()
         try:

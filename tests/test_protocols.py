@@ -525,6 +525,14 @@ def test_claude_codes_requests_are_served_and_its_prompt_is_kept_across_turns(se
     status, payload = raw(served[0], "POST", "/v1/messages?beta=true", claude_code_request(2))
     second = json.loads(payload)["usage"]
     assert second["cache_read_input_tokens"] >= len(by_hand) - 1  # the whole prompt but its last token
+    # Streamed, message_start says the same split message_delta does: no token counted twice.
+    status, payload = raw(served[0], "POST", "/v1/messages?beta=true", claude_code_request(3, stream=True))
+    events = [json.loads(line[6:]) for line in payload.decode().split("\n") if line.startswith("data: ")]
+    (start,) = [e["message"]["usage"] for e in events if e["type"] == "message_start"]
+    (delta,) = [e["usage"] for e in events if e["type"] == "message_delta"]
+    assert status == 200 and start["cache_read_input_tokens"] >= len(by_hand) - 1
+    assert {k: start[k] for k in ("input_tokens", "cache_read_input_tokens")} == \
+        {k: delta[k] for k in ("input_tokens", "cache_read_input_tokens")}
     assert raw(served[0], "HEAD", "/")[0] == 200
 
 

@@ -83,8 +83,9 @@ class Protocol:
         """The event that ends a stream cut off by ``error``."""
         raise NotImplementedError
 
-    def keepalive(self, request: "Request") -> bytes:
-        """What ``request``'s stream says while it waits or its prompt is read."""
+    def keepalive(self, request: "Request", to_read: Optional[int] = None) -> bytes:
+        """What ``request``'s stream says while it waits or its prompt is read (``to_read``:
+        the prompt tokens its reading reads, the rest being in the cache; None: waiting)."""
         return b": waiting\n\n"
 
 

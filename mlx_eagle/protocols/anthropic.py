@@ -303,15 +303,23 @@ class Messages(Protocol):
         return {**self._message(request, content), "stop_reason": stop_reason, "stop_sequence": stop_sequence,
                 "usage": self._usage(request, usage)}
 
+    def _start(self, request: Request, to_read: int) -> bytes:
+        """``message_start``, sent once the prompt's cached part is known, with usage split as
+        the final ``message_delta`` splits it (no token counted twice)."""
+        request.echo["started"] = True
+        message = self._message(request, [])
+        message["usage"] = {"input_tokens": to_read, "cache_read_input_tokens": len(request.ids) - to_read,
+                            "cache_creation_input_tokens": 0, "output_tokens": 0}
+        return sse("message_start", {"type": "message_start", "message": message})
+
     def events(self, request: Request, responses: Iterator[Any],
                usage: Callable[[Any], Dict[str, Any]]) -> Iterator[bytes]:
-        message = self._message(request, [])
-        message["usage"] = {"input_tokens": len(request.ids), "output_tokens": 0}
-        yield sse("message_start", {"type": "message_start", "message": message})
-        yield sse("ping", {"type": "ping"})
+        # message_start waits for the reading's first word (keepalive), which says what is cached.
         blocks = _Blocks()
         last = None
         for last in responses:
+            if not request.echo.get("started"):
+                yield self._start(request, len(request.ids) - last.prompt_reused)
             if last.reasoning:
                 yield from blocks.delta("thinking", {"type": "thinking_delta", "thinking": last.reasoning})
             if last.text:
@@ -319,7 +327,7 @@ class Messages(Protocol):
             for call in last.tool_calls:
                 yield from blocks.tool(call)
         if last is None or last.finish_reason is None:
-            return  # cut off: the server says so in its own error event
+            return  # cut off: the server says so in its own error event (pings went before, as Anthropic's may)
         if blocks.index < 0:  # an empty reply: one empty text block, as the whole reply has
             yield blocks._start({"type": "text", "text": ""})
         yield from blocks.close()
@@ -332,7 +340,9 @@ class Messages(Protocol):
     def stream_error(self, error: RequestError) -> bytes:
         return sse("error", self.error(error))
 
-    def keepalive(self, request: Request) -> bytes:
+    def keepalive(self, request: Request, to_read: Optional[int] = None) -> bytes:
+        if to_read is not None and not request.echo.get("started"):
+            return self._start(request, to_read) + sse("ping", {"type": "ping"})
         return sse("ping", {"type": "ping"})
 
 

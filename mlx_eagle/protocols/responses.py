@@ -244,9 +244,9 @@ class Responses(Protocol):
         return Request(ids=ids, chat=True, stream=flag(body, "stream"), options=options, model=model,
                        splitter=splitter, protocol=self, echo=echo)
 
-    def keepalive(self, request: Request) -> bytes:
+    def keepalive(self, request: Request, to_read: Optional[int] = None) -> bytes:
         alive = request.echo.get("alive")
-        return alive() if alive is not None else super().keepalive(request)
+        return alive() if alive is not None else super().keepalive(request, to_read)
 
     def error(self, error: RequestError) -> Dict[str, Any]:
         kind = "server_error" if error.status >= 500 else "invalid_request_error"
