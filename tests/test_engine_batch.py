@@ -265,11 +265,12 @@ def test_a_short_request_does_not_wait_behind_another_s_long_prompt(smollm):
 
 
 def test_agents_starting_together_on_one_long_prefix_read_it_once(smollm):
-    """Two requests sharing a 1,600-token beginning arrive together: the second waits for the
+    """Two requests sharing a 1,000-token beginning arrive together: the second waits for the
     first's reading and starts from a copy of it (reading only its own end), and both replies
     are plain decoding's."""
     model, tokenizer = smollm
-    prefix = tokenizer.encode(" ".join(QUESTIONS * 32))
+    prefix = tokenizer.encode(" ".join(QUESTIONS * 21))
+    assert len(prefix) > 2 * 512
     asks = [prefix + tokenizer.encode(f" Question {n}: {QUESTIONS[n]}") for n in (1, 2)]
     engine = Engine(loaded=(model, tokenizer, None), draft="lookup", history=False)
     results = [None, None]
