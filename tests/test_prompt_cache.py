@@ -119,3 +119,19 @@ def test_a_sweep_of_one_off_prompts_leaves_a_conversation_that_went_on_warm(mode
         read(caches.take(tokens, busy=[busy]), tokens)
     assert first in caches.slots and busy in caches.slots
     assert len(caches.slots) <= 4
+
+
+def test_the_default_bound_is_sized_from_the_model_and_the_machine(model, monkeypatch):
+    """Twice the weights, at least 256 MiB, at most an eighth of memory (2 GiB whatever the
+    model let a 135M model's server hold 3.6 GB)."""
+    import os
+
+    from mlx_eagle import prompt_cache
+    from mlx_eagle.prompt_cache import PromptCaches
+
+    assert PromptCaches(model).max_bytes == 256 << 20  # a tiny model: the floor
+    weights = 100 << 30
+    monkeypatch.setattr(prompt_cache, "tree_flatten", lambda tree: [("w", type("Big", (), {"nbytes": weights})())])
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    assert PromptCaches(model).max_bytes == min(memory // 8, 2 * weights)
+    assert PromptCaches(model, 5).max_bytes == 5
