@@ -41,9 +41,20 @@ class InfillTokens:
     ends: Tuple[int, ...]  # the tokens that end a middle (ENDS and the markers)
 
 
+def added_tokens(tokenizer) -> Dict[int, Any]:
+    """The tokenizer's added tokens by id (Hugging Face's ``AddedToken``s: ``content``, ``special``)."""
+    return getattr(getattr(tokenizer, "_tokenizer", tokenizer), "added_tokens_decoder", None) or {}
+
+
+def encode_as_text(tokenizer, text: str) -> List[int]:
+    """``text`` a user wrote, tokenized as characters: a special token's text in it (a marker
+    typed in code, ``<|im_end|>`` in a message) stays text, never the marker."""
+    return tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True) if text else []
+
+
 def infill_tokens(tokenizer) -> Optional[InfillTokens]:
     """The model's fill-in-the-middle tokens (None: it has none)."""
-    added = getattr(getattr(tokenizer, "_tokenizer", tokenizer), "added_tokens_decoder", None) or {}
+    added = added_tokens(tokenizer)
     found: Dict[str, int] = {}
     ends = []
     for token_id, token in sorted(added.items()):
@@ -84,10 +95,8 @@ def infill_prompt(tokenizer, prefix: str, suffix: str, extra: Sequence[Dict[str,
         raise UserError("this model has no fill-in-the-middle tokens in its tokenizer; send the code before the cursor "
                         "alone (no suffix), or use a code model that has them (Qwen2.5-Coder, StarCoder2, CodeLlama)")
 
-    def encode(text: str) -> List[int]:
-        """The user's text as text: a marker or an end of text typed in code stays characters
-        (llama.cpp's /infill reads it so); only the markers placed here are special."""
-        return tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True) if text else []
+    def encode(text: str) -> List[int]:  # (as llama.cpp's /infill reads it: only the markers placed here are special)
+        return encode_as_text(tokenizer, text)
 
     ids: List[int] = []
     for chunk in check_extra(list(extra)):

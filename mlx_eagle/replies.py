@@ -28,6 +28,7 @@ from mlx_lm.generate import TextStateMachine, make_text_state_machine
 
 from .errors import UserError, check_nesting, check_text
 from .generation import GenerationResponse
+from .infill import added_tokens, encode_as_text
 from .thinking import opens_thinking
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -149,7 +150,7 @@ def _rendered(tokenizer, messages: Sequence[Dict[str, Any]], tools: Optional[Seq
     switch = {"enable_thinking": thinking} if thinking is not None else {}
     hidden: List[str] = []
     if literal:
-        messages = [_hide_special(tokenizer, message, hidden) for message in messages]
+        messages = _hide_special(tokenizer, messages, hidden)
     if tokenizer.chat_template is None:
         text = "\n\n".join(f"{m['role']}: {m['content']}" for m in messages) + "\n\nassistant:"
     elif not hidden:
@@ -164,8 +165,8 @@ def _rendered(tokenizer, messages: Sequence[Dict[str, Any]], tools: Optional[Seq
     # without a template: its beginning of sequence first), the hidden pieces as text.
     ids: List[int] = [] if tokenizer.chat_template is not None else tokenizer.encode("")
     for index, piece in enumerate(_HIDDEN.split(text)):
-        ids += tokenizer.encode(hidden[int(piece)] if index % 2 else piece, add_special_tokens=False,
-                                split_special_tokens=bool(index % 2)) if piece else []
+        ids += encode_as_text(tokenizer, hidden[int(piece)]) if index % 2 else \
+            tokenizer.encode(piece, add_special_tokens=False) if piece else []
     return ids
 
 
@@ -174,28 +175,22 @@ def _rendered(tokenizer, messages: Sequence[Dict[str, Any]], tools: Optional[Seq
 _HIDDEN = re.compile("\ue000(\\d+)\ue001")
 
 
-def _hide_special(tokenizer, message: Dict[str, Any], hidden: List[str]) -> Dict[str, Any]:
-    """``message`` with the special tokens' text in its text replaced by _HIDDEN marks."""
-    added = getattr(getattr(tokenizer, "_tokenizer", tokenizer), "added_tokens_decoder", None) or {}
-    specials = sorted({token.content for token in added.values() if getattr(token, "special", False)},
+def _hide_special(tokenizer, messages: Sequence[Dict[str, Any]], hidden: List[str]) -> List[Dict[str, Any]]:
+    """``messages`` (checked: text content) with the special tokens' text in them replaced by
+    _HIDDEN marks, the text taken out appended to ``hidden``."""
+    specials = sorted({token.content for token in added_tokens(tokenizer).values() if getattr(token, "special", False)},
                       key=len, reverse=True)
     if not specials:
-        return message
+        return list(messages)
     pattern = re.compile("|".join(map(re.escape, specials)))
 
-    def hide(text: str) -> str:
-        def mark(match: "re.Match") -> str:
-            hidden.append(match.group())
-            return f"\ue000{len(hidden) - 1}\ue001"
-        return pattern.sub(mark, text)
+    def mark(match: "re.Match") -> str:
+        hidden.append(match.group())
+        return f"\ue000{len(hidden) - 1}\ue001"
 
-    content = message.get("content")
-    if isinstance(content, str):
-        return {**message, "content": hide(content)}
-    if isinstance(content, list):
-        return {**message, "content": [{**part, "text": hide(part["text"])} if isinstance(part, dict)
-                                       and isinstance(part.get("text"), str) else part for part in content]}
-    return message
+    return [{**message, "content": pattern.sub(mark, message["content"])} if isinstance(message.get("content"), str)
+            else message for message in messages]
+
 
 TOOL_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 FENCE = re.compile(r"^```(?:json)?\s*(.*?)\s*```$", re.S)

@@ -30,9 +30,9 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Deque, Iterator, List, Optional, Tuple
 
 from .decoder import batched_round, batches
+from .drafters import common_prefix
 from .errors import Busy
 from .generation import Generation, GenerationResponse
-from .drafters import common_prefix
 from .prompt_cache import PromptCache, PromptCaches
 
 DONE = object()  # the end of a request's queue

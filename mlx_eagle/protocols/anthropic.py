@@ -195,9 +195,9 @@ def thinking(value: Any, max_tokens: Optional[int], effort: Optional[int]) -> Tu
     return True, budget
 
 
-def prompt(body: Any, engine, counting: bool = False) -> Tuple[List[int], Any, Dict[str, Any]]:
-    """A Messages request's prompt, reply reader and options, checked (``counting``: for
-    count_tokens, which takes no max_tokens)."""
+def prompt(body: Any, engine, counting: bool = False) -> Tuple[List[int], Any, Dict[str, Any], List[str]]:
+    """A Messages request's prompt, reply reader, options and the tools left out (tools),
+    checked (``counting``: for count_tokens, which takes no max_tokens)."""
     if not isinstance(body, dict):
         raise RequestError(400, "the request body must be a JSON object")
     if not isinstance(body.get("model"), str) or not body["model"]:
@@ -221,8 +221,8 @@ def prompt(body: Any, engine, counting: bool = False) -> Tuple[List[int], Any, D
                              thinks, counting=counting)
     if splitter.forced_call:  # the reply is a tool call: the format is for answer text
         response_format = None
-    return ids, splitter, {"thinking_budget": budget, "max_tokens": max_tokens, "response_format": response_format,
-                           "tools_left_out": left_out}
+    return ids, splitter, {"thinking_budget": budget, "max_tokens": max_tokens, "response_format": response_format}, \
+        left_out
 
 
 def _output_format(value: Any) -> Optional[Dict[str, Any]]:
@@ -241,7 +241,7 @@ class Messages(Protocol):
     """Anthropic's Messages API."""
 
     def parse(self, body: Any, engine, default_max_tokens: int) -> Request:
-        ids, splitter, options = prompt(body, engine)
+        ids, splitter, options, left_out = prompt(body, engine)
         try:
             stop = [check_text(s, "stop_sequences") for s in texts(body, "stop_sequences", MAX_STOP_SEQUENCES) or []]
         except UserError as error:
@@ -251,7 +251,6 @@ class Messages(Protocol):
         top_p = number(body, "top_p", 1.0, 0.0, 1.0)
         if top_p == 0.0:
             raise RequestError(400, "top_p must be above 0", "top_p")
-        left_out = options.pop("tools_left_out")
         options.update(temp=number(body, "temperature", 0.0, 0.0, 1.0), top_p=top_p,
                        top_k=whole(body, "top_k", 0, 1 << 30, default=0), stop=stop or None)
         return Request(ids=ids, chat=True, stream=flag(body, "stream"), options=options, model=body["model"],
@@ -259,7 +258,7 @@ class Messages(Protocol):
 
     def count(self, body: Any, engine) -> Dict[str, Any]:
         """``/v1/messages/count_tokens``: the prompt's tokens."""
-        ids, _, _ = prompt(body, engine, counting=True)
+        ids = prompt(body, engine, counting=True)[0]
         return {"input_tokens": len(ids)}
 
     def error(self, error: RequestError) -> Dict[str, Any]:
