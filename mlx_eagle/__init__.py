@@ -21,7 +21,7 @@ del generate
 # and transformers take seconds to import).
 _EXPORTS = {
     "GenerationResponse": "generation", "generate": "generation", "stream_generate": "generation",
-    "BatchResponse": "generation", "batch_generate": "generation",
+    "BatchResponse": "scheduler", "batch_generate": "scheduler",
     "DEFAULT_MODEL": "models", "load": "plan", "load_target": "models", "resolve_model": "models",
     "PromptCache": "prompt_cache", "make_prompt_cache": "prompt_cache",
     "DraftPlan": "plan", "load_draft": "plan", "plan_drafts": "plan",

@@ -18,7 +18,7 @@ from typing import Optional, Sequence
 
 from .cli import add_history_arguments, add_kv_arguments, add_model_arguments, add_sampling_arguments, history_choice, \
     kv_options, new_parser, run_cli
-from .errors import UserError, check_options
+from .errors import UserError
 from .files import cache_dir, write_atomically
 from .trees import parse_tree
 
@@ -97,8 +97,6 @@ def save_conversation(session, path: Path) -> None:
 
 def command(session, terminal: Terminal, text: str, state: dict) -> bool:
     """Run a /command; False when it asks to leave."""
-    from .verify import Sampling
-
     name, _, argument = text.partition(" ")
     argument = argument.strip()
     if name in ("/quit", "/exit"):
@@ -117,11 +115,10 @@ def command(session, terminal: Terminal, text: str, state: dict) -> bool:
     elif name == "/temp":
         try:
             value = float(argument)
-            Sampling(temp=value)
+            session.options = session.options.but(temp=value)
         except ValueError:  # a UserError is one too
             terminal.say("usage: /temp X, with X >= 0 (0: greedy)")
         else:
-            session.temp = value
             terminal.say(terminal.dim(f"(temperature {value:g})"))
     elif name == "/tree":
         try:
@@ -187,13 +184,12 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     from .plan import user_drafter
     from .session import ChatSession
     from .target import kv_quantization
-    from .verify import Sampling
+    from .options import ReplyOptions
 
     # What is wrong with the arguments is said before the model loads.
     if args.tree != "auto":
         parse_tree(args.tree)
-    check_options(args.max_tokens, args.seed)
-    Sampling(args.temp, args.top_p)
+    ReplyOptions(max_tokens=args.max_tokens, temp=args.temp, top_p=args.top_p, seed=args.seed)
     kv_quantization(**kv_options(args))
     user_drafter(args.draft)  # your own drafter, imported now: one line if it cannot be
     history = history_choice(args)

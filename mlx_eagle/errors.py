@@ -9,12 +9,13 @@ from typing import Optional
 
 class UserError(ValueError):
     """A problem the user can fix. Commands print it as one line and exit 1; the server
-    answers it with a 400. ``shared``: every rank of a sharded model found it alike (only
+    answers it with a 400 whose ``param`` is ``field``, the request field at fault (None:
+    the request as a whole). ``shared``: every rank of a sharded model found it alike (only
     rank 0 says it)."""
 
-    def __init__(self, message: str, shared: bool = False):
+    def __init__(self, message: str, field: Optional[str] = None, shared: bool = False):
         super().__init__(message)
-        self.shared = shared
+        self.field, self.shared = field, shared
 
 
 def did_you_mean(given: str, words) -> str:
@@ -27,12 +28,12 @@ def did_you_mean(given: str, words) -> str:
 
 def check_text(text: str, what: str) -> str:
     """``text`` if it can be encoded (no lone surrogates, which undecodable input and
-    some JSON escapes produce), else one line naming ``what``."""
+    some JSON escapes produce), else one line naming ``what`` (its field)."""
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as exc:
         raise UserError(f"{what} is not valid Unicode text (a lone surrogate at character {exc.start}); "
-                        "send UTF-8 text") from None
+                        "send UTF-8 text", what) from None
     return text
 
 
@@ -49,25 +50,12 @@ def check_nesting(value, what: str, limit: int = MAX_NESTING):
         item, depth = stack.pop()
         if isinstance(item, (dict, list)):
             if depth > limit:
-                raise UserError(f"{what} nests lists and objects more than {limit} deep; flatten it")
+                raise UserError(f"{what} nests lists and objects more than {limit} deep; flatten it", what)
             stack.extend((child, depth + 1) for child in (item.values() if isinstance(item, dict) else item))
     return value
 
 
-# Sizes past any model this runtime could hold: a config asking for them is damaged or
-# hostile, and believing it would allocate without bound before any weight is read.
-
-
-MAX_SEED = (1 << 63) - 1
-
-
-def check_options(max_tokens: int, seed: Optional[int]) -> None:
-    """One line for a reply length or seed that cannot be meant (sampling settings are
-    checked by ``Sampling`` itself)."""
-    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
-        raise UserError(f"max_tokens must be a whole number, 1 or more, not {max_tokens!r}")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED):
-        raise UserError(f"seed must be a whole number from 0 to {MAX_SEED}, not {seed!r}")
+MAX_SEED = (1 << 63) - 1  # a seed is a signed 64-bit whole number, as OpenAI's is
 
 
 MAX_CONCURRENCY = 8  # replies in progress at once, by default (their rounds share forward passes)

@@ -1,7 +1,8 @@
 """Generate text with speculative decoding: the Python API, as mlx-lm's ``generate``
 module (the command, ``python -m mlx_eagle.generate``, is a package of its own, so that its
 --help loads no model code). A request's path reads down the imports: plan the drafts,
-make the decoder over the conversation's cache, read the prompt, run rounds."""
+make the decoder over the conversation's cache, read the prompt, run rounds (a batch of
+replies: scheduler.py)."""
 
 from __future__ import annotations
 
@@ -16,15 +17,14 @@ import mlx.nn as nn
 from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, NaiveStreamingDetokenizer, SPMStreamingDetokenizer
 
 from .costs import LONG_CONTEXT
-from .decoder import Round, SpeculativeDecoder, batched_round, batches
+from .decoder import Round, SpeculativeDecoder
 from .distributed import Watchdog, shared_seed
-from .errors import UserError, check_options
+from .errors import UserError
 from .grammar import grammar_for
+from .options import DEFAULT_MAX_TOKENS, ReplyOptions
 from .plan import DraftPlan, drafters_failed, plan_drafts, source_statistics
 from .prompt_cache import PromptCache, make_prompt_cache
-from .target import kv_quantization
 from .thinking import thinking_budget_for
-from .verify import Sampling
 
 if TYPE_CHECKING:
     from .drafters import Drafter
@@ -72,7 +72,7 @@ class GenerationResponse:
     drafting_off: List[str] = field(default_factory=list)  # drafters that do not draft here, or failed, and why
 
 
-def _prompt_ids(tokenizer, prompt: Union[str, List[int], mx.array]) -> List[int]:
+def prompt_ids(tokenizer, prompt: Union[str, List[int], mx.array]) -> List[int]:
     if isinstance(prompt, str):
         return tokenizer.encode(prompt)
     if isinstance(prompt, mx.array):
@@ -170,7 +170,7 @@ def stream_generate(
     model: nn.Module,
     tokenizer,
     prompt: Union[str, List[int], mx.array],
-    max_tokens: int = 256,
+    max_tokens: int = DEFAULT_MAX_TOKENS,
     draft: Union["DraftPlan", "Drafter", type, nn.Module, str, None] = None,
     tree: Union[str, "TreeSpec", None] = None,
     lookup: bool = True,
@@ -190,6 +190,7 @@ def stream_generate(
     quantized_kv_start: Optional[int] = None,
     thinking_budget: Optional[int] = None,
     stop_tokens: Optional[Sequence[int]] = None,
+    options: Optional[ReplyOptions] = None,
 ) -> Generator[GenerationResponse, None, None]:
     """Yield the continuation of ``prompt`` token by token.
 
@@ -211,74 +212,79 @@ def stream_generate(
     read again. Stopping the iteration between tokens leaves it usable. ``history``: the
     earlier replies context drafts also draft from (True: this process's for this model;
     a path: a file kept across processes; False: none); a plan says this itself.
-    ``logprobs``: each response carries the target's log-probabilities at its token.
     ``prompt_progress_callback(read, total)``: called as the prompt is read, chunk by chunk,
     as mlx-lm's is (an exception it raises stops the reading and the generation).
-    ``response_format``: hold the reply to a grammar, as OpenAI's field asks:
-    ``{"type": "json_object"}``, or ``{"type": "json_schema", "json_schema": {"schema": {...}}}``
-    (mlx_eagle.grammar); drafting goes on, and the text is exactly what the target produces
-    with the grammar's mask applied at every step.
     ``kv_bits``, ``kv_group_size``, ``quantized_kv_start``: quantized KV caches, as mlx-lm's
     (target.KVQuantization; ``quantized_kv_start`` None: mlx-lm's default, 5000): the text is
     plain mlx-lm decoding's with the same settings.
-    ``thinking_budget``: end a reasoning model's thinking after this many tokens, its end
-    marker forced as plain decoding with the same rule forces it (mlx_eagle.thinking);
-    drafting goes on. A model without thinking markers has nothing to budget.
-    ``stop_tokens``: token ids that end the reply as the end of sequence does (a
-    fill-in-the-middle prompt's, mlx_eagle.infill).
+    The reply's own settings (mlx_eagle.options.ReplyOptions, which says each): ``max_tokens``,
+    ``temp``, ``top_p``, ``min_p``, ``top_k``, ``seed``, ``stop``, ``stop_tokens``,
+    ``logprobs`` (each response carries the target's log-probabilities at its token),
+    ``response_format`` (a grammar: ``{"type": "json_object"}`` or ``{"type": "json_schema",
+    "json_schema": {"schema": {...}}}``; drafting goes on, and the text is exactly what the
+    target produces with the grammar's mask applied at every step) and ``thinking_budget``
+    (a reasoning model's thinking ended after that many tokens, as plain decoding with the
+    same rule ends it); or all of them at once as ``options``.
     """
-    generation = Generation(model, tokenizer, prompt, max_tokens, draft, tree, lookup, temp, top_p, min_p, top_k,
-                            seed, stop, prompt_cache, history, logprobs, response_format, kv_bits, kv_group_size,
-                            quantized_kv_start, thinking_budget, stop_tokens)
+    options = _options(options, max_tokens=max_tokens, temp=temp, top_p=top_p, min_p=min_p, top_k=top_k, seed=seed,
+                       stop=stop, logprobs=logprobs, response_format=response_format, thinking_budget=thinking_budget,
+                       stop_tokens=stop_tokens)
+    ids = prompt_ids(tokenizer, prompt)
+    check_prompt(model, ids)  # before planning, which may time the device
+    plan = plan_drafts(model, draft, tree, lookup, history, tokenizer, kv_bits, kv_group_size, quantized_kv_start)
+    generation = Generation(model, tokenizer, ids, options, plan, prompt_cache)
     try:
         for read, total in generation.read():
             if prompt_progress_callback is not None:
                 prompt_progress_callback(read, total)
         yield from generation.first()
         while not generation.done:
-            yield from generation.take(generation.decoder.round(generation.room()))
+            yield from generation.conclude(generation.decoder.round(generation.room()))
     finally:  # the reply is final, however it ended: the caches hold what was shown, drafters keep it
         generation.close()
 
 
-class Generation:
-    """One reply, step by step, as stream_generate runs it (and a batch, whose rounds are
-    shared: decoder.batched_round): ``read`` reads the prompt a chunk at a time, ``first``
-    gives the first token's responses; while not ``done``, each round of at most ``room()``
-    tokens is handed to ``take``, which gives its responses (up to the one that ends the
-    reply); ``close``, however it ended, leaves the caches holding what was handed out.
-    Arguments as for stream_generate."""
+def _options(options: Optional[ReplyOptions], **keywords: Any) -> ReplyOptions:
+    """``options``, or the one the keyword arguments make (not both: a keyword away from its
+    default beside ``options`` would be silently lost)."""
+    if options is None:
+        return ReplyOptions(**keywords)
+    defaults = ReplyOptions()
+    given = [name for name, value in keywords.items() if value not in (None, getattr(defaults, name))]
+    if given:
+        raise UserError(f"give reply settings either as options or as keywords, not both ({', '.join(given)})")
+    return options
 
-    def __init__(self, model: nn.Module, tokenizer, prompt: Union[str, List[int], mx.array], max_tokens: int = 256,
-                 draft: Union["DraftPlan", "Drafter", type, nn.Module, str, None] = None,
-                 tree: Union[str, "TreeSpec", None] = None, lookup: bool = True, temp: float = 0.0,
-                 top_p: float = 1.0, min_p: float = 0.0, top_k: int = 0, seed: Optional[int] = None,
-                 stop: Optional[Sequence[str]] = None, prompt_cache: Optional[PromptCache] = None,
-                 history: Union[bool, str, None, object] = True, logprobs: bool = False,
-                 response_format: Optional[Dict[str, Any]] = None, kv_bits: Optional[int] = None,
-                 kv_group_size: int = 64, quantized_kv_start: Optional[int] = None,
-                 thinking_budget: Optional[int] = None, stop_tokens: Optional[Sequence[int]] = None):
-        check_options(max_tokens, seed)
-        self.ids = _prompt_ids(tokenizer, prompt)
-        check_prompt(model, self.ids)
-        budget = thinking_budget_for(tokenizer, self.ids, thinking_budget, model.args.vocab_size, response_format)
-        self.grammar = grammar_for(tokenizer, model.args.vocab_size, response_format) or budget
-        kv = kv_quantization(kv_bits, kv_group_size, quantized_kv_start)
+
+class Generation:
+    """One reply, step by step, as stream_generate and the scheduler run it: ``read`` reads
+    the prompt a chunk at a time, ``first`` gives the first token's responses; while not
+    ``done``, each round of at most ``room()`` tokens (``decoder.round``, or a batch's
+    ``decoder.batched_round``) is handed to ``conclude``, which gives its responses (up to the
+    one that ends the reply); ``close``, however it ended, leaves the caches holding what was
+    handed out. ``ids``: the prompt; ``options``: the reply's settings; ``plan``: what drafts
+    (plan.plan_drafts), whose KV settings the caches follow; ``prompt_cache``: the
+    conversation's (None: a fresh one)."""
+
+    def __init__(self, model: nn.Module, tokenizer, ids: List[int], options: ReplyOptions, plan: DraftPlan,
+                 prompt_cache: Optional[PromptCache] = None):
+        self.ids, self.options = ids, options
+        check_prompt(model, ids)
+        budget = thinking_budget_for(tokenizer, ids, options.thinking_budget, model.args.vocab_size,
+                                     options.response_format)
+        self.grammar = grammar_for(tokenizer, model.args.vocab_size, options.response_format) or budget
         self.limit = _context_length(model)
-        self.plan = plan = plan_drafts(model, draft, tree, lookup, history, tokenizer, kv_bits, kv_group_size,
-                                       quantized_kv_start)
+        self.plan = plan
         self.cache = cache = prompt_cache if prompt_cache is not None else make_prompt_cache(model)
         if cache.unfinished:  # a prompt read or round that never finished: nothing in it is certain
             cache.clear(model)
         if cache.plan_key != plan.key:  # a conversation keeps its drafters (and their caches) while its plan holds
             cache.drafter, cache.plan_key = plan.drafter(), plan.key
-        self.decoder = SpeculativeDecoder(model, cache.drafter, Sampling(temp, top_p, min_p, top_k),
-                                          shared_seed(seed), cache,
+        self.decoder = SpeculativeDecoder(model, cache.drafter, options.sampling, shared_seed(options.seed), cache,
                                           costs=(lambda: plan.settings.costs) if plan.active else None,
-                                          grammar=self.grammar, kv=kv, keep_logits=logprobs)
-        self.max_tokens, self.logprobs = max_tokens, logprobs
-        self.eos = set(tokenizer.eos_token_ids) | set(stop_tokens or ())
-        self.stops = StopMatcher(stop or [])
+                                          grammar=self.grammar, kv=plan.settings.kv, keep_logits=options.logprobs)
+        self.eos = set(tokenizer.eos_token_ids) | set(options.stop_tokens)
+        self.stops = StopMatcher(options.stop)
         self.detokenizer = continuing_detokenizer(tokenizer, self.ids[-1])
         self.watchdog = Watchdog()  # a rank that hangs ends the others (distributed.py; idle on one machine)
         self.generated = self.produced = self.rounds = self.accepted = self.rows = self.nodes = 0
@@ -310,17 +316,17 @@ class Generation:
 
     def first(self) -> Iterator[GenerationResponse]:
         """Once the prompt is read: the first token's response."""
-        logprobs = _log_softmax(self.decoder.root_logits[None]) if self.logprobs else None
+        logprobs = _log_softmax(self.decoder.root_logits[None]) if self.options.logprobs else None
         self.tic = time.perf_counter()
         self.sources = source_statistics(self.cache.drafter)
         return self._responses([self.decoder.root], [False], logprobs)
 
     def room(self) -> int:
         """How many tokens the next round may produce."""
-        room = self.max_tokens - self.generated
+        room = self.options.max_tokens - self.generated
         return room if self.limit is None else min(room, self.limit - self.decoder.length)
 
-    def take(self, result: Round) -> Iterator[GenerationResponse]:
+    def conclude(self, result: Round) -> Iterator[GenerationResponse]:
         """The responses of a round's tokens, up to the one that ends the reply."""
         self.watchdog.kick()
         length = self.decoder.length
@@ -335,7 +341,7 @@ class Generation:
         self.drafting_off = self.off_here + drafters_failed(self.cache.drafter)
         if self.grammar is not None and self.grammar.forced.proposed:
             self.sources = {**self.sources, self.grammar.forced_source: replace(self.grammar.forced)}
-        logprobs = _log_softmax(result.logits) if self.logprobs else None
+        logprobs = _log_softmax(result.logits) if self.options.logprobs else None
         return self._responses(result.tokens, [True] * self.accepted + [False], logprobs)
 
     def _responses(self, tokens: List[int], from_draft: List[bool],
@@ -347,7 +353,7 @@ class Generation:
                 finish = "stop"
             else:
                 self.detokenizer.add_token(token)
-            if finish is None and self.generated >= self.max_tokens:
+            if finish is None and self.generated >= self.options.max_tokens:
                 finish = "length"
             if finish is None and self.limit is not None and len(self.ids) + self.generated >= self.limit:
                 finish = "length"
@@ -408,79 +414,6 @@ def generate(model: nn.Module, tokenizer, prompt: Union[str, List[int]], verbose
         print()
         print_stats(response)
     return text
-
-
-@dataclass
-class BatchResponse:
-    """What ``batch_generate`` gives, as mlx-lm's does: each prompt's ``texts`` (and token
-    ids), and how the batch ran: ``forwards``, the packed forward passes (and the rounds
-    of conversations served alone); ``tokens_per_forward``, the tokens they produced each,
-    all conversations together."""
-
-    texts: List[str]
-    token_ids: List[List[int]]
-    forwards: int
-    tokens_per_forward: float
-
-
-def batch_generate(model: nn.Module, tokenizer, prompts: Sequence[Union[str, List[int]]],
-                   max_tokens: Union[int, Sequence[int]] = 128, draft: Union["DraftPlan", str, None] = "auto",
-                   tree: Union[str, "TreeSpec", None] = "auto", lookup: bool = True, temp: float = 0.0,
-                   top_p: float = 1.0, min_p: float = 0.0, top_k: int = 0, seed: Optional[int] = None,
-                   stop: Optional[Sequence[str]] = None, history: Union[bool, str, None, object] = False,
-                   verbose: bool = False) -> BatchResponse:
-    """Continue every prompt, as mlx-lm's batch_generate does, with speculation: each
-    conversation drafts with drafters of its own, and each round verifies every active
-    conversation's tree in one forward pass (decoder.batched_round); a conversation leaves
-    the batch when its reply ends. Each text is exactly the one its prompt gets alone from
-    stream_generate: the same tokens when greedy, the same distribution when sampling
-    (``seed``: the i-th prompt samples with ``seed + i``). Other arguments as for
-    stream_generate; a target the packed pass cannot run (recurrent layers, latent
-    attention, shards) serves the conversations in turn, which ``verbose`` says."""
-    limits = [max_tokens] * len(prompts) if isinstance(max_tokens, int) else list(max_tokens)
-    if len(limits) != len(prompts):
-        raise UserError(f"max_tokens gives {len(limits)} lengths for {len(prompts)} prompts")
-    plan = plan_drafts(model, draft, tree, lookup, history, tokenizer)
-    replies = [Generation(model, tokenizer, prompt, limit, plan, tree, lookup, temp, top_p, min_p, top_k,
-                          seed=None if seed is None else seed + index, stop=stop)
-               for index, (prompt, limit) in enumerate(zip(prompts, limits))]
-    texts, token_ids = [[] for _ in replies], [[] for _ in replies]
-    together = all(batches(reply.decoder) for reply in replies)
-    if verbose and not together:
-        print("batch: this target's rounds cannot share a forward pass here; its conversations are served in turn",
-              file=sys.stderr)
-    forwards = produced = 0
-
-    def shown(index: int, responses: Iterator[GenerationResponse]) -> None:
-        for response in responses:
-            texts[index].append(response.text)
-            token_ids[index] += [] if response.token in replies[index].eos else [response.token]
-
-    try:
-        for index, reply in enumerate(replies):
-            for _ in reply.read():
-                pass
-            shown(index, reply.first())
-        while active := [index for index, reply in enumerate(replies) if not reply.done]:
-            if together:
-                rounds = batched_round([replies[i].decoder for i in active], [replies[i].room() for i in active])
-            else:
-                rounds = [replies[i].decoder.round(replies[i].room()) for i in active]
-            forwards += 1 if together else len(active)
-            for index, result in zip(active, rounds):
-                if isinstance(result, Exception):
-                    raise result
-                produced += len(result.tokens)
-                shown(index, replies[index].take(result))
-    finally:
-        for reply in replies:
-            reply.close()
-    response = BatchResponse(["".join(text) for text in texts], token_ids, forwards,
-                             produced / forwards if forwards else 0.0)
-    if verbose:
-        print(f"batch: {len(prompts)} prompts, {forwards} forward passes, "
-              f"{response.tokens_per_forward:.2f} tokens per forward", file=sys.stderr)
-    return response
 
 
 def print_stats(response: GenerationResponse, file=None) -> None:

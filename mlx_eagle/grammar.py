@@ -110,9 +110,7 @@ def _first_line(message: str) -> str:
 
 
 def _field_error(message: str, where: str) -> UserError:
-    error = UserError(message)
-    error.field = where.split(".")[0]  # type: ignore[attr-defined]  (the server names the request's field)
-    return error
+    return UserError(message, where.split(".")[0])  # (the server names the request's field)
 
 
 @lru_cache(maxsize=4)

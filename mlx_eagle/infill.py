@@ -76,7 +76,7 @@ def check_extra(extra: Any, where: str = "input_extra") -> List[Dict[str, str]]:
         return []
     if not isinstance(extra, list) or not all(isinstance(e, dict) and isinstance(e.get("text"), str)
                                               and isinstance(e.get("filename", ""), str) for e in extra):
-        raise UserError(f"{where} must be a list of {{'filename': ..., 'text': ...}} objects")
+        raise UserError(f"{where} must be a list of {{'filename': ..., 'text': ...}} objects", where)
     return extra
 
 
@@ -93,7 +93,8 @@ def infill_prompt(tokenizer, prefix: str, suffix: str, extra: Sequence[Dict[str,
     tokens = infill_tokens(tokenizer)
     if tokens is None:
         raise UserError("this model has no fill-in-the-middle tokens in its tokenizer; send the code before the cursor "
-                        "alone (no suffix), or use a code model that has them (Qwen2.5-Coder, StarCoder2, CodeLlama)")
+                        "alone (no suffix), or use a code model that has them (Qwen2.5-Coder, StarCoder2, CodeLlama)",
+                        "suffix")
 
     def encode(text: str) -> List[int]:  # (as llama.cpp's /infill reads it: only the markers placed here are special)
         return encode_as_text(tokenizer, text)

@@ -4,14 +4,18 @@
 Counted per request when it ends: requests by route and status; prompt, cached and
 completion tokens; time to first token, time between tokens and whole-request time
 (histograms); per drafter, the draft tokens proposed and accepted; target forward passes and
-rechecks. Read when scraped: the prompt cache's bytes, requests waiting for a seat and
-replies in progress. Counted per round: the conversations each verify pass held (the batch).
+rechecks; the conversations its verify passes held on average (the batch). Read when
+scraped: the prompt caches' bytes, stored responses' bytes, requests waiting for a seat and
+replies in progress. ``Telemetry``: one request's times, as its reply comes.
 """
 
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING, Any, Callable, Dict, Optional, Sequence, TextIO
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, TextIO
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
@@ -22,6 +26,31 @@ if TYPE_CHECKING:
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 GAP_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.08, 0.15, 0.3, 0.6, 1.2, 2.5)
+
+
+@dataclass
+class Telemetry:
+    """One request's times, kept as its reply's pieces come (``see``): from its arrival to
+    its first token, between tokens, and its last piece; ``text``: the reply's text so far,
+    where it is kept (None: not kept)."""
+
+    arrived: float = field(default_factory=time.monotonic)
+    request_id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
+    first_token_seconds: Optional[float] = None
+    last: Optional["GenerationResponse"] = None
+    token_at: float = 0.0
+    gaps: List[float] = field(default_factory=list)
+    text: Optional[str] = None
+
+    def see(self, response: "GenerationResponse") -> None:
+        now = time.monotonic()
+        if self.first_token_seconds is None:
+            self.first_token_seconds = now - self.arrived
+        else:
+            self.gaps.append(now - self.token_at)
+        self.last, self.token_at = response, now
+        if self.text is not None:
+            self.text += getattr(response, "reasoning", "") + response.text
 
 
 class Metrics:
@@ -60,11 +89,11 @@ class Metrics:
         for name, (help_, reading) in gauges.items():
             Gauge(f"mlx_eagle_{name}", help_, registry=registry).set_function(reading)
 
-    def observe(self, route: str, status: int, seconds: float, last: Optional["GenerationResponse"],
-                first_token: Optional[float], gaps: Sequence[float]) -> None:
+    def observe(self, route: str, status: int, seconds: float, telemetry: Telemetry) -> None:
         """One request, ended: its route and status, and what its reply did."""
         self.requests.labels(route, str(status)).inc()
         self.duration.observe(seconds)
+        last, first_token, gaps = telemetry.last, telemetry.first_token_seconds, telemetry.gaps
         if last is None:
             return
         self.prompt_tokens.inc(last.prompt_tokens)
@@ -87,12 +116,12 @@ class Metrics:
         return generate_latest(self.registry)
 
 
-def log_line(out: TextIO, request_id: str, route: str, status: int, seconds: float,
-             last: Optional["GenerationResponse"], first_token: Optional[float], usage: Optional[Dict[str, Any]],
-             prompt: Optional[str] = None, text: Optional[str] = None) -> None:
+def log_line(out: TextIO, route: str, status: int, seconds: float, telemetry: Telemetry,
+             usage: Optional[Dict[str, Any]], prompt: Optional[str] = None) -> None:
     """``--log-requests``: one JSON line for a request that ended (the prompt's and reply's
-    text only when given: ``--log-text``)."""
-    line: Dict[str, Any] = {"id": request_id, "route": route, "status": status, "seconds": round(seconds, 4),
+    text only when given and kept: ``--log-text``)."""
+    last, first_token, text = telemetry.last, telemetry.first_token_seconds, telemetry.text
+    line: Dict[str, Any] = {"id": telemetry.request_id, "route": route, "status": status, "seconds": round(seconds, 4),
                             "time_to_first_token": round(first_token, 4) if first_token is not None else None}
     if last is not None and usage is not None:
         line.update(prompt_tokens=usage["prompt_tokens"], cached_tokens=usage["prompt_tokens_details"]["cached_tokens"],

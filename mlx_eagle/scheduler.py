@@ -23,16 +23,21 @@ from __future__ import annotations
 
 import math
 import queue
+import sys
 import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Deque, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Deque, Iterator, List, Optional, Sequence, Tuple, Union
+
+import mlx.nn as nn
 
 from .decoder import batched_round, batches
 from .drafters import common_prefix
-from .errors import Busy
-from .generation import Generation, GenerationResponse
+from .errors import Busy, UserError
+from .generation import Generation, GenerationResponse, check_prompt, prompt_ids
+from .options import ReplyOptions
+from .plan import plan_drafts
 from .prompt_cache import PromptCache, PromptCaches
 
 DONE = object()  # the end of a request's queue
@@ -96,7 +101,7 @@ class Scheduler:
         self.waiting: Deque[Request] = deque()  # on the worker: handed in, not yet seated
         self.live: List[Request] = []  # seated: reading its prompt or replying
         self.progress_at: Optional[float] = None  # when a reply in progress last moved (None: none in progress)
-        self.stats = {"rounds": 0, "rows": 0}  # packed passes, and the conversations they held
+        self.stats = {"rounds": 0, "rows": 0, "alone": 0}  # packed passes, the rows they held, rounds alone
         self._unseated = 0  # submitted and not yet seated or dropped (any thread)
         self._lock = threading.Lock()
         # Seconds recent replies held their seats, smoothed (what Retry-After is estimated from;
@@ -147,6 +152,16 @@ class Scheduler:
                 self.waiting.append(item)
                 continue
             return item
+
+    def run(self) -> None:
+        """Serve what was submitted until every request has ended, on this thread, with no
+        worker (batch_generate: its jobs are its requests)."""
+        while True:
+            while not self.jobs.empty():
+                self.waiting.append(self.jobs.get())
+            if not self.live and not self.waiting:
+                return
+            self.turn()
 
     def turn(self) -> None:
         if self.progress_at is None:  # (what /health reads: a turn that never ends is a stall)
@@ -241,6 +256,7 @@ class Scheduler:
             for request, result in zip(together, rounds):
                 self._conclude(request, result)
         for request in [r for r in rows if r not in together]:
+            self.stats["alone"] += 1
             try:
                 result = request.generation.decoder.round(request.generation.room())
             except Exception as error:
@@ -248,10 +264,16 @@ class Scheduler:
             self._conclude(request, result)
 
     def _conclude(self, request: Request, result: Any) -> None:
-        if isinstance(result, Exception):
-            self._fail(request, result)
-        else:
-            self._hand_out(request, request.generation.take(result))
+        """A round's result handed to its reply; an error, the round's or the reply's own in
+        taking it, ends that reply alone."""
+        try:
+            if isinstance(result, Exception):
+                raise result
+            responses = request.generation.conclude(result)
+        except Exception as error:
+            self._fail(request, error)
+            return
+        self._hand_out(request, responses)
 
     def _hand_out(self, request: Request, responses: Iterator[GenerationResponse]) -> None:
         try:
@@ -341,3 +363,78 @@ class Reply:
 
     def __del__(self) -> None:
         self.request.cancel.set()
+
+
+@dataclass
+class BatchResponse:
+    """What ``batch_generate`` gives, as mlx-lm's does: each prompt's ``texts`` (and token
+    ids), ``errors``: what ended a reply early (None: it ended as replies end), and how the
+    batch ran: ``forwards``, the packed forward passes and the rounds of conversations served
+    alone; ``tokens_per_forward``, the tokens they produced each, all conversations together."""
+
+    texts: List[str]
+    token_ids: List[List[int]]
+    forwards: int
+    tokens_per_forward: float
+    errors: List[Optional[Exception]]
+
+
+def batch_generate(model: nn.Module, tokenizer, prompts: Sequence[Union[str, List[int]]],
+                   max_tokens: Union[int, Sequence[int]] = 128, draft: Any = "auto", tree: Any = "auto",
+                   lookup: bool = True, history: Any = False, kv_bits: Optional[int] = None, kv_group_size: int = 64,
+                   quantized_kv_start: Optional[int] = None, verbose: bool = False, **options: Any) -> BatchResponse:
+    """Continue every prompt, as mlx-lm's batch_generate does, with speculation: the
+    conversations are served together as the server serves them (``Scheduler``), each
+    drafting with drafters of its own, every round verifying the active conversations'
+    trees in one forward pass; a conversation leaves the batch when its reply ends, and one
+    whose reply fails ends alone (``BatchResponse.errors``). Each text is exactly the one its
+    prompt gets alone from stream_generate: the same tokens when greedy, the same
+    distribution when sampling (``seed``: the i-th prompt samples with ``seed + i``).
+    ``max_tokens``: one bound, or one per prompt; the other arguments, and the reply settings
+    in ``options`` (mlx_eagle.options.ReplyOptions), as for stream_generate. A target whose
+    rounds cannot share a pass (recurrent layers, latent attention, shards) serves the
+    conversations in turn, which ``verbose`` says."""
+    limits = [max_tokens] * len(prompts) if isinstance(max_tokens, int) else list(max_tokens)
+    if len(limits) != len(prompts):
+        raise UserError(f"max_tokens gives {len(limits)} lengths for {len(prompts)} prompts", "max_tokens")
+    shared = ReplyOptions(**options)
+    rows = [shared.but(max_tokens=limit, seed=None if shared.seed is None else shared.seed + index)
+            for index, limit in enumerate(limits)]
+    ids = [prompt_ids(tokenizer, prompt) for prompt in prompts]
+    for prompt in ids:
+        check_prompt(model, prompt)  # before planning, which may time the device
+    plan = plan_drafts(model, draft, tree, lookup, history, tokenizer, kv_bits, kv_group_size, quantized_kv_start)
+    scheduler = Scheduler(queue.Queue(), max(1, len(prompts)), len(prompts),
+                          caches=PromptCaches(model, kv=plan.settings.kv))
+    requests = [Request(prompt, lambda slot, prompt=prompt, row=row: Generation(model, tokenizer, prompt, row, plan,
+                                                                                  slot), threading.Event())
+                for prompt, row in zip(ids, rows)]
+    for request in requests:
+        scheduler.submit(request)
+    scheduler.run()
+    texts, token_ids, errors, produced = [], [], [], 0
+    for request in requests:
+        pieces, tokens, error, last = [], [], None, None
+        while (item := request.out.get_nowait()) is not DONE:
+            if isinstance(item, Exception):
+                error = item
+            elif isinstance(item, GenerationResponse):
+                last = item
+                pieces.append(item.text)
+                tokens += [] if item.token in request.generation.eos else [item.token]
+        texts.append("".join(pieces))
+        token_ids.append(tokens)
+        errors.append(error)
+        produced += max(0, last.generation_tokens - 1) if last is not None else 0
+    forwards = scheduler.stats["rounds"] + scheduler.stats["alone"]
+    response = BatchResponse(texts, token_ids, forwards, produced / forwards if forwards else 0.0, errors)
+    if verbose:
+        if scheduler.stats["alone"] and len(prompts) > 1 and not scheduler.stats["rounds"]:
+            print("batch: this target's rounds cannot share a forward pass here; its conversations are served in "
+                  "turn", file=sys.stderr)
+        for index, error in enumerate(errors):
+            if error is not None:
+                print(f"batch: prompt {index}'s reply ended early: {error}", file=sys.stderr)
+        print(f"batch: {len(prompts)} prompts, {forwards} forward passes, "
+              f"{response.tokens_per_forward:.2f} tokens per forward", file=sys.stderr)
+    return response

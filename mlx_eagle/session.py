@@ -19,7 +19,7 @@ import threading
 import time
 import weakref
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import mlx.core as mx
@@ -29,6 +29,7 @@ from .distributed import rank, share_message, sharded
 from .drafters import Drafter
 from .errors import MAX_CONCURRENCY, MAX_QUEUE, UserError
 from .generation import Generation, GenerationResponse, check_prompt, stream_generate
+from .options import ReplyOptions
 from .models import DEFAULT_MODEL
 from .drafters.history import forget_history
 from .plan import DraftPlan, history_of, load_draft, open_target, plan_drafts, run_jobs
@@ -37,6 +38,7 @@ from .replies import ChatResponse, ReplySplitter, chat_prompt, check_messages, c
     split_reply
 from .decoder import rounds_pack
 from .target import kv_quantization, make_cache
+from .thinking import check_budget_alone
 
 Message = Dict[str, Any]
 
@@ -133,7 +135,8 @@ class Engine:
                     return
                 try:
                     if step == "generate":
-                        for _ in self._generation(*args):
+                        ids, options, tree, history_key = args
+                        for _ in self._generation(ids, ReplyOptions(**options), tree, history_key):
                             pass
                     elif step == "plan":
                         self.plan(*args)
@@ -144,14 +147,14 @@ class Engine:
 
         self._call(job)
 
-    def _generation(self, ids: List[int], options: Dict[str, Any], tree: Any,
+    def _generation(self, ids: List[int], options: ReplyOptions, tree: Any,
                     history_key: str) -> Iterator[GenerationResponse]:
         """A follower's generation in its conversation's cache slot (on the worker), as rank
         0's scheduler runs it: one at a time, the same slot, plan and rounds."""
         cache = self.caches.take(ids)
         try:
             yield from stream_generate(self.model, self.tokenizer, ids, draft=self.plan(tree, history_key),
-                                       prompt_cache=cache, **{**self.kv_options, **options})
+                                       prompt_cache=cache, options=options, **self.kv_options)
         finally:
             self.caches.evict(keep=[cache])
 
@@ -221,10 +224,13 @@ class Engine:
     def context_length(self) -> Optional[int]:
         return getattr(self.model.args, "max_position_embeddings", None)
 
-    def generate(self, ids: List[int], cancel: Optional[threading.Event] = None,
-                 on_prompt_read: Optional[Callable[[int, int], None]] = None,
-                 on_wait: Optional[Callable[[], None]] = None, **options) -> Reply:
-        """Stream the continuation of ``ids``; ``options`` as for stream_generate. The
+    def generate(self, ids: List[int], options: Optional[ReplyOptions] = None, *,
+                 cancel: Optional[threading.Event] = None, on_prompt_read: Optional[Callable[[int, int], None]] = None,
+                 on_wait: Optional[Callable[[], None]] = None, tree: Any = None, history_key: str = "",
+                 **keywords: Any) -> Reply:
+        """Stream the continuation of ``ids``, with the reply's settings ``options`` (or as
+        keywords: mlx_eagle.options.ReplyOptions), the head's ``tree`` (None: the engine's)
+        and the earlier replies kept for ``history_key`` (the server's model id). The
         request is queued at once (errors.Busy: no seat and the queue full), and served
         alongside the others in progress (scheduler.py). Leaving the loop early, setting
         ``cancel`` (also before it starts: it then never runs) or ``Engine.cancel()`` stops
@@ -234,16 +240,15 @@ class Engine:
         prompt and ``on_wait()`` every few seconds that nothing comes (waiting for a seat);
         an error either raises ends the generation with that error."""
         self._check_open()
+        options = options if options is not None else ReplyOptions(**keywords)
         check_prompt(self.model, ids)  # before planning, which may time this device
+        check_budget_alone(self.tokenizer, options.thinking_budget, options.response_format)
         cancel = cancel if cancel is not None else threading.Event()
         self._cancels.add(cancel)
-        tree = options.pop("tree", None)
-        history_key = options.pop("history_key", "")
 
         def make(slot) -> Generation:  # on the worker, when the request is seated
-            self._announce("generate", ids, options, getattr(tree, "text", tree), history_key)
-            return Generation(self.model, self.tokenizer, ids, draft=self.plan(tree, history_key), prompt_cache=slot,
-                              **{**self.kv_options, **options})
+            self._announce("generate", ids, asdict(options), getattr(tree, "text", tree), history_key)
+            return Generation(self.model, self.tokenizer, ids, options, self.plan(tree, history_key), slot)
 
         request = Request(list(ids), make, cancel, keep_going=bool(self.shards))
         self.scheduler.submit(request)
@@ -262,7 +267,7 @@ class Engine:
                                     literal=self.escape_special_text)
         if splitter.forced_call:  # the reply is a tool call: response_format is for answer text
             options.pop("response_format", None)
-        return split_reply(self.generate(ids, cancel, **options), splitter)
+        return split_reply(self.generate(ids, cancel=cancel, **options), splitter)
 
     def stalled_for(self) -> float:
         """Seconds the replies in progress have gone without progress (0: none in progress)."""
@@ -356,8 +361,8 @@ class ChatSession:
                                        pipeline=pipeline)
         if self.tools:
             check_tool_support(self.engine.tokenizer)
-        self.system, self.tree, self.temp, self.top_p = system, tree, temp, top_p
-        self.max_tokens, self.seed, self.on_notice = max_tokens, seed, on_notice
+        self.system, self.tree, self.on_notice = system, tree, on_notice
+        self.options = ReplyOptions(max_tokens=max_tokens, temp=temp, top_p=top_p, seed=seed)
         self.stats: Optional[TurnStats] = None
         self._history: List[Message] = []
         # Re-entrant: a reply suspended in this very thread (its generator not yet exhausted)
@@ -408,7 +413,7 @@ class ChatSession:
         tokenizer, limit = self.engine.tokenizer, self.engine.context_length
         ids, splitter = chat_prompt(tokenizer, self.messages(new), self.tools)
         dropped = 0
-        while limit is not None and len(ids) + self.max_tokens > limit and self._history:
+        while limit is not None and len(ids) + self.options.max_tokens > limit and self._history:
             # A turn is a user message and what follows it (replies, tool calls and results).
             cut = next((i for i in range(1, len(self._history)) if self._history[i]["role"] == "user"),
                        len(self._history))
@@ -451,9 +456,8 @@ class ChatSession:
             ids, splitter = self._fit(new)
             reply, calls, last = "", [], None
             try:
-                for last in split_reply(self.engine.generate(ids, cancel, max_tokens=self.max_tokens,
-                                                             tree=self.tree, temp=self.temp, top_p=self.top_p,
-                                                             seed=self.seed), splitter):
+                for last in split_reply(self.engine.generate(ids, self.options, cancel=cancel, tree=self.tree),
+                                        splitter):
                     reply += last.text
                     calls += last.tool_calls
                     yield last

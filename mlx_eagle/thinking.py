@@ -161,7 +161,7 @@ def check_budget(budget: object, where: str = "thinking_budget") -> Optional[int
     if budget is None:
         return None
     if isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:
-        raise UserError(f"{where} must be a whole number of tokens, 0 or more, not {budget!r}")
+        raise UserError(f"{where} must be a whole number of tokens, 0 or more, not {budget!r}", where)
     return budget
 
 
@@ -170,7 +170,7 @@ def check_budget_alone(tokenizer, budget: Optional[int], response_format: object
     holds too: the format would forbid the thinking."""
     if budget is not None and response_format is not None and thinks(tokenizer):
         raise UserError("a thinking budget and a structured output format cannot hold one reply together (the "
-                        "format would forbid the thinking); send one of them")
+                        "format would forbid the thinking); send one of them", "response_format")
 
 
 def thinking_budget_for(tokenizer, prompt: Sequence[int], budget: Optional[int], vocab: int,
@@ -191,6 +191,6 @@ def effort_budget(effort: object, where: str) -> Optional[int]:
     if effort is None:
         return None
     if effort not in EFFORT_BUDGETS:
-        raise UserError(f"{where} must be one of {', '.join(EFFORT_BUDGETS)}, not {effort!r}")
+        raise UserError(f"{where} must be one of {', '.join(EFFORT_BUDGETS)}, not {effort!r}", where)
     return EFFORT_BUDGETS[effort]
 

@@ -45,15 +45,15 @@ class Sampling:
         numbers = {"temp": self.temp, "top_p": self.top_p, "min_p": self.min_p}
         for name, value in numbers.items():
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-                raise UserError(f"{name} must be a finite number, not {value!r}")
+                raise UserError(f"{name} must be a finite number, not {value!r}", name)
         if self.temp < 0:
-            raise UserError(f"temp must be 0 (greedy) or more, not {self.temp}")
+            raise UserError(f"temp must be 0 (greedy) or more, not {self.temp}", "temp")
         if not 0 < self.top_p <= 1:
-            raise UserError(f"top_p must be above 0 and at most 1 (1: no top-p), not {self.top_p}")
+            raise UserError(f"top_p must be above 0 and at most 1 (1: no top-p), not {self.top_p}", "top_p")
         if not 0 <= self.min_p <= 1:
-            raise UserError(f"min_p must be from 0 (no min-p) to 1, not {self.min_p}")
+            raise UserError(f"min_p must be from 0 (no min-p) to 1, not {self.min_p}", "min_p")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
-            raise UserError(f"top_k must be a whole number, 0 (no top-k) or more, not {self.top_k!r}")
+            raise UserError(f"top_k must be a whole number, 0 (no top-k) or more, not {self.top_k!r}", "top_k")
 
     @property
     def greedy(self) -> bool:

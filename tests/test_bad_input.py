@@ -139,7 +139,7 @@ def test_chat_app_refuses_bad_arguments_before_loading(argv, words, bad_trees, c
 ] + KV_OPTIONS)
 def test_server_refuses_bad_arguments_before_loading(argv, words, bad_trees, capsys, monkeypatch):
     import mlx_eagle.session
-    from mlx_eagle import server
+    from mlx_eagle.server import __main__ as server
 
     forbid_loading(monkeypatch, mlx_eagle.session, "Engine")  # the server imports it when it loads
     with socket.socket() as busy:

@@ -1,5 +1,5 @@
 """Several conversations in one forward pass (target.packed_forward, decoder.batched_round,
-generation.batch_generate): each conversation's reply is exactly the one it gets alone, the
+scheduler.batch_generate): each conversation's reply is exactly the one it gets alone, the
 same tokens when greedy and the same distribution when sampling, whatever else shares the
 pass, with prompts of different lengths and conversations that end at different rounds."""
 
@@ -87,6 +87,33 @@ def test_batch_generate_gives_each_prompt_its_own_reply_on_the_default_model(smo
                     if t not in tokenizer.eos_token_ids]
         assert ids == expected and text == tokenizer.decode(expected)
     assert response.tokens_per_forward > 2.0  # four conversations' tokens in each pass
+
+
+@pytest.mark.slow  # the real model
+def test_a_reply_that_fails_in_batch_generate_ends_alone(smollm, monkeypatch):
+    """One of three replies fails at its third round (a fault in taking that round): it ends
+    there, with its error and the text it had, plain decoding's as far as it went; the other
+    two run to their end, each plain decoding's."""
+    from mlx_eagle.generation import Generation
+
+    model, tokenizer = smollm
+    texts = ["What is the capital of France?", "Write a haiku about the sea.", "Count from one to ten."]
+    prompts = [chat_tokens(tokenizer, [{"role": "user", "content": text}]) for text in texts]
+    conclude = Generation.conclude
+
+    def failing(self, result):
+        if self.ids == prompts[1] and self.rounds == 2:
+            raise RuntimeError("a fault in this reply alone")
+        return conclude(self, result)
+
+    monkeypatch.setattr(Generation, "conclude", failing)
+    response = batch_generate(model, tokenizer, prompts, max_tokens=24)
+    assert [type(error).__name__ for error in response.errors] == ["NoneType", "RuntimeError", "NoneType"]
+    for index, prompt in enumerate(prompts):
+        ends = tokenizer.eos_token_ids
+        plain = [t for t in plain_tokens(model, prompt, 24, ends) if t not in ends]
+        shown = response.token_ids[index]
+        assert shown == plain[:len(shown)] and (0 < len(shown) < len(plain) if index == 1 else shown == plain)
 
 
 @pytest.mark.parametrize("seed", range(4))

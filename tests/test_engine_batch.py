@@ -43,7 +43,7 @@ def caller(engine, ids, max_tokens, action, rng, results, index):
     try:
         if action == "leave_queued":
             cancel.set()
-        reply = engine.generate(ids, cancel, max_tokens=max_tokens, tree=rng.choice(TREES))
+        reply = engine.generate(ids, cancel=cancel, max_tokens=max_tokens, tree=rng.choice(TREES))
         for response in reply:
             tokens.append(response.token)
             finished = response.finish_reason is not None

@@ -48,7 +48,8 @@ def command_parser(command: str, monkeypatch):
     monkeypatch.setattr(argparse.ArgumentParser, "parse_args", capture)
     monkeypatch.setattr(argparse.ArgumentParser, "parse_known_args", capture)
     module = {"mlx_eagle.convert": "mlx_eagle.convert.target", "mlx_eagle.generate": "mlx_eagle.generate.__main__",
-              "mlx_eagle.train": "mlx_eagle.train.__main__"}.get(command, command)
+              "mlx_eagle.train": "mlx_eagle.train.__main__",
+              "mlx_eagle.server": "mlx_eagle.server.__main__"}.get(command, command)
     main = importlib.import_module(module).main
     with pytest.raises(Parsed):
         main([])

@@ -211,8 +211,10 @@ def loads_model_code(name: str, top: Dict[str, Set[str]], seen: Set[str]) -> boo
 
 
 def is_command(name: str, path: Path) -> bool:
-    """A module run as a command (python -m): it must import light."""
-    return path.name == "__main__.py" or 'if __name__ == "__main__"' in path.read_text()
+    """A module run as a command (python -m), or the package such a ``__main__`` is in (imported
+    first): it must import light."""
+    return path.name == "__main__.py" or 'if __name__ == "__main__"' in path.read_text() or \
+        (path.name == "__init__.py" and (path.parent / "__main__.py").exists())
 
 
 def test_dependencies_are_imported_at_the_top_of_each_module():
@@ -268,7 +270,7 @@ FLOORS = [
     ("loading", ("models",)),
     ("drafting", ("drafters", "grammar", "thinking")),
     ("decoding", ("prompt_cache", "decoder", "plan")),
-    ("the API", ("generation", "generate", "replies", "infill", "scheduler", "session")),
+    ("the API", ("options", "generation", "generate", "replies", "infill", "scheduler", "session")),
     ("tools and apps", ("", "generate.__main__", "convert.head", "convert.export", "bench", "tune", "train", "data",
                         "features", "chat", "protocols", "metrics", "server")),
 ]

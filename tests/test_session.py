@@ -72,7 +72,7 @@ def test_cancel_from_another_thread_stops_within_one_round(engine):
     # The round in flight may finish; no further round starts.
     assert seen[-1].target_forwards <= at_cancel["forwards"] + 1
     assert chat.history[-1]["content"] == "".join(c.text for c in seen)
-    chat.max_tokens = 8
+    chat.options = chat.options.but(max_tokens=8)
     assert "".join(c.text for c in chat.send("Thanks!"))  # the session carries on
 
 
@@ -137,7 +137,7 @@ def test_oldest_turns_are_dropped_when_the_context_fills(engine):
     list(chat.send("How are you?"))
     # A reply budget that leaves room for one turn only: the older two must go.
     prompt = chat_tokens(engine.tokenizer, chat.messages([{"role": "user", "content": "Bye"}]))
-    chat.max_tokens = limit - len(prompt) + 30
+    chat.options = chat.options.but(max_tokens=limit - len(prompt) + 30)
     for _ in chat.send("Bye"):
         break  # the first piece is enough; leaving the loop cancels the rest
     assert notices and "dropped the oldest 2 turns" in notices[0]
@@ -221,7 +221,7 @@ def test_a_request_is_cancelled_while_its_long_prompt_is_read(smollm):
             cancel.set()
 
         threading.Thread(target=cancel_once_busy, daemon=True).start()
-        assert list(engine.generate(ids, cancel, max_tokens=4)) == []
+        assert list(engine.generate(ids, cancel=cancel, max_tokens=4)) == []
         question = chat_tokens(tokenizer, [{"role": "user", "content": "Name a color."}])
         reply = "".join(r.text for r in engine.generate(question, max_tokens=8))
         assert reply == "".join(r.text for r in stream_generate(model, tokenizer, question, max_tokens=8, draft=None))

@@ -22,7 +22,7 @@ from ..cli import (
     new_parser,
     run_cli,
 )
-from ..errors import UserError, check_options, check_text
+from ..errors import UserError, check_text
 from ..grammar import schema_file_format
 from ..progress import PromptProgress
 from ..trees import parse_tree
@@ -70,16 +70,16 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     from ..generation import check_prompt, print_stats, stream_generate
     from ..plan import load, plan_drafts, user_drafter
     from ..target import kv_quantization
-    from ..verify import Sampling
+    from ..options import ReplyOptions
 
     # What is wrong with the arguments (and the prompt) is said before the model loads.
     tree = parse_tree(args.tree) if args.tree != "auto" else "auto"
-    check_options(args.max_tokens, args.seed)
-    Sampling(args.temp, args.top_p, args.min_p, args.top_k)
+    response_format = schema_file_format(args.json_schema) if args.json_schema else None
+    options = ReplyOptions(max_tokens=args.max_tokens, temp=args.temp, top_p=args.top_p, min_p=args.min_p,
+                           top_k=args.top_k, seed=args.seed, stop=args.stop, response_format=response_format)
     kv_quantization(**kv_options(args))
     prompt = read_stdin() if args.prompt == "-" else check_text(args.prompt, "--prompt")
     system = check_text(args.system, "--system") if args.system else None
-    response_format = schema_file_format(args.json_schema) if args.json_schema else None
     user_drafter(args.draft)  # your own drafter, imported now: one line if it cannot be
     history = history_choice(args)
     if args.verbose:
@@ -100,10 +100,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     if args.verbose:
         print(f"drafts: {plan.describe()}", file=sys.stderr)
     response = None
-    for response in stream_generate(model, tokenizer, ids, max_tokens=args.max_tokens, draft=plan, temp=args.temp,
-                                    top_p=args.top_p, min_p=args.min_p, top_k=args.top_k, seed=args.seed,
-                                    stop=args.stop, prompt_progress_callback=PromptProgress(),
-                                    response_format=response_format, **kv_options(args)):
+    for response in stream_generate(model, tokenizer, ids, draft=plan, prompt_progress_callback=PromptProgress(),
+                                    options=options, **kv_options(args)):
         print(response.text, end="", flush=True)
     print()
     if args.verbose and response is not None:

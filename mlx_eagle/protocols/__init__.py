@@ -1,11 +1,14 @@
-"""The APIs the server speaks beside OpenAI's chat completions and completions (server.py):
-Anthropic's Messages (anthropic.py) and OpenAI's Responses (responses.py).
+"""The APIs the server speaks (server/ routes to them): OpenAI's chat completions and
+completions (openai.py), Anthropic's Messages (anthropic.py), OpenAI's Responses
+(responses.py) and llama.cpp's fill-in-the-middle (infill.py).
 
 Each turns its request into the one request the engine serves (``Request``: the prompt's
-tokens through the model's chat template, its tools and reply reader, the options of
-``Engine.generate``), so that one conversation sent through any of them is the same prompt,
+tokens through the model's chat template, its tools and reply reader, the reply's
+``ReplyOptions``), so that one conversation sent through any of them is the same prompt,
 and the same reply; and it writes the reply, whole (``Protocol.reply``) or streamed
-(``Protocol.events``), and its errors (``Protocol.error``), in its own shapes.
+(``Protocol.events``), and its errors (``Protocol.error``), in its own shapes. A check that
+fails raises a ``RequestError``, or a ``UserError`` naming its field (the server answers
+both in the protocol's error shape, with the field as ``param``).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Optional
 
 if TYPE_CHECKING:
     from ..generation import GenerationResponse
+    from ..options import ReplyOptions
     from ..replies import ChatResponse, ReplySplitter, ToolCall
 
 
@@ -29,16 +33,17 @@ class RequestError(Exception):
 
 @dataclass
 class Request:
+    """One request, parsed: what the engine is asked (``ids``, ``options``), how its reply is
+    read (``chat``: through ``splitter``) and written (``stream``, by ``protocol``)."""
+
     ids: List[int]
     chat: bool
     stream: bool
-    include_usage: bool = False
-    options: Dict[str, Any] = field(default_factory=dict)
+    options: "ReplyOptions"
+    protocol: "Protocol"
     model: str = ""  # the model id asked for: earlier replies are drafted from per id, never across ids
     splitter: Optional["ReplySplitter"] = None  # a chat reply's reader: answer text, reasoning, tool calls
-    top_logprobs: Optional[int] = None  # log-probabilities asked for: the chosen token's and this many more
-    protocol: Optional["Protocol"] = None  # who writes the reply (None: OpenAI's chat completions and completions)
-    echo: Dict[str, Any] = field(default_factory=dict)  # request fields the protocol's reply repeats
+    echo: Dict[str, Any] = field(default_factory=dict)  # what the protocol's reply needs of the request
 
 
 @dataclass
@@ -50,6 +55,7 @@ class Collected:
     calls: List["ToolCall"] = field(default_factory=list)
     last: Optional["GenerationResponse"] = None
     reasoning_tokens: int = 0  # tokens whose text went to the reasoning
+    logprobs: List[Dict[str, Any]] = field(default_factory=list)  # per token, where the protocol reports them
 
     def add(self, piece: "GenerationResponse") -> None:
         self.text += piece.text
@@ -69,6 +75,10 @@ class Protocol:
     def error(self, error: RequestError) -> Dict[str, Any]:
         raise NotImplementedError
 
+    def collect(self, request: Request, collected: Collected, piece: "GenerationResponse") -> None:
+        """Gather one piece of a whole (not streamed) reply."""
+        collected.add(piece)
+
     def reply(self, request: Request, collected: Collected, usage: Dict[str, Any]) -> Dict[str, Any]:
         """The whole reply's body; ``usage``: OpenAI's counts and the speculation (server.usage)."""
         raise NotImplementedError
@@ -87,6 +97,32 @@ class Protocol:
         """What ``request``'s stream says while it waits or its prompt is read (``to_read``:
         the prompt tokens its reading reads, the rest being in the cache; None: waiting)."""
         return b": waiting\n\n"
+
+
+def usage(last: Optional["GenerationResponse"], prompt_tokens: int,
+          first_token_seconds: Optional[float] = None) -> Dict[str, Any]:
+    """OpenAI's counts, and ours: the speculation, and the seconds from the request's arrival
+    to its first token (waiting for a seat and reading the prompt included)."""
+    completion = last.generation_tokens if last is not None else 0
+    return {
+        "time_to_first_token": round(first_token_seconds, 3) if first_token_seconds is not None else None,
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion,
+        "total_tokens": prompt_tokens + completion,
+        "prompt_tokens_details": {"cached_tokens": last.prompt_reused if last is not None else 0},
+        "speculation": {
+            "tokens_per_forward": last.tokens_per_forward if last is not None else 0.0,
+            "target_forwards": last.target_forwards if last is not None else 0,
+            "tokens_per_second": last.generation_tps if last is not None else 0.0,
+            "drafters": {name: {"proposed": stats.proposed, "accepted": stats.accepted}
+                         for name, stats in (last.sources if last is not None else {}).items()},
+            "rechecked": last.rechecked if last is not None else 0,
+            "batch_rows": round(last.batch_rows, 2) if last is not None else 1.0,
+            "nodes_per_round": round(last.nodes_per_round, 2) if last is not None else 0.0,
+            "drafting": last.drafting if last is not None else "",
+            "drafting_off": last.drafting_off if last is not None else [],
+        },
+    }
 
 
 def sse(event: Optional[str], data: Dict[str, Any]) -> bytes:

@@ -26,6 +26,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 from ..errors import UserError, check_text
 from ..grammar import response_grammar
+from ..options import ReplyOptions
 from ..thinking import check_budget, effort_budget
 from . import Collected, Protocol, Request, RequestError, flag, number, sse, texts, whole
 from .chat import chat_ids
@@ -186,10 +187,7 @@ def thinking(value: Any, max_tokens: Optional[int], effort: Optional[int]) -> Tu
     if kind != "enabled":
         raise RequestError(400, "thinking must be {'type': 'enabled', 'budget_tokens': N}, {'type': 'adaptive'} or "
                                 "{'type': 'disabled'}", "thinking")
-    try:
-        budget = check_budget(value.get("budget_tokens"), "thinking.budget_tokens")
-    except UserError as error:
-        raise RequestError(400, str(error), "thinking") from None
+    budget = check_budget(value.get("budget_tokens"), "thinking.budget_tokens")
     if budget is None or (max_tokens is not None and budget >= max_tokens):
         raise RequestError(400, "thinking.budget_tokens must be a whole number of tokens below max_tokens", "thinking")
     return True, budget
@@ -210,11 +208,8 @@ def prompt(body: Any, engine, counting: bool = False) -> Tuple[List[int], Any, D
     output = body.get("output_config") or {}
     if not isinstance(output, dict):
         raise RequestError(400, "output_config must be an object such as {'effort': 'low'}", "output_config")
-    try:
-        effort = effort_budget(output.get("effort"), "output_config.effort")
-        response_format = _output_format(output.get("format"))
-    except UserError as error:
-        raise RequestError(400, str(error), "output_config") from None
+    effort = effort_budget(output.get("effort"), "output_config.effort")
+    response_format = _output_format(output.get("format"))
     thinks, budget = thinking(body.get("thinking"), max_tokens, effort)
     offered, left_out = tools(body.get("tools"))
     ids, splitter = chat_ids(engine, conversation(body), offered or None, tool_choice(body.get("tool_choice")),
@@ -231,7 +226,7 @@ def _output_format(value: Any) -> Optional[Dict[str, Any]]:
     if value is None:
         return None
     if not isinstance(value, dict) or value.get("type") != "json_schema":
-        raise UserError("output_config.format must be {'type': 'json_schema', 'schema': {...}}")
+        raise UserError("output_config.format must be {'type': 'json_schema', 'schema': {...}}", "output_config")
     response_format = {"type": "json_schema", "json_schema": value}
     response_grammar(response_format, "output_config.format")
     return response_format
@@ -242,17 +237,13 @@ class Messages(Protocol):
 
     def parse(self, body: Any, engine, default_max_tokens: int) -> Request:
         ids, splitter, options, left_out = prompt(body, engine)
-        try:
-            stop = [check_text(s, "stop_sequences") for s in texts(body, "stop_sequences", MAX_STOP_SEQUENCES) or []]
-        except UserError as error:
-            raise RequestError(400, str(error), "stop_sequences") from None
         if body.get("metadata") is not None and not isinstance(body["metadata"], dict):
             raise RequestError(400, "metadata must be an object", "metadata")
-        top_p = number(body, "top_p", 1.0, 0.0, 1.0)
-        if top_p == 0.0:
-            raise RequestError(400, "top_p must be above 0", "top_p")
-        options.update(temp=number(body, "temperature", 0.0, 0.0, 1.0), top_p=top_p,
-                       top_k=whole(body, "top_k", 0, 1 << 30, default=0), stop=stop or None)
+        options = ReplyOptions(**options, temp=number(body, "temperature", 0.0, 0.0, 1.0),
+                               top_p=number(body, "top_p", 1.0, 0.0, 1.0),
+                               top_k=whole(body, "top_k", 0, 1 << 30, default=0),
+                               stop=[check_text(text, "stop_sequences")
+                                     for text in texts(body, "stop_sequences", MAX_STOP_SEQUENCES) or []])
         return Request(ids=ids, chat=True, stream=flag(body, "stream"), options=options, model=body["model"],
                        splitter=splitter, protocol=self, echo={"model": body["model"], "tools_left_out": left_out})
 

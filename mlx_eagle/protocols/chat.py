@@ -21,11 +21,8 @@ def chat_ids(engine, messages: Any, tools: Optional[List[Dict[str, Any]]], tool_
         checked = check_messages(messages, where)
     except UserError as error:
         raise RequestError(400, str(error), where) from None
-    try:
-        ids, splitter = chat_prompt(engine.tokenizer, checked, tools, tool_choice, thinking,
-                                    getattr(engine, "escape_special_text", False))
-    except UserError as error:
-        raise RequestError(400, str(error), getattr(error, "field", None)) from None
+    ids, splitter = chat_prompt(engine.tokenizer, checked, tools, tool_choice, thinking,
+                                getattr(engine, "escape_special_text", False))
     limit = engine.context_length or 1 << 30
     if len(ids) >= limit and not counting:
         raise RequestError(400, f"the prompt is {len(ids)} tokens; the model's context holds {limit}", where,

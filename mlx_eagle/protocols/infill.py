@@ -12,6 +12,7 @@ from typing import Any, Callable, Dict, Iterator
 
 from ..errors import UserError
 from ..infill import check_extra, infill_prompt
+from ..options import ReplyOptions
 from . import Collected, Protocol, Request, RequestError, flag, number, sse, texts, whole
 
 
@@ -26,27 +27,22 @@ class Infill(Protocol):
             pieces[name] = body.get(name) if body.get(name) is not None else ""
             if not isinstance(pieces[name], str):
                 raise RequestError(400, f"{name} must be a string", name)
-        try:
-            extra = check_extra(body.get("input_extra"))
-        except UserError as error:
-            raise RequestError(400, str(error), "input_extra") from None
+        extra = check_extra(body.get("input_extra"))
         try:
             infill = infill_prompt(engine.tokenizer, pieces["input_prefix"] + pieces["prompt"], pieces["input_suffix"],
                                    extra)
-        except UserError as error:  # a model without fill-in-the-middle tokens
-            raise RequestError(400, str(error), "input_suffix") from None
+        except UserError as error:  # a model without fill-in-the-middle tokens: this API's name for the field
+            raise UserError(str(error), "input_suffix") from None
         ids, limit = infill.ids, engine.context_length or 1 << 30
         if len(ids) >= limit:
             raise RequestError(400, f"the prompt is {len(ids)} tokens; the model's context holds {limit}",
                                "input_prefix", "context_length_exceeded")
         name = "n_predict" if "n_predict" in body else "max_tokens"
         max_tokens = default_max_tokens if body.get(name) in (None, -1) else whole(body, name, 1, limit)
-        top_p = number(body, "top_p", 1.0, 0.0, 1.0)
-        if top_p == 0.0:
-            raise RequestError(400, "top_p must be above 0", "top_p")
-        options = dict(max_tokens=max_tokens, temp=number(body, "temperature", 0.0, 0.0, 2.0), top_p=top_p,
-                       top_k=whole(body, "top_k", 0, 1 << 30, default=0), stop=texts(body, "stop", 16),
-                       seed=whole(body, "seed", 0, (1 << 63) - 1), stop_tokens=infill.stop_tokens)
+        options = ReplyOptions(max_tokens=max_tokens, temp=number(body, "temperature", 0.0, 0.0, 2.0),
+                               top_p=number(body, "top_p", 1.0, 0.0, 1.0),
+                               top_k=whole(body, "top_k", 0, 1 << 30, default=0), stop=texts(body, "stop", 16),
+                               seed=body.get("seed"), stop_tokens=infill.stop_tokens)
         return Request(ids=ids, chat=False, stream=flag(body, "stream"), options=options, model=engine.name,
                        protocol=self)
 

@@ -26,8 +26,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
-from ..errors import UserError
 from ..grammar import response_grammar
+from ..options import ReplyOptions
 from ..thinking import effort_budget
 from . import Collected, Protocol, Request, RequestError, flag, number, sse, whole
 from .chat import chat_ids
@@ -172,10 +172,7 @@ def text_format(value: Any) -> Optional[Dict[str, Any]]:
         return None
     if fmt.get("type") == "json_schema":
         fmt = {"type": "json_schema", "json_schema": {k: fmt[k] for k in ("name", "schema", "strict") if k in fmt}}
-    try:
-        response_grammar(fmt, "text.format")
-    except UserError as error:
-        raise RequestError(400, str(error), "text") from None
+    response_grammar(fmt, "text.format")
     return fmt
 
 
@@ -214,10 +211,7 @@ class Responses(Protocol):
         if reasoning is not None and not isinstance(reasoning, dict):
             raise RequestError(400, "reasoning must be an object such as {'effort': 'low'}", "reasoning")
         effort = (reasoning or {}).get("effort")
-        try:
-            budget = effort_budget(effort, "reasoning.effort")
-        except UserError as error:
-            raise RequestError(400, str(error), "reasoning") from None
+        budget = effort_budget(effort, "reasoning.effort")
         response_format = text_format(body.get("text"))
         system = [{"role": "system", "content": instructions}] if instructions else []
         thinks = None if effort is None else effort != "none"
@@ -226,17 +220,15 @@ class Responses(Protocol):
         if splitter.forced_call:  # the reply is a tool call: the format is for answer text
             response_format = None
         limit = engine.context_length or 1 << 30
-        top_p = number(body, "top_p", 1.0, 0.0, 1.0)
-        if top_p == 0.0:
-            raise RequestError(400, "top_p must be above 0", "top_p")
         if body.get("metadata") is not None and not isinstance(body["metadata"], dict):
             raise RequestError(400, "metadata must be an object", "metadata")
-        options = dict(max_tokens=whole(body, "max_output_tokens", 1, limit, default=default_max_tokens),
-                       temp=number(body, "temperature", 0.0, 0.0, 2.0), top_p=top_p,
-                       response_format=response_format, thinking_budget=budget)
+        options = ReplyOptions(max_tokens=whole(body, "max_output_tokens", 1, limit, default=default_max_tokens),
+                               temp=number(body, "temperature", 0.0, 0.0, 2.0),
+                               top_p=number(body, "top_p", 1.0, 0.0, 1.0), response_format=response_format,
+                               thinking_budget=budget)
         echo = {"model": model, "instructions": instructions, "tools": body.get("tools") or [],
                 "tool_choice": body.get("tool_choice") or "auto", "max_output_tokens": body.get("max_output_tokens"),
-                "temperature": options["temp"], "top_p": top_p, "previous_response_id": previous,
+                "temperature": options.temp, "top_p": options.top_p, "previous_response_id": previous,
                 "store": flag(body, "store", True), "metadata": body.get("metadata") or {},
                 "text": body.get("text") or {"format": {"type": "text"}}, "reasoning": reasoning or {},
                 "parallel_tool_calls": flag(body, "parallel_tool_calls", True), "conversation": conversation_,
