@@ -60,7 +60,7 @@ class Progress:
 
 
 @dataclass(eq=False)
-class Request:
+class ReplyJob:
     """One reply asked for: ``make(slot)`` builds its Generation in its cache slot, on the
     worker; ``out`` is what its caller reads; ``cancel`` stops it (or keeps it from starting).
     ``keep_going``: on a sharded model every rank runs a reply to its end (their collectives
@@ -98,8 +98,8 @@ class Scheduler:
         self.jobs, self.caches = jobs, caches
         self.max_concurrency = 1 if exclusive else max_concurrency
         self.max_queue, self.exclusive = max_queue, exclusive
-        self.waiting: Deque[Request] = deque()  # on the worker: handed in, not yet seated
-        self.live: List[Request] = []  # seated: reading its prompt or replying
+        self.waiting: Deque[ReplyJob] = deque()  # on the worker: handed in, not yet seated
+        self.live: List[ReplyJob] = []  # seated: reading its prompt or replying
         self.progress_at: Optional[float] = None  # when a reply in progress last moved (None: none in progress)
         self.stats = {"rounds": 0, "rows": 0, "alone": 0}  # packed passes, the rows they held, rounds alone
         self._unseated = 0  # submitted and not yet seated or dropped (any thread)
@@ -110,7 +110,7 @@ class Scheduler:
 
     # ---- any thread
 
-    def submit(self, request: Request) -> None:
+    def submit(self, request: ReplyJob) -> None:
         """Queue ``request``, or raise Busy when every seat and the queue are taken."""
         with self._lock:
             queued = self._unseated - max(0, self.max_concurrency - len(self.live))
@@ -148,7 +148,7 @@ class Scheduler:
             if item is None:
                 self._stop()
                 return None
-            if isinstance(item, Request):
+            if isinstance(item, ReplyJob):
                 self.waiting.append(item)
                 continue
             return item
@@ -201,7 +201,7 @@ class Scheduler:
                 self._fail(request, error)
         self.waiting.extendleft(reversed(deferred))
 
-    def _being_read(self, request: Request) -> bool:
+    def _being_read(self, request: ReplyJob) -> bool:
         """Whether a prompt being read shares a long beginning with ``request``'s (agents
         started together, sub-agents of one client): then ``request`` waits for that reading
         to end and starts from a copy of its caches (PromptCaches.take), instead of reading
@@ -209,7 +209,7 @@ class Scheduler:
         return any(other.reading is not None and common_prefix(other.ids, request.ids) >= SHARED_READ
                    for other in self.live)
 
-    def _unseat(self, request: Request) -> None:
+    def _unseat(self, request: ReplyJob) -> None:
         """``request`` no longer waits (seated, or dropped: it then never starts)."""
         with self._lock:
             self._unseated -= 1
@@ -263,7 +263,7 @@ class Scheduler:
                 result = error
             self._conclude(request, result)
 
-    def _conclude(self, request: Request, result: Any) -> None:
+    def _conclude(self, request: ReplyJob, result: Any) -> None:
         """A round's result handed to its reply; an error, the round's or the reply's own in
         taking it, ends that reply alone."""
         try:
@@ -275,7 +275,7 @@ class Scheduler:
             return
         self._hand_out(request, responses)
 
-    def _hand_out(self, request: Request, responses: Iterator[GenerationResponse]) -> None:
+    def _hand_out(self, request: ReplyJob, responses: Iterator[GenerationResponse]) -> None:
         try:
             for response in responses:
                 if not request.cancel.is_set():
@@ -286,11 +286,11 @@ class Scheduler:
         if request.generation.done:
             self._finish(request)
 
-    def _fail(self, request: Request, error: Exception) -> None:
+    def _fail(self, request: ReplyJob, error: Exception) -> None:
         request.out.put(error)
         self._finish(request)
 
-    def _finish(self, request: Request) -> None:
+    def _finish(self, request: ReplyJob) -> None:
         """However the reply ended: its slot holds what was handed out, and stays (the
         least recently used others may go)."""
         if request not in self.live:
@@ -323,7 +323,7 @@ class Reply:
     client's keep-alive); an error either raises ends the reply with it. Leaving the loop
     early, ``close()``, or dropping the reply cancels it."""
 
-    def __init__(self, request: Request, on_prompt_read: Optional[Callable[[int, int], None]] = None,
+    def __init__(self, request: ReplyJob, on_prompt_read: Optional[Callable[[int, int], None]] = None,
                  on_wait: Optional[Callable[[], None]] = None):
         self.request, self.on_prompt_read, self.on_wait = request, on_prompt_read, on_wait
         self.finished = False
@@ -406,7 +406,7 @@ def batch_generate(model: nn.Module, tokenizer, prompts: Sequence[Union[str, Lis
     plan = plan_drafts(model, draft, tree, lookup, history, tokenizer, kv_bits, kv_group_size, quantized_kv_start)
     scheduler = Scheduler(queue.Queue(), max(1, len(prompts)), len(prompts),
                           caches=PromptCaches(model, kv=plan.settings.kv))
-    requests = [Request(prompt, lambda slot, prompt=prompt, row=row: Generation(model, tokenizer, prompt, row, plan,
+    requests = [ReplyJob(prompt, lambda slot, prompt=prompt, row=row: Generation(model, tokenizer, prompt, row, plan,
                                                                                   slot), threading.Event())
                 for prompt, row in zip(ids, rows)]
     for request in requests:

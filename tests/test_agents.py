@@ -14,7 +14,8 @@ from mlx_lm.tool_parsers import json_tools
 from mlx_eagle.errors import UserError
 from mlx_eagle.replies import check_messages
 from mlx_eagle.replies import ReplySplitter, chat_prompt, may_become_call
-from mlx_eagle.session import ChatSession, Engine
+from mlx_eagle.engine import Engine
+from mlx_eagle.session import ChatSession
 from plain import plain_tokens
 
 TOOLS = [

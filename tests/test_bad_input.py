@@ -138,10 +138,10 @@ def test_chat_app_refuses_bad_arguments_before_loading(argv, words, bad_trees, c
     (["--port", "{busy}"], "cannot listen"),
 ] + KV_OPTIONS)
 def test_server_refuses_bad_arguments_before_loading(argv, words, bad_trees, capsys, monkeypatch):
-    import mlx_eagle.session
+    import mlx_eagle.engine
     from mlx_eagle.server import __main__ as server
 
-    forbid_loading(monkeypatch, mlx_eagle.session, "Engine")  # the server imports it when it loads
+    forbid_loading(monkeypatch, mlx_eagle.engine, "Engine")  # the server imports it when it loads
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()

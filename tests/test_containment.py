@@ -111,7 +111,7 @@ def test_an_observe_that_never_returns_stalls_only_its_own_conversation(smollm, 
     """Four conversations in one batch, one drafter's observe stuck for good: the other three
     finish, each with plain decoding's text (so does the stuck one, without its drafter)."""
     from mlx_eagle import plan
-    from mlx_eagle.session import Engine
+    from mlx_eagle.engine import Engine
 
     batch = 4
     monkeypatch.setattr(plan, "CALL_LIMIT", 2.0)

@@ -15,7 +15,7 @@ import mlx_eagle.decoder
 from mlx_eagle.errors import Busy
 from mlx_eagle.plan import load_draft
 from mlx_eagle.replies import chat_tokens
-from mlx_eagle.session import Engine
+from mlx_eagle.engine import Engine
 from plain import plain
 
 pytestmark = pytest.mark.slow  # the real model

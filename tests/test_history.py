@@ -162,7 +162,7 @@ def test_two_processes_writing_one_file_lose_nothing(tmp_path):
 
 def test_histories_are_kept_apart_per_model_id():
     import hybrids
-    from mlx_eagle.session import Engine
+    from mlx_eagle.engine import Engine
 
     model = hybrids.build("lfm2")
     engine = Engine(loaded=(model, _tokenizer_for(model), None), draft="lookup")

@@ -15,7 +15,8 @@ TOOLS_AND_APPS = ("mlx_eagle.bench", "mlx_eagle.tune", "mlx_eagle.train", "mlx_e
 RUNTIME = ("mlx_eagle.target", "mlx_eagle.trees", "mlx_eagle.verify", "mlx_eagle.decoder", "mlx_eagle.prompt_cache",
            "mlx_eagle.generate", "mlx_eagle.generation", "mlx_eagle.scheduler",
            "mlx_eagle.plan", "mlx_eagle.drafters", "mlx_eagle.costs", "mlx_eagle.heads",
-           "mlx_eagle.models", "mlx_eagle.session", "mlx_eagle.architectures", "mlx_eagle.compiled",
+           "mlx_eagle.models", "mlx_eagle.engine", "mlx_eagle.session", "mlx_eagle.options", "mlx_eagle.architectures",
+           "mlx_eagle.compiled",
            "mlx_eagle.blas", "mlx_eagle.configs")
 
 
@@ -242,7 +243,8 @@ def test_dependencies_are_imported_at_the_top_of_each_module():
 def test_loading_a_model_knows_no_drafter():
     """models.py (finding, converting and loading targets) sits below the drafters, which
     load draft models through it: it imports no plan, drafter, decoder or app."""
-    above = ("mlx_eagle.plan", "mlx_eagle.drafters", "mlx_eagle.decoder", "mlx_eagle.generate", "mlx_eagle.session")
+    above = ("mlx_eagle.plan", "mlx_eagle.drafters", "mlx_eagle.decoder", "mlx_eagle.generate", "mlx_eagle.engine",
+             "mlx_eagle.session")
     assert [m for m in graph()["mlx_eagle.models"] if m.startswith(above)] == []
 
 
@@ -270,7 +272,7 @@ FLOORS = [
     ("loading", ("models",)),
     ("drafting", ("drafters", "grammar", "thinking")),
     ("decoding", ("prompt_cache", "decoder", "plan")),
-    ("the API", ("options", "generation", "generate", "replies", "infill", "scheduler", "session")),
+    ("the API", ("options", "generation", "generate", "replies", "infill", "scheduler", "engine", "session")),
     ("tools and apps", ("", "generate.__main__", "convert.head", "convert.export", "bench", "tune", "train", "data",
                         "features", "chat", "protocols", "metrics", "server")),
 ]

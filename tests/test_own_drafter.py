@@ -18,7 +18,8 @@ from mlx_eagle.errors import UserError
 from mlx_eagle.replies import chat_tokens
 from mlx_eagle.generate.__main__ import main as generate_main
 from mlx_eagle.plan import user_drafter
-from mlx_eagle.session import ChatSession, Engine
+from mlx_eagle.engine import Engine
+from mlx_eagle.session import ChatSession
 from table_drafter import TableDrafter
 
 TESTS = Path(__file__).resolve().parent

@@ -19,7 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from mlx_eagle.infill import infill_prompt, infill_tokens
 from mlx_eagle.protocols.store import ResponseStore
 from mlx_eagle.replies import chat_prompt, check_messages
-from mlx_eagle.session import Engine
+from mlx_eagle.engine import Engine
 from plain import plain_tokens
 
 pytestmark = pytest.mark.slow  # a server with the real Qwen2.5-Coder-0.5B

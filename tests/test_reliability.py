@@ -32,7 +32,8 @@ def session(tmp_path):
     import hybrids
 
     from mlx_eagle import load
-    from mlx_eagle.session import ChatSession, Engine
+    from mlx_eagle.engine import Engine
+    from mlx_eagle.session import ChatSession
 
     model, tokenizer = load(str(hybrids.write_directory(tmp_path, "lfm2")))
     engine = Engine(loaded=(model, tokenizer, None), draft="lookup")

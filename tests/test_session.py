@@ -16,7 +16,8 @@ from mlx_eagle import stream_generate
 from mlx_eagle.errors import UserError
 from mlx_eagle.replies import chat_tokens
 from mlx_eagle.heads import new_head
-from mlx_eagle.session import ChatSession, Engine, TurnStats
+from mlx_eagle.engine import Engine
+from mlx_eagle.session import ChatSession, TurnStats
 
 ROOT = Path(__file__).resolve().parent.parent
 TURNS = ["Name three primary colors.", "Which of them is the color of the sky?", "Write one sentence about it."]

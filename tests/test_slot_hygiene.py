@@ -11,7 +11,7 @@ import pytest
 
 import mlx_eagle.decoder
 from mlx_eagle.plan import load_draft
-from mlx_eagle.session import Engine
+from mlx_eagle.engine import Engine
 from plain import plain
 
 SYSTEM = ("You are a careful assistant. Answer in one short sentence, plainly, and never use lists. "
@@ -143,7 +143,7 @@ def test_plans_kept_per_requested_model_id_are_bounded(smollm):
     """Every distinct request ``model`` string made a plan and a history for the server's
     life; now the least recently used go first past MAX_PLANS."""
     from mlx_eagle.drafters import history
-    from mlx_eagle.session import MAX_PLANS
+    from mlx_eagle.engine import MAX_PLANS
 
     model, tokenizer = smollm
     engine = Engine(loaded=(model, tokenizer, None), draft="lookup")

@@ -134,7 +134,7 @@ def test_the_protocols_budget_thinking_and_answer_it_as_thinking(thinking_model,
     thinking_budget all end the thinking where plain decoding under the rule does; the
     thinking comes back as a thinking block, a reasoning item and reasoning_content."""
     from mlx_eagle.server import Server
-    from mlx_eagle.session import Engine
+    from mlx_eagle.engine import Engine
 
     model, tokenizer = thinking_model
     engine = Engine(loaded=(model, tokenizer, None), name="qwen-thinking", history=False)

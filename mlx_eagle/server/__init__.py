@@ -56,7 +56,7 @@ from ..protocols.store import STORE_BYTES, ResponseStore, not_found
 
 if TYPE_CHECKING:  # they load mlx-lm: imported where used, so that --help answers at once
     from ..generation import GenerationResponse
-    from ..session import Engine
+    from ..engine import Engine
 
 MAX_BODY_BYTES = 1 << 20
 IDLE_SECONDS = 60  # a client silent this long (reading or writing) is dropped

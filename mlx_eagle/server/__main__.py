@@ -20,7 +20,7 @@ from . import IDLE_SECONDS, STALL_SECONDS, STOP_SECONDS, Server
 from . import __doc__ as SERVER_DOC
 
 if TYPE_CHECKING:
-    from ..session import Engine
+    from ..engine import Engine
 
 
 def _stop(signum, frame) -> None:
@@ -68,7 +68,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     args = parser.parse_args(argv)
     from ..distributed import rank, sharding
     from ..plan import user_drafter
-    from ..session import Engine
+    from ..engine import Engine
     from ..target import kv_quantization
 
     # Everything that can be wrong with the arguments is said before the model loads.
