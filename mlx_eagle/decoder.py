@@ -154,8 +154,7 @@ class SpeculativeDecoder:
 
     def _measured(self) -> Costs:
         """This device's costs for the target, asked for once, when a round first needs them."""
-        if self._costs is None:
-            self._costs = self._costs_of()
+        self._costs = self._costs if self._costs is not None else self._costs_of()
         return self._costs
 
     def _tolerance(self) -> float:
@@ -183,110 +182,16 @@ class SpeculativeDecoder:
 
     def prefill(self, prompt: List[int], chunk: int = 512,
                 on_read: Optional[Callable[[int, int], None]] = None) -> int:
-        """Read the prompt (what the caches do not already hold of it) ``chunk`` tokens at
-        a time (with quantized KV caches, as plain mlx-lm reads it); returns the first
-        generated token (the first root). ``on_read(read, total)`` hears after each chunk
-        how much of what is read so far (it may raise to stop)."""
+        """Read the prompt (``read_prompt``); the first generated token (the first root).
+        ``on_read(read, total)`` hears after each chunk (it may raise to stop)."""
         for read, total in self.reading(prompt, chunk):
             if on_read is not None:
                 on_read(read, total)
         return self.root
 
     def reading(self, prompt: List[int], chunk: int = 512) -> Iterator[Tuple[int, int]]:
-        """``prefill`` one chunk at a time: (read, total) after each, the first root in
-        ``root`` once it ends (a server reads a new prompt between other conversations'
-        rounds, a chunk at a time)."""
-        self.reused = self.state.reusable(prompt, self.drafter)
-        self.state.tokens = []  # until this returns, the caches hold nothing certain
-        self.state.unfinished = True
-        last = len(prompt) - 1
-        if self.kv is not None:
-            # In plain mlx-lm's chunks, its cache turning quantized after the same one: the rows
-            # of a chunk read before it attend to unquantized keys, and keys computed in other
-            # chunks round differently in their last bits, which a quantized cache can turn into
-            # another level.
-            chunk = MLX_LM_PREFILL_STEP
-        states, features, hidden = None, [], []
-        # (0, total) first, as mlx-lm's loop says it: how much of the prompt is to be read,
-        # known now that the caches' reusable beginning is.
-        yield from self._chunk_read(prompt, self.reused, features, hidden)
-        if not self.reads_states:  # as mlx-lm reads a prompt: only the last token's logits are computed
-            for begin, end in self._spans(last, chunk):
-                self.forwards += 1
-                self.target(mx.array([prompt[begin:end]]), cache=self.target_cache)
-                self.state.quantize_when_due()
-                mx.eval([layer_cache.state for layer_cache in self.target_cache])
-                self.state.keep_beginning(end, prompt)
-                yield from self._chunk_read(prompt, end, features, hidden)
-            logits = self._held(self._forward(mx.array(prompt[-1:]), last, None).logits[-1])
-            self.state.quantize_when_due()
-            self.root = self._choose(logits, len(prompt))
-        else:
-            # The model's own forward pass computes logits for every token: the last one alone.
-            # (So too where the cache may turn quantized before it, as plain decoding's does.)
-            last_alone = not self.drives_target or self.kv is not None
-            spans = self._spans(last, chunk) + [(last, len(prompt))] if last_alone \
-                else self._spans(len(prompt), chunk)
-            for begin, end in spans:
-                out = self._forward(mx.array(prompt[begin:end]), begin, "causal" if end - begin > 1 else None)
-                features.append(out.features)
-                hidden.append(out.hidden)
-                # The prompt's own logits are never needed: only the last. (A recurrent state is
-                # computed apart from the outputs: evaluated too, so the graph does not grow.)
-                self.state.quantize_when_due()
-                mx.eval(out.features, out.hidden, [] if self.drives_target else [c.state for c in self.target_cache])
-                self.state.keep_beginning(end, prompt)
-                yield from self._chunk_read(prompt, end, features, hidden)
-            # (For a model's own forward pass, its LM head: models scale their logits their own ways.)
-            logits = self._held(lm_head(self.target, out.hidden[-1]) if self.drives_target else out.logits[-1])
-            if end - begin > 1 and self._unsure(logits, len(prompt)):  # read the last token alone, as plain decoding
-                keep_cache_entries(self.target_cache, last, [])
-                out = self._forward(mx.array(prompt[-1:]), last, None)
-                features[-1] = mx.concatenate([features[-1][:-1], out.features])
-                hidden[-1] = mx.concatenate([hidden[-1][:-1], out.hidden])
-                logits = self._held(lm_head(self.target, out.hidden[-1]) if self.drives_target else out.logits[-1])
-                self.rechecked += 1
-            self.root = self._choose(logits, len(prompt))
-            states = TargetStates(mx.concatenate(features), mx.concatenate(hidden), self.taps)
-        self.state.keep_at = 0  # (kept while this prompt was read, or not at all)
-        self.root_logits = logits if self.keep_logits else None
-        if self.grammar is not None:
-            self.grammar.commit([self.root])
-        tokens = list(prompt) + [self.root]
-        if self.drafter is not None:
-            self.drafter.observe(Outcome(tokens, self.reused, states, from_prompt=True))
-        self.state.tokens = tokens
-        self.state.unfinished = False
-
-    def _chunk_read(self, prompt: List[int], end: int, features: List[mx.array],
-                    hidden: List[mx.array]) -> Iterator[Tuple[int, int]]:
-        """Yield the reading's progress once it has read the prompt up to ``end``. A
-        reading stopped there (closed: its client left, or gave up waiting) keeps what the
-        finished chunks hold: the caches hold ``prompt[:end]`` exactly as plain decoding's
-        would, so they become a clean prefix, the drafter observing it as a prompt whose next
-        token is ``prompt[end]``, and a retry of the prompt reads on from there."""
-        try:
-            yield end - self.reused, len(prompt) - self.reused
-        except GeneratorExit:
-            if end < len(prompt):  # (read whole, the last token's choice not made: nothing to keep)
-                tokens = list(prompt[:end + 1])
-                if self.drafter is not None and end > self.reused:  # (nothing read: nothing new to observe)
-                    states = TargetStates(mx.concatenate(features), mx.concatenate(hidden), self.taps) \
-                        if self.reads_states else None
-                    self.drafter.observe(Outcome(tokens, self.reused, states, from_prompt=True))
-                self.state.keep_at = 0
-                self.state.tokens, self.state.unfinished = tokens, False
-            raise
-
-    def _spans(self, end: int, chunk: int) -> List[Tuple[int, int]]:
-        """The (begin, end) spans of the prompt up to ``end`` read by one forward pass each:
-        ``chunk`` tokens at a time from what the caches hold, cut where a copy of the caches
-        is to be kept."""
-        # (With quantized KV caches on plain mlx-lm's grid, whose chunks decide where its cache turns.)
-        first = chunk * (self.reused // chunk + 1) if self.kv is not None else self.reused
-        cuts = sorted(set(range(first, end, chunk)) | {self.reused, end} |
-                      ({self.state.keep_at} if self.reused < self.state.keep_at < end else set()))
-        return list(zip(cuts, cuts[1:]))
+        """``prefill`` a chunk at a time (a server reads between rounds): ``read_prompt``."""
+        return read_prompt(self, prompt, chunk)
 
     def _held(self, logits: mx.array) -> mx.array:
         """The prompt's last logits, held to the grammar (if any) where the reply begins."""
@@ -348,8 +253,7 @@ class SpeculativeDecoder:
         admitted, shared between ranks and shaped by a grammar). The caches hold nothing
         certain until ``conclude``. ``beside``: (tokens, rows) the packed pass verifies for
         other conversations, which prices this one's nodes (Costs.steps)."""
-        committed, self.state.tokens = self.state.tokens, []  # an interrupted round leaves nothing certain
-        self.state.unfinished = True
+        committed = self.state.begin()  # (an interrupted round leaves nothing certain)
         unread = committed[len(committed) - 1 - self.state.unread:-1]
         room = self.state.room(len(committed) - 1, room)  # (a round ends where the cache turns quantized)
         proposal = None
@@ -421,14 +325,107 @@ class SpeculativeDecoder:
             self.drafter.observe(Outcome(committed + new, start, states, proposal if proposal else None, path))
         self.on_phase("observed")
         self.root = verdict.bonus
-        self.state.tokens = committed + new
-        self.state.unfinished = False
+        self.state.settle(committed + new)
         return Round(tokens=new, drafted=len(tree), logits=chosen_from)
 
     def truncate(self, count: int) -> None:
         """Keep only the first ``count`` committed tokens (PromptCache.truncate)."""
         if self.state.truncate(count):
             self.root = self.state.tokens[-1]
+
+
+def read_prompt(self: SpeculativeDecoder, prompt: List[int], chunk: int = 512) -> Iterator[Tuple[int, int]]:
+    """Read ``prompt`` into the decoder's caches (what they do not already hold of it),
+    ``chunk`` tokens a pass (with quantized KV caches, as plain mlx-lm reads it), choosing the
+    first root: (read, total) after each chunk. The decoder's first step, written apart from
+    its rounds (``self``: the decoder, whose reading this is)."""
+    self.reused = self.state.reusable(prompt, self.drafter)
+    self.state.begin()
+    last = len(prompt) - 1
+    if self.kv is not None:
+        # In plain mlx-lm's chunks, its cache turning quantized after the same one: the rows
+        # of a chunk read before it attend to unquantized keys, and keys computed in other
+        # chunks round differently in their last bits, which a quantized cache can turn into
+        # another level.
+        chunk = MLX_LM_PREFILL_STEP
+    states, features, hidden = None, [], []
+    # (0, total) first, as mlx-lm's loop says it: how much of the prompt is to be read,
+    # known now that the caches' reusable beginning is.
+    yield from _chunk_read(self, prompt, self.reused, features, hidden)
+    if not self.reads_states:  # as mlx-lm reads a prompt: only the last token's logits are computed
+        for begin, end in _spans(self, last, chunk):
+            self.forwards += 1
+            self.target(mx.array([prompt[begin:end]]), cache=self.target_cache)
+            self.state.quantize_when_due()
+            mx.eval([layer_cache.state for layer_cache in self.target_cache])
+            self.state.keep_beginning(end, prompt)
+            yield from _chunk_read(self, prompt, end, features, hidden)
+        logits = self._held(self._forward(mx.array(prompt[-1:]), last, None).logits[-1])
+        self.state.quantize_when_due()
+        self.root = self._choose(logits, len(prompt))
+    else:
+        # The model's own forward pass computes logits for every token: the last one alone.
+        # (So too where the cache may turn quantized before it, as plain decoding's does.)
+        last_alone = not self.drives_target or self.kv is not None
+        spans = _spans(self, last, chunk) + [(last, len(prompt))] if last_alone \
+            else _spans(self, len(prompt), chunk)
+        for begin, end in spans:
+            out = self._forward(mx.array(prompt[begin:end]), begin, "causal" if end - begin > 1 else None)
+            features.append(out.features)
+            hidden.append(out.hidden)
+            # The prompt's own logits are never needed: only the last. (A recurrent state is
+            # computed apart from the outputs: evaluated too, so the graph does not grow.)
+            self.state.quantize_when_due()
+            mx.eval(out.features, out.hidden, [] if self.drives_target else [c.state for c in self.target_cache])
+            self.state.keep_beginning(end, prompt)
+            yield from _chunk_read(self, prompt, end, features, hidden)
+        # (For a model's own forward pass, its LM head: models scale their logits their own ways.)
+        logits = self._held(lm_head(self.target, out.hidden[-1]) if self.drives_target else out.logits[-1])
+        if end - begin > 1 and self._unsure(logits, len(prompt)):  # read the last token alone, as plain decoding
+            keep_cache_entries(self.target_cache, last, [])
+            out = self._forward(mx.array(prompt[-1:]), last, None)
+            features[-1] = mx.concatenate([features[-1][:-1], out.features])
+            hidden[-1] = mx.concatenate([hidden[-1][:-1], out.hidden])
+            logits = self._held(lm_head(self.target, out.hidden[-1]) if self.drives_target else out.logits[-1])
+            self.rechecked += 1
+        self.root = self._choose(logits, len(prompt))
+        states = TargetStates(mx.concatenate(features), mx.concatenate(hidden), self.taps)
+    self.root_logits = logits if self.keep_logits else None
+    if self.grammar is not None:
+        self.grammar.commit([self.root])
+    tokens = list(prompt) + [self.root]
+    if self.drafter is not None:
+        self.drafter.observe(Outcome(tokens, self.reused, states, from_prompt=True))
+    self.state.settle(tokens)
+
+def _chunk_read(self: SpeculativeDecoder, prompt: List[int], end: int, features: List[mx.array],
+                hidden: List[mx.array]) -> Iterator[Tuple[int, int]]:
+    """Yield the reading's progress once it has read the prompt up to ``end``. A
+    reading stopped there (closed: its client left, or gave up waiting) keeps what the
+    finished chunks hold: the caches hold ``prompt[:end]`` exactly as plain decoding's
+    would, so they become a clean prefix, the drafter observing it as a prompt whose next
+    token is ``prompt[end]``, and a retry of the prompt reads on from there."""
+    try:
+        yield end - self.reused, len(prompt) - self.reused
+    except GeneratorExit:
+        if end < len(prompt):  # (read whole, the last token's choice not made: nothing to keep)
+            tokens = list(prompt[:end + 1])
+            if self.drafter is not None and end > self.reused:  # (nothing read: nothing new to observe)
+                states = TargetStates(mx.concatenate(features), mx.concatenate(hidden), self.taps) \
+                    if self.reads_states else None
+                self.drafter.observe(Outcome(tokens, self.reused, states, from_prompt=True))
+            self.state.settle(tokens)
+        raise
+
+def _spans(self: SpeculativeDecoder, end: int, chunk: int) -> List[Tuple[int, int]]:
+    """The (begin, end) spans of the prompt up to ``end`` read by one forward pass each:
+    ``chunk`` tokens at a time from what the caches hold, cut where a copy of the caches
+    is to be kept."""
+    # (With quantized KV caches on plain mlx-lm's grid, whose chunks decide where its cache turns.)
+    first = chunk * (self.reused // chunk + 1) if self.kv is not None else self.reused
+    cuts = sorted(set(range(first, end, chunk)) | {self.reused, end} |
+                  ({self.state.keep_at} if self.reused < self.state.keep_at < end else set()))
+    return list(zip(cuts, cuts[1:]))
 
 
 def batches(decoder: SpeculativeDecoder) -> bool:

@@ -384,7 +384,7 @@ class Generation:
         """However the reply ended: the caches hold what was handed out, drafters keep it (a
         reply stopped while its prompt was read: what the finished chunks read)."""
         if self._reading is not None:
-            self._reading.close()  # (SpeculativeDecoder._chunk_read keeps it)
+            self._reading.close()  # (decoder._chunk_read keeps it)
             self._reading = None
         self.watchdog.stop()
         self.decoder.truncate(len(self.ids) + self.generated)

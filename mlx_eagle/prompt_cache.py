@@ -56,6 +56,18 @@ class PromptCache:
     rewind: Optional[Rewind] = field(default=None, repr=False)
     last_round: Optional[Tuple[object, int, int]] = field(default=None, repr=False)
 
+    def begin(self) -> List[int]:
+        """A prompt read or a round begins: until ``settle``, nothing the caches hold is
+        certain (one that never settles leaves the slot ``unfinished``, never reused). The
+        tokens committed before it."""
+        committed, self.tokens, self.unfinished = self.tokens, [], True
+        return committed
+
+    def settle(self, tokens: List[int]) -> None:
+        """The read or round has finished: the caches hold exactly ``tokens`` (the last, the
+        root, not yet in the target cache), and no beginning is still to be kept."""
+        self.tokens, self.unfinished, self.keep_at = tokens, False, 0
+
     def clear(self, model: nn.Module) -> None:
         """Forget everything: the caches as ``make_prompt_cache`` makes them, no drafter."""
         for name, value in vars(make_prompt_cache(model)).items():
