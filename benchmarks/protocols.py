@@ -32,7 +32,7 @@ from agent import SYSTEM, TASKS, TOOLS, add_model_argument, run_task, run_tool, 
 
 from mlx_eagle.drafters.composite import SourceStats  # noqa: E402
 from mlx_eagle.generation import GenerationResponse  # noqa: E402
-from mlx_eagle.metrics import Metrics  # noqa: E402
+from mlx_eagle.metrics import Metrics, Telemetry  # noqa: E402
 from mlx_eagle.models import resolve_model  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -99,10 +99,10 @@ def metrics_cost(mean_tokens: float, samples: int = 2000) -> Dict[str, float]:
                               generation_tokens=tokens, generation_tps=0.0, peak_memory=0.0, finish_reason="stop",
                               sources={"context lookup": SourceStats(40, 20), "eagle": SourceStats(80, 50)},
                               target_forwards=tokens // 2, prompt_reused=400)
-    gaps = [0.02] * (tokens - 1)
+    seen = Telemetry(first_token_seconds=0.1, last=last, gaps=[0.02] * (tokens - 1))
     tic = time.perf_counter()
     for _ in range(samples):
-        metrics.observe("/v1/chat/completions", 200, 1.0, last, 0.1, gaps)
+        metrics.observe("/v1/chat/completions", 200, 1.0, seen)
     observe = (time.perf_counter() - tic) / samples
     tic = time.perf_counter()
     for _ in range(samples // 10):

@@ -22,14 +22,16 @@ def pytest_configure(config):
     start. Its converted models are the user's (README's first command converts the default
     model there): the cache keys each by its source file's digest and the converter's code,
     so a model is converted once across runs, and again only when the converter changes.
+    So are plain decoding's references (plain.py), keyed by the model's weights and
+    everything else they depend on: computed once per machine, not once per run.
     Then restart pytest with OpenBLAS preloaded, as the commands do: the real-model tests
     run float32 matmuls, ~30x slower on MLX's bundled BLAS. Capture is suspended first so
     the restarted run writes to the real terminal."""
     if not os.environ.get(_SESSION_CACHE):
         session = tempfile.mkdtemp(prefix="mlx-eagle-tests-")
-        models = cache_dir() / "models"
-        if writable(models):
-            os.symlink(models, Path(session) / "models")
+        for kept in ("models", "references"):  # (references: plain.py's, keyed by all they depend on)
+            if writable(cache_dir() / kept):
+                os.symlink(cache_dir() / kept, Path(session) / kept)
         os.environ[_SESSION_CACHE] = os.environ["MLX_EAGLE_CACHE"] = session
     if getattr(config.option, "numprocesses", None):
         # Workers side by side, one BLAS thread each: two threads per worker on as many

@@ -1,11 +1,28 @@
 """Plain decoding: the reference every decoding path is checked against, mlx-lm's own greedy
 loop (``generate_step``, no prompt cache), written once and memoized per model object and
-request, so that tests asking the same question share one answer."""
+request, so that tests asking the same question share one answer; and kept on disk (the
+user cache's references/, conftest.py), keyed by everything the answer depends on (the
+model's configuration and a sample of its weights, MLX's and mlx-lm's versions, the device,
+its BLAS and BLAS threads, the request), so that a machine computes each once, not every run
+(they are a quarter of the suite's decoding)."""
 
+import hashlib
+import importlib.metadata
+import json
+import os
 from typing import Dict, Iterable, List, NamedTuple, Optional, Tuple
 
 import mlx.core as mx
+import numpy as np
+from mlx.utils import tree_flatten
 from mlx_lm.generate import generate_step
+
+from mlx_eagle.costs import device_key
+from mlx_eagle.files import cache_dir, read_json, write_json
+
+# Every this-many-th weight of each tensor enters a model's key (and its first ones): enough to
+# tell any two models the tests make apart, at a small part of hashing them whole.
+WEIGHT_STRIDE = 101
 
 
 class Plain(NamedTuple):
@@ -13,8 +30,20 @@ class Plain(NamedTuple):
     first_logprob: float  # the first token's log-probability: what reading the prompt decides
 
 
-# id(model) -> (the model, kept so that its id is not reused; its answers)
-_ANSWERS: Dict[int, Tuple[object, Dict[tuple, Plain]]] = {}
+# id(model) -> (the model, kept so that its id is not reused; its key; its answers)
+_ANSWERS: Dict[int, Tuple[object, str, Dict[tuple, Plain]]] = {}
+
+
+def _model_key(model) -> str:
+    digest = hashlib.sha256(json.dumps(vars(model.args), sort_keys=True, default=str).encode())
+    for name, value in sorted(tree_flatten(model.parameters()), key=lambda item: item[0]):
+        flat = value.reshape(-1)
+        sample = mx.concatenate([flat[:64], flat[::WEIGHT_STRIDE]])
+        digest.update(f"{name} {value.shape} {value.dtype}".encode())
+        digest.update(np.array(sample.astype(mx.float32) if sample.dtype == mx.bfloat16 else sample).tobytes())
+    versions = [importlib.metadata.version(package) for package in ("mlx", "mlx-lm")]
+    digest.update(json.dumps([versions, device_key(model), os.environ.get("OPENBLAS_NUM_THREADS")]).encode())
+    return digest.hexdigest()[:32]
 
 
 def plain(model, ids: Iterable[int], max_tokens: int, eos: Iterable[int] = (),
@@ -24,16 +53,26 @@ def plain(model, ids: Iterable[int], max_tokens: int, eos: Iterable[int] = (),
     quantized_kv_start)."""
     ids, eos, kv = [int(t) for t in ids], frozenset(int(t) for t in eos), dict(kv or {})
     key = (tuple(ids), max_tokens, eos, tuple(sorted(kv.items())))
-    answers = _ANSWERS.setdefault(id(model), (model, {}))[1]
+    known = _ANSWERS.get(id(model))
+    if known is None or known[0] is not model:
+        known = _ANSWERS[id(model)] = (model, _model_key(model), {})
+    _, model_key, answers = known
     if key not in answers:
-        tokens, first = [], None
-        for (token, logprobs), _ in zip(generate_step(mx.array(ids), model, max_tokens=max_tokens, **kv),
-                                        range(max_tokens)):
-            tokens.append(int(token))
-            first = float(logprobs[tokens[0]]) if first is None else first
-            if tokens[-1] in eos:
-                break
-        answers[key] = Plain(tokens, first)
+        request = json.dumps([model_key, key[0], max_tokens, sorted(eos), key[3]])
+        path = cache_dir() / "references" / f"{hashlib.sha256(request.encode()).hexdigest()[:32]}.json"
+        try:
+            kept = read_json(path)
+            answers[key] = Plain([int(t) for t in kept["tokens"]], float(kept["first_logprob"]))
+        except (ValueError, KeyError, TypeError):  # (not kept yet, or damaged: computed again)
+            tokens, first = [], None
+            for (token, logprobs), _ in zip(generate_step(mx.array(ids), model, max_tokens=max_tokens, **kv),
+                                            range(max_tokens)):
+                tokens.append(int(token))
+                first = float(logprobs[tokens[0]]) if first is None else first
+                if tokens[-1] in eos:
+                    break
+            answers[key] = Plain(tokens, first)
+            write_json(path, {"tokens": tokens, "first_logprob": first})
     return Plain(list(answers[key].tokens), answers[key].first_logprob)
 
 

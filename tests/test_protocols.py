@@ -380,17 +380,17 @@ def test_a_model_without_fill_in_the_middle_tokens_gets_a_400(smollm, served):
     from types import SimpleNamespace
 
     from mlx_eagle.errors import UserError
-    from mlx_eagle.protocols import RequestError
     from mlx_eagle.protocols.infill import Infill
 
     _, tokenizer = smollm
     assert infill_tokens(tokenizer) is None
-    with pytest.raises(UserError, match="no fill-in-the-middle tokens"):
+    with pytest.raises(UserError, match="no fill-in-the-middle tokens") as raised:
         infill_prompt(tokenizer, "def f():", "return 1")
+    assert raised.value.field == "suffix"  # (the server's 400 names it)
     engine = SimpleNamespace(tokenizer=tokenizer, context_length=8192, name="smollm")
-    with pytest.raises(RequestError, match="no fill-in-the-middle tokens") as raised:
+    with pytest.raises(UserError, match="no fill-in-the-middle tokens") as raised:
         Infill().parse({"input_prefix": "def f():", "input_suffix": "return 1"}, engine, 16)
-    assert raised.value.status == 400
+    assert raised.value.field == "input_suffix"  # /infill's name for it
     status, payload = raw(served[0], "POST", "/v1/completions", {"prompt": [1, 2], "suffix": "x"})
     assert status == 400 and json.loads(payload)["error"]["param"] == "prompt"
 
