@@ -28,9 +28,9 @@ from .distributed import rank, sharded, share_message
 from .drafters import Drafter
 from .drafters.history import forget_history
 from .errors import MAX_CONCURRENCY, MAX_QUEUE, UserError
-from .generation import Generation, GenerationResponse, check_prompt, stream_generate
+from .generation import Generation, GenerationResponse, check_prompt, reply_options, stream_generate
 from .models import DEFAULT_MODEL
-from .options import ReplyOptions
+from .options import DEFAULT_MAX_TOKENS, ReplyOptions
 from .plan import DraftPlan, history_of, load_draft, open_target, plan_drafts, run_jobs
 from .prompt_cache import PromptCaches, slots_bytes
 from .replies import ChatResponse, chat_prompt, check_messages, split_reply
@@ -235,7 +235,7 @@ class Engine:
         prompt and ``on_wait()`` every few seconds that nothing comes (waiting for a seat);
         an error either raises ends the generation with that error."""
         self._check_open()
-        options = options if options is not None else ReplyOptions(**keywords)
+        options = reply_options(options, keywords.pop("max_tokens", DEFAULT_MAX_TOKENS), keywords)
         check_prompt(self.model, ids)  # before planning, which may time this device
         check_budget_alone(self.tokenizer, options.thinking_budget, options.response_format)
         cancel = cancel if cancel is not None else threading.Event()

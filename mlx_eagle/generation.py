@@ -174,23 +174,14 @@ def stream_generate(
     draft: Union["DraftPlan", "Drafter", type, nn.Module, str, None] = None,
     tree: Union[str, "TreeSpec", None] = None,
     lookup: bool = True,
-    temp: float = 0.0,
-    top_p: float = 1.0,
-    min_p: float = 0.0,
-    top_k: int = 0,
-    seed: Optional[int] = None,
-    stop: Optional[Sequence[str]] = None,
     prompt_cache: Optional["PromptCache"] = None,
     history: Union[bool, str, None, object] = True,
-    logprobs: bool = False,
     prompt_progress_callback: Optional[Callable[[int, int], None]] = None,
-    response_format: Optional[Dict[str, Any]] = None,
     kv_bits: Optional[int] = None,
     kv_group_size: int = 64,
     quantized_kv_start: Optional[int] = None,
-    thinking_budget: Optional[int] = None,
-    stop_tokens: Optional[Sequence[int]] = None,
     options: Optional[ReplyOptions] = None,
+    **reply: Any,
 ) -> Generator[GenerationResponse, None, None]:
     """Yield the continuation of ``prompt`` token by token.
 
@@ -217,18 +208,16 @@ def stream_generate(
     ``kv_bits``, ``kv_group_size``, ``quantized_kv_start``: quantized KV caches, as mlx-lm's
     (target.KVQuantization; ``quantized_kv_start`` None: mlx-lm's default, 5000): the text is
     plain mlx-lm decoding's with the same settings.
-    The reply's own settings (mlx_eagle.options.ReplyOptions, which says each): ``max_tokens``,
-    ``temp``, ``top_p``, ``min_p``, ``top_k``, ``seed``, ``stop``, ``stop_tokens``,
-    ``logprobs`` (each response carries the target's log-probabilities at its token),
-    ``response_format`` (a grammar: ``{"type": "json_object"}`` or ``{"type": "json_schema",
-    "json_schema": {"schema": {...}}}``; drafting goes on, and the text is exactly what the
-    target produces with the grammar's mask applied at every step) and ``thinking_budget``
-    (a reasoning model's thinking ended after that many tokens, as plain decoding with the
-    same rule ends it); or all of them at once as ``options``.
+    The reply's own settings, as keywords (``temp``, ``top_p``, ``min_p``, ``top_k``, ``seed``,
+    ``stop``, ``stop_tokens``, ``logprobs``: each response carries the target's
+    log-probabilities at its token; ``response_format``: a grammar, ``{"type": "json_object"}``
+    or ``{"type": "json_schema", "json_schema": {"schema": {...}}}``, drafting still on and the
+    text exactly what the target produces with the grammar's mask applied at every step;
+    ``thinking_budget``: a reasoning model's thinking ended after that many tokens, as plain
+    decoding with the same rule ends it), or all at once as ``options``
+    (mlx_eagle.options.ReplyOptions says each).
     """
-    options = _options(options, max_tokens=max_tokens, temp=temp, top_p=top_p, min_p=min_p, top_k=top_k, seed=seed,
-                       stop=stop, logprobs=logprobs, response_format=response_format, thinking_budget=thinking_budget,
-                       stop_tokens=stop_tokens)
+    options = reply_options(options, max_tokens, reply)
     ids = prompt_ids(tokenizer, prompt)
     check_prompt(model, ids)  # before planning, which may time the device
     plan = plan_drafts(model, draft, tree, lookup, history, tokenizer, kv_bits, kv_group_size, quantized_kv_start)
@@ -244,14 +233,13 @@ def stream_generate(
         generation.close()
 
 
-def _options(options: Optional[ReplyOptions], **keywords: Any) -> ReplyOptions:
-    """``options``, or the one the keyword arguments make (not both: a keyword away from its
-    default beside ``options`` would be silently lost)."""
+def reply_options(options: Optional[ReplyOptions], max_tokens: int, reply: Dict[str, Any]) -> ReplyOptions:
+    """``options``, or the one ``max_tokens`` and the ``reply`` keywords make (not both: a
+    setting given beside ``options`` would be silently lost)."""
     if options is None:
-        return ReplyOptions(**keywords)
-    defaults = ReplyOptions()
-    given = [name for name, value in keywords.items() if value not in (None, getattr(defaults, name))]
-    if given:
+        return ReplyOptions.of(max_tokens=max_tokens, **reply)
+    if reply or max_tokens != DEFAULT_MAX_TOKENS:
+        given = sorted(reply) + (["max_tokens"] if max_tokens != DEFAULT_MAX_TOKENS else [])
         raise UserError(f"give reply settings either as options or as keywords, not both ({', '.join(given)})")
     return options
 

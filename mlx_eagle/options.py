@@ -9,10 +9,10 @@ A new per-request option is a field here (with its check), its use where the rep
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from typing import Any, Mapping, Optional, Sequence, Tuple
 
-from .errors import MAX_SEED, UserError, check_text
+from .errors import MAX_SEED, UserError, check_text, did_you_mean
 from .grammar import response_grammar
 from .thinking import check_budget
 from .verify import Sampling
@@ -57,6 +57,17 @@ class ReplyOptions:
             raise UserError(f"logprobs must be true or false, not {self.logprobs!r}", "logprobs")
         response_grammar(self.response_format)
         check_budget(self.thinking_budget)
+
+    @classmethod
+    def of(cls, **settings: Any) -> "ReplyOptions":
+        """The options ``settings`` name (keyword arguments, as the API takes them): one line
+        for a name that is no reply setting."""
+        known = [f.name for f in fields(cls)]
+        for name in settings:
+            if name not in known:
+                raise UserError(f"{name!r} is not a reply setting{did_you_mean(name, known)}; the settings are "
+                                f"{', '.join(known)}", name)
+        return cls(**settings)
 
     @property
     def sampling(self) -> Sampling:

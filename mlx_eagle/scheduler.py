@@ -397,7 +397,7 @@ def batch_generate(model: nn.Module, tokenizer, prompts: Sequence[Union[str, Lis
     limits = [max_tokens] * len(prompts) if isinstance(max_tokens, int) else list(max_tokens)
     if len(limits) != len(prompts):
         raise UserError(f"max_tokens gives {len(limits)} lengths for {len(prompts)} prompts", "max_tokens")
-    shared = ReplyOptions(**options)
+    shared = ReplyOptions.of(**options)
     rows = [shared.but(max_tokens=limit, seed=None if shared.seed is None else shared.seed + index)
             for index, limit in enumerate(limits)]
     ids = [prompt_ids(tokenizer, prompt) for prompt in prompts]
