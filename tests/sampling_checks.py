@@ -16,7 +16,7 @@ from mlx_eagle.verify import Sampling
 VOCAB = 6
 PROMPT = [1, 4, 2]
 TREE = TreeSpec("static", [(0,), (1,), (0, 0), (0, 1), (1, 0)], text="test")
-SAMPLES = 3000
+SAMPLES = 2000
 
 
 def exact_joint(model, sampling: Sampling, prompt=PROMPT) -> np.ndarray:
