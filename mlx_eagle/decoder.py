@@ -334,15 +334,15 @@ class SpeculativeDecoder:
             self.root = self.state.tokens[-1]
 
 
-def read_prompt(self: SpeculativeDecoder, prompt: List[int], chunk: int = 512) -> Iterator[Tuple[int, int]]:
+def read_prompt(decoder: SpeculativeDecoder, prompt: List[int], chunk: int = 512) -> Iterator[Tuple[int, int]]:
     """Read ``prompt`` into the decoder's caches (what they do not already hold of it),
     ``chunk`` tokens a pass (with quantized KV caches, as plain mlx-lm reads it), choosing the
     first root: (read, total) after each chunk. The decoder's first step, written apart from
-    its rounds (``self``: the decoder, whose reading this is)."""
-    self.reused = self.state.reusable(prompt, self.drafter)
-    self.state.begin()
+    its rounds."""
+    decoder.reused = decoder.state.reusable(prompt, decoder.drafter)
+    decoder.state.begin()
     last = len(prompt) - 1
-    if self.kv is not None:
+    if decoder.kv is not None:
         # In plain mlx-lm's chunks, its cache turning quantized after the same one: the rows
         # of a chunk read before it attend to unquantized keys, and keys computed in other
         # chunks round differently in their last bits, which a quantized cache can turn into
@@ -351,54 +351,54 @@ def read_prompt(self: SpeculativeDecoder, prompt: List[int], chunk: int = 512) -
     states, features, hidden = None, [], []
     # (0, total) first, as mlx-lm's loop says it: how much of the prompt is to be read,
     # known now that the caches' reusable beginning is.
-    yield from _chunk_read(self, prompt, self.reused, features, hidden)
-    if not self.reads_states:  # as mlx-lm reads a prompt: only the last token's logits are computed
-        for begin, end in _spans(self, last, chunk):
-            self.forwards += 1
-            self.target(mx.array([prompt[begin:end]]), cache=self.target_cache)
-            self.state.quantize_when_due()
-            mx.eval([layer_cache.state for layer_cache in self.target_cache])
-            self.state.keep_beginning(end, prompt)
-            yield from _chunk_read(self, prompt, end, features, hidden)
-        logits = self._held(self._forward(mx.array(prompt[-1:]), last, None).logits[-1])
-        self.state.quantize_when_due()
-        self.root = self._choose(logits, len(prompt))
+    yield from _chunk_read(decoder, prompt, decoder.reused, features, hidden)
+    if not decoder.reads_states:  # as mlx-lm reads a prompt: only the last token's logits are computed
+        for begin, end in _spans(decoder, last, chunk):
+            decoder.forwards += 1
+            decoder.target(mx.array([prompt[begin:end]]), cache=decoder.target_cache)
+            decoder.state.quantize_when_due()
+            mx.eval([layer_cache.state for layer_cache in decoder.target_cache])
+            decoder.state.keep_beginning(end, prompt)
+            yield from _chunk_read(decoder, prompt, end, features, hidden)
+        logits = decoder._held(decoder._forward(mx.array(prompt[-1:]), last, None).logits[-1])
+        decoder.state.quantize_when_due()
+        decoder.root = decoder._choose(logits, len(prompt))
     else:
         # The model's own forward pass computes logits for every token: the last one alone.
         # (So too where the cache may turn quantized before it, as plain decoding's does.)
-        last_alone = not self.drives_target or self.kv is not None
-        spans = _spans(self, last, chunk) + [(last, len(prompt))] if last_alone \
-            else _spans(self, len(prompt), chunk)
+        last_alone = not decoder.drives_target or decoder.kv is not None
+        spans = _spans(decoder, last, chunk) + [(last, len(prompt))] if last_alone \
+            else _spans(decoder, len(prompt), chunk)
         for begin, end in spans:
-            out = self._forward(mx.array(prompt[begin:end]), begin, "causal" if end - begin > 1 else None)
+            out = decoder._forward(mx.array(prompt[begin:end]), begin, "causal" if end - begin > 1 else None)
             features.append(out.features)
             hidden.append(out.hidden)
             # The prompt's own logits are never needed: only the last. (A recurrent state is
             # computed apart from the outputs: evaluated too, so the graph does not grow.)
-            self.state.quantize_when_due()
-            mx.eval(out.features, out.hidden, [] if self.drives_target else [c.state for c in self.target_cache])
-            self.state.keep_beginning(end, prompt)
-            yield from _chunk_read(self, prompt, end, features, hidden)
+            decoder.state.quantize_when_due()
+            mx.eval(out.features, out.hidden, [] if decoder.drives_target else [c.state for c in decoder.target_cache])
+            decoder.state.keep_beginning(end, prompt)
+            yield from _chunk_read(decoder, prompt, end, features, hidden)
         # (For a model's own forward pass, its LM head: models scale their logits their own ways.)
-        logits = self._held(lm_head(self.target, out.hidden[-1]) if self.drives_target else out.logits[-1])
-        if end - begin > 1 and self._unsure(logits, len(prompt)):  # read the last token alone, as plain decoding
-            keep_cache_entries(self.target_cache, last, [])
-            out = self._forward(mx.array(prompt[-1:]), last, None)
+        logits = decoder._held(lm_head(decoder.target, out.hidden[-1]) if decoder.drives_target else out.logits[-1])
+        if end - begin > 1 and decoder._unsure(logits, len(prompt)):  # read the last token alone, as plain decoding
+            keep_cache_entries(decoder.target_cache, last, [])
+            out = decoder._forward(mx.array(prompt[-1:]), last, None)
             features[-1] = mx.concatenate([features[-1][:-1], out.features])
             hidden[-1] = mx.concatenate([hidden[-1][:-1], out.hidden])
-            logits = self._held(lm_head(self.target, out.hidden[-1]) if self.drives_target else out.logits[-1])
-            self.rechecked += 1
-        self.root = self._choose(logits, len(prompt))
-        states = TargetStates(mx.concatenate(features), mx.concatenate(hidden), self.taps)
-    self.root_logits = logits if self.keep_logits else None
-    if self.grammar is not None:
-        self.grammar.commit([self.root])
-    tokens = list(prompt) + [self.root]
-    if self.drafter is not None:
-        self.drafter.observe(Outcome(tokens, self.reused, states, from_prompt=True))
-    self.state.settle(tokens)
+            logits = decoder._held(lm_head(decoder.target, out.hidden[-1]) if decoder.drives_target else out.logits[-1])
+            decoder.rechecked += 1
+        decoder.root = decoder._choose(logits, len(prompt))
+        states = TargetStates(mx.concatenate(features), mx.concatenate(hidden), decoder.taps)
+    decoder.root_logits = logits if decoder.keep_logits else None
+    if decoder.grammar is not None:
+        decoder.grammar.commit([decoder.root])
+    tokens = list(prompt) + [decoder.root]
+    if decoder.drafter is not None:
+        decoder.drafter.observe(Outcome(tokens, decoder.reused, states, from_prompt=True))
+    decoder.state.settle(tokens)
 
-def _chunk_read(self: SpeculativeDecoder, prompt: List[int], end: int, features: List[mx.array],
+def _chunk_read(decoder: SpeculativeDecoder, prompt: List[int], end: int, features: List[mx.array],
                 hidden: List[mx.array]) -> Iterator[Tuple[int, int]]:
     """Yield the reading's progress once it has read the prompt up to ``end``. A
     reading stopped there (closed: its client left, or gave up waiting) keeps what the
@@ -406,25 +406,25 @@ def _chunk_read(self: SpeculativeDecoder, prompt: List[int], end: int, features:
     would, so they become a clean prefix, the drafter observing it as a prompt whose next
     token is ``prompt[end]``, and a retry of the prompt reads on from there."""
     try:
-        yield end - self.reused, len(prompt) - self.reused
+        yield end - decoder.reused, len(prompt) - decoder.reused
     except GeneratorExit:
         if end < len(prompt):  # (read whole, the last token's choice not made: nothing to keep)
             tokens = list(prompt[:end + 1])
-            if self.drafter is not None and end > self.reused:  # (nothing read: nothing new to observe)
-                states = TargetStates(mx.concatenate(features), mx.concatenate(hidden), self.taps) \
-                    if self.reads_states else None
-                self.drafter.observe(Outcome(tokens, self.reused, states, from_prompt=True))
-            self.state.settle(tokens)
+            if decoder.drafter is not None and end > decoder.reused:  # (nothing read: nothing new to observe)
+                states = TargetStates(mx.concatenate(features), mx.concatenate(hidden), decoder.taps) \
+                    if decoder.reads_states else None
+                decoder.drafter.observe(Outcome(tokens, decoder.reused, states, from_prompt=True))
+            decoder.state.settle(tokens)
         raise
 
-def _spans(self: SpeculativeDecoder, end: int, chunk: int) -> List[Tuple[int, int]]:
+def _spans(decoder: SpeculativeDecoder, end: int, chunk: int) -> List[Tuple[int, int]]:
     """The (begin, end) spans of the prompt up to ``end`` read by one forward pass each:
     ``chunk`` tokens at a time from what the caches hold, cut where a copy of the caches
     is to be kept."""
     # (With quantized KV caches on plain mlx-lm's grid, whose chunks decide where its cache turns.)
-    first = chunk * (self.reused // chunk + 1) if self.kv is not None else self.reused
-    cuts = sorted(set(range(first, end, chunk)) | {self.reused, end} |
-                  ({self.state.keep_at} if self.reused < self.state.keep_at < end else set()))
+    first = chunk * (decoder.reused // chunk + 1) if decoder.kv is not None else decoder.reused
+    cuts = sorted(set(range(first, end, chunk)) | {decoder.reused, end} |
+                  ({decoder.state.keep_at} if decoder.reused < decoder.state.keep_at < end else set()))
     return list(zip(cuts, cuts[1:]))
 
 

@@ -50,9 +50,6 @@ class Completions(Protocol):
     chat = False
     kind, chunk_kind, id_prefix = "text_completion", "text_completion", "cmpl"
 
-    def __init__(self):
-        self.tokenizer = None  # the engine's (set by parse): what log-probabilities' tokens are spelled with
-
     def parse(self, body: Any, engine, default_max_tokens: int) -> Request:
         if not isinstance(body, dict):
             raise RequestError(400, "the request body must be a JSON object")
@@ -60,7 +57,6 @@ class Completions(Protocol):
             if name in body and not _is_harmless(asks_nothing, body[name]):
                 raise RequestError(400, f"{name} is not supported by this server; leave it out", name,
                                    "unsupported_field")
-        self.tokenizer = engine.tokenizer
         limit = engine.context_length or 1 << 30
         ids, splitter, ends = self._prompt(body, engine)
         vocab = engine.model.args.vocab_size
@@ -88,7 +84,7 @@ class Completions(Protocol):
         return Request(ids=ids, chat=self.chat, stream=flag(body, "stream"), options=options,
                        model=model if isinstance(model, str) else "", splitter=splitter, protocol=self,
                        echo={"model": engine.name, "include_usage": bool(stream_options.get("include_usage")),
-                             "top_logprobs": top_logprobs})
+                             "top_logprobs": top_logprobs, "tokenizer": engine.tokenizer})
 
     def _prompt(self, body: dict, engine) -> Tuple[List[int], Any, Tuple[int, ...]]:
         """A completion's prompt: its text or token ids; with a ``suffix``, the model's
@@ -137,13 +133,15 @@ class Completions(Protocol):
     def collect(self, request: Request, collected: Collected, piece: Any) -> None:
         collected.add(piece)
         if request.echo["top_logprobs"] is not None:
-            collected.logprobs.append(self._entry(piece, request.echo["top_logprobs"]))
+            collected.logprobs.append(self._entry(request, piece))
 
-    def _entry(self, response: Any, top: int) -> Dict[str, Any]:
+    def _entry(self, request: Request, response: Any) -> Dict[str, Any]:
         """One token's entry in OpenAI's ``logprobs.content``: its text, bytes and
-        log-probability, and the ``top`` most likely tokens at its position."""
+        log-probability, and the request's ``top_logprobs`` most likely tokens at its position."""
+        top, tokenizer = request.echo["top_logprobs"], request.echo["tokenizer"]
+
         def entry(token: int, logprob: float) -> Dict[str, Any]:
-            text = self.tokenizer.decode([token])
+            text = tokenizer.decode([token])
             return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
 
         values = np.array(response.logprobs)  # evaluated on the engine's thread; read here on the host
@@ -187,9 +185,9 @@ class Completions(Protocol):
             return f"data: {json.dumps(chunk)}\n\n".encode()
 
         yield from (event(choice) for choice in self._opening())
-        last, calls, top = None, 0, request.echo["top_logprobs"]
+        last, calls = None, 0
         for last in responses:
-            entries = [self._entry(last, top)] if top is not None else []
+            entries = [self._entry(request, last)] if request.echo["top_logprobs"] is not None else []
             yield event(self._choice(request, last.text, last.finish_reason, entries,
                                      reasoning=getattr(last, "reasoning", ""),
                                      calls=getattr(last, "tool_calls", []), first_call=calls))

@@ -114,7 +114,7 @@ class Handler(BaseHTTPRequestHandler):
     read_closed = False  # the client has shut its sending side (it may still be reading)
     heartbeat = False  # a plain reply's status line is out, spaces follow until its JSON
     status = 200  # the status the request in progress was answered with
-    telemetry = Telemetry()  # its times, as its reply comes
+    telemetry: Telemetry  # the request in progress's times, from its arrival (set by do_POST)
 
     def setup(self) -> None:
         self.timeout = self.server.idle_seconds
@@ -262,7 +262,6 @@ class Handler(BaseHTTPRequestHandler):
         the generation)."""
         from ..replies import split_reply
 
-        self.telemetry = Telemetry(text="" if self.server.log_text else None)
         responses = self.server.engine.generate(request.ids, request.options, tree=self.server.tree,
                                                 history_key=request.model, on_prompt_read=on_prompt_read,
                                                 on_wait=on_wait)
