@@ -28,11 +28,13 @@ from .distributed import rank, sharded, share_message
 from .drafters import Drafter
 from .drafters.history import forget_history
 from .errors import MAX_CONCURRENCY, MAX_QUEUE, UserError
+from .files import cache_dir
 from .generation import Generation, GenerationResponse, check_prompt, reply_options, stream_generate
 from .models import DEFAULT_MODEL
 from .options import DEFAULT_MAX_TOKENS, ReplyOptions
 from .plan import DraftPlan, history_of, load_draft, open_target, plan_drafts, run_jobs
 from .prompt_cache import PromptCaches, slots_bytes
+from .prompt_store import PromptStore
 from .replies import ChatResponse, chat_prompt, check_messages, split_reply
 from .scheduler import Reply, ReplyJob, Scheduler
 from .target import kv_quantization, make_cache
@@ -57,7 +59,8 @@ class Engine:
 
     def __init__(self, model: Optional[str] = None, draft: Union[str, Drafter, type, None] = "auto",
                  loaded: Optional[tuple] = None, name: Optional[str] = None, tree: Any = "auto", history: Any = True,
-                 lookup: bool = True, prompt_cache_bytes: Optional[int] = None, kv_bits: Optional[int] = None,
+                 lookup: bool = True, prompt_cache_bytes: Optional[int] = None, prompt_disk_bytes: int = 0,
+                 kv_bits: Optional[int] = None,
                  kv_group_size: int = 64, quantized_kv_start: Optional[int] = None, pipeline: bool = False,
                  max_concurrency: int = MAX_CONCURRENCY, max_queue: int = MAX_QUEUE,
                  escape_special_text: bool = False):
@@ -73,7 +76,11 @@ class Engine:
         memory; a path: kept in that file; False: none), kept apart per history key.
         ``prompt_cache_bytes``: what the caches of the conversations kept (prompt_cache.PromptCaches)
         may hold (None: sized from the model and this machine's memory, prompt_cache.default_cache_bytes);
-        a request continuing one of them reads only its new tokens. ``kv_bits``,
+        a request continuing one of them reads only its new tokens. ``prompt_disk_bytes``: what
+        long prompts' caches kept on disk (under the cache directory's ``prompts``) may hold, so
+        that another engine on this model, in this process or a later one, does not read them
+        again (prompt_store.py; 0: none kept; not with a drafter that reads the model's states,
+        whose own caches are not kept). ``kv_bits``,
         ``kv_group_size``, ``quantized_kv_start``: every conversation's KV caches quantized, as
         mlx-lm's settings ask (target.KVQuantization). ``max_concurrency``: replies in
         progress at once; ``max_queue``: requests waiting for a seat, past which ``generate``
@@ -105,7 +112,9 @@ class Engine:
         self.name = name or (path[0].name if path else DEFAULT_MODEL)
         self._plans: "OrderedDict[Any, DraftPlan]" = OrderedDict()
         self.tree, self.history = tree, history
-        self.caches = self.scheduler.caches = PromptCaches(self.model, prompt_cache_bytes, kv)
+        store = self._call(lambda: PromptStore(cache_dir() / "prompts", self.model, kv, prompt_disk_bytes)) \
+            if prompt_disk_bytes and self.head is None and not sharded() else None  # (on the worker: it reads weights)
+        self.caches = self.scheduler.caches = PromptCaches(self.model, prompt_cache_bytes, kv, store)
         # A sharded model: rank 0 tells the other ranks' engines what it does that runs the
         # model (their collectives must pair with its own), and they do the same (follow).
         self.shards = sharded()

@@ -60,6 +60,7 @@ MAX_SEED = (1 << 63) - 1  # a seed is a signed 64-bit whole number, as OpenAI's 
 
 MAX_CONCURRENCY = 8  # replies in progress at once, by default (their rounds share forward passes)
 MAX_QUEUE = 64  # requests waiting for a seat, by default; past that one is refused with Busy
+PROMPT_DISK_BYTES = 8 << 30  # the server's long prompts kept on disk, by default (prompt_store.py)
 
 
 class Busy(RuntimeError):

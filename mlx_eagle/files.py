@@ -13,13 +13,14 @@ import shutil
 import tempfile
 import zipfile
 from pathlib import Path
-from typing import Any, Callable, Union
+from typing import Any, Callable, Iterator, Union
 
 import numpy as np
 
 from .errors import UserError
 
 MAX_JSON_BYTES = 1 << 20  # every JSON file here is a few kilobytes
+STAGING = ".partial"  # how a file being written ends its name
 
 
 def cache_dir() -> Path:
@@ -31,17 +32,19 @@ def cache_dir() -> Path:
     return Path(base) / "mlx-eagle"
 
 
-def write_atomically(path: Path, data: Union[bytes, str], mode: int = 0o644) -> None:
-    """Write ``data`` to ``path`` through a temporary sibling that is flushed to disk and
-    then renamed over it: a reader sees the old file or the new one, never a part. On any
-    error (a full disk) the temporary file is removed and the old file stays."""
+@contextlib.contextmanager
+def staged(path: Path, mode: int = 0o644, suffix: str = STAGING) -> Iterator[Path]:
+    """A temporary sibling of ``path`` to write (hidden, its name ending in ``suffix``),
+    flushed to disk and renamed over ``path`` when the block ends: a reader sees the old
+    file or the new one, never a part. On any error (a full disk) the temporary file is
+    removed and the old file stays."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    handle, staging = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".partial", dir=path.parent)
+    handle, staging = tempfile.mkstemp(prefix=f".{path.name}.", suffix=suffix, dir=path.parent)
+    os.close(handle)
     try:
-        with os.fdopen(handle, "wb") as file:
-            file.write(data.encode("utf-8") if isinstance(data, str) else data)
-            file.flush()
+        yield Path(staging)
+        with open(staging, "rb") as file:
             os.fsync(file.fileno())
         os.chmod(staging, mode)
         os.replace(staging, path)
@@ -49,6 +52,12 @@ def write_atomically(path: Path, data: Union[bytes, str], mode: int = 0o644) -> 
         with contextlib.suppress(OSError):
             os.unlink(staging)
         raise
+
+
+def write_atomically(path: Path, data: Union[bytes, str], mode: int = 0o644) -> None:
+    """Write ``data`` to ``path`` whole or not at all (``staged``)."""
+    with staged(path, mode) as staging:
+        staging.write_bytes(data.encode("utf-8") if isinstance(data, str) else data)
 
 
 def write_npz(path: Path, compressed: bool = False, **arrays: np.ndarray) -> None:

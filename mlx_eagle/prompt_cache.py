@@ -20,6 +20,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.cache import can_trim_prompt_cache
 
 from .drafters import Drafter, common_prefix
+from .prompt_store import WORTH_LOADING, PromptStore
 from .rewind import Rewind, needs_rewind
 from .target import KVQuantization, keep_cache_entries, make_cache
 
@@ -49,6 +50,7 @@ class PromptCache:
     # does, nothing in the caches or the drafter is certain, and no later prompt may use them.
     unfinished: bool = False
     turns: int = 0  # later requests that went on with this conversation in this slot (PromptCaches)
+    stored: int = 0  # leading tokens the caches hold that an entry on disk holds too (prompt_store.py)
     # Bound by ``bind``: the model, its caches' quantization, and their rollback (None: they
     # cut back as mlx-lm's do); and before the last round's pass, (snapshot, tokens, unread).
     model: Optional[nn.Module] = field(default=None, repr=False)
@@ -207,8 +209,9 @@ class PromptCaches:
     MIN_SHARED = 16  # fewer shared tokens are not worth a copy (a chat template's header)
     CONTINUES = 0.9  # a prompt sharing this much of what a slot holds goes on with its conversation
 
-    def __init__(self, model: nn.Module, max_bytes: Optional[int] = None, kv: Optional[KVQuantization] = None):
-        self.model, self.kv = model, kv
+    def __init__(self, model: nn.Module, max_bytes: Optional[int] = None, kv: Optional[KVQuantization] = None,
+                 store: Optional[PromptStore] = None):
+        self.model, self.kv, self.store = model, kv, store
         self.max_bytes = default_cache_bytes(model) if max_bytes is None else max_bytes
         self.slots: List[PromptCache] = []  # the most recently used last
 
@@ -218,6 +221,14 @@ class PromptCaches:
         self.slots = [slot for slot in self.slots if not slot.unfinished or any(slot is b for b in busy)]
         shared, best = max(((common_prefix(slot.tokens, prompt), slot) for slot in self.slots
                             if not slot.unfinished), key=lambda pair: pair[0], default=(0, None))
+        if self.store is not None:
+            kept, entry = self.store.best(prompt)
+            if kept >= shared + WORTH_LOADING:
+                target = self.store.load(entry)
+                if target is not None:
+                    best = PromptCache(target, entry.tokens, stored=len(entry.tokens))
+                    shared = kept
+                    self.slots.append(best)
         if best is not None and shared >= self.CONTINUES * len(best.tokens) and not any(best is b for b in busy):
             self.slots.remove(best)
             slot = best
@@ -231,6 +242,7 @@ class PromptCaches:
             if cached >= self.MIN_SHARED and can_trim_prompt_cache(best.target):
                 self._copy(slot, best, best.target, best.tokens[:cached + 1])
                 keep_cache_entries(slot.target, cached, [])
+                slot.stored = min(best.stored, cached + 1)
             elif cached >= self.MIN_SHARED:
                 origin = self._beginning_of(prompt)
                 if origin is not None:
@@ -258,6 +270,14 @@ class PromptCaches:
         slot.target, slot.tokens = copy.deepcopy(target), list(tokens)
         slot.drafter = source.drafter.branch() if source.drafter is not None else None
         slot.plan_key = source.plan_key if slot.drafter is not None else ()
+
+    def keep(self, slot: PromptCache) -> None:
+        """A reply in ``slot`` has ended: where the store is kept and the slot holds enough
+        that no entry does, save it there (prompt_store.py)."""
+        if self.store is not None and not slot.unfinished and not slot.unread and self.store.keeps(
+                slot.target, slot.tokens, slot.stored):
+            self.store.save(slot.target, slot.tokens)
+            slot.stored = len(slot.tokens)
 
     def evict(self, keep: Sequence[PromptCache] = ()) -> None:
         """While all hold more than the bound, drop the least recently used slot (never one of

@@ -299,6 +299,7 @@ class Scheduler:
         try:
             if request.generation is not None:
                 request.generation.close()
+                self.caches.keep(request.generation.cache)
                 self.caches.evict(keep=[request.generation.cache, *self._busy_slots()])
         except Exception as error:
             request.out.put(error)

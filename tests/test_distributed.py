@@ -72,62 +72,60 @@ def ranks_results(out: Path, ranks: int, launched: subprocess.CompletedProcess):
     return [json.loads(f.read_text()) for f in files]
 
 
-def test_every_drafter_commits_plain_decodings_tokens_on_every_rank(sharp_llama, tmp_path):
-    """Split by heads over 2 ranks: plain decoding, lookup, a head's tree and chain, its auto
-    tree where the ranks' caches hold other tuned trees, DFlash, a draft model, and a drafter
-    proposing other trees on rank 1 than on rank 0 all give
-    single-process plain decoding's tokens (and mlx-lm's own sharded generation's) on both
-    ranks."""
+def probabilities(model, context):
+    """The target's next-token distribution after ``context`` at temperature 1 and top-k 3."""
+    from mlx_eagle.verify import Sampling
+
+    logits = model(mx.array([context]))[0, -1]
+    return np.array(Sampling(temp=1.0, top_k=3).probabilities(logits)).astype(np.float64)
+
+
+def test_every_drafter_commits_plain_decodings_tokens_and_sampling_is_exact_on_every_rank(sharp_llama, tmp_path):
+    """Split by heads over 2 ranks, in one launch (a launch costs seconds):
+    - plain decoding, lookup, a head's tree and chain, its auto tree where the ranks'
+      caches hold other tuned trees, DFlash, a draft model, and a drafter proposing other
+      trees on rank 1 than on rank 0 all give single-process plain decoding's tokens (and
+      mlx-lm's own sharded generation's) on both ranks;
+    - seeded samples at temperature 1 and top-k 3, the second token from a round drafting
+      two tokens on rank 0 (the likeliest ones after the likeliest first token: accepted
+      part of the time) and another on rank 1: every rank draws the same tokens, and they
+      follow the target's exact joint distribution."""
+    from sampling_checks import chi_square_ok
+
     model_dir, head = sharp_llama
     expected = plain_tokens(model_dir, PROMPT, 30)
     assert len(set(expected)) > 15  # a text that varies
+    model, tokenizer = mlx_lm_load(str(model_dir))
+    ids = tokenizer.encode(PROMPT)
     script = tmp_path / "script.json"
-    script.write_text(json.dumps(mlx_lm_load(str(model_dir))[1].encode(PROMPT) + expected))
+    script.write_text(json.dumps(ids + expected))
+    first = probabilities(model, ids)
+    tree = [int(t) for t in np.argsort(-probabilities(model, ids + [int(np.argmax(first))]))[:2]]
     drafts = ["none", "lookup", "rank_drafter:RankDrafter", f"{head}@static:default", f"{head}@chain:4",
               str(head),  # --tree auto, from a tuned tree that differs between the ranks' caches: rank 0's
               str(head.parent / "dflash"),
               str(model_dir)]  # the model as its own draft model, whole on every rank (drafting where its timing pays)
+    samples = 200
     result = launch(2, sys.executable, str(TESTS / "sharded_worker.py"), str(model_dir), str(tmp_path), PROMPT, "30",
-                    ",".join(drafts), MLX_EAGLE_TEST_SCRIPT=str(script), MLX_EAGLE_TEST_TUNED=str(head))
+                    ",".join(drafts + [f"sampled:{samples}"]), MLX_EAGLE_TEST_SCRIPT=str(script),
+                    MLX_EAGLE_TEST_TUNED=str(head), MLX_EAGLE_TEST_TREE=json.dumps(tree))
     assert result.returncode == 0, result.stderr[-3000:]
-    for rank in ranks_results(tmp_path, 2, result):
+    ranks = ranks_results(tmp_path, 2, result)
+    for rank in ranks:
         assert rank["sharding"] == "split by heads over 2 ranks"
         assert rank["mlx_lm"] == expected
         for draft in drafts:
             assert rank[draft]["tokens"] == expected, draft
         assert rank["rank_drafter:RankDrafter"]["tau"] > 2  # rank 0's drafts, accepted part way
 
-
-def test_sampling_is_the_same_on_every_rank_and_exact_by_chi_square(sharp_llama, tmp_path):
-    """Seeded samples at temperature 1 and top-k 3, the second token from a round drafting
-    two tokens on rank 0 (the likeliest ones after the likeliest first token: accepted part of
-    the time) and another on rank 1: every rank draws the same tokens, and they follow the
-    target's exact joint distribution."""
-    from sampling_checks import chi_square_ok
-
-    from mlx_eagle.verify import Sampling
-
-    model_dir, _ = sharp_llama
-    model, tokenizer = mlx_lm_load(str(model_dir))
-    ids = tokenizer.encode(PROMPT)
-    sampling = Sampling(temp=1.0, top_k=3)
-
-    def probabilities(context):
-        return np.array(sampling.probabilities(model(mx.array([context]))[0, -1])).astype(np.float64)
-
-    first = probabilities(ids)
-    drafts = [int(t) for t in np.argsort(-probabilities(ids + [int(np.argmax(first))]))[:2]]
-    samples = 200
-    result = launch(2, sys.executable, str(TESTS / "sharded_worker.py"), str(model_dir), str(tmp_path), PROMPT, "1",
-                    f"sampled:{samples}", MLX_EAGLE_TEST_TREE=json.dumps(drafts))
-    assert result.returncode == 0, result.stderr[-3000:]
-    ranks = [rank[f"sampled:{samples}"] for rank in ranks_results(tmp_path, 2, result)]
-    assert ranks[0]["tokens"] == ranks[1]["tokens"]
-    assert ranks[0]["accepted"] > samples // 10  # rank 0's drafts, accepted part of the time
+    sampled = [rank[f"sampled:{samples}"] for rank in ranks]
+    assert sampled[0]["tokens"] == sampled[1]["tokens"]
+    assert sampled[0]["accepted"] > samples // 10  # rank 0's drafts, accepted part of the time
     counts = np.zeros((len(first), len(first)))
-    for t1, t2 in ranks[0]["tokens"]:
+    for t1, t2 in sampled[0]["tokens"]:
         counts[t1, t2] += 1
-    joint = np.stack([p * probabilities(ids + [t]) if p > 0 else np.zeros_like(first) for t, p in enumerate(first)])
+    joint = np.stack([p * probabilities(model, ids + [t]) if p > 0 else np.zeros_like(first)
+                      for t, p in enumerate(first)])
     assert counts[joint == 0].sum() == 0 and chi_square_ok(counts, joint)
 
 

@@ -13,6 +13,7 @@ PACKAGE = ROOT / "mlx_eagle"
 # What the runtime (target, drafters, trees, verify, decoder, generation, plan) must not reach.
 TOOLS_AND_APPS = ("mlx_eagle.bench", "mlx_eagle.tune", "mlx_eagle.train", "mlx_eagle.chat", "mlx_eagle.server")
 RUNTIME = ("mlx_eagle.target", "mlx_eagle.trees", "mlx_eagle.verify", "mlx_eagle.decoder", "mlx_eagle.prompt_cache",
+           "mlx_eagle.prompt_store",
            "mlx_eagle.generate", "mlx_eagle.generation", "mlx_eagle.scheduler",
            "mlx_eagle.plan", "mlx_eagle.drafters", "mlx_eagle.costs", "mlx_eagle.heads",
            "mlx_eagle.models", "mlx_eagle.engine", "mlx_eagle.session", "mlx_eagle.options", "mlx_eagle.architectures",
@@ -271,7 +272,7 @@ FLOORS = [
                                    "mtp_model", "convert")),
     ("loading", ("models",)),
     ("drafting", ("drafters", "grammar", "thinking")),
-    ("decoding", ("prompt_cache", "decoder", "plan")),
+    ("decoding", ("prompt_store", "prompt_cache", "decoder", "plan")),
     ("the API", ("options", "generation", "generate", "replies", "infill", "scheduler", "engine", "session")),
     ("tools and apps", ("", "generate.__main__", "convert.head", "convert.export", "bench", "tune", "train", "data",
                         "features", "chat", "protocols", "metrics", "server")),

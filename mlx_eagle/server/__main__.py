@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Optional, Sequence
 
 from ..cli import LAUNCHED, add_history_arguments, add_kv_arguments, add_model_arguments, history_choice, kv_options, \
     new_parser, run_cli
-from ..errors import MAX_CONCURRENCY, MAX_QUEUE, UserError
+from ..errors import MAX_CONCURRENCY, MAX_QUEUE, PROMPT_DISK_BYTES, UserError
 from ..protocols.store import STORE_BYTES
 from ..trees import parse_tree
 from . import IDLE_SECONDS, STALL_SECONDS, STOP_SECONDS, Server
@@ -48,6 +48,10 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                         help="what the caches of the conversations kept may hold together (default: twice the "
                         "model's weights, at least 256 MiB, at most an eighth of this machine's memory): a "
                         "request continuing one, or beginning as one did, reads only what is new")
+    parser.add_argument("--prompt-disk-bytes", type=int, default=PROMPT_DISK_BYTES, metavar="BYTES",
+                        help="what long prompts' caches kept on disk may hold (default 8 GiB; 0: none kept): a "
+                        "restarted server, or an agent's next session, does not read them again "
+                        "(docs/usage.md#agent-clients)")
     parser.add_argument("--max-concurrency", type=int, default=MAX_CONCURRENCY, metavar="N",
                         help=f"replies in progress at once, their rounds verified together (default {MAX_CONCURRENCY})")
     parser.add_argument("--max-queue", type=int, default=MAX_QUEUE, metavar="N",
@@ -88,6 +92,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                         f"{args.max_concurrency} and {args.max_queue}")
     if args.prompt_cache_bytes is not None and args.prompt_cache_bytes < 0:
         raise UserError(f"--prompt-cache-bytes must be 0 or more, not {args.prompt_cache_bytes}")
+    if args.prompt_disk_bytes < 0:
+        raise UserError(f"--prompt-disk-bytes must be 0 or more, not {args.prompt_disk_bytes}")
     if args.responses_store_bytes < 0:
         raise UserError(f"--responses-store-bytes must be 0 or more, not {args.responses_store_bytes}")
     if args.log_text and not args.log_requests:
@@ -98,7 +104,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
 
     def make_engine() -> Engine:
         return Engine(args.model, args.draft, tree=args.tree, history=history, lookup=not args.no_lookup,
-                      prompt_cache_bytes=args.prompt_cache_bytes, pipeline=args.pipeline,
+                      prompt_cache_bytes=args.prompt_cache_bytes, prompt_disk_bytes=args.prompt_disk_bytes,
+                      pipeline=args.pipeline,
                       max_concurrency=args.max_concurrency, max_queue=args.max_queue,
                       escape_special_text=args.escape_special_text, **kv_options(args))
 
