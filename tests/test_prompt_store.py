@@ -14,12 +14,20 @@ from mlx_eagle import prompt_store
 from mlx_eagle.decoder import SpeculativeDecoder
 from mlx_eagle.drafters.lookup import LookupDrafter
 from mlx_eagle.prompt_cache import PromptCaches
-from mlx_eagle.prompt_store import MIN_TOKENS, PromptStore
+from mlx_eagle.prompt_store import PromptStore
 from mlx_eagle.verify import Sampling
 from checkpoints import tiny_target
 from plain import plain, plain_tokens
 
+# Entries from 256 new tokens here, not prompt_store.MIN_TOKENS: the same mechanism, on
+# prompts 8 times shorter.
+MIN_TOKENS = 256
 LONG = MIN_TOKENS + 100
+
+
+@pytest.fixture(autouse=True)
+def fewer_tokens(monkeypatch):
+    monkeypatch.setattr(prompt_store, "MIN_TOKENS", MIN_TOKENS)
 
 
 def flat(tokens: int) -> float:
@@ -146,11 +154,9 @@ def test_caches_that_cannot_be_cut_back_are_not_kept(target, tmp_path):
 def test_a_new_engine_reads_on_from_where_a_cancelled_read_in_a_closed_one_stopped(smollm, tmp_path, monkeypatch):
     """The real SmolLM2 behind an Engine (a server's) drafting from the context: a client
     leaves while its long prompt is read, the process ends, and in a new one its retry reads
-    only what the finished chunks did not, its reply plain decoding's. (Entries from 256
-    new tokens here: the mechanism is the same at MIN_TOKENS, a prompt 8 times longer.)"""
+    only what the finished chunks did not, its reply plain decoding's."""
     from mlx_eagle.engine import Engine
 
-    monkeypatch.setattr(prompt_store, "MIN_TOKENS", 256)
     model, tokenizer = smollm
     ids = tokenizer.encode(" ".join(["Write one line about the sea, the wind and the long grey harbour wall."] * 38))
     assert 600 < len(ids) < 700
