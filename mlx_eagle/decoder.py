@@ -30,6 +30,7 @@ A thinking budget (thinking.py) shapes and masks a round the same way.
 
 from __future__ import annotations
 
+import itertools
 from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Callable, ContextManager, Iterator, List, Optional, Sequence, Tuple, Union
@@ -119,6 +120,7 @@ class SpeculativeDecoder:
         self.state = cache if cache is not None else make_prompt_cache(target)
         self.state.bind(target, kv)
         self.reused = 0  # prompt tokens the last prefill found already in the caches
+        self.read_chunk: Optional[int] = None  # prompt tokens the next pass reads (None: read_prompt's chunk)
         self.forwards = 0  # target forward passes, for tests and statistics
         self.rechecked = 0  # greedy positions too close to call in a block, decided by a one-row pass
         self._costs_of = costs
@@ -367,7 +369,7 @@ def read_prompt(decoder: SpeculativeDecoder, prompt: List[int], chunk: int = 512
         # The model's own forward pass computes logits for every token: the last one alone.
         # (So too where the cache may turn quantized before it, as plain decoding's does.)
         last_alone = not decoder.drives_target or decoder.kv is not None
-        spans = _spans(decoder, last, chunk) + [(last, len(prompt))] if last_alone \
+        spans = itertools.chain(_spans(decoder, last, chunk), [(last, len(prompt))]) if last_alone \
             else _spans(decoder, len(prompt), chunk)
         for begin, end in spans:
             out = decoder._forward(mx.array(prompt[begin:end]), begin, "causal" if end - begin > 1 else None)
@@ -417,15 +419,19 @@ def _chunk_read(decoder: SpeculativeDecoder, prompt: List[int], end: int, featur
             decoder.state.settle(tokens)
         raise
 
-def _spans(decoder: SpeculativeDecoder, end: int, chunk: int) -> List[Tuple[int, int]]:
-    """The (begin, end) spans of the prompt up to ``end`` read by one forward pass each:
-    ``chunk`` tokens at a time from what the caches hold, cut where a copy of the caches
-    is to be kept."""
-    # (With quantized KV caches on plain mlx-lm's grid, whose chunks decide where its cache turns.)
-    first = chunk * (decoder.reused // chunk + 1) if decoder.kv is not None else decoder.reused
-    cuts = sorted(set(range(first, end, chunk)) | {decoder.reused, end} |
-                  ({decoder.state.keep_at} if decoder.reused < decoder.state.keep_at < end else set()))
-    return list(zip(cuts, cuts[1:]))
+def _spans(decoder: SpeculativeDecoder, end: int, chunk: int) -> Iterator[Tuple[int, int]]:
+    """The (begin, end) spans of the prompt up to ``end`` read by one forward pass each,
+    from what the caches hold: ``chunk`` tokens at a time, or ``decoder.read_chunk`` where
+    it is set when a span begins (a server bounds a pass while other requests wait: any
+    split reads the same text), cut where a copy of the caches is to be kept. With
+    quantized KV caches, on plain mlx-lm's grid of ``chunk``, whose chunks decide where its
+    cache turns."""
+    begin, keep = decoder.reused, decoder.state.keep_at
+    while begin < end:
+        stop = (begin // chunk + 1) * chunk if decoder.kv is not None else begin + (decoder.read_chunk or chunk)
+        stop = keep if begin < keep < stop else min(stop, end)
+        yield begin, stop
+        begin = stop
 
 
 def batches(decoder: SpeculativeDecoder) -> bool:

@@ -8,7 +8,8 @@ worker then:
    beginning another's prompt is reading waits for that reading, then copies it);
 3. reads new prompts, at most ``PROMPT_TOKENS_PER_TURN`` tokens of them (a chunk), the one with
    the least left to read first, so a long prompt never holds the replies in progress back by
-   more than one chunk a turn, and a short one waits for at most one chunk of it;
+   more than one chunk a turn, and a short one waits for at most one chunk of it; while other
+   requests are live, about ``PASS_SECONDS`` of reading a turn, in passes sized to it;
 4. gives every reply in progress one round, their blocks verified in one packed forward pass
    (decoder.batched_round) where the target allows, each alone where not (a hybrid's
    recurrent layers, a sharded model).
@@ -42,6 +43,11 @@ from .prompt_cache import PromptCache, PromptCaches
 
 DONE = object()  # the end of a request's queue
 PROMPT_TOKENS_PER_TURN = 512  # new prompts' tokens read a turn, all together (the decoder's chunk)
+# While other requests are live, a turn's prompt reading takes about this long, in passes of
+# at least MIN_CHUNK tokens: a short request's first token waits for at most that much of
+# another's long prompt, and replies in progress take a round between.
+PASS_SECONDS = 0.5
+MIN_CHUNK = 32
 KEEPALIVE_SECONDS = 5.0  # a waiting caller's on_wait is called this often (a server's keep-alive)
 # A beginning this long, shared with a prompt being read, is copied once read rather than read again.
 SHARED_READ = PROMPT_TOKENS_PER_TURN
@@ -77,6 +83,7 @@ class ReplyJob:
     reading: Optional[Iterator[Tuple[int, int]]] = None  # the prompt's reading, until it ends
     read: int = 0
     unread: Optional[int] = None  # prompt tokens still to read (None: not known before its first chunk)
+    pace: Optional[float] = None  # prompt tokens a second its last chunk was read at
 
     @property
     def stopped(self) -> bool:
@@ -222,11 +229,19 @@ class Scheduler:
     def _read_prompts(self) -> None:
         """Read new prompts, PROMPT_TOKENS_PER_TURN a turn all together, the prompt with the
         least left to read first: a short request waits for at most the chunk in progress of
-        another's long prompt, never for all of it."""
+        another's long prompt, never for all of it. While other requests are live, a turn
+        reads for about PASS_SECONDS and a pass no longer than that at the prompt's measured
+        pace (a long prompt's chunk deep in its context takes seconds on a slow machine)."""
         budget = PROMPT_TOKENS_PER_TURN
         reading = [r for r in self.live if r.reading is not None]
+        shared = len(self.live) > 1 or bool(self.waiting)
+        began = time.perf_counter()
         for request in sorted(reading, key=lambda r: len(r.ids) if r.unread is None else r.unread):
             while budget > 0 and not request.stopped:
+                paced = request.pace is not None and shared
+                request.generation.decoder.read_chunk = \
+                    max(MIN_CHUNK, int(min(PROMPT_TOKENS_PER_TURN, request.pace * PASS_SECONDS))) if paced else None
+                tic = time.perf_counter()
                 try:
                     progress = next(request.reading, None)
                 except Exception as error:
@@ -237,10 +252,14 @@ class Scheduler:
                     self._hand_out(request, request.generation.first())
                     break
                 read, total = progress
+                if read > request.read:
+                    request.pace = (read - request.read) / max(time.perf_counter() - tic, 1e-6)
                 budget -= read - request.read
                 request.read, request.unread = read, total - read
                 if not request.cancel.is_set():
                     request.out.put(Progress(read, total))
+                if shared and time.perf_counter() - began >= PASS_SECONDS:
+                    return
 
     def _decode(self) -> None:
         rows = [r for r in self.live if r.reading is None and r.generation is not None]

@@ -233,10 +233,14 @@ def test_a_seed_reproduces_its_reply_whatever_drafts_it(smollm):
         plain_engine.close()
 
 
-def test_a_short_request_does_not_wait_behind_another_s_long_prompt(smollm):
+def test_a_short_request_does_not_wait_behind_another_s_long_prompt(smollm, monkeypatch):
     """A long prompt is being read when a short request arrives: the short one is read next
-    (least left to read first) and answers before the long prompt's reading ends; both
-    replies are plain decoding's."""
+    (least left to read first) and answers before the long prompt's reading ends, the long
+    one read meanwhile in passes bounded by time (here a bound no pass meets: the smallest,
+    32 tokens); both replies are plain decoding's."""
+    from mlx_eagle import scheduler
+
+    monkeypatch.setattr(scheduler, "PASS_SECONDS", 1e-6)
     model, tokenizer = smollm
     long_ids = tokenizer.encode(" ".join(QUESTIONS * 32))
     short_ids = chat_tokens(tokenizer, [{"role": "user", "content": QUESTIONS[0]}])
@@ -244,21 +248,28 @@ def test_a_short_request_does_not_wait_behind_another_s_long_prompt(smollm):
     engine = Engine(loaded=(model, tokenizer, None), draft="lookup", history=False)
     first_token, tokens, started = {}, {}, threading.Event()
 
-    def call(name, ids, **extra):
+    def call(name, ids, max_tokens, **extra):
         tokens[name] = []
-        for response in engine.generate(ids, max_tokens=6, **extra):
+        for response in engine.generate(ids, max_tokens=max_tokens, **extra):
             first_token.setdefault(name, time.monotonic())
             tokens[name].append(response.token)
 
     try:
-        long_caller = threading.Thread(target=call, args=("long", long_ids),
-                                       kwargs={"on_prompt_read": lambda read, total: started.set()})
+        read = []
+
+        def progress(done, total):
+            read.append(done)
+            if done:  # a chunk read: its pace is known
+                started.set()
+
+        long_caller = threading.Thread(target=call, args=("long", long_ids, 6), kwargs={"on_prompt_read": progress})
         long_caller.start()
         assert started.wait(120)
-        call("short", short_ids)
+        call("short", short_ids, 24)  # (rounds enough for the long prompt's passes between)
         long_caller.join()
         assert first_token["short"] < first_token["long"]
-        assert tokens["short"] == plain(model, short_ids, 6, tokenizer.eos_token_ids).tokens
+        assert scheduler.MIN_CHUNK in {b - a for a, b in zip(read, read[1:])}, read  # bounded passes
+        assert tokens["short"] == plain(model, short_ids, 24, tokenizer.eos_token_ids).tokens
         assert tokens["long"] == plain(model, long_ids, 6, tokenizer.eos_token_ids).tokens
     finally:
         engine.close()

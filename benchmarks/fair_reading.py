@@ -1,0 +1,109 @@
+"""A short request's time to first token while another request's long prompt is read (an
+agent's 27k-token first turn), on one Engine as the server runs it, two ways side by side at
+each depth of the long reading: the long prompt read in chunks of 512 tokens whatever else
+waits (``PASS_SECONDS`` unbounded), and in passes of about ``PASS_SECONDS`` (0.5 s) while
+other requests are live (the default).
+
+    python benchmarks/fair_reading.py [--model GGUF_OR_DIR] [--long 27000] [--short 200]
+        [--depths 2048,8192,16384,26000] [--out benchmarks/results/fair_reading.json]
+
+The long prompt is read once: when its reading passes each depth, a short request (a new
+prompt of ``--short`` tokens, one token asked for) is sent under each rule in turn, and its
+time to first token measured; the long request then leaves. A table on standard output,
+the JSON in ``--out``.
+"""
+
+import argparse
+import json
+import math
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import List, Optional
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from agent import add_model_argument  # noqa: E402
+
+from mlx_eagle import scheduler  # noqa: E402
+from mlx_eagle.cli import use_fast_blas  # noqa: E402
+from mlx_eagle.models import resolve_model  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+RULES = {"512-token chunks": math.inf, "passes of 0.5 s (default)": scheduler.PASS_SECONDS}
+
+
+class Left(Exception):
+    """The long request leaves once every depth is measured."""
+
+
+def texts(tokenizer, length: int, count: int) -> List[List[int]]:
+    """``count`` different prompts of ``length`` tokens: pieces of this package's source."""
+    source = " ".join(p.read_text() for p in sorted((ROOT / "mlx_eagle").rglob("*.py")))
+    ids = tokenizer.encode(source)
+    if len(ids) < length * count:
+        ids = ids * (length * count // len(ids) + 1)
+    return [ids[i * length:(i + 1) * length] for i in range(count)]
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_model_argument(parser)
+    parser.add_argument("--long", type=int, default=27000, help="the long prompt's tokens")
+    parser.add_argument("--short", type=int, default=200, help="each short request's prompt tokens")
+    parser.add_argument("--depths", default="2048,8192,16384,26000",
+                        help="how far the long reading has gone when short requests are sent")
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "fair_reading.json")
+    args = parser.parse_args(argv)
+    depths = [int(d) for d in args.depths.split(",")]
+    if not depths or max(depths) >= args.long:
+        raise SystemExit(f"error: --depths must lie within the long prompt's {args.long} tokens")
+    use_fast_blas()
+    from mlx_eagle.engine import Engine
+
+    engine = Engine(str(resolve_model(args.model)), history=False)
+    long_prompt, *shorts = texts(engine.tokenizer, args.long, 1 + len(depths) * len(RULES))
+    long_prompt = long_prompt[:args.long]
+    reached, done, rows = threading.Condition(), [], []
+    position = [0]
+
+    def progress(read: int, total: int) -> None:
+        with reached:
+            position[0] = read
+            reached.notify_all()
+        if done:
+            raise Left()
+
+    def read_long() -> None:
+        try:
+            for _ in engine.generate(long_prompt, max_tokens=1, on_prompt_read=progress):
+                pass
+        except Left:
+            pass
+
+    reader = threading.Thread(target=read_long)
+    reader.start()
+    try:
+        for depth in depths:
+            with reached:
+                reached.wait_for(lambda depth=depth: position[0] >= depth or not reader.is_alive())
+            for rule, seconds in RULES.items():
+                scheduler.PASS_SECONDS = seconds
+                short = shorts.pop()[:args.short]
+                sent, at, ttft = time.perf_counter(), position[0], None
+                for _ in engine.generate(short, max_tokens=1):
+                    ttft = ttft or time.perf_counter() - sent
+                rows.append({"depth": at, "rule": rule, "short_tokens": len(short), "ttft_s": round(ttft, 3)})
+                print(f"long prompt read to {at:6} tokens | {rule:26} | {len(short)}-token request's first token "
+                      f"after {ttft:6.2f} s", flush=True)
+    finally:
+        scheduler.PASS_SECONDS = RULES["passes of 0.5 s (default)"]
+        done.append(True)
+        reader.join()
+        engine.close()
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"model": args.model, "long_tokens": len(long_prompt), "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
