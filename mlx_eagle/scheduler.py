@@ -6,10 +6,10 @@ worker then:
 1. drops what was cancelled (a reply leaves between rounds; the others never notice);
 2. seats what waits, each in its conversation's prompt-cache slot (a request whose long
    beginning another's prompt is reading waits for that reading, then copies it);
-3. reads new prompts, at most ``PROMPT_TOKENS_PER_TURN`` tokens of them (a chunk), the one with
-   the least left to read first, so a long prompt never holds the replies in progress back by
-   more than one chunk a turn, and a short one waits for at most one chunk of it; while other
-   requests are live, about ``PASS_SECONDS`` of reading a turn, in passes sized to it;
+3. reads new prompts for about ``PASS_SECONDS`` (at most ``PROMPT_TOKENS_PER_TURN`` tokens),
+   the one with the least left to read first, in passes sized to that time, so a long prompt
+   never holds the replies in progress back by more than that a turn, and a request that
+   arrives waits for at most one pass of it;
 4. gives every reply in progress one round, their blocks verified in one packed forward pass
    (decoder.batched_round) where the target allows, each alone where not (a hybrid's
    recurrent layers, a sharded model).
@@ -43,11 +43,13 @@ from .prompt_cache import PromptCache, PromptCaches
 
 DONE = object()  # the end of a request's queue
 PROMPT_TOKENS_PER_TURN = 512  # new prompts' tokens read a turn, all together (the decoder's chunk)
-# While other requests are live, a turn's prompt reading takes about this long, in passes of
-# at least MIN_CHUNK tokens: a short request's first token waits for at most that much of
-# another's long prompt, and replies in progress take a round between.
+# A turn's prompt reading takes about this long, in passes of at least MIN_CHUNK tokens
+# (FIRST_CHUNK while a prompt's pace is not known): a request that arrives, or a reply in
+# progress, waits for at most that much of another's long prompt. (On a 2-core CPU a pass of
+# 32 tokens reads as many tokens a second as one of 512.)
 PASS_SECONDS = 0.5
 MIN_CHUNK = 32
+FIRST_CHUNK = 64
 KEEPALIVE_SECONDS = 5.0  # a waiting caller's on_wait is called this often (a server's keep-alive)
 # A beginning this long, shared with a prompt being read, is copied once read rather than read again.
 SHARED_READ = PROMPT_TOKENS_PER_TURN
@@ -227,20 +229,18 @@ class Scheduler:
         return [r.generation.cache for r in self.live if r.generation is not None]
 
     def _read_prompts(self) -> None:
-        """Read new prompts, PROMPT_TOKENS_PER_TURN a turn all together, the prompt with the
-        least left to read first: a short request waits for at most the chunk in progress of
-        another's long prompt, never for all of it. While other requests are live, a turn
-        reads for about PASS_SECONDS and a pass no longer than that at the prompt's measured
-        pace (a long prompt's chunk deep in its context takes seconds on a slow machine)."""
+        """Read new prompts for about PASS_SECONDS a turn (at most PROMPT_TOKENS_PER_TURN
+        tokens), the prompt with the least left to read first, each pass sized to that time
+        at the prompt's measured pace: a request that arrives, or a reply in progress, waits
+        for at most one such pass of another's long prompt, never for all of it (deep in a
+        27k-token prompt a 512-token pass takes many seconds on a slow machine)."""
         budget = PROMPT_TOKENS_PER_TURN
         reading = [r for r in self.live if r.reading is not None]
-        shared = len(self.live) > 1 or bool(self.waiting)
         began = time.perf_counter()
         for request in sorted(reading, key=lambda r: len(r.ids) if r.unread is None else r.unread):
             while budget > 0 and not request.stopped:
-                paced = request.pace is not None and shared
-                request.generation.decoder.read_chunk = \
-                    max(MIN_CHUNK, int(min(PROMPT_TOKENS_PER_TURN, request.pace * PASS_SECONDS))) if paced else None
+                request.generation.decoder.read_chunk = FIRST_CHUNK if request.pace is None else \
+                    max(MIN_CHUNK, int(min(PROMPT_TOKENS_PER_TURN, request.pace * PASS_SECONDS)))
                 tic = time.perf_counter()
                 try:
                     progress = next(request.reading, None)
@@ -258,7 +258,7 @@ class Scheduler:
                 request.read, request.unread = read, total - read
                 if not request.cancel.is_set():
                     request.out.put(Progress(read, total))
-                if shared and time.perf_counter() - began >= PASS_SECONDS:
+                if time.perf_counter() - began >= PASS_SECONDS:
                     return
 
     def _decode(self) -> None:
