@@ -8,8 +8,10 @@ other requests are live (the default).
         [--depths 2048,8192,16384,26000] [--out benchmarks/results/fair_reading.json]
 
 The long prompt is read once: when its reading passes each depth, a short request (a new
-prompt of ``--short`` tokens, one token asked for) is sent under each rule in turn, and its
-time to first token measured; the long request then leaves. A table on standard output,
+prompt of ``--short`` tokens, one token asked for) is sent under each rule in turn, just as
+a pass of the long prompt under that rule begins (the worst case: a request that arrives
+later waits for less of it), and its time to first token measured; the long request then
+leaves. A table on standard output,
 the JSON in ``--out``.
 """
 
@@ -89,6 +91,9 @@ def main(argv: Optional[List[str]] = None) -> None:
                 reached.wait_for(lambda depth=depth: position[0] >= depth or not reader.is_alive())
             for rule, seconds in RULES.items():
                 scheduler.PASS_SECONDS = seconds
+                with reached:  # the pass in flight, sized under the other rule, ends; the next is this rule's
+                    was = position[0]
+                    reached.wait_for(lambda was=was: position[0] > was or not reader.is_alive())
                 short = shorts.pop()[:args.short]
                 sent, at, ttft = time.perf_counter(), position[0], None
                 for _ in engine.generate(short, max_tokens=1):
