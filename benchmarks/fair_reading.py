@@ -5,7 +5,7 @@ waits (``PASS_SECONDS`` unbounded), and in passes of about ``PASS_SECONDS`` (0.5
 other requests are live (the default).
 
     python benchmarks/fair_reading.py [--model GGUF_OR_DIR] [--long 27000] [--short 200]
-        [--depths 2048,8192,16384,26000] [--out benchmarks/results/fair_reading.json]
+        [--depths 2048,8192,16384,24576] [--out benchmarks/results/fair_reading.json]
 
 The long prompt is read once: when its reading passes each depth, a short request (a new
 prompt of ``--short`` tokens, one token asked for) is sent under each rule in turn, just as
@@ -53,13 +53,13 @@ def main(argv: Optional[List[str]] = None) -> None:
     add_model_argument(parser)
     parser.add_argument("--long", type=int, default=27000, help="the long prompt's tokens")
     parser.add_argument("--short", type=int, default=200, help="each short request's prompt tokens")
-    parser.add_argument("--depths", default="2048,8192,16384,26000",
+    parser.add_argument("--depths", default="2048,8192,16384,24576",
                         help="how far the long reading has gone when short requests are sent")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "fair_reading.json")
     args = parser.parse_args(argv)
     depths = [int(d) for d in args.depths.split(",")]
-    if not depths or max(depths) >= args.long:
-        raise SystemExit(f"error: --depths must lie within the long prompt's {args.long} tokens")
+    if not depths or max(depths) + 2 * 512 >= args.long:  # (room for each rule's request before the reading ends)
+        raise SystemExit(f"error: --depths must end at least 1,024 tokens before the long prompt's {args.long}")
     use_fast_blas()
     from mlx_eagle.engine import Engine
 
@@ -98,7 +98,8 @@ def main(argv: Optional[List[str]] = None) -> None:
                 sent, at, ttft = time.perf_counter(), position[0], None
                 for _ in engine.generate(short, max_tokens=1):
                     ttft = ttft or time.perf_counter() - sent
-                rows.append({"depth": at, "rule": rule, "short_tokens": len(short), "ttft_s": round(ttft, 3)})
+                rows.append({"depth": at, "rule": rule, "short_tokens": len(short), "ttft_s": round(ttft, 3),
+                             "long_still_read": at < len(long_prompt) - 1})  # (else it waited for a round)
                 print(f"long prompt read to {at:6} tokens | {rule:26} | {len(short)}-token request's first token "
                       f"after {ttft:6.2f} s", flush=True)
     finally:
