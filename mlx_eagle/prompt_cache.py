@@ -104,6 +104,7 @@ class PromptCache:
             self.rewind.reset()
             reuse = 0
         self.unread = 0
+        self.stored = min(self.stored, reuse)  # (what an entry on disk holds of the caches, cut back too)
         return reuse
 
     def keep_beginning(self, read: int, prompt: List[int]) -> None:
