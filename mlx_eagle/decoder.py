@@ -422,8 +422,8 @@ def _chunk_read(decoder: SpeculativeDecoder, prompt: List[int], end: int, featur
 def _spans(decoder: SpeculativeDecoder, end: int, chunk: int) -> Iterator[Tuple[int, int]]:
     """The (begin, end) spans of the prompt up to ``end`` read by one forward pass each,
     from what the caches hold: ``chunk`` tokens at a time, or ``decoder.read_chunk`` where
-    it is set when a span begins (a server bounds a pass while other requests wait: any
-    split reads the same text), cut where a copy of the caches is to be kept. With
+    it is set when a span begins (the scheduler sizes each pass to a time: any split reads
+    the same text), cut where a copy of the caches is to be kept. With
     quantized KV caches, on plain mlx-lm's grid of ``chunk``, whose chunks decide where its
     cache turns."""
     begin, keep = decoder.reused, decoder.state.keep_at

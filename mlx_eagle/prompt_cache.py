@@ -222,7 +222,7 @@ class PromptCaches:
         self.slots = [slot for slot in self.slots if not slot.unfinished or any(slot is b for b in busy)]
         shared, best = max(((common_prefix(slot.tokens, prompt), slot) for slot in self.slots
                             if not slot.unfinished), key=lambda pair: pair[0], default=(0, None))
-        if self.store is not None:
+        if self.store is not None and shared + WORTH_LOADING <= len(prompt):  # (else memory holds all it could)
             kept, entry = self.store.best(prompt)
             if kept >= shared + WORTH_LOADING:
                 target = self.store.load(entry)
@@ -276,7 +276,7 @@ class PromptCaches:
         """A reply in ``slot`` has ended: where the store is kept and the slot holds enough
         that no entry does, save it there (prompt_store.py)."""
         if self.store is not None and not slot.unfinished and not slot.unread and self.store.keeps(
-                slot.target, slot.tokens, slot.stored):
+                slot.target, slot.tokens, slot.stored, cache_bytes(slot)):
             self.store.save(slot.target, slot.tokens)
             slot.stored = len(slot.tokens)
 

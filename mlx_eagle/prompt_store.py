@@ -119,11 +119,10 @@ class PromptStore:
             self._drop(entry.path, exc)
             return None
 
-    def keeps(self, target: List, tokens: List[int], stored: int) -> bool:
-        """Whether caches holding ``tokens`` (the last not read yet), of which the first
-        ``stored`` are in an entry already, are worth an entry of their own."""
-        return (len(tokens) - 1 - stored >= MIN_TOKENS and can_trim_prompt_cache(target)
-                and sum(getattr(layer, "nbytes", 0) for layer in target) <= self.max_bytes
+    def keeps(self, target: List, tokens: List[int], stored: int, size: int) -> bool:
+        """Whether caches holding ``tokens`` (the last not read yet) in ``size`` bytes, of
+        which the first ``stored`` are in an entry already, are worth an entry of their own."""
+        return (len(tokens) - 1 - stored >= MIN_TOKENS and can_trim_prompt_cache(target) and size <= self.max_bytes
                 and not any(common_prefix(entry.tokens, tokens) == len(tokens) for entry in self.entries))
 
     def save(self, target: List, tokens: List[int]) -> None:

@@ -147,8 +147,8 @@ def test_caches_that_cannot_be_cut_back_are_not_kept(target, tmp_path):
     recurrent, full = [ArraysCache(2)], [KVCache()]
     full[0].update_and_fetch(mx.zeros((1, 2, LONG, 4)), mx.zeros((1, 2, LONG, 4)))
     tokens = list(range(LONG + 1))
-    assert store.keeps(full, tokens, 0) and not store.keeps(full, tokens, 200)
-    assert not store.keeps(recurrent, tokens, 0)
+    assert store.keeps(full, tokens, 0, 1 << 20) and not store.keeps(full, tokens, 200, 1 << 20)
+    assert not store.keeps(recurrent, tokens, 0, 1 << 20)
 
 
 def test_a_new_engine_reads_on_from_where_a_cancelled_read_in_a_closed_one_stopped(smollm, tmp_path, monkeypatch):
