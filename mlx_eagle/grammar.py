@@ -23,12 +23,14 @@ forced tokens.
 
 from __future__ import annotations
 
+import ast
 import copy
 import json
+import re
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, List, Optional, Sequence
+from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 import llguidance
 import mlx.core as mx
@@ -65,10 +67,151 @@ def response_grammar(response_format: Any, where: str = "response_format") -> Op
             raise _field_error(f"{where}.json_schema must be an object with a 'schema' object", f"{where}.json_schema")
         schema = spec.get("schema", {})
         where = f"{where}.json_schema.schema"
+    elif kind == "grammar":
+        return format_grammar(response_format, where)
     else:
-        raise _field_error(f"{where}.type must be 'text', 'json_object' or 'json_schema', not {kind!r}",
+        raise _field_error(f"{where}.type must be 'text', 'json_object', 'json_schema' or 'grammar', not {kind!r}",
                            f"{where}.type")
     return schema_grammar(schema, where)
+
+
+def format_grammar(spec: Dict[str, Any], where: str) -> str:
+    """llguidance's grammar for OpenAI's grammar format (a custom tool's ``format``, or a
+    ``response_format`` of this type): {"type": "grammar", "syntax": "lark" or "regex",
+    "definition": ...}, checked with the engine."""
+    syntax, definition = spec.get("syntax"), spec.get("definition")
+    if syntax not in ("lark", "regex") or not isinstance(definition, str):
+        raise _field_error(f"{where} must have syntax 'lark' or 'regex' and a definition string", where)
+    if syntax == "lark":  # (llguidance has no Lark's common terminals to import: they are defined here)
+        definition = re.sub(r"(?m)^\s*%import\s+common\.(\w+)\s*$",
+                            lambda found: f"{found.group(1)}: /{LARK_COMMON[found.group(1)]}/"
+                            if found.group(1) in LARK_COMMON else found.group(0), definition)
+    try:
+        grammar = (llguidance.LLMatcher.grammar_from_lark(definition) if syntax == "lark"
+                   else llguidance.LLMatcher.grammar_from_regex(definition))
+    except (ValueError, TypeError) as exc:
+        raise _field_error(f"{where}.definition is not a {syntax} grammar: {_first_line(str(exc))}", where) from None
+    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
+    if is_error:
+        raise _field_error(f"{where}.definition cannot be followed: {_first_line(messages[0])}", where)
+    return grammar
+
+
+# Lark's common terminals a freeform tool's grammar may import, as regular expressions.
+LARK_COMMON = {"LF": r"\n", "CR": r"\r", "NEWLINE": r"(\r?\n)+", "WS": r"[ \t\f\r\n]+", "WS_INLINE": r"[ \t]+",
+               "DIGIT": "[0-9]", "INT": "[0-9]+", "LETTER": "[A-Za-z]", "WORD": "[A-Za-z]+"}
+_LARK_TOKEN = re.compile(r'\s*(?:(?P<string>"(?:[^"\\\n]|\\.)*")|(?P<regex>/(?:[^/\\\n]|\\.)+/)'
+                         r"|(?P<name>[A-Za-z_][A-Za-z_0-9]*)|(?P<op>[()\[\]|?*+]))")
+
+
+def lark_regex(definition: str) -> Optional[str]:
+    """A regular Lark grammar (no rule reaches itself: Codex's ``apply_patch`` is one) as one
+    regular expression over its text; None where it is not regular or uses what this reader
+    does not (priorities, templates, ``%ignore``, flags on literals, imports beyond
+    LARK_COMMON). A call's text is held to it inside the call's JSON string."""
+    rules: Dict[str, str] = {}
+    name = None
+    for line in definition.splitlines():
+        line = re.sub(r"(^|\s)(//|#).*$", "", line).rstrip()
+        if not line.strip():
+            continue
+        imported = re.fullmatch(r"%import\s+common\.(\w+)", line.strip())
+        if imported and imported.group(1) in LARK_COMMON:
+            continue
+        if line.lstrip().startswith("|") and name is not None:
+            rules[name] += " " + line.strip()
+            continue
+        found = re.fullmatch(r"\s*[?!]?([A-Za-z_][A-Za-z_0-9]*)\s*:(.*)", line)
+        if found is None:
+            return None
+        name, body = found.groups()
+        rules[name] = body.strip()
+    expanding: List[str] = []
+
+    def rule(rule_name: str) -> Optional[str]:
+        if rule_name in LARK_COMMON and rule_name not in rules:
+            return LARK_COMMON[rule_name]
+        if rule_name not in rules or rule_name in expanding:
+            return None
+        expanding.append(rule_name)
+        body = re.sub(r"->\s*\w+", "", rules[rule_name])  # (an alias names a tree node: nothing to match)
+        tokens = []
+        at = 0
+        while body[at:].strip():
+            token = _LARK_TOKEN.match(body, at)
+            if token is None:
+                return None
+            tokens.append((token.lastgroup, token.group(token.lastgroup)))
+            at = token.end()
+        pattern = _lark_alternatives(tokens, rule)
+        expanding.pop()
+        return pattern
+
+    return rule("start")
+
+
+def _lark_alternatives(tokens: List[tuple], rule) -> Optional[str]:
+    """Lark's expansion ``tokens`` (kind, text) as one regular expression, rules expanded by
+    ``rule``; None where a part cannot be."""
+    stack: List[List[List[str]]] = [[[]]]  # per open group: its alternatives, each a sequence of patterns
+    closers: List[str] = []
+    for kind, text in tokens:
+        alternatives = stack[-1]
+        if kind == "string":
+            try:
+                literal = ast.literal_eval(text)
+            except (ValueError, SyntaxError):
+                return None
+            alternatives[-1].append(re.sub(r"([\\.^$|?*+()\[\]{}-])", r"\\\1", literal).replace("\n", r"\n"))
+        elif kind == "regex":
+            alternatives[-1].append("(?:" + text[1:-1].replace("\\/", "/") + ")")
+        elif kind == "name":
+            expanded = rule(text)
+            if expanded is None:
+                return None
+            alternatives[-1].append("(?:" + expanded + ")")
+        elif text in "([":
+            stack.append([[]])
+            closers.append(")" if text == "(" else "]")
+        elif text in ")]":
+            if not closers or closers.pop() != text:
+                return None
+            group = stack.pop()
+            stack[-1][-1].append("(?:" + "|".join("".join(seq) for seq in group) + ")" + ("?" if text == "]" else ""))
+        elif text == "|":
+            alternatives.append([])
+        elif not alternatives[-1]:  # an operator with nothing before it
+            return None
+        else:
+            alternatives[-1][-1] = "(?:" + alternatives[-1][-1] + ")" + text
+    if closers:
+        return None
+    return "|".join("".join(sequence) for sequence in stack[0])
+
+
+def calls_grammar(functions: Sequence[str], held: Mapping[str, str], named: Optional[str] = None) -> Dict[str, str]:
+    """The reply's grammar (a response format) where some tools' text is held (``held``: a
+    freeform tool's name -> the regular expression its text follows), for models that write
+    calls as ``<tool_call>`` JSON (Qwen, Hermes): free text, then calls if any, each a JSON
+    object naming a tool; a held tool's ``input`` string follows its expression, the other
+    tools' arguments are any object. ``named``: the reply was made to begin with that held
+    tool's call up to its arguments' ``{`` (forced_opening): the grammar is the call's rest."""
+    def call(name: str, arguments: Dict[str, Any]) -> Dict[str, Any]:
+        return {"type": "object", "properties": {"name": {"const": name}, "arguments": arguments},
+                "required": ["name", "arguments"], "additionalProperties": False}
+
+    held_input = {name: {"type": "object", "properties": {"input": {"type": "string", "pattern": f"^(?:{pattern})$"}},
+                         "required": ["input"], "additionalProperties": False} for name, pattern in held.items()}
+    if named is not None:
+        text = {"type": "string", "pattern": held_input[named]["properties"]["input"]["pattern"]}
+        return {"type": "grammar", "syntax": "lark", "definition":
+                f'start: "\\"input\\": " %json {json.dumps(text)} "}}}}\\n" </tool_call>\n'}
+    schema = {"anyOf": [call(name, held_input.get(name, {"type": "object"})) for name in functions],
+              "x-guidance": JSON_LAYOUT}
+    return {"type": "grammar", "syntax": "lark", "definition":
+            "start: TEXT | TEXT? calls\ncalls: call (\"\\n\" call)*\n"
+            "call: <tool_call> \"\\n\" body \"\\n\" </tool_call>\n"
+            f"body: %json {json.dumps(schema)}\nTEXT: /(.|\\n)+/\n"}
 
 
 def schema_grammar(schema: Any, where: str = "the JSON schema") -> str:

@@ -297,15 +297,17 @@ def forced_opening(tokenizer, choice: Any) -> str:
     return opening if choice == "required" else opening + choice["function"]["name"] + '", "arguments": {'
 
 
-def bare_calls(text: str, tools: Sequence[Dict[str, Any]]) -> Optional[List[ToolCall]]:
-    """The calls in a reply written as bare JSON (see the module's docstring), or None."""
+def bare_calls(text: str, tools: Sequence[Dict[str, Any]], tagged_only: Iterable[str] = ()) -> Optional[List[ToolCall]]:
+    """The calls in a reply written as bare JSON (see the module's docstring), or None.
+    ``tagged_only``: tools called only inside the template's call tags (where a grammar
+    holds their text), whose bare JSON stays text."""
     text = text.strip()
     fenced = FENCE.match(text)
     try:
         value = json.loads(fenced.group(1) if fenced else text)
     except ValueError:
         return None
-    offered = {t["function"]["name"] for t in tools}
+    offered = {t["function"]["name"] for t in tools} - set(tagged_only)
     calls = value if isinstance(value, list) else [value]
     if not calls or not all(isinstance(c, dict) and set(c) <= {"name", "arguments", "parameters"}
                             and c.get("name") in offered for c in calls):
@@ -379,6 +381,7 @@ class ReplySplitter:
         self.content_seen = False  # the reply is known not to be a bare call: its text goes out as it comes
         self.called = False  # the reply has made a call
         self.opening = self.pending = opening  # text the reply was made to begin with: split with the first piece
+        self.tagged_only: Sequence[str] = ()  # tools whose bare JSON is not a call (bare_calls)
 
     @property
     def forced_call(self) -> bool:
@@ -402,7 +405,7 @@ class ReplySplitter:
             late += self._read_call(self.call_text, piece, closed=False)
             self.call_text = ""
         if self.held:
-            calls = bare_calls(self.held, self.tools)
+            calls = bare_calls(self.held, self.tools, self.tagged_only)
             if calls:
                 late += calls
             else:

@@ -12,6 +12,9 @@ import json
 import os
 from typing import Dict, Iterable, List, NamedTuple, Optional, Tuple
 
+import llguidance
+import llguidance.hf
+import llguidance.numpy
 import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
@@ -80,3 +83,31 @@ def plain_tokens(model, ids: Iterable[int], max_tokens: int, eos: Iterable[int] 
                  kv: Optional[Dict[str, int]] = None) -> List[int]:
     """plain(...)'s tokens."""
     return plain(model, ids, max_tokens, eos, kv).tokens
+
+
+def reference_matcher(tokenizer, grammar: str, vocab: int) -> llguidance.LLMatcher:
+    """A matcher of its own, beside the runtime's."""
+    return llguidance.LLMatcher(llguidance.hf.from_tokenizer(tokenizer._tokenizer, n_vocab=vocab,
+                                                             eos_token=sorted(tokenizer.eos_token_ids)), grammar)
+
+
+def plain_constrained(model, tokenizer, prompt: List[int], grammar: str, max_tokens: int) -> List[int]:
+    """mlx-lm's own loop, greedy, with the grammar's mask as a logits processor."""
+    matcher = reference_matcher(tokenizer, grammar, model.args.vocab_size)
+
+    def processor(tokens: mx.array, logits: mx.array) -> mx.array:
+        if tokens.size > len(prompt):
+            matcher.consume_token(int(tokens[-1].item()))
+        values = np.array(logits.astype(mx.float32))
+        llguidance.numpy.apply_token_bitmask_inplace(values, np.frombuffer(matcher.compute_bitmask(),
+                                                                           dtype=np.int32)[None].copy())
+        return mx.array(values)
+
+    out = []
+    for token, _ in generate_step(mx.array(prompt), model, max_tokens=max_tokens,
+                                  sampler=lambda logprobs: mx.argmax(logprobs, axis=-1),
+                                  logits_processors=[processor]):
+        out.append(int(token))
+        if int(token) in tokenizer.eos_token_ids:
+            break
+    return out

@@ -13,7 +13,6 @@ import llguidance.numpy
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx_lm.generate import generate_step
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from drafting import decoder as make_decoder
@@ -23,6 +22,7 @@ from mlx_eagle.replies import chat_tokens
 from mlx_eagle.grammar import Grammar, mask_logits, response_grammar, schema_grammar
 from mlx_eagle.verify import Sampling
 from oracle import FixedDraft
+from plain import plain_constrained, reference_matcher
 from sampling_checks import PROMPT, TREE, VOCAB, chi_square_ok
 
 PERSON = {"type": "object", "properties": {
@@ -48,12 +48,6 @@ def six_token_tokenizer():
 
 def six_token_grammar(tokenizer) -> Grammar:
     return Grammar(tokenizer, llguidance.LLMatcher.grammar_from_lark(SIX_TOKEN_GRAMMAR), VOCAB)
-
-
-def reference_matcher(tokenizer, grammar: str, vocab: int) -> llguidance.LLMatcher:
-    """A matcher of its own, beside the runtime's."""
-    return llguidance.LLMatcher(llguidance.hf.from_tokenizer(tokenizer._tokenizer, n_vocab=vocab,
-                                                             eos_token=sorted(tokenizer.eos_token_ids)), grammar)
 
 
 def allowed_set(matcher: llguidance.LLMatcher, vocab: int) -> set:
@@ -139,28 +133,6 @@ def test_sampling_follows_the_masked_distribution(six_token_model, six_token_tok
     assert chi_square_ok(counts, joint)
     assert accepted > samples / 4  # drafts were accepted: the masks were on tree nodes
     assert counts[:, 4].sum() == 0 and counts[4].sum() == 0  # "e" is never allowed there
-
-
-def plain_constrained(model, tokenizer, prompt: List[int], grammar: str, max_tokens: int) -> List[int]:
-    """mlx-lm's own loop, greedy, with the grammar's mask as a logits processor."""
-    matcher = reference_matcher(tokenizer, grammar, model.args.vocab_size)
-
-    def processor(tokens: mx.array, logits: mx.array) -> mx.array:
-        if tokens.size > len(prompt):
-            matcher.consume_token(int(tokens[-1].item()))
-        values = np.array(logits.astype(mx.float32))
-        llguidance.numpy.apply_token_bitmask_inplace(values, np.frombuffer(matcher.compute_bitmask(),
-                                                                           dtype=np.int32)[None].copy())
-        return mx.array(values)
-
-    out = []
-    for token, _ in generate_step(mx.array(prompt), model, max_tokens=max_tokens,
-                                  sampler=lambda logprobs: mx.argmax(logprobs, axis=-1),
-                                  logits_processors=[processor]):
-        out.append(int(token))
-        if int(token) in tokenizer.eos_token_ids:
-            break
-    return out
 
 
 def speculative(model, tokenizer, prompt: List[int], response_format, draft, max_tokens: int):

@@ -20,7 +20,7 @@ from mlx_eagle.infill import infill_prompt, infill_tokens
 from mlx_eagle.protocols.store import ResponseStore
 from mlx_eagle.replies import chat_prompt, check_messages
 from mlx_eagle.engine import Engine
-from plain import plain_tokens
+from plain import plain_constrained, plain_tokens
 
 pytestmark = pytest.mark.slow  # a server with the real Qwen2.5-Coder-0.5B
 
@@ -591,6 +591,66 @@ def test_codexs_requests_are_served_and_a_namespaced_call_comes_back_with_its_na
     assert status == 200 and call["name"] == "spawn_agent" and call["namespace"] == "multi_agent_v1"
     again = {**forced, "tool_choice": "auto", "input": items + [call, {"type": "function_call_output",
                                                                        "call_id": call["call_id"], "output": "ok"}]}
+    status, payload = raw(served[0], "POST", "/v1/responses", again)
+    assert status == 200, payload
+
+
+# Codex CLI 0.171.0's freeform apply_patch tool's grammar, as it sends it.
+APPLY_PATCH = """start: begin_patch hunk+ end_patch
+begin_patch: "*** Begin Patch" LF
+end_patch: "*** End Patch" LF?
+hunk: add_hunk | delete_hunk | update_hunk
+add_hunk: "*** Add File: " filename LF add_line+
+delete_hunk: "*** Delete File: " filename LF
+update_hunk: "*** Update File: " filename LF change_move? change?
+filename: /(.+)/
+add_line: "+" /(.*)/ LF -> line
+change_move: "*** Move to: " filename LF
+change: (change_context | change_line)+ eof_line?
+change_context: ("@@" | "@@ " /(.+)/) LF
+change_line: ("+" | "-" | " ") /(.*)/ LF
+eof_line: "*** End of File" LF
+%import common.LF
+"""
+PATCH_TOOL = {"type": "custom", "name": "apply_patch", "description": "Edits files. This is a FREEFORM tool, so do not "
+              "wrap the patch in JSON.", "format": {"type": "grammar", "syntax": "lark", "definition": APPLY_PATCH}}
+
+
+def test_a_freeform_tools_call_is_held_to_its_grammar_and_comes_back_as_a_custom_tool_call(served, qwen_coder):
+    """Codex's custom apply_patch tool: its Lark grammar read as one expression (a patch
+    matches, a near miss does not), the call's text held to it by the reply's grammar and
+    returned as a custom_tool_call whose input is plain decoding's under the same grammar, in
+    the stream's events and the final response alike; its record and output read back."""
+    import re
+
+    from mlx_eagle.grammar import lark_regex, response_grammar
+    from mlx_eagle.protocols.responses import Responses
+
+    pattern = lark_regex(APPLY_PATCH)
+    patch = "*** Begin Patch\n*** Update File: calc.py\n@@ def add\n-    return a - b\n+    return a + b\n*** End Patch\n"
+    assert re.fullmatch(pattern, patch) and not re.fullmatch(pattern, patch.replace("*** Update", "** Update"))
+    assert lark_regex('start: item\nitem: "x" item | "y"') is None  # (not regular: offered, not held)
+    model, tokenizer = qwen_coder
+    body = {"model": "qwen-local", "input": "In calc.py, add returns a - b. Make it return a + b.",
+            "tools": [PATCH_TOOL, CODEX_TOOLS[0]], "tool_choice": {"type": "custom", "name": "apply_patch"},
+            "max_output_tokens": 80, "store": False}
+    parsed = Responses(ResponseStore()).parse(body, served[1], 80)
+    plain = plain_constrained(model, tokenizer, parsed.ids, response_grammar(parsed.options.response_format), 80)
+    opening = '<tool_call>\n{"name": "apply_patch", "arguments": {'
+    text = opening + tokenizer.decode([t for t in plain if t not in tokenizer.eos_token_ids])
+    expected = json.loads(text.split("<tool_call>")[1].split("</tool_call>")[0])["arguments"]["input"]
+    assert re.fullmatch(pattern, expected), expected
+    status, payload = raw(served[0], "POST", "/v1/responses", body)
+    (call,) = json.loads(payload)["output"]
+    assert status == 200 and call["type"] == "custom_tool_call" and call["name"] == "apply_patch"
+    assert call["input"] == expected
+    status, payload = raw(served[0], "POST", "/v1/responses", {**body, "stream": True})
+    events = [json.loads(line[6:]) for line in payload.decode().split("\n") if line.startswith("data: ")]
+    (done,) = [event for event in events if event["type"] == "response.custom_tool_call_input.done"]
+    assert done["input"] == expected and events[-1]["response"]["output"][0]["id"] == done["item_id"]
+    again = {**body, "tool_choice": "auto", "max_output_tokens": 8,
+             "input": [{"role": "user", "content": body["input"]}, call,
+                       {"type": "custom_tool_call_output", "call_id": call["call_id"], "output": "Done."}]}
     status, payload = raw(served[0], "POST", "/v1/responses", again)
     assert status == 200, payload
 

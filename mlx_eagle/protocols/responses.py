@@ -26,7 +26,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
-from ..grammar import response_grammar
+from ..errors import UserError
+from ..grammar import calls_grammar, format_grammar, lark_regex, response_grammar
 from ..options import ReplyOptions
 from ..thinking import effort_budget
 from . import Collected, Protocol, Request, RequestError, flag, number, sse, whole
@@ -102,11 +103,14 @@ class Tools:
     """A request's tools as the prompt offers them: function tools in chat completions' shape
     (checked there), namespaces flattened into their function tools; ``namespaces``: each
     offered name of a namespaced tool -> (its namespace, its own name), which its calls come
-    back under; ``left_out``: the tools this server cannot run (hosted ones such as
-    ``web_search``, which run on OpenAI's service; freeform ``custom`` ones), not offered."""
+    back under; ``custom``: each freeform tool's name -> the regular expression its text is
+    held to (None: any text), offered as a function of one string, ``input``; ``left_out``:
+    the tools this server cannot run (hosted ones such as ``web_search``, which run on
+    OpenAI's service), not offered."""
 
     functions: List[Dict[str, Any]] = field(default_factory=list)
     namespaces: Dict[str, Tuple[str, str]] = field(default_factory=dict)
+    custom: Dict[str, Optional[str]] = field(default_factory=dict)
     left_out: List[str] = field(default_factory=list)
 
     @property
@@ -117,6 +121,29 @@ class Tools:
 def _function(tool: Dict[str, Any], name: str) -> Dict[str, Any]:
     function = {k: tool[k] for k in ("description", "parameters") if tool.get(k) is not None}  # (the SDK sends nulls)
     return {"type": "function", "function": {"name": name, **function}}
+
+
+def _freeform(tool: Dict[str, Any], where: str) -> Tuple[Dict[str, Any], Optional[str]]:
+    """A ``custom`` tool as the function the prompt offers (its text in one string, ``input``,
+    its format's definition in the description), and the expression that text is held to:
+    a regex format's own, a regular Lark grammar's (grammar.lark_regex); None for text, or
+    a Lark grammar that is not regular (not held)."""
+    fmt = tool.get("format") or {"type": "text"}
+    if not isinstance(fmt, dict) or fmt.get("type") not in ("text", "grammar"):
+        raise RequestError(400, f"{where}.format must be {{'type': 'text'}} or {{'type': 'grammar', 'syntax': "
+                                "'lark' or 'regex', 'definition': ...}", "tools")
+    description = tool.get("description") or ""
+    pattern = None
+    if fmt["type"] == "grammar":
+        try:
+            format_grammar(fmt, f"{where}.format")
+        except UserError as error:
+            raise RequestError(400, str(error), "tools") from None
+        pattern = fmt["definition"] if fmt["syntax"] == "regex" else lark_regex(fmt["definition"])
+        description += f"\n\nIts input follows this {fmt['syntax']} grammar:\n{fmt['definition']}"
+    parameters = {"type": "object", "properties": {"input": {"type": "string", "description":
+                  "The tool's whole input, as freeform text (not JSON)."}}, "required": ["input"]}
+    return _function({"description": description.strip(), "parameters": parameters}, tool["name"]), pattern
 
 
 def tools(value: Any) -> Tools:
@@ -143,6 +170,9 @@ def tools(value: Any) -> Tools:
                 offered = name if inner.count(name) == 1 and name not in plain else f"{tool['name']}.{name}"
                 found.namespaces[offered] = (tool["name"], name)
                 found.functions.append(_function(member, offered))
+        elif kind == "custom" and isinstance(tool.get("name"), str):
+            function, found.custom[tool["name"]] = _freeform(tool, f"tools[{index}]")
+            found.functions.append(function)
         elif isinstance(kind, str):
             found.left_out.append(tool.get("name") or kind)
         else:
@@ -152,13 +182,13 @@ def tools(value: Any) -> Tools:
 
 
 def tool_choice(value: Any, offered: Tools) -> Any:
-    if isinstance(value, dict) and value.get("type") == "function" and isinstance(value.get("name"), str):
+    if isinstance(value, dict) and value.get("type") in ("function", "custom") and isinstance(value.get("name"), str):
         name = offered.flat.get((value.get("namespace"), value["name"]), value["name"])
         return {"type": "function", "function": {"name": name}}
     if value is None or value in ("auto", "none", "required"):
         return value
-    raise RequestError(400, "tool_choice must be 'auto', 'none', 'required' or {'type': 'function', 'name': ...}",
-                       "tool_choice")
+    raise RequestError(400, "tool_choice must be 'auto', 'none', 'required' or {'type': 'function' (or 'custom'), "
+                            "'name': ...}", "tool_choice")
 
 
 def text_format(value: Any) -> Optional[Dict[str, Any]]:
@@ -215,10 +245,16 @@ class Responses(Protocol):
         response_format = text_format(body.get("text"))
         system = [{"role": "system", "content": instructions}] if instructions else []
         thinks = None if effort is None else effort != "none"
-        ids, splitter = chat_ids(engine, system + conversation_, offered.functions or None,
-                                 tool_choice(body.get("tool_choice"), offered), thinks, "input")
+        choice = tool_choice(body.get("tool_choice"), offered)
+        ids, splitter = chat_ids(engine, system + conversation_, offered.functions or None, choice, thinks, "input")
         if splitter.forced_call:  # the reply is a tool call: the format is for answer text
             response_format = None
+        held = {name: pattern for name, pattern in offered.custom.items() if pattern is not None}
+        if held and response_format is None and splitter.tools and engine.tokenizer.tool_call_start == "<tool_call>":
+            named = choice["function"]["name"] if isinstance(choice, dict) else None
+            if choice in ("auto", None) or named in held:
+                response_format = calls_grammar([t["function"]["name"] for t in splitter.tools], held, named)
+                splitter.tagged_only = list(held)
         limit = engine.context_length or 1 << 30
         if body.get("metadata") is not None and not isinstance(body["metadata"], dict):
             raise RequestError(400, "metadata must be an object", "metadata")
@@ -232,7 +268,7 @@ class Responses(Protocol):
                 "store": flag(body, "store", True), "metadata": body.get("metadata") or {},
                 "text": body.get("text") or {"format": {"type": "text"}}, "reasoning": reasoning or {},
                 "parallel_tool_calls": flag(body, "parallel_tool_calls", True), "conversation": conversation_,
-                "namespaces": offered.namespaces, "tools_left_out": offered.left_out}
+                "namespaces": offered.namespaces, "custom": offered.custom, "tools_left_out": offered.left_out}
         return Request(ids=ids, chat=True, stream=flag(body, "stream"), options=options, model=model,
                        splitter=splitter, protocol=self, echo=echo)
 
@@ -288,13 +324,13 @@ class Responses(Protocol):
             output.append(_item("reasoning", f"rs_{uuid.uuid4().hex}", collected.reasoning))
         if collected.text or not collected.calls:
             output.append(_item("message", f"msg_{uuid.uuid4().hex}", collected.text))
-        output += [_call_item(call, request.echo["namespaces"]) for call in collected.calls]
+        output += [_call_item(call, request.echo) for call in collected.calls]
         return self._finish(request, collected, output, usage, f"resp_{uuid.uuid4().hex}")
 
     def events(self, request: Request, responses: Iterator[Any],
                usage: Callable[[Any], Dict[str, Any]]) -> Iterator[bytes]:
         response_id = f"resp_{uuid.uuid4().hex}"
-        items = _Items(request.echo["namespaces"])
+        items = _Items(request.echo)
         started = self._response(request, "in_progress", [], None, response_id)
         yield items.event("response.created", response=started)
         yield items.event("response.in_progress", response=started)
@@ -344,10 +380,18 @@ def _item(kind: str, item_id: str, text: Optional[str]) -> Dict[str, Any]:
             "role": "assistant", "content": content}
 
 
-def _call_item(call, namespaces: Dict[str, Tuple[str, str]], status: str = "completed") -> Dict[str, Any]:
-    """A function_call item; a namespaced tool's call under its own name and its namespace (as
-    Codex reads it)."""
-    namespace, name = namespaces.get(call.name, (None, call.name))
+def _call_item(call, echo: Dict[str, Any], status: str = "completed") -> Dict[str, Any]:
+    """A function_call item, a namespaced tool's call under its own name and its namespace (as
+    Codex reads it); a freeform tool's call, a custom_tool_call item with its text."""
+    if call.name in echo["custom"]:
+        try:
+            text = json.loads(call.arguments).get("input")
+        except (ValueError, AttributeError):
+            text = None
+        return {"type": "custom_tool_call", "id": "ctc_" + call.id.split("_", 1)[-1], "call_id": call.id,
+                "name": call.name, "input": (text if isinstance(text, str) else call.arguments)
+                if status == "completed" else "", "status": status}
+    namespace, name = echo["namespaces"].get(call.name, (None, call.name))
     return {"type": "function_call", "id": "fc_" + call.id.split("_", 1)[-1], "call_id": call.id, "name": name,
             **({"namespace": namespace} if namespace else {}),
             "arguments": call.arguments if status == "completed" else "", "status": status}
@@ -357,8 +401,8 @@ class _Items:
     """The output items of a streamed response: which is open, their events, and the items
     finished so far (``output``)."""
 
-    def __init__(self, namespaces: Dict[str, Tuple[str, str]]):
-        self.namespaces = namespaces
+    def __init__(self, echo: Dict[str, Any]):
+        self.echo = echo  # (the request's tools: how a call's item is written)
         self.output: List[Dict[str, Any]] = []
         self.sequence = 0
         self.open: Optional[str] = None
@@ -401,13 +445,18 @@ class _Items:
 
     def call(self, call) -> Iterator[bytes]:
         yield from self.close()
-        added = _call_item(call, self.namespaces, "in_progress")
+        added, item = _call_item(call, self.echo, "in_progress"), _call_item(call, self.echo)
         index = len(self.output)
         yield self.event("response.output_item.added", output_index=index, item=added)
-        yield self.event("response.function_call_arguments.delta", item_id=added["id"], output_index=index,
-                         delta=call.arguments)
-        yield self.event("response.function_call_arguments.done", item_id=added["id"], output_index=index,
-                         arguments=call.arguments, name=call.name)
-        item = _call_item(call, self.namespaces)
+        if item["type"] == "custom_tool_call":
+            yield self.event("response.custom_tool_call_input.delta", item_id=added["id"], output_index=index,
+                             delta=item["input"])
+            yield self.event("response.custom_tool_call_input.done", item_id=added["id"], output_index=index,
+                             input=item["input"])
+        else:
+            yield self.event("response.function_call_arguments.delta", item_id=added["id"], output_index=index,
+                             delta=call.arguments)
+            yield self.event("response.function_call_arguments.done", item_id=added["id"], output_index=index,
+                             arguments=call.arguments, name=call.name)
         yield self.event("response.output_item.done", output_index=index, item=item)
         self.output.append(item)
