@@ -627,7 +627,8 @@ def test_a_freeform_tools_call_is_held_to_its_grammar_and_comes_back_as_a_custom
     from mlx_eagle.protocols.responses import Responses
 
     pattern = lark_regex(APPLY_PATCH)
-    patch = "*** Begin Patch\n*** Update File: calc.py\n@@ def add\n-    return a - b\n+    return a + b\n*** End Patch\n"
+    patch = ("*** Begin Patch\n*** Update File: calc.py\n@@ def add\n-    return a - b\n+    return a + b\n"
+             "*** End Patch\n")
     assert re.fullmatch(pattern, patch) and not re.fullmatch(pattern, patch.replace("*** Update", "** Update"))
     assert lark_regex('start: item\nitem: "x" item | "y"') is None  # (not regular: offered, not held)
     model, tokenizer = qwen_coder
@@ -688,10 +689,12 @@ FIXTURES = Path(__file__).parent / "fixtures"
 
 
 def test_the_real_clients_first_requests_are_read_as_the_conversation_written_by_hand(served, qwen_coder):
-    """The first requests Claude Code (with a local model name) and Codex CLI (its default
-    configuration) really sent, captured: each is accepted, and its prompt is the one the
-    same conversation gets written by hand in chat completions' shapes (the billing header
-    and web_search left out, the namespace's tools offered beside the others)."""
+    """The requests the real clients sent, captured (benchmarks/capture_requests.py): Claude
+    Code's first (with a local model name), Codex CLI's first (its default configuration),
+    the OpenAI Agents SDK's two turns of a tool call, aider's first. Each is accepted, and its
+    prompt is the one the same conversation gets written by hand in chat completions' shapes
+    (the billing header and web_search left out, the namespace's tools offered beside the
+    others)."""
     from types import SimpleNamespace
 
     from mlx_eagle.protocols.anthropic import prompt
@@ -726,6 +729,31 @@ def test_the_real_clients_first_requests_are_read_as_the_conversation_written_by
     parsed = Responses(ResponseStore()).parse(codex, engine, 64)
     assert parsed.ids == chat_prompt(tokenizer, check_messages(messages), tools)[0]
     assert parsed.echo["tools_left_out"] == ["web_search"]
+
+    # The OpenAI Agents SDK's two turns (Runner.run, a function tool): the second sends the call
+    # as it came back (with its id and status) and its output.
+    first, second = json.loads((FIXTURES / "openai_agents_0.24.0_requests.json").read_text())
+    tool = second["body"]["tools"][0]
+    tools = [{"type": "function", "function": {k: tool[k] for k in ("name", "description", "parameters")}}]
+    call = second["body"]["input"][1]
+    messages = [{"role": "system", "content": second["body"]["instructions"]},
+                {"role": "user", "content": second["body"]["input"][0]["content"]},
+                {"role": "assistant", "content": "", "tool_calls": [{"id": call["call_id"], "type": "function",
+                 "function": {"name": call["name"], "arguments": call["arguments"]}}]},
+                {"role": "tool", "tool_call_id": call["call_id"], "content": second["body"]["input"][2]["output"]}]
+    for request, turn in ((first, messages[:2]), (second, messages)):
+        parsed = Responses(ResponseStore()).parse(request["body"], engine, 64)
+        assert parsed.ids == chat_prompt(tokenizer, check_messages(turn), tools)[0]
+        status, _ = raw(served[0], "POST", "/v1/responses", {**request["body"], "max_output_tokens": 1})
+        assert status == 200
+
+    # aider: chat completions, streamed, no max_tokens (the reply runs to its end), temperature 0.
+    aider = json.loads((FIXTURES / "aider_0.86.2_first_request.json").read_text())["body"]
+    assert "max_tokens" not in aider and aider["stream"] is True
+    status, payload = raw(served[0], "POST", "/v1/chat/completions", {**aider, "max_tokens": 1, "stream": False})
+    assert status == 200
+    assert json.loads(payload)["usage"]["prompt_tokens"] == len(chat_prompt(tokenizer, check_messages(
+        aider["messages"]))[0])
 
 
 def test_a_responses_stream_says_it_is_alive_with_events_not_comments(qwen_coder, monkeypatch):
