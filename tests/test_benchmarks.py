@@ -318,3 +318,48 @@ def test_batch_pricing(tmp_path, smollm_float32):
     result = json.loads((tmp_path / "pricing.json").read_text())
     assert set(result["passes_ms"]["2"]) == {"packed", "mlx_lm"}
     assert result["priced"]["apple-gpu-like"]["1"]["nodes_per_row"] > 0
+
+
+def test_capture_requests_logs_what_a_client_sends_and_passes_the_reply_through(tmp_path):
+    """"capture_requests.py": a request through the proxy reaches the server whole, its reply
+    comes back as sent (a streamed one piece by piece), and the request is one JSON line."""
+    import http.client
+    import importlib.util
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    spec = importlib.util.spec_from_file_location("capture_requests", BENCHMARKS / "capture_requests.py")
+    capture = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(capture)
+    seen = []
+
+    class Upstream(BaseHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+        def do_POST(self):
+            seen.append(self.rfile.read(int(self.headers["Content-Length"])))
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.end_headers()
+            for piece in (b"data: one\n\n", b"data: two\n\n"):
+                self.wfile.write(piece)
+                self.wfile.flush()
+            self.close_connection = True
+
+    upstream = ThreadingHTTPServer(("127.0.0.1", 0), Upstream)
+    threading.Thread(target=upstream.serve_forever, daemon=True).start()
+    out = tmp_path / "requests.jsonl"
+    proxy, _ = capture.serve(f"http://127.0.0.1:{upstream.server_address[1]}", 0, out, "test")
+    connection = http.client.HTTPConnection("127.0.0.1", proxy.server_address[1], timeout=30)
+    body = json.dumps({"model": "m", "input": "hi"})
+    connection.request("POST", "/v1/responses?beta=true", body=body,
+                       headers={"Content-Type": "application/json", "Authorization": "Bearer x"})
+    reply = connection.getresponse()
+    assert reply.status == 200 and reply.read() == b"data: one\n\ndata: two\n\n"
+    assert seen == [body.encode()]
+    (logged,) = [json.loads(line) for line in out.read_text().splitlines()]
+    assert logged["path"] == "/v1/responses?beta=true" and logged["body"] == {"model": "m", "input": "hi"}
+    assert logged["client"] == "test"
+    proxy.shutdown()
+    upstream.shutdown()
