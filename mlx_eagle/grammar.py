@@ -91,10 +91,7 @@ def format_grammar(spec: Dict[str, Any], where: str) -> str:
                    else llguidance.LLMatcher.grammar_from_regex(definition))
     except (ValueError, TypeError) as exc:
         raise _field_error(f"{where}.definition is not a {syntax} grammar: {_first_line(str(exc))}", where) from None
-    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
-    if is_error:
-        raise _field_error(f"{where}.definition cannot be followed: {_first_line(messages[0])}", where)
-    return grammar
+    return _followable(grammar, f"{where}.definition", where)
 
 
 # Lark's common terminals a freeform tool's grammar may import, as regular expressions.
@@ -200,13 +197,13 @@ def calls_grammar(functions: Sequence[str], held: Mapping[str, str], named: Opti
         return {"type": "object", "properties": {"name": {"const": name}, "arguments": arguments},
                 "required": ["name", "arguments"], "additionalProperties": False}
 
-    held_input = {name: {"type": "object", "properties": {"input": {"type": "string", "pattern": f"^(?:{pattern})$"}},
-                         "required": ["input"], "additionalProperties": False} for name, pattern in held.items()}
+    text = {name: {"type": "string", "pattern": f"^(?:{pattern})$"} for name, pattern in held.items()}
     if named is not None:
-        text = {"type": "string", "pattern": held_input[named]["properties"]["input"]["pattern"]}
         return {"type": "grammar", "syntax": "lark", "definition":
-                f'start: "\\"input\\": " %json {json.dumps(text)} "}}}}\\n" </tool_call>\n'}
-    schema = {"anyOf": [call(name, held_input.get(name, {"type": "object"})) for name in functions],
+                f'start: "\\"input\\": " %json {json.dumps(text[named])} "}}}}\\n" </tool_call>\n'}
+    arguments = {name: {"type": "object", "properties": {"input": string}, "required": ["input"],
+                        "additionalProperties": False} for name, string in text.items()}
+    schema = {"anyOf": [call(name, arguments.get(name, {"type": "object"})) for name in functions],
               "x-guidance": JSON_LAYOUT}
     return {"type": "grammar", "syntax": "lark", "definition":
             "start: TEXT | TEXT? calls\ncalls: call (\"\\n\" call)*\n"
@@ -228,9 +225,14 @@ def schema_grammar(schema: Any, where: str = "the JSON schema") -> str:
         grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=JSON_LAYOUT)
     except (ValueError, TypeError) as exc:
         raise _field_error(f"{where} is not a valid JSON schema: {exc}", where) from None
+    return _followable(grammar, where, where)
+
+
+def _followable(grammar: str, what: str, where: str) -> str:
+    """``grammar``, once the engine has checked it can follow it (one line naming ``what`` if not)."""
     is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
     if is_error:
-        raise _field_error(f"{where} cannot be followed: {_first_line(messages[0])}", where)
+        raise _field_error(f"{what} cannot be followed: {_first_line(messages[0])}", where)
     return grammar
 
 
