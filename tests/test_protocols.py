@@ -762,10 +762,11 @@ def test_a_responses_stream_says_it_is_alive_with_events_not_comments(qwen_coder
     comments), in sequence with the other events."""
     from types import SimpleNamespace
 
+    import mlx_eagle.protocols
     from mlx_eagle.protocols import responses as responses_protocol
 
     _, tokenizer = qwen_coder
-    monkeypatch.setattr(responses_protocol, "ALIVE_SECONDS", -1.0)
+    monkeypatch.setattr(mlx_eagle.protocols, "ALIVE_SECONDS", -1.0)
     protocol = responses_protocol.Responses(ResponseStore())
     engine = SimpleNamespace(tokenizer=tokenizer, context_length=32768, name="qwen-coder")
     request = protocol.parse({"model": "m", "input": "hi", "stream": True}, engine, 16)
@@ -783,3 +784,40 @@ def test_a_responses_stream_says_it_is_alive_with_events_not_comments(qwen_coder
     kinds = [event["type"] for event in events]
     assert kinds[:5] == ["response.created"] + ["response.in_progress"] * 4 and kinds[-1] == "response.completed"
     assert [event["sequence_number"] for event in events] == list(range(len(events)))
+
+
+def test_a_messages_stream_says_it_is_alive_with_empty_deltas_while_a_call_is_held(qwen_coder, monkeypatch):
+    """While the text is held while it may be a call, a Messages stream sends empty text deltas
+    (Claude Code's idle limit does not count pings), and the call then comes as a tool_use
+    block in order: the events the Anthropic SDK accumulates into one message."""
+    from types import SimpleNamespace
+
+    import mlx_eagle.protocols
+    from mlx_eagle.protocols.anthropic import Messages
+    from mlx_eagle.replies import ToolCall
+
+    _, tokenizer = qwen_coder
+    monkeypatch.setattr(mlx_eagle.protocols, "ALIVE_SECONDS", -1.0)
+    engine = SimpleNamespace(tokenizer=tokenizer, context_length=32768, name="qwen-coder")
+    tool = {"name": "read", "description": "Read a file", "input_schema": {
+        "type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}}
+    request = Messages().parse({"model": "m", "max_tokens": 16, "stream": True, "tools": [tool],
+                                "messages": [{"role": "user", "content": "read a.txt"}]}, engine, 16)
+    call = ToolCall("read", '{"path": "a.txt"}')
+
+    def pieces():
+        for calls, finish in (([], None), ([], None), ([call], "tool_calls")):
+            yield SimpleNamespace(text="", reasoning="", tool_calls=calls, finish_reason=finish, prompt_reused=0,
+                                  prompt_tokens=len(request.ids), generation_tokens=3)
+
+    usage = {"prompt_tokens": len(request.ids), "prompt_tokens_details": {"cached_tokens": 0},
+             "completion_tokens": 3, "total_tokens": len(request.ids) + 3, "time_to_first_token": 0.1,
+             "speculation": {}}
+    events = [json.loads(data.decode().split("data: ", 1)[1]) for data in
+              Messages().events(request, pieces(), lambda last: usage)]
+    assert [(e["type"], (e.get("delta") or e.get("content_block") or {}).get("type")) for e in events] == [
+        ("message_start", None), ("content_block_start", "text"), ("content_block_delta", "text_delta"),
+        ("content_block_delta", "text_delta"), ("content_block_stop", None), ("content_block_start", "tool_use"),
+        ("content_block_delta", "input_json_delta"), ("content_block_stop", None), ("message_delta", None),
+        ("message_stop", None)]
+    assert events[2]["delta"]["text"] == "" and events[5]["content_block"]["name"] == "read"

@@ -14,13 +14,19 @@ both in the protocol's error shape, with the field as ``param``).
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Optional
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, Iterator, List, Optional, Tuple
 
 if TYPE_CHECKING:
     from ..generation import GenerationResponse
     from ..options import ReplyOptions
     from ..replies import ChatResponse, ReplySplitter, ToolCall
+
+# A stream silent this long while generating (its text held while it may be a tool call) sends
+# an event its clients count as activity: Codex's and Claude Code's idle limits count neither
+# SSE comments nor Anthropic's pings.
+ALIVE_SECONDS = 5.0
 
 
 class RequestError(Exception):
@@ -174,3 +180,15 @@ def texts(body: Dict[str, Any], name: str, most: int) -> Optional[List[str]]:
         raise RequestError(400, f"{name} must be a string or a list of up to {most} strings", name)
     return value
 
+
+def with_silences(pieces: Iterable["ChatResponse"]) -> Iterator[Tuple["ChatResponse", bool]]:
+    """Each piece of a streamed reply, and whether the stream will have said nothing for
+    ``ALIVE_SECONDS`` before it (a piece with no text of its own: text held while it may
+    be a call), when the protocol sends an event its clients count as activity."""
+    said = time.monotonic()
+    for piece in pieces:
+        now = time.monotonic()
+        silent = not (piece.reasoning or piece.text or piece.tool_calls) and now - said > ALIVE_SECONDS
+        if silent or piece.reasoning or piece.text or piece.tool_calls:
+            said = now
+        yield piece, silent

@@ -28,7 +28,7 @@ from ..errors import UserError, check_text
 from ..grammar import response_grammar
 from ..options import ReplyOptions
 from ..thinking import check_budget, effort_budget
-from . import Collected, Protocol, Request, RequestError, flag, number, sse, texts, whole
+from . import Collected, Protocol, Request, RequestError, flag, number, sse, texts, whole, with_silences
 from .chat import chat_ids
 
 # What a status is called in Anthropic's error shape.
@@ -307,9 +307,11 @@ class Messages(Protocol):
         # message_start waits for the reading's first word (keepalive), which says what is cached.
         blocks = _Blocks()
         last = None
-        for last in responses:
+        for last, silent in with_silences(responses):
             if not request.echo.get("started"):
                 yield self._start(request, len(request.ids) - last.prompt_reused)
+            if silent:
+                yield from blocks.alive()
             if last.reasoning:
                 yield from blocks.delta("thinking", {"type": "thinking_delta", "thinking": last.reasoning})
             if last.text:
@@ -358,6 +360,15 @@ class _Blocks:
             yield self._start({"type": "thinking", "thinking": "", "signature": ""} if kind == "thinking"
                               else {"type": "text", "text": ""})
         yield sse("content_block_delta", {"type": "content_block_delta", "index": self.index, "delta": delta})
+
+    def alive(self) -> Iterator[bytes]:
+        """An empty delta in the open block (a text block opened for it where none is): an
+        event Claude Code counts as activity, as it does not count pings. A text block so
+        opened ahead of a call stays empty in the stream, where the whole reply has none."""
+        if self.open == "thinking":
+            yield from self.delta("thinking", {"type": "thinking_delta", "thinking": ""})
+        else:
+            yield from self.delta("text", {"type": "text_delta", "text": ""})
 
     def tool(self, call) -> Iterator[bytes]:
         yield from self.close()

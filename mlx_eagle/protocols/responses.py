@@ -30,11 +30,10 @@ from ..errors import UserError
 from ..grammar import calls_grammar, format_grammar, lark_regex, response_grammar
 from ..options import ReplyOptions
 from ..thinking import effort_budget
-from . import Collected, Protocol, Request, RequestError, flag, number, sse, whole
+from . import Collected, Protocol, Request, RequestError, flag, number, sse, whole, with_silences
 from .chat import chat_ids
 from .store import ResponseStore, not_found
 
-ALIVE_SECONDS = 5.0  # a stream silent this long while generating says response.in_progress again
 # Fields that ask for nothing this server lacks at these values (others: 400 naming the field).
 HARMLESS = {"truncation": (None, "disabled", "auto"), "background": (None, False), "prompt": (None,),
             "conversation": (None,)}
@@ -337,14 +336,9 @@ class Responses(Protocol):
         # While nothing else is said (waiting for a seat, the prompt read, text held while it may
         # be a call), an event clients count as activity: Codex's idle limit skips comments.
         request.echo["alive"] = lambda: items.event("response.in_progress", response=started)
-        said = time.monotonic()
         collected = Collected()
-        for piece in responses:
-            now = time.monotonic()
-            if piece.reasoning or piece.text or piece.tool_calls:
-                said = now
-            elif now - said > ALIVE_SECONDS:
-                said = now
+        for piece, silent in with_silences(responses):
+            if silent:
                 yield request.echo["alive"]()
             collected.add(piece)
             if piece.reasoning:
