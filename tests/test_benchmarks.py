@@ -363,3 +363,17 @@ def test_capture_requests_logs_what_a_client_sends_and_passes_the_reply_through(
     assert logged["client"] == "test"
     proxy.shutdown()
     upstream.shutdown()
+
+
+@pytest.mark.slow  # a real model's server, started twice, and the Agents SDK from PyPI
+def test_agent_clients_runs_a_clients_sessions_across_a_restart(tmp_path, qwen_coder_gguf):
+    run("agent_clients.py", "--model", qwen_coder_gguf, "--clients", "agents", "--cache", "on",
+        "--out", tmp_path / "clients.json")
+    result = json.loads((tmp_path / "clients.json").read_text())
+    if "agents" in result["skipped"]:
+        pytest.skip(result["skipped"]["agents"])
+    rows = result["results"]["agents"]["on"]
+    assert [row["session"] for row in rows] == ["first", "second", "after restart"]
+    assert all(row["ok"] and row["requests"] for row in rows), rows
+    first = rows[0]["requests"][0]
+    assert first["read"] == first["prompt_tokens"] and first["time_to_first_token"] > 0
