@@ -1,8 +1,8 @@
 """A short request's time to first token while another request's long prompt is read (an
 agent's 27k-token first turn), on one Engine as the server runs it, two ways side by side at
 each depth of the long reading: the long prompt read in chunks of 512 tokens whatever else
-waits (``PASS_SECONDS`` unbounded), and in passes of about ``PASS_SECONDS`` (0.5 s) while
-other requests are live (the default).
+waits (no time bound), and in passes of about ``PASS_SECONDS`` (0.5 s) while other requests
+are live, ``ALONE_PASS_SECONDS`` (2 s) while it is read alone (the default).
 
     python benchmarks/fair_reading.py [--model GGUF_OR_DIR] [--long 27000] [--short 200]
         [--depths 2048,8192,16384,24576] [--out benchmarks/results/fair_reading.json]
@@ -10,9 +10,9 @@ other requests are live (the default).
 The long prompt is read once: when its reading passes each depth, a short request (a new
 prompt of ``--short`` tokens, one token asked for) is sent under each rule in turn, just as
 a pass of the long prompt under that rule begins (the worst case: a request that arrives
-later waits for less of it), and its time to first token measured; the long request then
-leaves. A table on standard output,
-the JSON in ``--out``.
+later waits for less of it), and its time to first token measured, with the pace of the
+long prompt's reading alone in the pass before (what the rule costs it); the long request
+then leaves. A table on standard output, the JSON in ``--out``.
 """
 
 import argparse
@@ -32,7 +32,14 @@ from mlx_eagle.cli import use_fast_blas  # noqa: E402
 from mlx_eagle.models import resolve_model  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-RULES = {"512-token chunks": math.inf, "passes of 0.5 s (default)": scheduler.PASS_SECONDS}
+# Each rule's pass bounds: (while others are live or waiting, while a prompt is read alone).
+RULES = {"512-token chunks": (math.inf, math.inf),
+         "passes of 0.5 s, 2 s alone (default)": (scheduler.PASS_SECONDS, scheduler.ALONE_PASS_SECONDS)}
+DEFAULT = "passes of 0.5 s, 2 s alone (default)"
+
+
+def use_rule(rule: str) -> None:
+    scheduler.PASS_SECONDS, scheduler.ALONE_PASS_SECONDS = RULES[rule]
 
 
 class Left(Exception):
@@ -58,8 +65,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "fair_reading.json")
     args = parser.parse_args(argv)
     depths = [int(d) for d in args.depths.split(",")]
-    if not depths or max(depths) + 2 * 512 >= args.long:  # (room for each rule's request before the reading ends)
-        raise SystemExit(f"error: --depths must end at least 1,024 tokens before the long prompt's {args.long}")
+    if not depths or max(depths) + 6 * 512 >= args.long:  # (room for each rule's passes before the reading ends)
+        raise SystemExit(f"error: --depths must end at least 3,072 tokens before the long prompt's {args.long}")
     use_fast_blas()
     from mlx_eagle.engine import Engine
 
@@ -67,11 +74,11 @@ def main(argv: Optional[List[str]] = None) -> None:
     long_prompt, *shorts = texts(engine.tokenizer, args.long, 1 + len(depths) * len(RULES))
     long_prompt = long_prompt[:args.long]
     reached, done, rows = threading.Condition(), [], []
-    position = [0]
+    position = [0, 0.0]  # tokens read, when the last pass ended
 
     def progress(read: int, total: int) -> None:
         with reached:
-            position[0] = read
+            position[0], position[1] = read, time.perf_counter()
             reached.notify_all()
         if done:
             raise Left()
@@ -89,21 +96,25 @@ def main(argv: Optional[List[str]] = None) -> None:
         for depth in depths:
             with reached:
                 reached.wait_for(lambda depth=depth: position[0] >= depth or not reader.is_alive())
-            for rule, seconds in RULES.items():
-                scheduler.PASS_SECONDS = seconds
-                with reached:  # the pass in flight, sized under the other rule, ends; the next is this rule's
-                    was = position[0]
-                    reached.wait_for(lambda was=was: position[0] > was or not reader.is_alive())
+            for rule in RULES:
+                use_rule(rule)
+                with reached:  # the pass in flight, sized under the other rule, ends; then one of this
+                    # rule's while the long prompt is read alone (its pace), and the next begins
+                    for _ in range(2):
+                        (was, ended) = position
+                        reached.wait_for(lambda was=was: position[0] > was or not reader.is_alive())
+                    pace = (position[0] - was) / max(position[1] - ended, 1e-9)
                 short = shorts.pop()[:args.short]
                 sent, at, ttft = time.perf_counter(), position[0], None
                 for _ in engine.generate(short, max_tokens=1):
                     ttft = ttft or time.perf_counter() - sent
                 rows.append({"depth": at, "rule": rule, "short_tokens": len(short), "ttft_s": round(ttft, 3),
+                             "long_alone_tokens_per_s": round(pace, 2),
                              "long_still_read": at < len(long_prompt) - 1})  # (else it waited for a round)
-                print(f"long prompt read to {at:6} tokens | {rule:26} | {len(short)}-token request's first token "
-                      f"after {ttft:6.2f} s", flush=True)
+                print(f"long prompt read to {at:6} tokens ({pace:5.1f} tokens/s alone) | {rule:36} | "
+                      f"{len(short)}-token request's first token after {ttft:6.2f} s", flush=True)
     finally:
-        scheduler.PASS_SECONDS = RULES["passes of 0.5 s (default)"]
+        use_rule(DEFAULT)
         done.append(True)
         reader.join()
         engine.close()

@@ -9,7 +9,7 @@ worker then:
 3. reads new prompts for about ``PASS_SECONDS`` (at most ``PROMPT_TOKENS_PER_TURN`` tokens),
    the one with the least left to read first, in passes sized to that time, so a long prompt
    never holds the replies in progress back by more than that a turn, and a request that
-   arrives waits for at most one pass of it;
+   arrives waits for at most one pass of it (``ALONE_PASS_SECONDS`` while it is read alone);
 4. gives every reply in progress one round, their blocks verified in one packed forward pass
    (decoder.batched_round) where the target allows, each alone where not (a hybrid's
    recurrent layers, a sharded model).
@@ -43,12 +43,18 @@ from .prompt_cache import PromptCache, PromptCaches
 
 DONE = object()  # the end of a request's queue
 PROMPT_TOKENS_PER_TURN = 512  # new prompts' tokens read a turn, all together (the decoder's chunk)
-# A turn's prompt reading takes about this long, in passes of at least MIN_CHUNK tokens
-# (FIRST_CHUNK while a prompt's pace is not known): a request that arrives, or a reply in
-# progress, waits for at most that much of another's long prompt. (On a 2-core CPU a pass of
-# 32 tokens reads as many tokens a second as one of 512.)
+# A turn's prompt reading takes about this long, in passes sized to it at the prompt's pace
+# (FIRST_CHUNK tokens while that is not known): a reply in progress, or a request that
+# arrives, waits for at most that much of another's long prompt. Deep in a long context a
+# token's pass costs more than the bound (on a 2-core CPU, 45 ms a token at 8k tokens of
+# context, 150 ms at 27k), so a pass may hold a single token. Each pass also costs a fixed
+# part, the weights' reading (about 0.2 s for a 0.5B model in float32 there), so while a
+# prompt is read with nothing else live or waiting its passes are longer: it reads within
+# about a tenth of its fastest pace, and a request that arrives waits for at most one such
+# pass (benchmarks/fair_reading.py).
 PASS_SECONDS = 0.5
-MIN_CHUNK = 32
+ALONE_PASS_SECONDS = 2.0
+MIN_CHUNK = 1
 FIRST_CHUNK = 64
 KEEPALIVE_SECONDS = 5.0  # a waiting caller's on_wait is called this often (a server's keep-alive)
 # A beginning this long, shared with a prompt being read, is copied once read rather than read again.
@@ -229,18 +235,20 @@ class Scheduler:
         return [r.generation.cache for r in self.live if r.generation is not None]
 
     def _read_prompts(self) -> None:
-        """Read new prompts for about PASS_SECONDS a turn (at most PROMPT_TOKENS_PER_TURN
+        """Read new prompts for about PASS_SECONDS a turn (ALONE_PASS_SECONDS where one
+        prompt is read with nothing else live or waiting; at most PROMPT_TOKENS_PER_TURN
         tokens), the prompt with the least left to read first, each pass sized to that time
         at the prompt's measured pace: a request that arrives, or a reply in progress, waits
         for at most one such pass of another's long prompt, never for all of it (deep in a
-        27k-token prompt a 512-token pass takes many seconds on a slow machine)."""
+        27k-token prompt a 512-token pass takes over a minute on a slow machine)."""
         budget = PROMPT_TOKENS_PER_TURN
         reading = [r for r in self.live if r.reading is not None]
+        seconds = PASS_SECONDS if len(self.live) > 1 or self.waiting else ALONE_PASS_SECONDS
         began = time.perf_counter()
         for request in sorted(reading, key=lambda r: len(r.ids) if r.unread is None else r.unread):
             while budget > 0 and not request.stopped:
                 request.generation.decoder.read_chunk = FIRST_CHUNK if request.pace is None else \
-                    max(MIN_CHUNK, int(min(PROMPT_TOKENS_PER_TURN, request.pace * PASS_SECONDS)))
+                    max(MIN_CHUNK, int(min(PROMPT_TOKENS_PER_TURN, request.pace * seconds)))
                 tic = time.perf_counter()
                 try:
                     progress = next(request.reading, None)
@@ -258,7 +266,7 @@ class Scheduler:
                 request.read, request.unread = read, total - read
                 if not request.cancel.is_set():
                     request.out.put(Progress(read, total))
-                if time.perf_counter() - began >= PASS_SECONDS:
+                if time.perf_counter() - began >= seconds:
                     return
 
     def _decode(self) -> None:

@@ -304,12 +304,12 @@ def test_editor_sends_fill_in_the_middle_requests(tmp_path, qwen_coder_gguf):
 
 
 def test_fair_reading(tmp_path, smollm_float32):
-    run("fair_reading.py", "--model", smollm_float32, "--long", 1600, "--short", 20, "--depths", 512,
+    run("fair_reading.py", "--model", smollm_float32, "--long", 4000, "--short", 20, "--depths", 512,
         "--out", tmp_path / "fair.json")
     rows = json.loads((tmp_path / "fair.json").read_text())["rows"]
-    assert [row["rule"] for row in rows] == ["512-token chunks", "passes of 0.5 s (default)"]
+    assert [row["rule"] for row in rows] == ["512-token chunks", "passes of 0.5 s, 2 s alone (default)"]
     assert all(row["depth"] >= 512 and row["short_tokens"] == 20 and row["ttft_s"] > 0 and "long_still_read" in row
-               for row in rows)
+               and row["long_alone_tokens_per_s"] > 0 for row in rows)
 
 
 def test_batch_pricing(tmp_path, smollm_float32):

@@ -237,10 +237,12 @@ def test_a_short_request_does_not_wait_behind_another_s_long_prompt(smollm, monk
     """A long prompt is being read when a short request arrives: the short one is read next
     (least left to read first) and answers before the long prompt's reading ends, the long
     one read meanwhile in passes bounded by time (here a bound no pass meets: the smallest,
-    32 tokens); both replies are plain decoding's."""
+    32 tokens here); both replies are plain decoding's."""
     from mlx_eagle import scheduler
 
     monkeypatch.setattr(scheduler, "PASS_SECONDS", 1e-6)
+    monkeypatch.setattr(scheduler, "ALONE_PASS_SECONDS", 1e-6)
+    monkeypatch.setattr(scheduler, "MIN_CHUNK", 32)
     model, tokenizer = smollm
     long_ids = tokenizer.encode(" ".join(QUESTIONS * 32))
     short_ids = chat_tokens(tokenizer, [{"role": "user", "content": QUESTIONS[0]}])
