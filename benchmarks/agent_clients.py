@@ -141,11 +141,12 @@ def write_project(workdir: Path) -> None:
     (workdir / "calc.py").write_text("def add(a, b):\n    return a - b\n")
 
 
-def run_claude(url: str, workdir: Path) -> Session:
-    """``claude -p`` with its Read tool and a short system prompt, a local model name."""
+def run_claude(url: str, workdir: Path, model: str = "qwen-local") -> Session:
+    """``claude -p`` with its Read tool and a short system prompt, under a local model name
+    (or a ``claude-*`` one, with which Claude Code sends other fields)."""
     claude = npm_client("@anthropic-ai/claude-code", "claude")
-    env = dict(os.environ, ANTHROPIC_BASE_URL=url, ANTHROPIC_API_KEY="local", ANTHROPIC_MODEL="qwen-local",
-               ANTHROPIC_SMALL_FAST_MODEL="qwen-local", CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC="1",
+    env = dict(os.environ, ANTHROPIC_BASE_URL=url, ANTHROPIC_API_KEY="local", ANTHROPIC_MODEL=model,
+               ANTHROPIC_SMALL_FAST_MODEL=model, CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC="1",
                CLAUDE_CODE_MAX_OUTPUT_TOKENS="64", HOME=str(workdir))
     done = subprocess.run([str(claude), "-p", READ_TASK, "--tools", "Read", "--system-prompt", INSTRUCTIONS,
                            "--output-format", "stream-json", "--verbose"], cwd=workdir, env=env,

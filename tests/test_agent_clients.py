@@ -12,7 +12,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from agent_clients import CLIENTS, SERVER_FLAGS, Server, Unavailable, write_project  # noqa: E402
+from agent_clients import CLIENTS, SERVER_FLAGS, Server, Unavailable, run_claude, write_project  # noqa: E402
 
 pytestmark = pytest.mark.slow  # a real model in a server process, and clients from npm and PyPI
 
@@ -47,3 +47,16 @@ def test_a_real_client_ends_its_session_without_an_api_error_and_its_tool_calls_
         assert session.result_returned, session.said
     if client == "claude":  # Qwen2.5-Coder-0.5B calls Read here (then repeats its call: the model's)
         assert session.tool_called, session.said
+
+
+def test_claude_code_under_a_claude_model_name_ends_its_session_without_an_api_error(server_for, tmp_path):
+    """With a ``claude-*`` name Claude Code sends ``thinking`` of type ``enabled`` with a
+    budget, and no system message among ``messages``: served the same."""
+    write_project(tmp_path)
+    try:
+        session = run_claude(server_for("claude").url, tmp_path, model="claude-sonnet-4-5")
+    except Unavailable as reason:
+        pytest.skip(str(reason))
+    assert session.ok, session.said
+    if session.tool_called:
+        assert session.result_returned, session.said
