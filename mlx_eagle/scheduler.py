@@ -46,14 +46,14 @@ PROMPT_TOKENS_PER_TURN = 512  # new prompts' tokens read a turn, all together (t
 # A turn's prompt reading takes about this long, in passes sized to it at the prompt's pace
 # (FIRST_CHUNK tokens while that is not known): a reply in progress, or a request that
 # arrives, waits for at most that much of another's long prompt. Deep in a long context a
-# token's pass costs more than the bound (on a 2-core CPU, 45 ms a token at 8k tokens of
-# context, 150 ms at 27k), so a pass may hold a single token. Each pass also costs a fixed
-# part, the weights' reading (about 0.2 s for a 0.5B model in float32 there), so while a
-# prompt is read with nothing else live or waiting its passes are longer: it reads within
-# about a tenth of its fastest pace, and a request that arrives waits for at most one such
-# pass (benchmarks/fair_reading.py).
+# token's pass costs more than the bound (on a 2-core CPU, about 45 ms a token at 8k tokens
+# of context, 150 ms at 27k), so a pass may hold a single token. Small passes read a long
+# prompt more slowly (there, about half its pace in 512-token passes deep in the context),
+# which a request that arrives does not wait for. ALONE_PASS_SECONDS bounds the passes of a
+# prompt read with nothing else live or waiting: 2 s read it about a quarter faster there,
+# and an arrival waits about a second more (benchmarks/fair_reading.py).
 PASS_SECONDS = 0.5
-ALONE_PASS_SECONDS = 2.0
+ALONE_PASS_SECONDS = 0.5
 MIN_CHUNK = 1
 FIRST_CHUNK = 64
 KEEPALIVE_SECONDS = 5.0  # a waiting caller's on_wait is called this often (a server's keep-alive)
