@@ -164,8 +164,8 @@ def run_claude(url: str, workdir: Path, model: str = "qwen-local") -> Session:
     calls, outputs = blocks("assistant", "tool_use"), blocks("user", "tool_result")
     # A reply cut at its bound is the model's length, not an API error.
     ok = not result["is_error"] or "output token maximum" in str(result.get("result"))
-    return Session(ok, bool(calls), any(SECRET in json.dumps(o["content"]) for o in outputs),
-                   str(result.get("result"))[-300:])
+    # (The result went back whatever the model asked of the tool: a path it made up gets an error.)
+    return Session(ok, bool(calls), bool(outputs), str(result.get("result"))[-300:])
 
 
 CODEX_CONFIG = """model = "qwen-local"
@@ -211,7 +211,7 @@ def run_codex(url: str, workdir: Path) -> Session:
     said = [item["text"] for item in items if item["type"] == "agent_message"]
     completed = any(event.get("type") in ("turn.completed", "turn.failed") for event in events)
     return Session(completed and not errors, bool(commands),
-                   bool(commands) and completed and SECRET in commands[0].get("aggregated_output", ""),
+                   bool(commands) and completed,
                    ("; ".join(errors) or (said[-1] if said else done.stderr))[-300:])
 
 
