@@ -365,6 +365,13 @@ def calibration_file(model: nn.Module, kv: Optional[KVQuantization] = None) -> P
 _CURVES: Dict[Tuple[int, Path, Optional[int]], Tuple["weakref.ref", Costs]] = {}
 
 
+def _keep(key: Tuple[int, Path, Optional[int]], model: nn.Module, costs: Costs) -> None:
+    """Keep ``costs`` for ``model`` while it lives, dropping what freed models left."""
+    for dead in [k for k, (ref, _) in _CURVES.items() if ref() is None]:
+        del _CURVES[dead]
+    _CURVES[key] = (weakref.ref(model), costs)
+
+
 def verify_costs(model: nn.Module, kv: Optional[KVQuantization] = None) -> Costs:
     """This device's verify-cost curve for ``model``: timed once (a few seconds) and kept
     in the user's cache, keyed by device, weight format and architecture. A cached curve
@@ -379,7 +386,7 @@ def verify_costs(model: nn.Module, kv: Optional[KVQuantization] = None) -> Costs
     if known is not None and known[0]() is model:
         return known[1]
     costs = replace(_measured(model, None), quantized=_measured(model, kv), quantized_from=kv.start)
-    _CURVES[key] = (weakref.ref(model), costs)
+    _keep(key, model, costs)
     return costs
 
 
@@ -425,8 +432,11 @@ def _measured(model: nn.Module, kv: Optional[KVQuantization]) -> Costs:
             print(f"note: could not keep the timing in {path.parent} (full?); set MLX_EAGLE_CACHE to a writable "
                   "directory to time once", file=sys.stderr)
 
+    model_ref = weakref.ref(model)  # (the curves are kept per process: they must not keep the model alive)
+
     def time_long() -> Optional[Dict[int, float]]:
-        if (getattr(model.args, "max_position_embeddings", None) or 0) <= LONG_CONTEXT + max(LONG_SIZES):
+        model, needed = model_ref(), LONG_CONTEXT + max(LONG_SIZES)
+        if model is None or (getattr(model.args, "max_position_embeddings", None) or 0) <= needed:
             return None
         print(f"timing this device's forward passes after {LONG_CONTEXT} tokens, once ({setting})", file=sys.stderr)
         record["long_verify_ms"] = time_forwards(model, LONG_SIZES, context=LONG_CONTEXT, kv=kv)
@@ -439,5 +449,5 @@ def _measured(model: nn.Module, kv: Optional[KVQuantization]) -> Costs:
         curve, drift, long_curve = _rank_0s(curve, drift, long_curve)
     costs = Costs(curve, logit_drift=drift, long_verify_ms=long_curve,
                   time_long=time_long if long_curve is None and not sharded() else None)
-    _CURVES[(id(model), path, None)] = (weakref.ref(model), costs)
+    _keep((id(model), path, None), model, costs)
     return costs

@@ -55,6 +55,21 @@ def test_a_calibration_nested_200000_deep_is_timed_again(model, tmp_path, monkey
     assert "nested too deeply" in capsys.readouterr().err
 
 
+def test_a_model_whose_costs_were_read_is_freed_once_dropped(tmp_path, monkeypatch):
+    """The process keeps each model's curves, not the model: a server or program that loads
+    one model after another holds one at a time."""
+    import gc
+    import weakref
+
+    monkeypatch.setenv("MLX_EAGLE_CACHE", str(tmp_path))
+    model = build_model(target_config("qwen3"))
+    assert verify_costs(model)(1) == 1.0
+    freed = weakref.ref(model)
+    del model
+    gc.collect()
+    assert freed() is None
+
+
 TUNED_TREES = {"not json": "{not json", "no expected tau": '{"paths": [[0]]}', "no paths": '{"paths": []}',
                "ranks past 63": '{"paths": [[9000]]}', "deep": "[" * 200_000 + "]" * 200_000}
 
