@@ -67,13 +67,14 @@ def time_passes(model, rows: int, context: int, repeats: int) -> Dict[str, float
 
 
 def priced(curve: Dict[int, float], rows: int, acceptance: float) -> Dict[str, float]:
-    """Rows drafting in turn as Costs.steps sizes them: nodes per row, and throughput against
+    """Rows drafting in turn as costs.Pricing sizes them: nodes per row, and throughput against
     plain batching of the same rows."""
     from mlx_eagle.costs import Costs
+    from mlx_eagle.drafters import Budget
     from mlx_eagle.drafters.lookup import LookupDraft, LookupDrafter
 
     costs = Costs(dict(curve))
-    drafter = LookupDrafter(costs)
+    drafter = LookupDrafter(costs.at())
     rng = np.random.default_rng(0)
     for _ in range(400):  # a draft whose every token is accepted with ``acceptance``, given the ones before
         accepted = 0
@@ -82,7 +83,8 @@ def priced(curve: Dict[int, float], rows: int, acceptance: float) -> Dict[str, f
         drafter.record(LookupDraft(list(range(MAX_DRAFT)), kind=1), accepted=accepted)
     sizes: List[int] = []
     for row in range(rows):
-        costs.beside = (sum(1 + n for n in sizes) + rows - row - 1, rows)
+        drafter.price(Budget(room=MAX_DRAFT, nodes=MAX_DRAFT,
+                             pricing=costs.at(beside=(sum(1 + n for n in sizes) + rows - row - 1, rows))))
         sizes.append(drafter.best_length(1, MAX_DRAFT, verified=1, expected=1.0))
     tokens = sum(1 + sum(acceptance ** j for j in range(1, n + 1)) for n in sizes)
     return {"nodes_per_row": sum(sizes) / rows,

@@ -104,7 +104,7 @@ def worker(args) -> None:
         "speedup": sum(r["mlx_lm"]["seconds"] for r in rows) / sum(r["ours"]["seconds"] for r in rows),
         "decode_speedup": (sum(r["ours"]["decode_tokens_per_s"] for r in rows)
                            / sum(r["mlx_lm"]["decode_tokens_per_s"] for r in rows)),
-        "tau": tau, "verified_per_round": verified, "predicted_speedup": tau / costs.steps(round(verified)),
+        "tau": tau, "verified_per_round": verified, "predicted_speedup": tau / costs.at().steps(round(verified)),
         "identical": all(r["ours"]["tokens"] == r["mlx_lm"]["tokens"] for r in rows),
         "verify_ms": costs.verify_ms, "prompts": rows,
     }

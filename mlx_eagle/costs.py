@@ -67,14 +67,6 @@ class Costs:
     long_verify_ms: Optional[Dict[int, float]] = None
     # Times them and keeps them in the calibration file (measure_long).
     time_long: Optional[Callable[[], Optional[Dict[int, float]]]] = field(default=None, repr=False, compare=False)
-    # The context the next round attends to: the decoder sets it before each round, and what
-    # ``verify`` and ``steps`` answer is for it. (Conversations draft one at a time, on one
-    # thread, even in a batch.)
-    attending: int = CALIBRATION_CONTEXT
-    # The packed pass the next round's block joins (decoder.batched_round): the tokens it
-    # verifies for other conversations, and its rows ((0, 1): the round is alone). Set by the
-    # decoder before each round, as ``attending`` is; ``steps`` answers for it.
-    beside: Tuple[int, int] = (0, 1)
     # With quantized KV caches: the same curves timed over packed keys (MLX's quantized matrix
     # products cost their own, on a CPU several times the float ones), which price a round
     # once the cache holds ``quantized_from`` entries and has turned quantized.
@@ -90,20 +82,25 @@ class Costs:
     def largest_measured(self) -> int:
         return max(self.verify_ms)
 
-    def verify(self, tokens: int) -> float:
-        """Milliseconds of a forward over ``tokens`` at the context ``attending``:
+    def verify(self, tokens: int, attending: int = CALIBRATION_CONTEXT) -> float:
+        """Milliseconds of a forward over ``tokens`` attending to ``attending`` cached entries:
         interpolated between measured sizes; past the largest, extrapolated along the last
         measured slope (never flat: a size nobody timed must not look free); past the
         calibration context, plus what the long curve adds there, growing with the context;
         past ``quantized_from``, the quantized cache's curves'."""
-        if self.quantized is not None and self.attending >= self.quantized_from:
-            self.quantized.attending = self.attending
-            return self.quantized.verify(tokens)
+        if self.quantized is not None and attending >= self.quantized_from:
+            return self.quantized.verify(tokens, attending)
         near = _along(self.verify_ms, tokens)
-        if self.long_verify_ms is None or self.attending <= CALIBRATION_CONTEXT:
+        if self.long_verify_ms is None or attending <= CALIBRATION_CONTEXT:
             return near
         per_entry = max(_along(self.long_verify_ms, tokens) - near, 0.0) / (LONG_CONTEXT - CALIBRATION_CONTEXT)
-        return near + per_entry * (self.attending - CALIBRATION_CONTEXT)
+        return near + per_entry * (attending - CALIBRATION_CONTEXT)
+
+    def at(self, attending: int = CALIBRATION_CONTEXT, beside: Tuple[int, int] = (0, 1)) -> "Pricing":
+        """What a round's forward costs for a conversation attending to ``attending`` entries
+        whose block joins a packed pass verifying ``beside`` = (tokens, rows) for the others
+        ((0, 1): alone): the value a round's Budget carries."""
+        return Pricing(self, CONTEXT_STEP * (attending // CONTEXT_STEP), beside)
 
     def measure_long(self) -> None:
         """Time the forwards after LONG_CONTEXT entries, where they are not yet (a few seconds,
@@ -113,6 +110,27 @@ class Costs:
             self.long_verify_ms, self.time_long = self.time_long(), None
         if self.quantized is not None:
             self.quantized.measure_long()
+
+    def round(self, nodes: int, depth: int) -> float:
+        """A round verifying ``nodes`` drafted to ``depth``: one draft step per depth and one
+        to read the previous round's accepted tokens."""
+        return self.verify(nodes + 1) + (depth + 1) * self.draft_step_ms + self.round_ms
+
+
+@dataclass(frozen=True)
+class Pricing:
+    """A round's prices for one conversation (Costs.at): its context, rounded to
+    CONTEXT_STEP so that drafters can key what they derive from it, and the packed pass its
+    block joins. A value: each round's Budget carries its own, and nothing is shared between
+    the conversations of a batch."""
+
+    costs: Costs = field(compare=False)
+    attending: int = CALIBRATION_CONTEXT
+    beside: Tuple[int, int] = (0, 1)  # (tokens, rows) the pass verifies for other conversations
+
+    def verify(self, tokens: int) -> float:
+        """Milliseconds of a forward over ``tokens`` at this context (Costs.verify)."""
+        return self.costs.verify(tokens, self.attending)
 
     def steps(self, tokens: int) -> float:
         """A forward over ``tokens`` in plain decoding steps (one token = 1). In a packed
@@ -130,11 +148,6 @@ class Costs:
         return (root / rows + self.verify(others + tokens) - root) / (self.verify(rows) / rows)
 
     __call__ = steps  # what drafters size themselves with
-
-    def round(self, nodes: int, depth: int) -> float:
-        """A round verifying ``nodes`` drafted to ``depth``: one draft step per depth and one
-        to read the previous round's accepted tokens."""
-        return self.verify(nodes + 1) + (depth + 1) * self.draft_step_ms + self.round_ms
 
 
 def _along(curve: Dict[int, float], tokens: int) -> float:

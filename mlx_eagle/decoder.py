@@ -38,7 +38,7 @@ from typing import Callable, ContextManager, Iterator, List, Optional, Sequence,
 import mlx.core as mx
 import mlx.nn as nn
 
-from .costs import CONTEXT_STEP, Costs, kv_logit_drift
+from .costs import Costs, kv_logit_drift
 from .drafters import Budget, Drafter, Outcome, Proposal, TargetStates
 from .drafters.admit import admit_or_warn
 from .distributed import check_same, shared_proposal, sharded
@@ -254,23 +254,18 @@ class SpeculativeDecoder:
         """A round's first half: what is verified after the root (the drafter's proposal,
         admitted, shared between ranks and shaped by a grammar). The caches hold nothing
         certain until ``conclude``. ``beside``: (tokens, rows) the packed pass verifies for
-        other conversations, which prices this one's nodes (Costs.steps)."""
+        other conversations, which prices this one's nodes (costs.Pricing)."""
         committed = self.state.begin()  # (an interrupted round leaves nothing certain)
         unread = committed[len(committed) - 1 - self.state.unread:-1]
         room = self.state.room(len(committed) - 1, room)  # (a round ends where the cache turns quantized)
         proposal = None
         nodes = MAX_TREE_NODES - len(unread) if self.drafter is not None and len(unread) < MAX_UNREAD else 0
         if self.drafter is not None:
-            costs = self._measured() if self._costs_of is not None else None
-            if costs is not None:  # verifying costs more deep in a long context, and beside others (costs.py)
-                costs.attending, costs.beside = CONTEXT_STEP * (len(committed) // CONTEXT_STEP), beside
+            # Verifying costs more deep in a long context, and beside others (costs.Pricing).
+            pricing = self._measured().at(len(committed), beside) if self._costs_of is not None else None
             budget = Budget(room=room - 1, nodes=nodes, verified=1 + len(unread), chain=not self.drives_target,
-                            costs=costs, vocab=self.vocab)
-            try:
-                proposal = admit_or_warn(self.drafter, self.drafter.propose(budget), budget)
-            finally:
-                if costs is not None:  # (shared by the plan's conversations: priced alone unless a batch says)
-                    costs.beside = (0, 1)
+                            pricing=pricing, vocab=self.vocab)
+            proposal = admit_or_warn(self.drafter, self.drafter.propose(budget), budget)
         tree, tokens = (proposal.tree, proposal.tokens) if proposal else (DraftTree(), NO_TOKENS)
         if self.shards:  # every rank verifies rank 0's tree, whatever its own drafters proposed (distributed.py)
             tree, tokens, own = shared_proposal(tree, tokens, MAX_TREE_NODES)

@@ -90,13 +90,13 @@ def test_the_budget_is_cut_in_the_documented_order():
 
 
 def test_confidences_cut_what_does_not_pay_on_this_device():
-    steep = Budget(room=8, nodes=64, costs=lambda tokens: 1.0 + 0.5 * (tokens - 1))  # like this CPU
-    flat = Budget(room=8, nodes=64, costs=lambda tokens: 1.0)  # like a GPU
+    steep = Budget(room=8, nodes=64, pricing=lambda tokens: 1.0 + 0.5 * (tokens - 1))  # like this CPU
+    flat = Budget(room=8, nodes=64, pricing=lambda tokens: 1.0)  # like a GPU
     tree = proposal([1, 2, 3, 4], [-1, 0, 1, -1])
     tree.confidence = [0.9, 0.8, 0.1, 0.05]
     assert admit(tree, steep).tree.tokens == [1, 2]  # 0.9, 0.72 pay; 0.072 and 0.05 do not
     assert admit(tree, flat).tree.tokens == [1, 2, 3, 4]
-    assert Budget(room=1, nodes=1, verified=3, costs=lambda k: 2.0 * k).cost(2) == 10.0
+    assert Budget(room=1, nodes=1, verified=3, pricing=lambda k: 2.0 * k).cost(2) == 10.0
     assert Budget(room=1, nodes=1, verified=3).cost(2) == 5.0  # unmeasured: a token a step
     for bad in ([0.5], [0.5, 2.0, 0.1, 0.1], [float("nan")] * 4):
         tree.confidence = bad

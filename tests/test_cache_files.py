@@ -41,7 +41,7 @@ def test_a_corrupt_calibration_is_timed_again_with_one_warning(model, content, t
     costs = verify_costs(model)
     warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning")]
     assert len(warnings) == 1 and "timing again" in warnings[0]
-    assert costs(1) == 1.0 and costs(32) >= costs(2) >= 1.0
+    assert costs.at()(1) == 1.0 and costs.at()(32) >= costs.at()(2) >= 1.0
     assert set(json.loads(path.read_text())["verify_ms"]) == {str(k) for k in CALIBRATION_SIZES}  # rewritten
 
 
@@ -51,7 +51,7 @@ def test_a_calibration_nested_200000_deep_is_timed_again(model, tmp_path, monkey
     path = calibration_file(model)
     path.parent.mkdir(parents=True)
     path.write_text("[" * 200_000 + "]" * 200_000)
-    assert verify_costs(model)(1) == 1.0
+    assert verify_costs(model).at()(1) == 1.0
     assert "nested too deeply" in capsys.readouterr().err
 
 
@@ -63,7 +63,7 @@ def test_a_model_whose_costs_were_read_is_freed_once_dropped(tmp_path, monkeypat
 
     monkeypatch.setenv("MLX_EAGLE_CACHE", str(tmp_path))
     model = build_model(target_config("qwen3"))
-    assert verify_costs(model)(1) == 1.0
+    assert verify_costs(model).at()(1) == 1.0
     freed = weakref.ref(model)
     del model
     gc.collect()

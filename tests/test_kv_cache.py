@@ -174,15 +174,13 @@ def test_quantized_caches_price_verification_by_their_own_curve(quantizable_mode
             json.dumps({"verify_ms": curve, "logit_drift": 1e-4}))
     monkeypatch.setattr(mlx_eagle.costs, "_CURVES", {})
     costs = verify_costs(quantizable_model, kv)
-    costs.attending = 768
-    assert costs.steps(16) == 2.0  # not yet quantized: the float curve
-    costs.attending = 1024
-    assert costs.steps(16) == 6.0
-    assert verify_costs(quantizable_model).quantized is None and verify_costs(quantizable_model).steps(16) == 2.0
+    assert costs.at(768).steps(16) == 2.0  # not yet quantized: the float curve
+    assert costs.at(1024).steps(16) == 6.0
+    assert verify_costs(quantizable_model).quantized is None and verify_costs(quantizable_model).at(1024)(16) == 2.0
 
     plan = plan_drafts(quantizable_model, "lookup", history=False, kv_bits=8, kv_group_size=32,
                        quantized_kv_start=1024)
-    assert plan.settings.costs is costs  # what the decoder sets ``attending`` on is what the drafters price with
+    assert plan.settings.costs is costs  # what the decoder prices each round with is what the drafters start from
     with pytest.raises(UserError, match="other KV cache settings"):
         plan_drafts(quantizable_model, plan, kv_bits=4, kv_group_size=32, quantized_kv_start=1024)
 

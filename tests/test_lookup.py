@@ -11,6 +11,7 @@ import mlx_eagle.costs
 from mlx_eagle import stream_generate
 from drafting import decoder as make_decoder
 from mlx_eagle.costs import Costs
+from mlx_eagle.drafters import Budget
 from mlx_eagle.heads import new_head
 from mlx_eagle.drafters.lookup import ContextIndex, LookupDraft, LookupDrafter
 from mlx_eagle.trees import DraftTree
@@ -47,8 +48,8 @@ def test_committing_costs_a_few_updates_whatever_the_context():
 
 
 def test_draft_length_follows_device_costs_and_acceptance():
-    steep = Costs({1: 50.0, 2: 60.0, 4: 80.0, 8: 100.0, 16: 130.0})  # like this CPU
-    flat = Costs({1: 10.0, 16: 10.5})  # like a GPU
+    steep = Costs({1: 50.0, 2: 60.0, 4: 80.0, 8: 100.0, 16: 130.0}).at()  # like this CPU
+    flat = Costs({1: 10.0, 16: 10.5}).at()  # like a GPU
     assert steep(1) == 1.0 and steep(3) == pytest.approx(1.4) and steep(32) == pytest.approx(3.8)
     rarely, often, rarely_flat = LookupDrafter(steep), LookupDrafter(steep), LookupDrafter(flat)
     for _ in range(50):
@@ -68,14 +69,14 @@ def test_draft_length_follows_the_context_a_round_attends_to():
     acceptance buys a shorter draft there (costs timed at 256 and LONG_CONTEXT entries)."""
     costs = Costs({1: 50.0, 2: 52.0, 4: 56.0, 8: 64.0, 16: 80.0},
                   long_verify_ms={1: 60.0, 4: 90.0, 16: 200.0})
-    near = costs.verify(16)
-    costs.attending = 16384
-    assert costs.verify(1) > 50.0 and costs(16) > 5 * near / 50.0  # plain steps at that context
-    drafter = LookupDrafter(costs)
+    near, far = costs.at(256), costs.at(16384)
+    assert far.verify(1) > 50.0 and far(16) > 5 * near.verify(16) / 50.0  # plain steps at that context
+    drafter = LookupDrafter(near)
     for index in range(50):
         drafter.record(LookupDraft(list(range(16)), kind=1), accepted=[1, 3, 6, 9, 14][index % 5])
+    drafter.price(Budget(room=16, nodes=16, pricing=far))
     deep = drafter.best_length(1, 16, verified=1, expected=1.0)
-    costs.attending = 256
+    drafter.price(Budget(room=16, nodes=16, pricing=near))
     assert drafter.best_length(1, 16, verified=1, expected=1.0) > deep > 0
 
 
@@ -100,7 +101,7 @@ COPYING = [
 
 def _decode(model, ids, head, tree, eos, max_tokens=64):
     """Greedy decoding through the decoder with a lookup drafter; (tokens, lookup tokens accepted)."""
-    drafter = LookupDrafter(Costs({1: 1.0, 16: 1.2}))  # cheap verification: lookup drafts freely
+    drafter = LookupDrafter(Costs({1: 1.0, 16: 1.2}).at())  # cheap verification: lookup drafts freely
     decoder = make_decoder(model, head, tree, Sampling(), lookup=drafter)
     tokens = [decoder.prefill(ids)]
     while len(tokens) < max_tokens and tokens[-1] not in eos:
@@ -147,7 +148,7 @@ def test_lookup_works_on_any_mlx_lm_architecture():
     mx.eval(model.parameters())
     prompt = [5, 17, 33, 5, 17, 60, 2, 9]
     expected = plain_tokens(model, prompt, 48)
-    drafter = LookupDrafter(Costs({1: 1.0, 16: 1.2}))
+    drafter = LookupDrafter(Costs({1: 1.0, 16: 1.2}).at())
     decoder = make_decoder(model, None, "none", Sampling(), lookup=drafter)
     tokens = [decoder.prefill(prompt)]
     while len(tokens) < 48:
@@ -181,7 +182,7 @@ def test_a_sliding_window_model_stays_lossless_once_its_window_wraps():
     cache, accepted = make_prompt_cache(model), 0
     for turn in range(2):
         expected = plain_tokens(model, prompt, 60)
-        drafter = LookupDrafter(Costs({1: 1.0, 16: 1.2}))
+        drafter = LookupDrafter(Costs({1: 1.0, 16: 1.2}).at())
         decoder = make_decoder(model, None, "none", Sampling(), lookup=drafter, cache=cache)
         tokens = [decoder.prefill(prompt)]
         while len(tokens) < 60:
@@ -222,14 +223,13 @@ def test_in_a_packed_pass_a_draft_is_priced_by_the_whole_batch():
     draft accepted one time in five pays alone and not beside seven others; alone, the
     price is the one-row curve's."""
     costs = Costs({1: 100.0, 8: 135.0, 16: 175.0, 32: 255.0})
-    verify, alone = costs.verify, costs(9)
-    costs.beside = (7, 8)  # seven others' roots
-    assert costs(1) == pytest.approx(1.0)  # a root beside seven: one batched row's share
-    assert costs(2) == pytest.approx(1 + (verify(9) - verify(8)) / (verify(8) / 8))
-    assert costs(9) - costs(1) > 5 * (alone - 1.0)  # eight nodes cost far more here than alone
-    drafter = LookupDrafter(costs)
+    verify, alone, batched = costs.verify, costs.at(), costs.at(beside=(7, 8))  # seven others' roots
+    assert batched(1) == pytest.approx(1.0)  # a root beside seven: one batched row's share
+    assert batched(2) == pytest.approx(1 + (verify(9) - verify(8)) / (verify(8) / 8))
+    assert batched(9) - batched(1) > 5 * (alone(9) - 1.0)  # eight nodes cost far more here than alone
+    drafter = LookupDrafter(batched)
     for index in range(50):  # all of it one time in five, else nothing
         drafter.record(LookupDraft(list(range(8)), kind=1), accepted=8 if index % 5 == 0 else 0)
     assert drafter.best_length(1, 8, verified=1, expected=1.0) == 0  # plain batching
-    costs.beside = (0, 1)
-    assert costs(9) == alone and drafter.best_length(1, 8, verified=1, expected=1.0) == 8
+    drafter.price(Budget(room=8, nodes=8, pricing=alone))
+    assert drafter.best_length(1, 8, verified=1, expected=1.0) == 8

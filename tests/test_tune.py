@@ -226,7 +226,7 @@ def test_an_unwritable_cache_only_means_timing_again(tiny_target, tmp_path, monk
     blocked.write_text("not a directory")
     monkeypatch.setenv("MLX_EAGLE_CACHE", str(blocked))
     costs = verify_costs(model)
-    assert costs(1) == 1.0 and costs(16) >= 1.0 and blocked.read_text() == "not a directory"
+    assert costs.at()(1) == 1.0 and costs.at()(16) >= 1.0 and blocked.read_text() == "not a directory"
 
 
 @pytest.mark.slow  # tunes the shipped head on the real model

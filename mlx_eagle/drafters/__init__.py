@@ -52,7 +52,9 @@ class Budget:
     verified: int = 1  # tokens the round verifies already: the root and the nodes before this drafter's
     expected: float = 1.0  # tokens those are expected to yield (the bonus token included)
     chain: bool = False  # the target verifies chains only (no tree path for its architecture)
-    costs: Optional[Callable[[int], float]] = None  # a forward over k tokens, in plain steps (None: unmeasured)
+    # This round's prices for this conversation (costs.Pricing: a forward over k tokens in
+    # plain steps, at its context and beside the batch's other rows; None: unmeasured).
+    pricing: Optional[Callable[[int], float]] = None
     vocab: Optional[int] = None  # the target's vocabulary: token ids from 0 to vocab - 1
 
     def cost(self, more: int) -> float:
@@ -60,7 +62,7 @@ class Budget:
         tokens, in plain decoding steps (one token: 1); where nothing was measured, a token
         a step."""
         tokens = self.verified + more
-        return float(self.costs(tokens)) if self.costs is not None else float(tokens)
+        return float(self.pricing(tokens)) if self.pricing is not None else float(tokens)
 
 
 @dataclass

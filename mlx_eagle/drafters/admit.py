@@ -77,7 +77,7 @@ def admit(proposal: object, budget: Budget) -> Optional[Proposal]:
     else:
         tree, scores = _merged(parents[:examined], host, confidence, budget)
         node_tokens = mx.array(tree.tokens, dtype=mx.int32)
-    if scores is not None and budget.costs is not None and len(tree):
+    if scores is not None and budget.pricing is not None and len(tree):
         keep = _paying(tree, scores, budget)
         if len(keep) < len(tree):
             tree = tree.subtree(keep)

@@ -9,11 +9,12 @@ from typing import Callable, Dict, Tuple
 
 import numpy as np
 
-from . import Drafter
+from . import Budget, Drafter
 
 
 class ChainDrafter(Drafter):
-    """Sizes chains. ``cost(k)``: a target forward over k tokens, in plain decoding steps;
+    """Sizes chains. ``pricing(k)``: a target forward over k tokens, in plain decoding steps
+    (costs.Pricing: each round's Budget brings its own, which ``price`` keeps);
     ``step_cost``: drafting one token, in the same units (0 for drafts that cost nothing).
     The probability that draft token j is accepted once tokens 1..j-1 were is estimated
     from what was accepted, shrunk towards the estimate for token j - 1 (deep positions
@@ -23,9 +24,10 @@ class ChainDrafter(Drafter):
     PRIOR_RATE = 0.5  # first draft token of a kind never tried yet
     PRIOR_WEIGHT = 2.0  # pseudo-observations behind each position's prior
 
-    def __init__(self, cost: Callable[[int], float], max_tokens: int = 16, kinds: int = 1, step_cost: float = 0.0):
-        self.cost, self.max_tokens, self.step_cost = cost, max_tokens, step_cost
-        self._costs: Dict[Tuple[int, int], np.ndarray] = {}  # (verified, context) -> verifying it and 0.. more
+    def __init__(self, pricing: Callable[[int], float], max_tokens: int = 16, kinds: int = 1,
+                 step_cost: float = 0.0):
+        self.pricing, self.max_tokens, self.step_cost = pricing, max_tokens, step_cost
+        self._costs: Dict[Tuple[int, Callable], np.ndarray] = {}  # (verified, pricing) -> verifying 0.. more
         self.tried = np.zeros((kinds, max_tokens))  # by kind and position
         self.accepted = np.zeros((kinds, max_tokens))
 
@@ -44,13 +46,18 @@ class ChainDrafter(Drafter):
                                 / (self.tried[kind, j] + self.PRIOR_WEIGHT))
         return rates
 
+    def price(self, budget: Budget) -> None:
+        """Price what follows by this round's Budget (kept for what ``observe`` decides before
+        the next round: this conversation's own last prices)."""
+        if budget.pricing is not None:
+            self.pricing = budget.pricing
+
     def best_length(self, kind: int, limit: int, verified: int, expected: float) -> int:
         """The draft length with the most expected tokens per unit of cost, beside
         ``verified`` tokens already in the round that yield ``expected`` tokens."""
-        # (the context a round attends to, and the packed pass it joins: costs.Costs)
-        key = (verified, getattr(self.cost, "attending", 0), getattr(self.cost, "beside", None))
+        key = (verified, self.pricing)  # (a Pricing is a value: the context and the pass it prices)
         if key not in self._costs:
-            self._costs[key] = np.array([self.cost(verified + n) + self.step_cost * n
+            self._costs[key] = np.array([self.pricing(verified + n) + self.step_cost * n
                                          for n in range(self.max_tokens + 1)])
         reach = np.cumprod(self.acceptance(kind)[:limit])
         values = (expected + np.concatenate([[0.0], np.cumsum(reach)])) / self._costs[key][:limit + 1]

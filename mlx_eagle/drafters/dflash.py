@@ -22,7 +22,7 @@ from __future__ import annotations
 import copy
 import heapq
 from pathlib import Path
-from typing import List, Optional, Tuple
+from typing import Callable, List, Optional, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -48,11 +48,12 @@ class DFlashDrafter(ChainDrafter):
 
     PROBE = 16
 
-    def __init__(self, model: DFlashModel, target: nn.Module, cost, max_tokens: Optional[int] = None,
-                 trees: bool = True):
-        """``trees``: DDTree branches beside the chain where the target verifies trees."""
+    def __init__(self, model: DFlashModel, target: nn.Module, pricing: Callable[[int], float],
+                 max_tokens: Optional[int] = None, trees: bool = True):
+        """``pricing``: until a round's Budget brings its own; ``trees``: DDTree branches
+        beside the chain where the target verifies trees."""
         block = model.config.block_size
-        super().__init__(cost, min(block - 1, max_tokens or block - 1))
+        super().__init__(pricing, min(block - 1, max_tokens or block - 1))
         self.model, self.target, self.trees = model, target, trees
         self.taps = model.config.taps
         self.cache = [KVCache() for _ in model.layers]  # the context's keys and values, committed tokens only
@@ -88,6 +89,7 @@ class DFlashDrafter(ChainDrafter):
         mx.async_eval(*self.block)
 
     def propose(self, budget: Budget) -> Optional[Proposal]:
+        self.price(budget)
         limit = min(budget.room, budget.nodes, self.max_tokens)
         length = self.best_length(0, limit, budget.verified, budget.expected) if limit >= 1 and self.block else 0
         if not length:
@@ -118,7 +120,7 @@ class DFlashDrafter(ChainDrafter):
         while heap and len(chosen) < room:
             negative, path = heapq.heappop(heap)
             gain = float(np.exp(-negative))
-            if (expected + gain) / self.cost(nodes + 1) <= expected / self.cost(nodes):
+            if (expected + gain) / self.pricing(nodes + 1) <= expected / self.pricing(nodes):
                 break
             chosen.append(path)
             expected, nodes = expected + gain, nodes + 1
@@ -143,6 +145,6 @@ def source(draft: DFlashModel, model: nn.Module, settings: DraftSettings) -> Dra
     # --tree chain:K: chains of at most K drafts; any other tree: DDTree branches where they pay.
     chain = isinstance(tree, TreeSpec) and tree.kind == "static" and tree.paths == chain_paths(len(tree.paths))
     limit = len(tree.paths) if chain else None
-    costs = settings.costs
+    pricing = settings.costs.at()
     return DraftSource(name + (f", chains of up to {limit}" if chain else ""),
-                       lambda: DFlashDrafter(draft, model, costs, max_tokens=limit, trees=not chain), None, draft)
+                       lambda: DFlashDrafter(draft, model, pricing, max_tokens=limit, trees=not chain), None, draft)

@@ -22,7 +22,7 @@ import copy
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -57,8 +57,8 @@ class DraftModelDrafter(ChainDrafter):
     RUNNER_UP_PRIOR = 0.2  # P(runner-up accepted | chain token refused) before any is seen
     RUNNER_UP_WEIGHT = 2.0
 
-    def __init__(self, model: nn.Module, cost, step_cost: float, max_tokens: int = 16):
-        super().__init__(cost, max_tokens, kinds=2, step_cost=step_cost)
+    def __init__(self, model: nn.Module, pricing: Callable[[int], float], step_cost: float, max_tokens: int = 16):
+        super().__init__(pricing, max_tokens, kinds=2, step_cost=step_cost)
         self.model = model
         self.cache = make_prompt_cache(model)
         # A recurrent state cannot be cut back: snapshots of the caches by how many tokens they held.
@@ -119,6 +119,7 @@ class DraftModelDrafter(ChainDrafter):
             mx.eval([c.state for c in self.cache])
 
     def propose(self, budget: Budget) -> Optional[Proposal]:
+        self.price(budget)
         self._kind, self.whole = int(self.whole), False
         limit = min(budget.room, budget.nodes, self.max_tokens)
         length = self.best_length(self._kind, limit, budget.verified, budget.expected) if limit >= 1 else 0
@@ -159,8 +160,8 @@ class DraftModelDrafter(ChainDrafter):
         gains = reach * (1 - rates) * taken
         expected, nodes, chosen = budget.expected + chain.sum(), budget.verified + length, set()
         for depth in np.argsort(-gains)[:max(room, 0)]:
-            value = (expected + gains[depth]) / (self.cost(nodes + 1) + self.step_cost * length)
-            if value <= expected / (self.cost(nodes) + self.step_cost * length):
+            value = (expected + gains[depth]) / (self.pricing(nodes + 1) + self.step_cost * length)
+            if value <= expected / (self.pricing(nodes) + self.step_cost * length):
                 break
             expected, nodes = expected + gains[depth], nodes + 1
             chosen.add(int(depth) + 1)
@@ -206,10 +207,10 @@ def source(draft: Any, model: nn.Module, settings: DraftSettings) -> DraftSource
     if vocab != wanted:
         raise UserError(f"the draft model {loaded.name} has a vocabulary of {vocab}, the target {wanted}: a draft "
                         "model must share the target's tokenizer")
-    costs = settings.costs
+    pricing = settings.costs.at()
     cost = step_cost(loaded.model, model, settings)
     note = f"a draft step costs {cost:.2f} target steps here"
     if cost >= 1.0:
         print(f"warning: {loaded.name} drafts slower than the target decodes ({note}): it will rarely draft",
               file=sys.stderr)
-    return DraftSource(f"draft model {loaded.name}", lambda: DraftModelDrafter(loaded.model, costs, cost), note)
+    return DraftSource(f"draft model {loaded.name}", lambda: DraftModelDrafter(loaded.model, pricing, cost), note)

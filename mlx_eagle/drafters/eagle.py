@@ -33,11 +33,12 @@ class EagleDrafter(Drafter):
     """An EAGLE head (EAGLE-1/2/3, or any object with the ``Head`` interface) drafting a
     ``tree`` each round.
 
-    With ``cost`` (a forward over k tokens in plain steps: the device's curve), the tree is
-    held to what it measurably buys: once ``WARMUP`` rounds show its accepted tokens not
-    paying for the nodes it adds, it drafts only every ``PROBE``-th round (to notice a
-    change of topic), so a head whose recorded acceptance was wrong, or that has none,
-    costs at most a probe round in ``PROBE`` on any device."""
+    With ``pricing`` (a forward over k tokens in plain steps: the device's curve, where a
+    round's Budget brings no prices of its own), the tree is held to what it measurably
+    buys: once ``WARMUP`` rounds show its accepted tokens not paying for the nodes it adds,
+    it drafts only every ``PROBE``-th round (to notice a change of topic), so a head whose
+    recorded acceptance was wrong, or that has none, costs at most a probe round in ``PROBE``
+    on any device."""
 
     WARMUP = 8  # rounds measured before the tree may be held back
     PROBE = 16  # while held back, one round in this many drafts
@@ -46,10 +47,11 @@ class EagleDrafter(Drafter):
     # attention over one block of n tokens holds n x n scores (150 MB at 2k on SmolLM2's head).
     READ_CHUNK = 512
 
-    def __init__(self, head: Head, target: nn.Module, tree: TreeSpec, cost: Optional[Callable[[int], float]] = None):
+    def __init__(self, head: Head, target: nn.Module, tree: TreeSpec,
+                 pricing: Optional[Callable[[int], float]] = None):
         self.taps = tuple(head.taps(layer_count(target)) or ())
         check_target(target, self.taps)
-        self.head, self.target, self.cost = head, target, cost
+        self.head, self.target, self.pricing = head, target, pricing
         self.grower = TreeDrafter(head, target, tree)
         self.cache = [KVCache()]  # the head's, for committed tokens only
         self.queued: Optional[Proposal] = None  # the next round's tree, grown on the device
@@ -103,10 +105,11 @@ class EagleDrafter(Drafter):
     def pays(self, budget: Budget) -> bool:
         """Whether the tree, as measured so far, yields more tokens per unit of verify cost
         than the round without it (the other drafters' nodes, ``budget``)."""
-        if self.cost is None or self.rounds < self.WARMUP:
+        if self.pricing is None or self.rounds < self.WARMUP:
             return True
-        without = budget.expected / self.cost(budget.verified)
-        return (budget.expected + self.accepted) / self.cost(budget.verified + round(self.nodes)) > without
+        pricing = budget.pricing or self.pricing
+        without = budget.expected / pricing(budget.verified)
+        return (budget.expected + self.accepted) / pricing(budget.verified + round(self.nodes)) > without
 
     def propose(self, budget: Budget) -> Optional[Proposal]:
         proposal, self.queued = self.queued, None
@@ -156,10 +159,10 @@ def source(head: Head, model: nn.Module, settings: DraftSettings) -> DraftSource
     """The head drafting the tree ``settings.tree`` names (``auto``: tuned or calibrated for
     this device; none where it is expected to lose)."""
 
-    tree, why, cost = settings.tree, None, None
+    tree, why, pricing = settings.tree, None, None
     if tree is None or tree == "auto":
         tree, why = auto_tree(model, head)
-        cost = settings.costs  # a tree chosen for the user is held to what it measurably buys
+        pricing = settings.costs.at()  # a tree chosen for the user is held to what it measurably buys
     elif isinstance(tree, str):
         tree = parse_tree(tree)
     if not is_driven(model):
@@ -167,4 +170,4 @@ def source(head: Head, model: nn.Module, settings: DraftSettings) -> DraftSource
     family = getattr(head, "family", "draft")
     if tree.kind == "none":
         return DraftSource(f"{family} head", None, why or "tree none")
-    return DraftSource(f"{family} head, tree {tree.text}", lambda: EagleDrafter(head, model, tree, cost), why, head)
+    return DraftSource(f"{family} head, tree {tree.text}", lambda: EagleDrafter(head, model, tree, pricing), why, head)

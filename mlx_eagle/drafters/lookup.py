@@ -136,9 +136,9 @@ class LookupDrafter(ChainDrafter):
 
     MAX_MATCH = 32  # tokens a match is followed back
 
-    def __init__(self, cost: Callable[[int], float], max_tokens: int = 16, min_ngram: int = 1,
+    def __init__(self, pricing: Callable[[int], float], max_tokens: int = 16, min_ngram: int = 1,
                  max_ngram: int = 4, history: Optional[History] = None):
-        super().__init__(cost, max_tokens, kinds=2 * (max_ngram + 1) + 1)
+        super().__init__(pricing, max_tokens, kinds=2 * (max_ngram + 1) + 1)
         self.index = ContextIndex(min_ngram, max_ngram)
         self.history = history
         self.copying = False  # the last round's draft was accepted whole
@@ -156,6 +156,7 @@ class LookupDrafter(ChainDrafter):
         """At most ``budget.room`` tokens to follow the committed ones; none where no match
         is expected to pay off beside the ``budget.verified`` tokens the round verifies
         anyway, which yield ``budget.expected``."""
+        self.price(budget)
         ngram, position = self.index.match()
         kind = self.kind(ngram)
         self.copying = False  # until a draft is accepted whole
@@ -182,8 +183,8 @@ class LookupDrafter(ChainDrafter):
         expected, count = budget.expected, 0
         for probability in probabilities:  # nodes come best first: keep them while each pays
             value = probability * self._history_yield
-            if (expected + value) / self.cost(budget.verified + count + 1) <= expected / self.cost(budget.verified
-                                                                                                   + count):
+            nodes = budget.verified + count
+            if (expected + value) / self.pricing(nodes + 1) <= expected / self.pricing(nodes):
                 break
             expected, count = expected + value, count + 1
         if not count:
@@ -237,6 +238,6 @@ def accepts(draft: object) -> bool:
 
 
 def source(draft: object, model: nn.Module, settings: DraftSettings) -> DraftSource:
-    costs, history = settings.costs, settings.history
+    pricing, history = settings.costs.at(), settings.history
     name = "context lookup" + (" (with earlier replies)" if history is not None else "")
-    return DraftSource(name, lambda: LookupDrafter(costs, history=history))
+    return DraftSource(name, lambda: LookupDrafter(pricing, history=history))
