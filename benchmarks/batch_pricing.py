@@ -1,7 +1,7 @@
 """The batch layout and its pricing: a packed pass (target.packed_forward: every row's new
 token through the dense layers together, each row's attention over its own cache) timed
 against mlx-lm's own batched forward over ``BatchKVCache``, for each number of rows; then
-what ``Costs.steps`` makes of drafts in a batch: rows drafting in turn as batched_round
+what ``Pricing.steps`` makes of drafts in a batch: rows drafting in turn as batched_round
 has them (each beside the blocks drafted so far and the roots still to draft), with draft
 tokens each accepted ``--acceptance`` of the time, on this device's measured packed curve
 and on an Apple-GPU-like curve (a 16-token block costs about one step, then linear), as

@@ -112,7 +112,7 @@ def main(argv: Optional[List[str]] = None) -> None:
 
         model, _ = load()
         measured = verify_costs(model)
-        curves["this CPU (SmolLM2 float32, measured)"] = measured.steps
+        curves["this CPU (SmolLM2 float32, measured)"] = measured.at().steps
     except Exception as exc:  # noqa: BLE001 - the GPU rows need no model
         print(f"(no CPU curve: {exc})")
     results = []
