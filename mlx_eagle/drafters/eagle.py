@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import copy
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, List, Optional, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -60,6 +60,10 @@ class EagleDrafter(Drafter):
         self.nodes = 0.0  # running mean of the nodes it added a round
         self.held = 0  # rounds held back since the last probe (0: drafting)
         self.probing = False  # this round's tree is a probe while held back
+        # While held back, what was committed is kept unread (the target's states at the
+        # positions after the head's cache, and the tokens after them), and read in one pass
+        # before the next probe: a head that does not pay costs nearly nothing between probes.
+        self.unread: Optional[Tuple[mx.array, List[int]]] = None
 
     def reusable(self, common: int) -> int:
         # The head's entry at t pairs feature t with token t + 1: still good only where
@@ -77,27 +81,33 @@ class EagleDrafter(Drafter):
         """Read the committed (feature, next token) pairs and grow the next round's tree,
         queued on the device; its tokens stay there."""
         keep_cache_entries(self.cache, outcome.start, [])
+        features, tokens = outcome.states.read(self.taps), outcome.new_tokens
+        if self.unread is not None:  # the backlog up to this outcome's start (all of it but after a new prompt)
+            behind, kept = self.unread[0], max(0, outcome.start - self.cache[0].offset)
+            features = mx.concatenate([behind[:kept], features]) if kept else features
+            tokens = self.unread[1][:kept] + tokens
+            self.unread = None
         if outcome.proposal is not None:
             # A probe's outcome weighs more: while held back, it is all there is to go on.
             weight = 0.0 if not self.rounds else 0.5 if self.probing else self.MEMORY
             self.accepted = weight * self.accepted + (1 - weight) * outcome.accepted
             self.nodes = weight * self.nodes + (1 - weight) * len(outcome.proposal.tree)
             self.rounds += 1
-        tokens = mx.array(outcome.new_tokens)
-        features = outcome.states.read(self.taps)
+        drafting = not 0 < self.held < self.PROBE - 1  # (held back next round too: no tree to grow)
+        if not drafting:
+            self.unread = (features, tokens)
+            return
+        tokens = mx.array(tokens)
         while tokens.size > self.READ_CHUNK:
             self.head.step(self.target, self.head.project(features[:self.READ_CHUNK])[None],
                            tokens[None, :self.READ_CHUNK], self.cache, self.cache[0].offset, "causal")
             mx.eval([c.state for c in self.cache])
             tokens, features = tokens[self.READ_CHUNK:], features[self.READ_CHUNK:]
-        drafting = not 0 < self.held < self.PROBE - 1  # (held back next round too: no tree to grow)
-        if drafting and self.grower.reads_and_drafts(tokens.size, self.cache):
+        if self.grower.reads_and_drafts(tokens.size, self.cache):
             tree, tree_tokens = self.grower.read_and_draft(features, tokens, self.cache)  # one compiled call
         else:
             out = self.head.step(self.target, self.head.project(features)[None], tokens[None], self.cache,
                                  self.cache[0].offset, "causal" if tokens.size > 1 else None)
-            if not drafting:
-                return
             tree, tree_tokens = self.grower.draft(out[:, -1], self.cache, self.cache[0].offset - 1)
         mx.async_eval(tree_tokens)
         self.queued = Proposal(tree, tree_tokens)
