@@ -23,6 +23,9 @@ class ChainDrafter(Drafter):
 
     PRIOR_RATE = 0.5  # first draft token of a kind never tried yet
     PRIOR_WEIGHT = 2.0  # pseudo-observations behind each position's prior
+    # Cost tables kept per (verified, pricing): in a batch the pricing changes with the
+    # pass's shape nearly every round, so the table is emptied past this many.
+    PRICES_KEPT = 256
 
     def __init__(self, pricing: Callable[[int], float], max_tokens: int = 16, kinds: int = 1,
                  step_cost: float = 0.0):
@@ -57,6 +60,8 @@ class ChainDrafter(Drafter):
         ``verified`` tokens already in the round that yield ``expected`` tokens."""
         key = (verified, self.pricing)  # (a Pricing is a value: the context and the pass it prices)
         if key not in self._costs:
+            if len(self._costs) >= self.PRICES_KEPT:
+                self._costs.clear()
             self._costs[key] = np.array([self.pricing(verified + n) + self.step_cost * n
                                          for n in range(self.max_tokens + 1)])
         reach = np.cumprod(self.acceptance(kind)[:limit])
