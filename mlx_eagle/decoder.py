@@ -39,7 +39,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .costs import Costs, kv_logit_drift
-from .drafters import Budget, Drafter, Outcome, Proposal, TargetStates
+from .drafters import Budget, Drafter, Outcome, Proposal, TargetStates, observe_rows
 from .drafters.admit import admit_or_warn
 from .distributed import check_same, shared_proposal, sharded
 from .errors import UserError
@@ -62,6 +62,15 @@ class Round:
     drafted: int  # tree nodes the target verified
     logits: Optional[mx.array] = None  # with keep_logits: the rows each token was chosen from [tokens, vocab]
     rows: int = 1  # conversations whose blocks the verify pass held (batched_round)
+
+
+@dataclass
+class Accepted:
+    """A round's verdict, committed to the target's caches, before the drafters observe it."""
+
+    round: Round
+    tokens: List[int]  # every committed token, the new root last
+    outcome: Optional[Outcome]  # what the drafters are to observe (None: there are none)
 
 
 @dataclass
@@ -282,6 +291,13 @@ class SpeculativeDecoder:
     def conclude(self, drafted: Drafted, out: TargetOutput, recorded: Optional[List]) -> Round:
         """A round's second half, after the verify pass gave ``out`` (``recorded``: what the
         pass recorded for a rollback): accept, commit, observe."""
+        accepted = self.accept_round(drafted, out, recorded)
+        if accepted.outcome is not None:
+            self.drafter.observe(accepted.outcome)
+        return self.settle_round(accepted)
+
+    def accept_round(self, drafted: Drafted, out: TargetOutput, recorded: Optional[List]) -> Accepted:
+        """``conclude`` up to the drafters' observing: the verdict, committed to the caches."""
         committed, proposal, tree, tokens, shaped = (drafted.committed, drafted.proposal, drafted.tree,
                                                      drafted.tokens, drafted.shaped)
         start = len(committed) - 1  # the root's position
@@ -314,16 +330,21 @@ class SpeculativeDecoder:
         new = verdict.tokens + [verdict.bonus]
         if self.grammar is not None:
             self.grammar.commit(new, shaped, verdict.path)
+        outcome = None
         if self.drafter is not None:
             states = None
             if self.reads_states:
                 states = TargetStates(out.features, out.hidden, self.taps, rows=mx.array(kept))
             path = (shaped.drafters_path(verdict.path) if shaped is not None else verdict.path) if proposal else []
-            self.drafter.observe(Outcome(committed + new, start, states, proposal if proposal else None, path))
+            outcome = Outcome(committed + new, start, states, proposal if proposal else None, path)
+        return Accepted(Round(tokens=new, drafted=len(tree), logits=chosen_from), committed + new, outcome)
+
+    def settle_round(self, accepted: Accepted) -> Round:
+        """``conclude`` after the drafters observed: the round is over."""
         self.on_phase("observed")
-        self.root = verdict.bonus
-        self.state.settle(committed + new)
-        return Round(tokens=new, drafted=len(tree), logits=chosen_from)
+        self.root = accepted.round.tokens[-1]
+        self.state.settle(accepted.tokens)
+        return accepted.round
 
     def truncate(self, count: int) -> None:
         """Keep only the first ``count`` committed tokens (PromptCache.truncate)."""
@@ -469,12 +490,22 @@ def batched_round(decoders: Sequence[SpeculativeDecoder], rooms: Sequence[int]) 
             recorded = [stack.enter_context(decoders[i]._before_verify(d)) for i, d in drafted]
             outs = packed_forward(decoders[0].target, [decoders[i]._block(d.tree, d.tokens, d.unread)
                                                        for i, d in drafted])
+        accepted: List[Tuple[int, Accepted]] = []
         for (index, round_drafted), out, rows in zip(drafted, outs, recorded):
-            decoder = decoders[index]
-            decoder.forwards += 1
+            decoders[index].forwards += 1
             try:
-                results[index] = decoder.conclude(round_drafted, out, rows)
-                results[index].rows = len(drafted)
+                accepted.append((index, decoders[index].accept_round(round_drafted, out, rows)))
             except Exception as error:
                 results[index] = error
+        # The drafters observe together: a kind backed by a model reads every row in one pass.
+        observing = [(index, done) for index, done in accepted if done.outcome is not None]
+        errors = observe_rows([decoders[index].drafter for index, _ in observing],
+                              [done.outcome for _, done in observing])
+        failed = {index: error for (index, _), error in zip(observing, errors) if error is not None}
+        for index, done in accepted:
+            if index in failed:
+                results[index] = failed[index]
+                continue
+            results[index] = decoders[index].settle_round(done)
+            results[index].rows = len(drafted)
     return results

@@ -150,7 +150,7 @@ def layer_block(layer: nn.Module, residual: mx.array, x: mx.array, cache, positi
     else:
         queries, keys, values = compiled_piece(attn, _project, tokens)(x, positions)
         keys, values = cache.update_and_fetch(keys, values)
-        if hasattr(cache, "attend"):  # a cache that knows its own attention pattern (training's TTTCache)
+        if hasattr(cache, "attend"):  # a cache that knows its own attention pattern (TTTCache, PackedCache)
             attended = cache.attend(queries, attention_sizes(attn)[2])
         else:
             attended = scaled_dot_product_attention(queries, keys, values, cache=cache,
@@ -412,17 +412,49 @@ def packs(model: nn.Module) -> bool:
     return is_driven(model) and not ARCHITECTURES[model.args.model_type].latent_attention
 
 
+class PackedCache:
+    """One layer's caches of several conversations whose tokens are packed into one
+    sequence, ``cuts`` apart (where each one's tokens begin, then the end), standing as the
+    layer's cache in layer_block: each cache gets its own tokens' keys and values appended,
+    and each conversation's queries attend over its own cache under its own mask (and the
+    layer's attention ``sinks``). Everything else in the layer reads the packed tokens as
+    one sequence."""
+
+    def __init__(self, caches: Sequence, cuts: Sequence[int], masks: Sequence[Mask], sinks: Optional[mx.array] = None):
+        self.caches, self.cuts, self.masks, self.sinks = caches, cuts, masks, sinks
+        self.fetched: List[Tuple[mx.array, mx.array]] = []
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> Tuple[mx.array, mx.array]:
+        self.fetched = [cache.update_and_fetch(keys[:, :, begin:end], values[:, :, begin:end])
+                        for cache, begin, end in zip(self.caches, self.cuts, self.cuts[1:])]
+        return keys, values
+
+    def attend(self, queries: mx.array, scale: float) -> mx.array:
+        return mx.concatenate([
+            scaled_dot_product_attention(queries[:, :, begin:end], keys, values, cache=cache, scale=scale, mask=mask,
+                                         sinks=self.sinks)
+            for cache, (keys, values), mask, begin, end in zip(self.caches, self.fetched, self.masks, self.cuts,
+                                                               self.cuts[1:])], axis=2)
+
+
+def cuts_of(sizes: Sequence[int]) -> List[int]:
+    """Where each of several packed pieces of ``sizes`` tokens begins, then the end."""
+    cuts = [0]
+    for size in sizes:
+        cuts.append(cuts[-1] + size)
+    return cuts
+
+
 def packed_forward(model: nn.Module, blocks: Sequence[Block]) -> List[TargetOutput]:
     """One forward pass over several conversations' blocks: their tokens packed into one
     sequence through everything that reads a token alone (embedding, norms, projections,
     rotary positions, MLPs, the LM head), and each block's attention over its own cache,
-    with its own positions and mask. Each cache gets its block appended, as target_forward
-    appends one. The matrix products see more rows than a block's alone, so their results
-    may differ in the last bits: the decoder rechecks greedy near-ties as it does a block's."""
+    with its own positions and mask (PackedCache). Each cache gets its block appended, as
+    target_forward appends one. The matrix products see more rows than a block's alone, so
+    their results may differ in the last bits: the decoder rechecks greedy near-ties as it
+    does a block's."""
     inner = model.model
-    sizes = [block.tokens.size for block in blocks]
-    cuts = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
-    total = cuts[-1]
+    cuts = cuts_of([block.tokens.size for block in blocks])
     h = embed(model, mx.concatenate([block.tokens.astype(mx.int32) for block in blocks])[None])
     positions = mx.concatenate([block.position_of_each() for block in blocks])
     offsets = [block.cache[0].offset for block in blocks]
@@ -432,19 +464,12 @@ def packed_forward(model: nn.Module, blocks: Sequence[Block]) -> List[TargetOutp
     for index, (layer, window) in enumerate(zip(inner.layers, layer_windows(model))):
         if index in taps:
             entering[index] = h
-        attn = layer.self_attn
-        queries, keys, values = compiled_piece(attn, _project, total)(layer.input_layernorm(h), positions)
-        scale = attention_sizes(attn)[2]
-        attended = []
         for block, begin, end, offset, block_masks in zip(blocks, cuts, cuts[1:], offsets, masks):
             if window not in block_masks:
                 block_masks[window] = window_mask(block.mask, block.positions, offset, end - begin, window)
-            cache = block.cache[index]
-            block_keys, block_values = cache.update_and_fetch(keys[:, :, begin:end], values[:, :, begin:end])
-            attended.append(scaled_dot_product_attention(queries[:, :, begin:end], block_keys, block_values,
-                                                         cache=cache, scale=scale, mask=block_masks[window],
-                                                         sinks=attn.get("sinks")))
-        h = compiled_piece(layer, _finish, total)(h, mx.concatenate(attended, axis=2))
+        packed = PackedCache([block.cache[index] for block in blocks], cuts,
+                             [block_masks[window] for block_masks in masks], layer.self_attn.get("sinks"))
+        h = decoder_layer(layer, h, packed, positions, None)
     h = inner.norm(h)
     logits = lm_head(model, h)
     outputs = []

@@ -33,18 +33,21 @@ def batched(decoders, prompts, counts):
     return [reply[:count] for reply, count in zip(replies, counts)]
 
 
-@pytest.mark.parametrize("drafting", ["context lookup", "a random EAGLE-3 head's trees", "an EAGLE-1 head's chains"])
+@pytest.mark.parametrize("drafting", ["context lookup", "a random EAGLE-3 head's trees", "an EAGLE-1 head's chains",
+                                      "one EAGLE-3 head drafting every conversation's trees together"])
 def test_greedy_replies_in_one_pass_are_each_the_reply_alone(drafting):
     """Prompts of different lengths, replies of different lengths (so conversations leave
     the batch at different rounds), trees and chains, heads reading states at taps."""
     model = tiny_target(0)
     counts = [40, 12, 33, 25]
+    shared = new_head(model, "eagle3", draft_vocab_size=64)  # one head: every row drafted in one pass a depth
 
     def decoder(index):
         if drafting == "context lookup":
             return SpeculativeDecoder(model, LookupDrafter(lambda k: 1.0), Sampling())
         family, tree = ("eagle3", "static:default") if "EAGLE-3" in drafting else ("eagle1", "chain:3")
-        head = new_head(model, family, draft_vocab_size=64 if family == "eagle3" else None, seed=index)
+        head = shared if "together" in drafting else \
+            new_head(model, family, draft_vocab_size=64 if family == "eagle3" else None, seed=index)
         return make_decoder(model, head, tree, Sampling(), lookup=LookupDrafter(lambda k: 1.0))
 
     decoders = [decoder(index) for index in range(len(PROMPTS))]
@@ -192,3 +195,64 @@ def test_near_ties_in_a_packed_pass_are_decided_as_each_alone(smollm, monkeypatc
     replies, rechecked = decode(1.0)
     assert replies == expected and rechecked > 0
     assert decode(0.0)[0] != expected, "the perturbation flips a choice when nothing rechecks it"
+
+
+def test_one_head_drafts_every_conversation_together_as_each_alone(smollm, monkeypatch):
+    """SmolLM2's shipped head drafting four conversations of different lengths, as a batched
+    round's drafters observe (EagleDrafter.observe_together): one head pass reads every
+    conversation's new tokens and one a depth grows all the trees, and each conversation's
+    tree is the one it grows alone (but where products over more rows round a near-tie
+    the other way), its cache left as alone, after a prompt and after a round."""
+    import copy
+
+    import mlx.core as mx
+
+    from mlx_eagle.drafters import Outcome, TargetStates, observe_rows
+    from mlx_eagle.drafters.eagle import EagleDrafter, shipped
+    from mlx_eagle.target import make_cache, target_forward
+    from mlx_eagle.trees import parse_tree
+
+    model, tokenizer = smollm
+    head = shipped(model)
+    texts = ["def fib(n):\n    return", "The capital of France is", "Once upon a time there was a little",
+             "Write a haiku about the sea."]
+    drafters = [EagleDrafter(head, model, parse_tree("static:default")) for _ in texts]
+    taps = drafters[0].taps
+    caches = [make_cache(model) for _ in texts]
+    committed = [tokenizer.encode(text) for text in texts]
+
+    def advance(new):
+        """Each conversation's next ``new`` greedy tokens, read by the target one pass each:
+        the outcomes its drafter observes."""
+        outcomes = []
+        for tokens, cache in zip(committed, caches):
+            start, features, hidden = cache[0].offset, [], []
+            for _ in range(new):
+                read = tokens[cache[0].offset:]
+                out = target_forward(model, mx.array([read]), cache, cache[0].offset,
+                                     "causal" if len(read) > 1 else None, taps)
+                features.append(out.features[0])
+                hidden.append(out.hidden[0])
+                tokens.append(int(mx.argmax(out.logits[0, -1])))
+            states = TargetStates(mx.concatenate(features), mx.concatenate(hidden), taps)
+            outcomes.append(Outcome(list(tokens), start, states, from_prompt=start == 0))
+        return outcomes
+
+    passes = []
+    step = type(head).step
+    monkeypatch.setattr(type(head), "step", lambda self, *args: passes.append(1) or step(self, *args))
+    for new in (1, 3):  # the prompts, then a round that committed three tokens
+        outcomes = advance(new)
+        alone = []
+        for drafter, outcome in zip(drafters, outcomes):
+            twin = copy.copy(drafter)
+            twin.cache = copy.deepcopy(drafter.cache)
+            twin.observe(outcome)
+            alone.append((twin.queued.tokens.tolist(), twin.cache[0].offset))
+        passes.clear()
+        assert observe_rows(drafters, outcomes) == [None] * len(texts)
+        assert len(passes) == 1 + sum(level.grows for level in drafters[0].grower.levels)  # not one per row
+        together = [(d.queued.tokens.tolist(), d.cache[0].offset) for d in drafters]
+        assert [offset for _, offset in together] == [offset for _, offset in alone]
+        same = sum(a == b for (mine, _), (theirs, _) in zip(together, alone) for a, b in zip(mine, theirs))
+        assert same >= 0.95 * sum(len(theirs) for theirs, _ in alone)  # (identical on this machine)

@@ -58,19 +58,19 @@ def caller(engine, ids, max_tokens, action, rng, results, index):
 def test_concurrent_callers_each_get_their_reply_alone(smollm, seed, monkeypatch):
     model, tokenizer = smollm
     rng = random.Random(seed)
-    conclude = mlx_eagle.decoder.SpeculativeDecoder.conclude
+    accept_round = mlx_eagle.decoder.SpeculativeDecoder.accept_round
     rounds = {}
 
-    def failing_conclude(self, drafted, *args):
+    def failing_accept(self, drafted, *args):
         # The conversation whose prompt ends with FAILING fails in its second round, in the
         # middle of a batched round; the others' rounds in that very pass go on.
         if FAILING in tokenizer.decode(drafted.committed):
             rounds[id(self)] = rounds.get(id(self), 0) + 1
             if rounds[id(self)] == 2:
                 raise Injected("a round failed")
-        return conclude(self, drafted, *args)
+        return accept_round(self, drafted, *args)
 
-    monkeypatch.setattr(mlx_eagle.decoder.SpeculativeDecoder, "conclude", failing_conclude)
+    monkeypatch.setattr(mlx_eagle.decoder.SpeculativeDecoder, "accept_round", failing_accept)
     engine = Engine(loaded=(model, tokenizer, load_draft("auto", model)), history=False, max_concurrency=4,
                     prompt_cache_bytes=24 << 20)
     try:

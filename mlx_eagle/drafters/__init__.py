@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
-from typing import Callable, List, Optional, Sequence, Tuple, Union
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -179,6 +179,21 @@ class Drafter:
     def finish(self) -> None:
         """The reply is over (the generation stopped): what was committed is final."""
 
+    def learners(self, outcome: Outcome) -> List[Tuple["Drafter", Outcome]]:
+        """The drafters that learn from ``outcome``, each with what it is to observe: this
+        one (a Composite: each of its sources, with its own part). ``observe_rows`` groups
+        a batch's learners by kind."""
+        return [(self, outcome)]
+
+    @classmethod
+    def observe_together(cls, drafters: Sequence["Drafter"], outcomes: Sequence[Outcome]) -> None:
+        """Several conversations' drafters of this kind observe their outcomes of one
+        batched round. The default observes them one after another (``observe_rows`` does
+        that itself, each conversation's error its own); a kind backed by a model overrides
+        this to do its device work for every conversation in one pass."""
+        for drafter, outcome in zip(drafters, outcomes):
+            drafter.observe(outcome)
+
     def reusable(self, common: int) -> int:
         """A new prompt shares its first ``common`` tokens with what was committed: how many
         leading target positions this drafter's state is still good for (the prompt is
@@ -206,3 +221,28 @@ class Drafter:
                 setattr(fresh, name, copy.deepcopy(value))
         return fresh
 
+
+def observe_rows(drafters: Sequence[Drafter], outcomes: Sequence[Outcome]) -> List[Optional[Exception]]:
+    """Each conversation's drafter of a batched round observes its outcome, the learners
+    (``Drafter.learners``) of a kind that overrides ``observe_together`` handed to it
+    together. Returns each conversation's error (None: it observed). One conversation's
+    error is not another's, but where a kind observing together fails, every conversation
+    it held fails with it."""
+    errors: List[Optional[Exception]] = [None] * len(drafters)
+    kinds: Dict[type, List[Tuple[int, Drafter, Outcome]]] = {}
+    for row, (drafter, outcome) in enumerate(zip(drafters, outcomes)):
+        try:
+            for learner, part in drafter.learners(outcome):
+                kinds.setdefault(type(learner), []).append((row, learner, part))
+        except Exception as error:
+            errors[row] = error
+    for kind, learners in kinds.items():
+        learners = [(row, learner, part) for row, learner, part in learners if errors[row] is None]
+        together = kind.observe_together.__func__ is not Drafter.observe_together.__func__
+        for group in [learners] if together else [[one] for one in learners]:
+            try:
+                kind.observe_together([learner for _, learner, _ in group], [part for _, _, part in group])
+            except Exception as error:
+                for row, _, _ in group:
+                    errors[row] = error
+    return errors

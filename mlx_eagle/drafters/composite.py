@@ -16,7 +16,7 @@ accepted (``statistics``): what each source bought in a merged tree.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
@@ -100,17 +100,24 @@ class Composite(Drafter):
         return merged
 
     def observe(self, outcome: Outcome) -> None:
-        """Each source observes the outcome with its own part and its own accepted nodes;
-        ``outcome.path`` holds nodes of the merged tree."""
+        for drafter, part in self.learners(outcome):
+            drafter.observe(part)
+
+    def learners(self, outcome: Outcome) -> List[Tuple[Drafter, Outcome]]:
+        """Each source, with the outcome as it sees it: its own part and its own accepted
+        nodes (``outcome.path`` holds nodes of the merged tree); the statistics and
+        yields counted."""
         accepted = set(outcome.path)
         if outcome.proposal is not None:
             for owner in self._owners:
                 self.stats[owner].proposed += 1
             for node in outcome.path:
                 self.stats[self._owners[node]].accepted += 1
+        learners = []
         for index, drafter in enumerate(self.drafters):
             part = self._parts[index] if outcome.proposal is not None else None
             path = [own for own, node in enumerate(self._nodes[index]) if node in accepted] if part else []
             if part is not None:
                 self.yields[index] += YIELD_RATE * (1 + len(path) - self.yields[index])
-            drafter.observe(replace(outcome, proposal=part, path=path))
+            learners += drafter.learners(replace(outcome, proposal=part, path=path))
+        return learners

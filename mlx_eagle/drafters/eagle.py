@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import copy
 from pathlib import Path
-from typing import Callable, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -80,6 +80,39 @@ class EagleDrafter(Drafter):
     def observe(self, outcome: Outcome) -> None:
         """Read the committed (feature, next token) pairs and grow the next round's tree,
         queued on the device; its tokens stay there."""
+        unread = self._learn(outcome)
+        if unread is not None:
+            self._read_and_grow(*self._read_long(*unread))
+
+    @classmethod
+    def observe_together(cls, drafters: Sequence["EagleDrafter"], outcomes: Sequence[Outcome]) -> None:
+        """Each drafter observes its outcome; those drafting one static tree with one head
+        read their committed tokens and grow their next trees together, one head pass for
+        the reads and one a depth for every conversation (TreeDrafter.read_and_draft_rows)."""
+        groups: Dict[tuple, List[Tuple[EagleDrafter, mx.array, mx.array]]] = {}
+        for drafter, outcome in zip(drafters, outcomes):
+            unread = drafter._learn(outcome)
+            if unread is None:
+                continue
+            features, tokens = drafter._read_long(*unread)
+            grower = drafter.grower
+            key = (id(drafter.head), id(drafter.target), tuple(grower.spec.paths)) \
+                if grower.drafts_rows() and tokens.size else (id(drafter),)
+            groups.setdefault(key, []).append((drafter, features, tokens))
+        for group in groups.values():
+            if len(group) == 1:
+                group[0][0]._read_and_grow(*group[0][1:])
+                continue
+            drafted = group[0][0].grower.read_and_draft_rows([(f, t, d.cache) for d, f, t in group])
+            for (drafter, _, _), (tree, tree_tokens) in zip(group, drafted):
+                drafter.queued = Proposal(tree, tree_tokens)
+            mx.async_eval([tree_tokens for _, tree_tokens in drafted])
+
+    def _learn(self, outcome: Outcome) -> Optional[Tuple[mx.array, List[int]]]:
+        """The bookkeeping of ``observe``: the head's cache cut back to the outcome's start,
+        the tree's yield counted; returns what is to be read now (the target's states and
+        the tokens after them, the backlog kept while held back included), or None where
+        the head is held back next round (kept unread)."""
         keep_cache_entries(self.cache, outcome.start, [])
         features, tokens = outcome.states.read(self.taps), outcome.new_tokens
         if self.unread is not None:  # the backlog up to this outcome's start (all of it but after a new prompt)
@@ -96,13 +129,23 @@ class EagleDrafter(Drafter):
         drafting = not 0 < self.held < self.PROBE - 1  # (held back next round too: no tree to grow)
         if not drafting:
             self.unread = (features, tokens)
-            return
+            return None
+        return features, tokens
+
+    def _read_long(self, features: mx.array, tokens: List[int]) -> Tuple[mx.array, mx.array]:
+        """Read all but the last READ_CHUNK tokens (a long prompt's) a chunk at a time;
+        returns the rest."""
         tokens = mx.array(tokens)
         while tokens.size > self.READ_CHUNK:
             self.head.step(self.target, self.head.project(features[:self.READ_CHUNK])[None],
                            tokens[None, :self.READ_CHUNK], self.cache, self.cache[0].offset, "causal")
             mx.eval([c.state for c in self.cache])
             tokens, features = tokens[self.READ_CHUNK:], features[self.READ_CHUNK:]
+        return features, tokens
+
+    def _read_and_grow(self, features: mx.array, tokens: mx.array) -> None:
+        """Read ``tokens`` with the target's ``features`` at them and grow the next tree from
+        the last output, queued on the device."""
         if self.grower.reads_and_drafts(tokens.size, self.cache):
             tree, tree_tokens = self.grower.read_and_draft(features, tokens, self.cache)  # one compiled call
         else:

@@ -7,14 +7,14 @@ The tree itself is data (trees.py); the drafters that grow one are eagle.py and 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 import numpy as np
 
 from ..errors import UserError
 from ..compiled import Buffered, compiled_rounds, cached_mask, reserve
-from ..target import COMPILED_TOKENS, is_driven, keep_cache_entries, tree_mask
+from ..target import COMPILED_TOKENS, PackedCache, cuts_of, is_driven, keep_cache_entries, tree_mask
 from ..trees import DraftTree, RankPath, TreeSpec
 
 
@@ -37,7 +37,8 @@ def _gather(indices: List[int], length: int) -> Optional[mx.array]:
 
 
 def _take(values: mx.array, indices: Optional[mx.array]) -> mx.array:
-    return values if indices is None else values[indices]
+    """``values`` [rows, items, ...] at ``indices`` of each row's items."""
+    return values if indices is None else values[:, indices]
 
 
 def _static_levels(paths: List[RankPath], ranks: int) -> Tuple[DraftTree, List[_Level]]:
@@ -139,7 +140,7 @@ class TreeDrafter:
         tree_tokens, cache[0].keys, cache[0].values = self.compiled_read(
             features, tokens, cache[0].keys, cache[0].values, mx.array(committed))
         cache[0].offset = committed + count
-        return DraftTree([], list(self.shape.parents), list(self.shape.depths)), tree_tokens
+        return self._shape(), tree_tokens
 
     def _read_and_draft_graph(self, features: mx.array, tokens: mx.array, keys: mx.array, values: mx.array,
                               committed: mx.array) -> Tuple[mx.array, mx.array, mx.array]:
@@ -196,9 +197,14 @@ class TreeDrafter:
             tokens, cache[0].keys, cache[0].values = self.compiled(
                 root_hidden, cache[0].keys, cache[0].values, mx.array(committed), mx.array(root_position))
         else:
-            tokens = self._static_tokens(root_hidden, cache, root_position, lambda level, rows, slots: None
-                                         if level.ancestors is None else tree_mask(committed, level.ancestors))
-        return DraftTree([], list(self.shape.parents), list(self.shape.depths)), tokens
+            tokens = self._static_tokens(root_hidden, lambda level, depth, hidden, expanded, slots: self.head.step(
+                self.target, hidden, expanded, cache, root_position + depth,
+                None if level.ancestors is None else tree_mask(committed, level.ancestors)))[0]
+        return self._shape(), tokens
+
+    def _shape(self) -> DraftTree:
+        """The static tree's shape (its tokens on the device)."""
+        return DraftTree([], list(self.shape.parents), list(self.shape.depths))
 
     def _static_graph(self, root_hidden: mx.array, keys: mx.array, values: mx.array, committed: mx.array,
                       root_position: mx.array) -> Tuple[mx.array, mx.array, mx.array]:
@@ -206,28 +212,68 @@ class TreeDrafter:
         ``committed`` entries are), as one function of arrays: what ``compiled`` traces.
         Returns the tokens and the buffers, the tree's entries written past the committed."""
         buffered = Buffered(keys, values, committed)
-        tokens = self._static_tokens(root_hidden, [buffered], root_position, lambda level, rows, slots: cached_mask(
-            keys.shape[2], committed, level.ancestors, slots, rows))
+        tokens = self._static_tokens(root_hidden, lambda level, depth, hidden, expanded, slots: self.head.step(
+            self.target, hidden, expanded, [buffered], root_position + depth,
+            cached_mask(keys.shape[2], committed, level.ancestors, slots, expanded.shape[1])))[0]
         return tokens, buffered.keys, buffered.values
 
-    def _static_tokens(self, root_hidden: mx.array, cache: List, root_position, mask_of: Callable) -> mx.array:
-        """The static tree's tokens, drafted depth by depth: each depth's tokens gathered from
-        the top ids of the depth above, the head run on those with children into ``cache``
-        under ``mask_of(level, rows, slots)`` (``slots``: the tree's entries so far, this
-        depth's included)."""
+    def _static_tokens(self, root_hidden: mx.array, step: Callable) -> mx.array:
+        """The static tree's tokens after each of ``root_hidden``'s rows (the head's output at
+        a conversation's root, [rows, H]), drafted depth by depth: each depth's tokens
+        gathered from the top ids of the depth above, and the head run on those with
+        children, ``step(level, depth, hidden, tokens, slots)`` over [1, rows x n] of them
+        (each row's n together), appending their entries to the rows' caches (``slots``:
+        each row's tree entries so far, these included). Returns the tokens [rows, nodes]."""
+        rows = root_hidden.shape[0]
         outputs, tokens, slots = root_hidden, [], 0
-        top = self.top_ids(outputs, self.ranks)
+        top = self.top_ids(outputs, self.ranks).reshape(rows, -1)
         for depth, level in enumerate(self.levels, start=1):
-            tokens.append(_take(top.reshape(-1), level.picks))
+            tokens.append(_take(top, level.picks))
             if not level.grows:
                 break
-            hidden = _take(outputs, level.parent_rows)[None]
+            hidden = _take(outputs.reshape(rows, -1, outputs.shape[-1]), level.parent_rows)
             expanded = _take(tokens[-1], level.expand)
-            slots += expanded.shape[0]
-            outputs = self.head.step(self.target, hidden, expanded[None], cache, root_position + depth,
-                                     mask_of(level, expanded.shape[0], slots))[0]
-            top = self.top_ids(outputs, self.ranks)
-        return mx.concatenate(tokens).astype(mx.int32)
+            slots += expanded.shape[1]
+            outputs = step(level, depth, hidden.reshape(1, -1, hidden.shape[-1]), expanded.reshape(1, -1), slots)[0]
+            top = self.top_ids(outputs, self.ranks).reshape(rows, -1)
+        return mx.concatenate(tokens, axis=1).astype(mx.int32)
+
+    def drafts_rows(self) -> bool:
+        """Whether ``read_and_draft_rows`` drafts for this tree: a static one, drafted where
+        rounds are not compiled (a compiled call per row replays a traced graph instead)."""
+        return self.spec.kind == "static" and self.compiled is None
+
+    def read_and_draft_rows(self, reads: Sequence[Tuple[mx.array, mx.array, List]]) -> List[Tuple[DraftTree, mx.array]]:
+        """``read_and_draft`` for several conversations at once, each read ``(features,
+        tokens, cache)`` its own (at least one token): one head pass reads every
+        conversation's committed tokens and one a depth grows all their trees, the tokens
+        packed into one sequence and each conversation attending over its own cache
+        (target.PackedCache). A conversation's tree is the one it drafts alone, but for the
+        last bits of products over more rows. Where ``drafts_rows``."""
+        caches = [cache[0] for _, _, cache in reads]
+        committed = [cache.offset for cache in caches]
+        sizes = [tokens.size for _, tokens, _ in reads]
+        positions = mx.concatenate([mx.arange(start, start + size) for start, size in zip(committed, sizes)])
+        read = PackedCache(caches, cuts_of(sizes), ["causal" if size > 1 else None for size in sizes])
+        out = self.head.step(self.target, self.head.project(mx.concatenate([f for f, _, _ in reads]))[None],
+                             mx.concatenate([t for _, t, _ in reads])[None], [read], positions, None)[0]
+        roots = out[mx.array(cuts_of(sizes)[1:]) - 1]
+        after = [cache.offset for cache in caches]
+        root_positions = mx.array(after) - 1
+
+        def step(level: _Level, depth: int, hidden: mx.array, expanded: mx.array, slots: int) -> mx.array:
+            each = expanded.shape[1] // len(reads)
+            masks = [None if level.ancestors is None else tree_mask(start, level.ancestors) for start in after]
+            packed = PackedCache(caches, cuts_of([each] * len(reads)), masks)
+            positions = mx.repeat(root_positions + depth, each)
+            return self.head.step(self.target, hidden, expanded, [packed], positions, None)
+
+        try:
+            tokens = self._static_tokens(roots, step)
+        finally:
+            for (_, _, cache), start in zip(reads, after):
+                keep_cache_entries(cache, start, [])
+        return [(self._shape(), tokens[row]) for row in range(len(reads))]
 
     def _dynamic(self, growth: "_Growth") -> DraftTree:
         """EAGLE-2: expand the k best nodes of each depth by cumulative draft
