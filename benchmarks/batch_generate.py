@@ -1,11 +1,15 @@
 """What verifying several conversations in one forward pass buys on this device: B prompts
 (edit-style and MT-bench first turns, alternating) answered by batch_generate with default
 drafting, by the same drafting one prompt after another (stream_generate), and by mlx-lm's
-own batch_generate (plain batching, no speculation), for each batch size B. Reports each
-method's aggregate tokens/s and its ratio to mlx-lm's, whether the batched texts are the
-ones in turn (plain decoding's), and whether mlx-lm's batched texts are too.
+own batch_generate (plain batching, no speculation), for each batch size B; and, batched,
+with ``--draft none`` (plain batching, ours) and with the heads drafting one conversation
+after another (the lever of drafting the batch together turned off: EagleDrafter's
+``observe_together`` as the Drafter default). Our batched methods run ``--repeats`` times,
+alternating, and report their mean. Reports each method's aggregate tokens/s and its ratio
+to mlx-lm's, whether every batched text is the one in turn (plain decoding's), and whether
+mlx-lm's batched texts are too.
 
-    python benchmarks/batch_generate.py [--sizes 1,2,4,8] [--max-tokens 64] [--out FILE.json]
+    python benchmarks/batch_generate.py [--sizes 1,2,4,8] [--max-tokens 64] [--repeats 2] [--out FILE.json]
 """
 
 import argparse
@@ -23,6 +27,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="1,2,4,8", help="batch sizes, comma-separated")
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=2, help="runs of each batched method, alternating")
     parser.add_argument("--out", type=Path, default=HERE / "results" / "batch-generate.json")
     args = parser.parse_args(argv)
     use_fast_blas()
@@ -39,8 +44,19 @@ def main(argv: Optional[List[str]] = None) -> None:
     prompts = [chat_tokens(tokenizer, [{"role": "user", "content": text}]) for text in texts]
     batch_generate(model, tokenizer, prompts[:1], max_tokens=4)  # (timings and trees made once, before any is timed)
 
-    def ours(batch):
-        return batch_generate(model, tokenizer, batch, max_tokens=args.max_tokens).texts
+    from mlx_eagle.drafters import Drafter
+    from mlx_eagle.drafters.eagle import EagleDrafter
+
+    def ours(batch, draft="auto"):
+        return batch_generate(model, tokenizer, batch, max_tokens=args.max_tokens, draft=draft).texts
+
+    def heads_row_by_row(batch):
+        together = EagleDrafter.observe_together
+        EagleDrafter.observe_together = Drafter.observe_together  # the lever off, for this run only
+        try:
+            return ours(batch)
+        finally:
+            EagleDrafter.observe_together = together
 
     def in_turn(batch):
         return ["".join(r.text for r in stream_generate(model, tokenizer, ids, max_tokens=args.max_tokens,
@@ -49,27 +65,42 @@ def main(argv: Optional[List[str]] = None) -> None:
     def mlx_lm(batch):
         return mlx_lm_batch_generate(model, tokenizer, batch, max_tokens=args.max_tokens).texts
 
+    def timed(method, batch):
+        tic = time.perf_counter()
+        answers = method(batch)
+        seconds = time.perf_counter() - tic
+        tokens = sum(len(tokenizer.encode(answer, add_special_tokens=False)) for answer in answers)
+        return {"seconds": seconds, "tokens_per_s": tokens / seconds, "texts": answers}
+
+    batched = {"ours, batched": ours, "ours, batched, --draft none": lambda batch: ours(batch, "none"),
+               "ours, batched, heads row by row": heads_row_by_row}
     rows = []
     for size in sizes:
         batch, row = prompts[:size], {"batch": size}
-        for name, method in (("mlx_lm batch_generate", mlx_lm), ("ours, in turn", in_turn), ("ours, batched", ours)):
-            tic = time.perf_counter()
-            answers = method(batch)
-            seconds = time.perf_counter() - tic
-            tokens = sum(len(tokenizer.encode(answer, add_special_tokens=False)) for answer in answers)
-            row[name] = {"seconds": seconds, "tokens_per_s": tokens / seconds, "texts": answers}
+        row["mlx_lm batch_generate"] = timed(mlx_lm, batch)
+        row["ours, in turn"] = timed(in_turn, batch)
+        runs = {name: [] for name in batched}
+        for _ in range(args.repeats):
+            for name, method in batched.items():
+                runs[name].append(timed(method, batch))
+        for name, done in runs.items():
+            row[name] = {"seconds": [run["seconds"] for run in done],
+                         "tokens_per_s": sum(run["tokens_per_s"] for run in done) / len(done),
+                         "texts": done[0]["texts"]}
+            row.setdefault("identical", True)
+            row["identical"] &= all(run["texts"] == row["ours, in turn"]["texts"] for run in done)
         base = row["mlx_lm batch_generate"]
         # ours in turn is plain decoding's text (the suite checks it); mlx-lm's batches may round otherwise
-        row["identical"] = row["ours, batched"]["texts"] == row["ours, in turn"]["texts"]
         row["mlx_lm_batch_identical"] = base["texts"] == row["ours, in turn"]["texts"]
-        for name in ("ours, in turn", "ours, batched"):
+        for name in ["ours, in turn", *batched]:
             row[name]["vs_mlx_lm"] = row[name]["tokens_per_s"] / base["tokens_per_s"]
-        print(f"B={size:2}  mlx-lm {base['tokens_per_s']:6.1f} tok/s   ours in turn "
-              f"{row['ours, in turn']['vs_mlx_lm']:.2f}x   ours batched {row['ours, batched']['vs_mlx_lm']:.2f}x   "
-              f"identical {row['identical']} (mlx-lm's batch: {row['mlx_lm_batch_identical']})")
+        print(f"B={size:2}  mlx-lm {base['tokens_per_s']:6.1f} tok/s   "
+              + "   ".join(f"{name} {row[name]['vs_mlx_lm']:.2f}x" for name in ["ours, in turn", *batched])
+              + f"   identical {row['identical']} (mlx-lm's batch: {row['mlx_lm_batch_identical']})", flush=True)
         rows.append(row)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"max_tokens": args.max_tokens, "rows": rows}, indent=1) + "\n")
+    result = {"max_tokens": args.max_tokens, "repeats": args.repeats, "rows": rows}
+    args.out.write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {args.out}")
 
 
