@@ -48,6 +48,10 @@ class TreeSpec:
     def max_nodes(self) -> int:
         return self.tokens if self.kind == "dynamic" else len(self.paths)
 
+    @property
+    def max_depth(self) -> int:
+        return self.depth if self.kind == "dynamic" else max((len(path) for path in self.paths), default=0)
+
 
 def chain_of(spec: TreeSpec) -> TreeSpec:
     """What a target that verifies chains only (the hybrid families) can draft of ``spec``:

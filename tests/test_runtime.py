@@ -262,3 +262,21 @@ def test_a_head_whose_tree_does_not_pay_drafts_only_probes(smollm):
     assert len(later) > 40 and sum(later) <= len(later) // EagleDrafter.PROBE + 2, proposed
     tokens, proposed = _proposals(model, load_head(shipped_head_dir(model), model), prompt, 80, gpu)
     assert tokens == expected and sum(proposed) >= 0.9 * len(proposed)
+
+
+def test_a_head_whose_tree_could_not_pay_even_if_all_accepted_does_not_probe(smollm):
+    """Where every verified token costs a full step (a tree of the default's size could not
+    pay were every node on its deepest path accepted, as beside many rows on this CPU), a
+    held-back head does not probe at all, reading what was committed in one pass only once
+    more than two chunks wait; the text stays plain decoding's."""
+    from mlx_eagle.drafters.eagle import EagleDrafter
+    from mlx_eagle.heads import new_head
+    from mlx_eagle.replies import chat_tokens
+
+    model, tokenizer = smollm
+    prompt = chat_tokens(tokenizer, [{"role": "user", "content": "Tell me about the history of Paris."}])
+    tokens, proposed = _proposals(model, new_head(model, "eagle3", draft_vocab_size=512, seed=3), prompt, 80,
+                                  lambda k: float(k))
+    assert tokens == plain_tokens(model, prompt, 80)
+    later = proposed[EagleDrafter.WARMUP + 1:]
+    assert len(later) > 40 and not any(later), proposed

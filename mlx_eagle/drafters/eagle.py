@@ -60,6 +60,7 @@ class EagleDrafter(Drafter):
         self.nodes = 0.0  # running mean of the nodes it added a round
         self.held = 0  # rounds held back since the last probe (0: drafting)
         self.probing = False  # this round's tree is a probe while held back
+        self.pricing_seen: Optional[Callable[[int], float]] = None  # the last round's prices (its Budget's)
         # While held back, what was committed is kept unread (the target's states at the
         # positions after the head's cache, and the tokens after them), and read in one pass
         # before the next probe: a head that does not pay costs nearly nothing between probes.
@@ -126,11 +127,27 @@ class EagleDrafter(Drafter):
             self.accepted = weight * self.accepted + (1 - weight) * outcome.accepted
             self.nodes = weight * self.nodes + (1 - weight) * len(outcome.proposal.tree)
             self.rounds += 1
+        if self.held >= self.PROBE - 1 and not self.could_pay():
+            # A probe that would not pay were every node accepted (beside many rows, on a
+            # device whose every token costs): put off, until the prices change.
+            self.held = self.PROBE - 2
         drafting = not 0 < self.held < self.PROBE - 1  # (held back next round too: no tree to grow)
         if not drafting:
+            if len(tokens) > 2 * self.READ_CHUNK:  # (a backlog is kept no longer than this)
+                features, tokens = self._read_long(features, tokens)
+                tokens = tokens.tolist()
             self.unread = (features, tokens)
             return None
         return features, tokens
+
+    def could_pay(self) -> bool:
+        """Whether the tree would pay at the last round's prices if every node on its
+        deepest path were accepted."""
+        pricing = self.pricing_seen or self.pricing
+        if pricing is None or not self.rounds:
+            return True
+        nodes = max(round(self.nodes), 1)
+        return (1 + self.grower.spec.max_depth) / pricing(1 + nodes) > 1 / pricing(1)
 
     def _read_long(self, features: mx.array, tokens: List[int]) -> Tuple[mx.array, mx.array]:
         """Read all but the last READ_CHUNK tokens (a long prompt's) a chunk at a time;
@@ -166,6 +183,7 @@ class EagleDrafter(Drafter):
 
     def propose(self, budget: Budget) -> Optional[Proposal]:
         proposal, self.queued = self.queued, None
+        self.pricing_seen = budget.pricing or self.pricing_seen
         if proposal is None:  # none was grown: held back (or nothing read yet)
             if self.held:
                 self.held += 1
