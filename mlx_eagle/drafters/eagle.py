@@ -147,7 +147,7 @@ class EagleDrafter(Drafter):
         if pricing is None or not self.rounds:
             return True
         nodes = max(round(self.nodes), 1)
-        return (1 + self.grower.spec.max_depth) / pricing(1 + nodes) > 1 / pricing(1)
+        return (1 + min(self.grower.spec.max_depth, nodes)) / pricing(1 + nodes) > 1 / pricing(1)
 
     def _read_long(self, features: mx.array, tokens: List[int]) -> Tuple[mx.array, mx.array]:
         """Read all but the last READ_CHUNK tokens (a long prompt's) a chunk at a time;
