@@ -467,11 +467,13 @@ def rounds_pack(model: nn.Module, cache: List, shards: bool) -> bool:
 def batched_round(decoders: Sequence[SpeculativeDecoder], rooms: Sequence[int]) -> List[Union[Round, Exception]]:
     """One round for several conversations of one target (each ``batches``): each drafts on
     its own, their blocks are verified in one packed forward pass (target.packed_forward),
-    and each accepts and commits its own. Each conversation's round is the one it would run
-    alone, but for the last bits of the pass's products, whose greedy near-ties are decided
-    by a one-row pass as a block's are. A conversation whose drafting or accepting fails has
-    its error in its place (its caches are left unfinished: nothing later reuses them), and
-    the others' rounds are what they would be without it."""
+    each accepts and commits its own, and their drafters observe together (observe_rows: a
+    kind backed by a model reads every conversation in one pass). Each conversation's round
+    is the one it would run alone, but for the last bits of the pass's products, whose
+    greedy near-ties are decided by a one-row pass as a block's are. A conversation whose
+    drafting, accepting or observing fails has its error in its place (its caches are left
+    unfinished: nothing later reuses them), and the others' rounds are what they would be
+    without it."""
     results: List[Union[Round, Exception, None]] = [None] * len(decoders)
     drafted: List[Tuple[int, Drafted]] = []
     # What the pass verifies for the others as each drafts: the drafted blocks, and the
