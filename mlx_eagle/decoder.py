@@ -508,6 +508,9 @@ def batched_round(decoders: Sequence[SpeculativeDecoder], rooms: Sequence[int]) 
             if index in failed:
                 results[index] = failed[index]
                 continue
-            results[index] = decoders[index].settle_round(done)
-            results[index].rows = len(drafted)
+            try:
+                results[index] = decoders[index].settle_round(done)
+                results[index].rows = len(drafted)
+            except Exception as error:  # (a round's phase callback is the caller's code)
+                results[index] = error
     return results

@@ -253,11 +253,12 @@ class TreeDrafter:
         caches = [cache[0] for _, _, cache in reads]
         committed = [cache.offset for cache in caches]
         sizes = [tokens.size for _, tokens, _ in reads]
+        cuts = cuts_of(sizes)
         positions = mx.concatenate([mx.arange(start, start + size) for start, size in zip(committed, sizes)])
-        read = PackedCache(caches, cuts_of(sizes), ["causal" if size > 1 else None for size in sizes])
+        read = PackedCache(caches, cuts, ["causal" if size > 1 else None for size in sizes])
         out = self.head.step(self.target, self.head.project(mx.concatenate([f for f, _, _ in reads]))[None],
                              mx.concatenate([t for _, t, _ in reads])[None], [read], positions, None)[0]
-        roots = out[mx.array(cuts_of(sizes)[1:]) - 1]
+        roots = out[mx.array(cuts[1:]) - 1]
         after = [cache.offset for cache in caches]
         root_positions = mx.array(after) - 1
 
