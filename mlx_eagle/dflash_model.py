@@ -46,6 +46,7 @@ class DFlashConfig:
     layer_types: Tuple[str, ...] = ()
     sliding_window: Optional[int] = None
     is_causal: Optional[bool] = None  # within the block; None: only sliding layers are (as z-lab's code)
+    attention_bias: bool = False  # q/k/v/o projections with biases (a Qwen3 config's attention_bias)
     extra: Dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -72,10 +73,20 @@ def dflash_config(raw: dict, source: Path) -> DFlashConfig:
             "DFlash2DraftModel" in (raw.get("architectures") or []):
         raise UserError(f"{source}: a DFlash2 checkpoint (convolution kernels and a candidate selector) is not "
                         "supported yet; use a DFlash (z-lab) checkpoint")
-    ids = dflash.get("target_layer_ids")
-    if not isinstance(ids, list) or not ids or not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i
-                                                       for i in ids):
-        raise UserError(f"{source}: dflash_config.target_layer_ids must be a list of layer numbers, not {ids!r}")
+    return DFlashConfig(**backbone_fields(raw, dflash, source, "dflash_config.", lowest_layer=0,
+                                          default_block=raw.get("block_size", 16)))
+
+
+def backbone_fields(raw: dict, block: dict, source: Path, where: str, lowest_layer: int,
+                    default_block: Any) -> Dict[str, Any]:
+    """The block drafter's backbone settings (DFlash's and DSpark's), checked: its decoder
+    layers from ``raw``, and the block's (target_layer_ids, mask_token_id, block_size) from
+    ``block`` (``where``: what its names are called in messages); a target layer id of -1
+    (DSpark's) is the embedding output."""
+    ids = block.get("target_layer_ids")
+    if not isinstance(ids, list) or not ids or not all(isinstance(i, int) and not isinstance(i, bool)
+                                                       and lowest_layer <= i for i in ids):
+        raise UserError(f"{source}: {where}target_layer_ids must be a list of layer numbers, not {ids!r}")
     layers = _config_number(raw, "num_hidden_layers", int, 1, 64, source)
     types = tuple(raw.get("layer_types") or ("full_attention",) * layers)
     if len(types) != layers or set(types) - {"full_attention", "sliding_attention"}:
@@ -87,19 +98,20 @@ def dflash_config(raw: dict, source: Path) -> DFlashConfig:
     hidden = _config_number(raw, "hidden_size", int, 1, 1 << 16, source)
     heads = _config_number(raw, "num_attention_heads", int, 1, 1024, source)
     causal = raw.get("is_causal")
-    return DFlashConfig(
+    return dict(
         hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
         num_key_value_heads=_config_number(raw, "num_key_value_heads", int, 1, heads, source, heads),
         head_dim=_config_number(raw, "head_dim", int, 1, 1024, source, hidden // heads),
         intermediate_size=_config_number(raw, "intermediate_size", int, 1, 1 << 18, source),
         vocab_size=_config_number(raw, "vocab_size", int, 1, 1 << 22, source),
         rms_norm_eps=_config_number(raw, "rms_norm_eps", float, 0, 1, source, 1e-6),
-        block_size=_config_number(dflash, "block_size", int, 2, 64, source, raw.get("block_size", 16)),
-        target_layer_ids=tuple(ids), mask_token_id=_config_number(dflash, "mask_token_id", int, 0, 1 << 22, source),
+        block_size=_config_number(block, "block_size", int, 2, 64, source, default_block),
+        target_layer_ids=tuple(ids), mask_token_id=_config_number(block, "mask_token_id", int, 0, 1 << 22, source),
         rope_theta=_config_number(raw, "rope_theta", float, 1, 1e12, source, 10000.0),
         rope_scaling=raw.get("rope_scaling") if isinstance(raw.get("rope_scaling"), dict) else None,
         max_position_embeddings=_config_number(raw, "max_position_embeddings", int, 1, 1 << 24, source, 32768),
         layer_types=types, sliding_window=window, is_causal=causal if isinstance(causal, bool) else None,
+        attention_bias=raw.get("attention_bias") is True,
     )
 
 
@@ -110,11 +122,11 @@ class DFlashAttention(nn.Module):
         self.scale = config.head_dim ** -0.5
         self.window = config.sliding_window if sliding else None
         self.causal = sliding if config.is_causal is None else config.is_causal
-        width = config.head_dim
-        self.q_proj = nn.Linear(config.hidden_size, self.n_heads * width, bias=False)
-        self.k_proj = nn.Linear(config.hidden_size, self.n_kv_heads * width, bias=False)
-        self.v_proj = nn.Linear(config.hidden_size, self.n_kv_heads * width, bias=False)
-        self.o_proj = nn.Linear(self.n_heads * width, config.hidden_size, bias=False)
+        width, bias = config.head_dim, config.attention_bias
+        self.q_proj = nn.Linear(config.hidden_size, self.n_heads * width, bias=bias)
+        self.k_proj = nn.Linear(config.hidden_size, self.n_kv_heads * width, bias=bias)
+        self.v_proj = nn.Linear(config.hidden_size, self.n_kv_heads * width, bias=bias)
+        self.o_proj = nn.Linear(self.n_heads * width, config.hidden_size, bias=bias)
         self.q_norm = nn.RMSNorm(width, eps=config.rms_norm_eps)
         self.k_norm = nn.RMSNorm(width, eps=config.rms_norm_eps)
         self.rope = initialize_rope(width, config.rope_theta, False, config.rope_scaling,
@@ -205,13 +217,18 @@ class DFlashModel(nn.Module):
         """Logits [block - 1, vocab] for the block ``tokens`` [block] (the root, then mask
         tokens) at positions start.., after the cached context: the drafts for positions
         start + 1 onwards."""
+        return lm_head(target, self.block_states(target, tokens, cache, start)[1:])
+
+    def block_states(self, target: nn.Module, tokens: mx.array, cache: List[KVCache], start: int) -> mx.array:
+        """The final (normed) states [block, hidden] of the block ``tokens`` [block] at
+        positions start.., after the cached context."""
         h = embed(target, tokens[None]).astype(self.fc.weight.dtype)
         cached = cache[0].offset
         for layer, layer_cache in zip(self.layers, cache):
             context = (layer_cache.keys[..., :cached, :], layer_cache.values[..., :cached, :]) if cached else \
                 (mx.zeros((1, layer.self_attn.n_kv_heads, 0, layer.self_attn.q_norm.weight.shape[0]), h.dtype),) * 2
             h = layer(h, context, mx.array(start), layer.self_attn.block_mask(cached, start, h.shape[1]))
-        return lm_head(target, self.norm(h[:, 1:]))[0]
+        return self.norm(h)[0]
 
 
 def recognizes(path: Path, config: Optional[dict]) -> bool:
@@ -234,10 +251,14 @@ def build(raw: dict, weights: Dict[str, mx.array], model: nn.Module, source) -> 
     """The drafter holding a checkpoint's ``weights`` (its config.json: ``raw``), checked
     against the target ``model``; a quantized one (``quantization`` in its config, as the
     converter writes it) is widened on a CPU, as heads are."""
-
     config = dflash_config(raw, source)
-    check_fits(config, model, Path(source).parent)
-    drafter = DFlashModel(config, model.args.hidden_size)
+    check_fits(config, model, Path(source).parent, "DFlash")
+    return filled(DFlashModel(config, model.args.hidden_size), raw, weights, model, source)
+
+
+def filled(drafter: DFlashModel, raw: dict, weights: Dict[str, mx.array], model: nn.Module, source) -> DFlashModel:
+    """``drafter`` (a block drafter shaped by its config) holding ``weights``, every name
+    and shape checked; in the target's compute dtype."""
     weights = {name[len("model."):] if name.startswith("model.") else name: value for name, value in weights.items()}
     quantization = raw.get("quantization")
     if quantization is not None:
@@ -247,7 +268,7 @@ def build(raw: dict, weights: Dict[str, mx.array], model: nn.Module, source) -> 
                             f"not {quantization!r}")
         nn.quantize(drafter, group_size=quantization["group_size"], bits=quantization["bits"],
                     class_predicate=lambda path, module: f"{path}.scales" in weights)
-        config.extra["quantization"] = quantization
+        drafter.config.extra["quantization"] = quantization
     wanted = {name: value.shape for name, value in tree_flatten(drafter.parameters())}
     missing, extra = sorted(set(wanted) - set(weights)), sorted(set(weights) - set(wanted))
     shapes = sorted(name for name in set(wanted) & set(weights) if tuple(weights[name].shape) != tuple(wanted[name]))
@@ -263,8 +284,8 @@ def build(raw: dict, weights: Dict[str, mx.array], model: nn.Module, source) -> 
     return drafter
 
 
-def check_fits(config: DFlashConfig, model: nn.Module, source) -> None:
-    """One line naming what does not match between a DFlash checkpoint and its target."""
+def check_fits(config: DFlashConfig, model: nn.Module, source, kind: str) -> None:
+    """One line naming what does not match between a ``kind`` block drafter's checkpoint and its target."""
     layers, vocab = layer_count(model), model.args.vocab_size
     problems = []
     if config.hidden_size != model.args.hidden_size:  # it embeds and reads out with the target's own layers
@@ -277,7 +298,7 @@ def check_fits(config: DFlashConfig, model: nn.Module, source) -> None:
     if bad:
         problems.append(f"target_layer_ids {bad} not below the target's last layer ({layers} layers)")
     if problems:
-        raise UserError(f"DFlash drafter {source} does not fit this target: {'; '.join(problems)}")
+        raise UserError(f"{kind} drafter {source} does not fit this target: {'; '.join(problems)}")
 
 
 def published_layer_ids(num_layers: int, count: int = 5) -> List[int]:
@@ -290,9 +311,20 @@ def published_layer_ids(num_layers: int, count: int = 5) -> List[int]:
 def new_dflash(target: nn.Module, layers: int = 5, block_size: int = 16, mask_token_id: int = 0,
                seed: int = 0) -> DFlashModel:
     """A randomly initialised drafter shaped for ``target`` (for training, and for tests)."""
+    config = DFlashConfig(**new_backbone_fields(target, layers, block_size, mask_token_id))
+    check_fits(config, target, "a new drafter", "DFlash")
+    mx.random.seed(seed)
+    model = DFlashModel(config, target.args.hidden_size)
+    mx.eval(model.parameters())
+    return model
+
+
+def new_backbone_fields(target: nn.Module, layers: int, block_size: int, mask_token_id: int) -> Dict[str, Any]:
+    """A new block drafter's backbone settings for ``target``: its attention and MLP
+    shapes, reading the published layers."""
     args = target.args
     heads = args.num_attention_heads
-    config = DFlashConfig(
+    return dict(
         hidden_size=args.hidden_size, num_hidden_layers=layers, num_attention_heads=heads,
         num_key_value_heads=getattr(args, "num_key_value_heads", None) or heads,
         head_dim=getattr(args, "head_dim", None) or args.hidden_size // heads,
@@ -300,35 +332,42 @@ def new_dflash(target: nn.Module, layers: int = 5, block_size: int = 16, mask_to
         rms_norm_eps=getattr(args, "rms_norm_eps", 1e-6), block_size=block_size,
         target_layer_ids=tuple(published_layer_ids(layer_count(target))), mask_token_id=mask_token_id,
         rope_theta=getattr(args, "rope_theta", 10000.0), layer_types=("full_attention",) * layers)
-    check_fits(config, target, "a new drafter")
-    mx.random.seed(seed)
-    model = DFlashModel(config, args.hidden_size)
-    mx.eval(model.parameters())
-    return model
 
 
 def save_dflash(model: DFlashModel, path: Path, dtype: Optional[mx.Dtype] = None) -> None:
     """Write config.json and model.safetensors in the z-lab layout (``dtype``: the weights')."""
-
     config = model.config
-    raw = {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_size": config.hidden_size,
+    raw = dict(backbone_json(config), architectures=["DFlashDraftModel"], block_size=config.block_size,
+               dflash_config={"mask_token_id": config.mask_token_id,
+                              "target_layer_ids": list(config.target_layer_ids)})
+    write_drafter(model, raw, path, dtype)
+
+
+def backbone_json(config: DFlashConfig) -> Dict[str, Any]:
+    """A block drafter's backbone settings as its config.json (a Qwen3 config) writes them."""
+    raw = {"model_type": "qwen3", "hidden_size": config.hidden_size,
            "num_hidden_layers": config.num_hidden_layers, "num_attention_heads": config.num_attention_heads,
            "num_key_value_heads": config.num_key_value_heads, "head_dim": config.head_dim,
            "intermediate_size": config.intermediate_size, "vocab_size": config.vocab_size,
            "rms_norm_eps": config.rms_norm_eps, "rope_theta": config.rope_theta,
-           "max_position_embeddings": config.max_position_embeddings, "block_size": config.block_size,
-           "layer_types": list(config.layer_types), "tie_word_embeddings": False,
-           "dflash_config": {"mask_token_id": config.mask_token_id, "target_layer_ids": list(config.target_layer_ids)}}
+           "max_position_embeddings": config.max_position_embeddings, "attention_bias": config.attention_bias,
+           "layer_types": list(config.layer_types), "tie_word_embeddings": False}
     if config.sliding_window is not None:
         raw["sliding_window"] = config.sliding_window
     if config.rope_scaling is not None:
         raw["rope_scaling"] = config.rope_scaling
     if "quantization" in config.extra:
         raw["quantization"] = config.extra["quantization"]
+    return raw
+
+
+def write_drafter(model: nn.Module, raw: dict, path: Path, dtype: Optional[mx.Dtype]) -> None:
+    """``raw`` as config.json and ``model``'s weights as model.safetensors in ``path``
+    (``dtype``: the weights', scales and biases too; packed integers stay as they are)."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(raw, indent=2))
     weights = dict(tree_flatten(model.parameters()))
-    if dtype is not None:  # scales and biases too; the packed integers stay as they are
+    if dtype is not None:
         weights = {k: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) else v for k, v in weights.items()}
     mx.save_safetensors(str(path / "model.safetensors"), weights)

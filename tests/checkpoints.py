@@ -1,5 +1,5 @@
 """Drafters' checkpoints as their authors publish them, with random weights: DFlash block
-drafters in the z-lab layout, models' own MTP modules under each family's names, and EAGLE
+drafters in the z-lab layout, DSpark block drafters in DeepSpec's, models' own MTP modules under each family's names, and EAGLE
 heads under the official names, beside the tiny targets they draft for."""
 
 import json
@@ -35,7 +35,8 @@ def dflash_tensors(config: dict, target_hidden: int, rng) -> dict:
 
     hidden, heads, kv, dim = config["hidden_size"], config["num_attention_heads"], config["num_key_value_heads"], \
         config["head_dim"]
-    inter, taps = config["intermediate_size"], len(config["dflash_config"]["target_layer_ids"])
+    inter = config["intermediate_size"]
+    taps = len((config.get("dflash_config") or config)["target_layer_ids"])
     tensors = {"fc.weight": w(hidden, taps * target_hidden), "hidden_norm.weight": 1 + w(hidden),
                "norm.weight": 1 + w(hidden)}
     for i in range(config["num_hidden_layers"]):
@@ -61,6 +62,50 @@ def write_dflash(directory, target, layer_ids, block=8, mask=3, seed=0, sizes=DF
                   dflash_config={"mask_token_id": mask, "target_layer_ids": list(layer_ids)})
     config.update(changes)
     tensors = dflash_tensors(config, args.hidden_size, np.random.default_rng(seed))
+    directory.mkdir(parents=True)
+    (directory / "config.json").write_text(json.dumps(config))
+    save_file(tensors, str(directory / "model.safetensors"))
+    return config, tensors
+
+
+def write_dspark(directory, target, layer_ids, block=6, mask=3, rank=16, markov="vanilla", confidence=True,
+                 with_markov=True, seed=0, sizes=DFLASH_SIZES, **changes):
+    """A DSpark checkpoint for ``target`` as DeepSpec saves one: the target's Qwen3 config
+    with the DSpark fields beside it, and model.safetensors holding the backbone, the
+    Markov and confidence heads, and copies of the target's embedding and LM head."""
+    from safetensors.numpy import save_file
+
+    args = target.args
+    config = dict(sizes, architectures=["Qwen3DSparkModel"], model_type="qwen3", hidden_size=args.hidden_size,
+                  vocab_size=args.vocab_size, rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=4096,
+                  attention_bias=False, block_size=block, num_target_layers=args.num_hidden_layers,
+                  target_layer_ids=list(layer_ids), mask_token_id=mask, num_anchors=512, markov_rank=rank,
+                  markov_head_type=markov, enable_confidence_head=confidence, tie_word_embeddings=False,
+                  layer_types=["full_attention"] * sizes["num_hidden_layers"])
+    if confidence:
+        config["confidence_head_with_markov"] = with_markov
+    config.update(changes)
+    rng = np.random.default_rng(seed)
+    tensors = dflash_tensors(config, args.hidden_size, rng)
+    hidden, vocab = args.hidden_size, args.vocab_size
+
+    def w(*shape):
+        return (0.5 * rng.standard_normal(shape)).astype(np.float32)
+
+    tensors.update({"markov_head.markov_w1.weight": w(vocab, rank), "markov_head.markov_w2.weight": w(vocab, rank)})
+    embedding = target.model.embed_tokens.weight
+    if mx.issubdtype(embedding.dtype, mx.floating):  # (a quantized target's are not copied)
+        head = target.lm_head.weight if "lm_head" in target else embedding
+        tensors.update({"embed_tokens.weight": np.array(embedding, dtype=np.float32),
+                        "lm_head.weight": np.array(head, dtype=np.float32)})
+    if markov == "gated":
+        tensors.update({"markov_head.gate_proj.weight": w(rank, hidden + rank), "markov_head.gate_proj.bias": w(rank)})
+    if markov == "rnn":
+        tensors.update({"markov_head.joint_proj.weight": w(3 * rank, 2 * rank + hidden),
+                        "markov_head.joint_proj.bias": w(3 * rank)})
+    if confidence:
+        tensors.update({"confidence_head.proj.weight": w(1, hidden + (rank if with_markov else 0)),
+                        "confidence_head.proj.bias": w(1)})
     directory.mkdir(parents=True)
     (directory / "config.json").write_text(json.dumps(config))
     save_file(tensors, str(directory / "model.safetensors"))

@@ -96,6 +96,15 @@ def test_confidences_cut_what_does_not_pay_on_this_device():
     tree.confidence = [0.9, 0.8, 0.1, 0.05]
     assert admit(tree, steep).tree.tokens == [1, 2]  # 0.9, 0.72 pay; 0.072 and 0.05 do not
     assert admit(tree, flat).tree.tokens == [1, 2, 3, 4]
+    # A curve with a step (as a GPU's, past its flat part): the second token alone costs
+    # half a step more, the third and fourth nothing more; a first draft accepted with
+    # chance 0.4 does not pay alone, but with the two after it, it does.
+    stepped = Budget(room=8, nodes=64, pricing=lambda tokens: 1.0 if tokens == 1 else 1.5)
+    chain = proposal([1, 2, 3], [-1, 0, 1])
+    chain.confidence = [0.4, 0.9, 0.9]
+    assert admit(chain, stepped).tree.tokens == [1, 2, 3]  # (1 + 0.4 + 0.36 + 0.324) / 1.5 > 1
+    chain.confidence = [0.4, 0.1, 0.1]
+    assert admit(chain, stepped) is None  # (1 + 0.4 + 0.04 + 0.004) / 1.5 < 1
     assert Budget(room=1, nodes=1, verified=3, pricing=lambda k: 2.0 * k).cost(2) == 10.0
     assert Budget(room=1, nodes=1, verified=3).cost(2) == 5.0  # unmeasured: a token a step
     for bad in ([0.5], [0.5, 2.0, 0.1, 0.1], [float("nan")] * 4):

@@ -6,10 +6,12 @@ pass, with prompts of different lengths and conversations that end at different 
 import numpy as np
 import pytest
 
-from checkpoints import tiny_target
+from checkpoints import tiny_target, write_dspark
 from drafting import decoder as make_decoder, swap_close_calls
 from mlx_eagle import batch_generate
 from mlx_eagle.decoder import SpeculativeDecoder, batched_round, batches
+from mlx_eagle.drafters.composite import Composite
+from mlx_eagle.drafters.dspark import DSparkDrafter, load as load_dspark
 from mlx_eagle.drafters.lookup import LookupDrafter
 from mlx_eagle.heads import new_head
 from mlx_eagle.replies import chat_tokens
@@ -34,8 +36,9 @@ def batched(decoders, prompts, counts):
 
 
 @pytest.mark.parametrize("drafting", ["context lookup", "a random EAGLE-3 head's trees", "an EAGLE-1 head's chains",
-                                      "one EAGLE-3 head drafting every conversation's trees together"])
-def test_greedy_replies_in_one_pass_are_each_the_reply_alone(drafting):
+                                      "one EAGLE-3 head drafting every conversation's trees together",
+                                      "a random DSpark drafter's chains, cut by its confidences"])
+def test_greedy_replies_in_one_pass_are_each_the_reply_alone(drafting, tmp_path):
     """Prompts of different lengths, replies of different lengths (so conversations leave
     the batch at different rounds), trees and chains, heads reading states at taps."""
     model = tiny_target(0)
@@ -45,6 +48,13 @@ def test_greedy_replies_in_one_pass_are_each_the_reply_alone(drafting):
     def decoder(index):
         if drafting == "context lookup":
             return SpeculativeDecoder(model, LookupDrafter(lambda k: 1.0), Sampling())
+        if "DSpark" in drafting:
+            directory = tmp_path / "dspark"
+            if not directory.exists():
+                write_dspark(directory, model, [1, 3])
+            return SpeculativeDecoder(model, Composite([DSparkDrafter(load_dspark(directory, model), model,
+                                                                      lambda k: 1.0 + 0.1 * (k - 1)),
+                                                        LookupDrafter(lambda k: 1.0)]), Sampling())
         family, tree = ("eagle3", "static:default") if "EAGLE-3" in drafting else ("eagle1", "chain:3")
         head = shared if "together" in drafting else \
             new_head(model, family, draft_vocab_size=64 if family == "eagle3" else None, seed=index)

@@ -156,8 +156,9 @@ def six_layer_model():
 def _drafter_of_kind(kind, model, tmp_path):
     """A fresh drafter of ``kind`` for ``model`` (random weights: proposals the target often
     rejects, and sometimes accepts)."""
-    from checkpoints import write_dflash
+    from checkpoints import write_dflash, write_dspark
 
+    from mlx_eagle.drafters import dspark
     from mlx_eagle.drafters.dflash import DFlashDrafter, load
     from mlx_eagle.drafters.eagle import EagleDrafter
     from mlx_eagle.heads import new_head
@@ -169,6 +170,12 @@ def _drafter_of_kind(kind, model, tmp_path):
             write_dflash(directory, model, [1, 3], block=4, mask=5)
         drafted = load(directory, model)
         return lambda: DFlashDrafter(drafted, model, lambda k: 1.0)
+    if kind == "dspark":  # (seed 4: its drafts are sometimes accepted, with this peaky target)
+        directory = tmp_path / "dspark"
+        if not directory.exists():
+            write_dspark(directory, model, [1, 3], block=3, mask=5, seed=4)
+        drafted = dspark.load(directory, model)
+        return lambda: dspark.DSparkDrafter(drafted, model, lambda k: 1.0)
     family, tree = {"eagle-3 dynamic tree": ("eagle3", "dynamic:topk=2,depth=3,tokens=6"),
                     "eagle-1 chain": ("eagle1", "chain:3")}[kind]
     head = new_head(model, family, seed=3)
@@ -176,7 +183,7 @@ def _drafter_of_kind(kind, model, tmp_path):
 
 
 @pytest.mark.slow  # 3,000 decodes a kind
-@pytest.mark.parametrize("kind", ["eagle-3 dynamic tree", "eagle-1 chain", "dflash"])
+@pytest.mark.parametrize("kind", ["eagle-3 dynamic tree", "eagle-1 chain", "dflash", "dspark"])
 def test_every_drafter_kind_keeps_the_target_distribution(six_layer_model, kind, tmp_path):
     """The drafter kinds with weights of their own, each drafting for real (random weights),
     sampled with the seeded Gumbel draws: the first three tokens follow the exact joint

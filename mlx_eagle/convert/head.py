@@ -1,4 +1,4 @@
-"""Convert a published EAGLE head (EAGLE-1/2 or EAGLE-3), or a DFlash block drafter, into an
+"""Convert a published EAGLE head (EAGLE-1/2 or EAGLE-3), or a DFlash or DSpark block drafter, into an
 MLX drafter directory.
 
     python -m mlx_eagle.convert.head SRC OUT --target TARGET [--q-bits 8|4 [--q-group-size 64]] [--dtype float16]
@@ -13,14 +13,17 @@ official layout (``published_layout``); fused q/k/v and gate/up projections are 
 The family comes from the tensors; the head is checked against TARGET (any --model
 value) and the output is written atomically, then loaded once to prove it works. A DFlash
 checkpoint (a config.json with dflash_config) is checked, cast and quantized the same way
-and written in its own (z-lab) layout.
+and written in its own (z-lab) layout, and a DSpark checkpoint (DeepSpec's: markov_rank
+and the block's fields in its config.json) in DeepSpec's, without its copies of the
+target's embedding and LM head, which the target's own stand for.
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Dict, Optional, Sequence, Tuple
+from types import ModuleType
+from typing import TYPE_CHECKING, Callable, Dict, Optional, Sequence, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -296,15 +299,17 @@ def build_head(raw: dict, tensors: Dict[str, mx.array], target: nn.Module, sourc
 
 def convert_head(src: str, out: Path, target: Optional[str] = None, q_bits: Optional[int] = None,
                  q_group_size: int = 64, dtype: Optional[str] = None, overwrite: bool = False) -> Path:
-    from .. import dflash_model as dflash
+    from .. import dflash_model, dspark_model
     from ..heads import TARGET_FILE, load_head, save_head
     from ..models import load_target
 
     path = _locate(src)  # a wrong SRC fails before the target is loaded
     raw, tensors = read_checkpoint(path)
     model, _, _ = load_target(target)
-    if dflash.recognizes(path, raw):
-        return _convert_dflash(raw, tensors, path, out, model, q_bits, q_group_size, dtype, overwrite)
+    for blocks, save in ((dspark_model, dspark_model.save_dspark), (dflash_model, dflash_model.save_dflash)):
+        if blocks.recognizes(path, raw):
+            return _convert_blocks(blocks, save, raw, tensors, path, out, model, q_bits, q_group_size, dtype,
+                                   overwrite)
     head = build_head(raw, tensors, model, str(path))
     if q_bits:
         nn.quantize(head, group_size=q_group_size, bits=q_bits,
@@ -320,13 +325,13 @@ def convert_head(src: str, out: Path, target: Optional[str] = None, q_bits: Opti
     return replace_directory(out, fill, overwrite)
 
 
-def _convert_dflash(raw: dict, tensors: Dict[str, mx.array], path: Path, out: Path, model: nn.Module,
-                    q_bits: Optional[int], q_group_size: int, dtype: Optional[str], overwrite: bool) -> Path:
-    """A DFlash checkpoint (drafters/dflash.py), checked against the target, cast and
-    optionally quantized, in the z-lab layout."""
-    from .. import dflash_model as dflash
-
-    drafter = dflash.build(raw, tensors, model, path / "config.json")
+def _convert_blocks(blocks: ModuleType, save: Callable, raw: dict, tensors: Dict[str, mx.array], path: Path,
+                    out: Path, model: nn.Module, q_bits: Optional[int], q_group_size: int, dtype: Optional[str],
+                    overwrite: bool) -> Path:
+    """A block drafter's checkpoint (``blocks``: dflash_model or dspark_model), checked
+    against the target, cast and optionally quantized, written by ``save`` in its
+    published layout."""
+    drafter = blocks.build(raw, tensors, model, path / "config.json")
     drafter.set_dtype(DTYPES[dtype] if dtype else mx.float32)
     if q_bits:
         nn.quantize(drafter, group_size=q_group_size, bits=q_bits,
@@ -334,8 +339,8 @@ def _convert_dflash(raw: dict, tensors: Dict[str, mx.array], path: Path, out: Pa
         drafter.config.extra["quantization"] = {"group_size": q_group_size, "bits": q_bits}
 
     def fill(staging: Path) -> None:
-        dflash.save_dflash(drafter, staging, dtype=DTYPES[dtype] if dtype else None)
-        dflash.load(staging, model)  # what was written loads and fits
+        save(drafter, staging, dtype=DTYPES[dtype] if dtype else None)
+        blocks.load(staging, model)  # what was written loads and fits
 
     return replace_directory(out, fill, overwrite)
 

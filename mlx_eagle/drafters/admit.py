@@ -16,8 +16,9 @@ links, so that no drafter, however it is written, can change the text.
   sampling exact;
 - the budget, cut in this order: nodes deeper than ``budget.room`` (with their
   subtrees); then the nodes after the first ``budget.nodes`` kept, in the drafter's
-  order (its best first); then, where the drafter gives each node a confidence, the
-  nodes whose expected tokens do not pay for what verifying them costs on this device.
+  order (its best first); then, where the drafter gives each node a confidence, all but
+  the most likely nodes: as many as give the most expected tokens for what verifying them
+  costs on this device.
 A proposal that breaks any rule but the budget is malformed: ``Malformed`` says why,
 and the round goes on without it (``admit_or_warn``: one warning per drafter).
 """
@@ -245,17 +246,18 @@ def _merged(parents: Sequence[int], tokens: Sequence[int], confidence: Optional[
 
 def _paying(tree: DraftTree, confidence: List[float], budget: Budget) -> List[int]:
     """The nodes worth verifying: taken by the chance that they are accepted (the product of
-    their path's confidences), most likely first, while the tokens they are expected to add
-    beat what they cost on this device's curve; in node order."""
+    their path's confidences), most likely first, as many as give the most expected tokens
+    per unit of what they cost on this device's curve (not merely until the next one does
+    not pay: a curve with steps can make a few more pay where one alone would not); in
+    node order."""
     chance: List[float] = []
     for node, parent in enumerate(tree.parents):
         chance.append(confidence[node] * (chance[parent] if parent >= 0 else 1.0))
     order = sorted(range(len(tree)), key=lambda node: (-chance[node], node))  # parents before children
-    expected, kept = budget.expected, []
-    for node in order:
-        gain = (expected + chance[node]) / budget.cost(len(kept) + 1)
-        if not math.isfinite(gain) or gain <= expected / budget.cost(len(kept)):
-            break
+    expected, best, best_value = budget.expected, 0, budget.expected / budget.cost(0)
+    for count, node in enumerate(order, 1):
         expected += chance[node]
-        kept.append(node)
-    return sorted(kept)
+        value = expected / budget.cost(count)
+        if math.isfinite(value) and value > best_value:
+            best, best_value = count, value
+    return sorted(order[:best])

@@ -58,14 +58,18 @@ class ChainDrafter(Drafter):
     def best_length(self, kind: int, limit: int, verified: int, expected: float) -> int:
         """The draft length with the most expected tokens per unit of cost, beside
         ``verified`` tokens already in the round that yield ``expected`` tokens."""
+        return self.best_prefix(np.cumprod(self.acceptance(kind)[:limit]), verified, expected)
+
+    def best_prefix(self, reach: np.ndarray, verified: int, expected: float) -> int:
+        """How many of a chain's drafts to verify, draft j reached (accepted with all before
+        it) with chance ``reach[j - 1]``: the most expected tokens per unit of cost."""
         key = (verified, self.pricing)  # (a Pricing is a value: the context and the pass it prices)
         if key not in self._costs:
             if len(self._costs) >= self.PRICES_KEPT:
                 self._costs.clear()
             self._costs[key] = np.array([self.pricing(verified + n) + self.step_cost * n
                                          for n in range(self.max_tokens + 1)])
-        reach = np.cumprod(self.acceptance(kind)[:limit])
-        values = (expected + np.concatenate([[0.0], np.cumsum(reach)])) / self._costs[key][:limit + 1]
+        values = (expected + np.concatenate([[0.0], np.cumsum(reach)])) / self._costs[key][:len(reach) + 1]
         return int(np.argmax(values))  # the shortest of equals: 0 (no draft) on a tie
 
     def record_chain(self, kind: int, proposed: int, accepted: int) -> None:

@@ -52,15 +52,20 @@ class DFlashDrafter(ChainDrafter):
                  max_tokens: Optional[int] = None, trees: bool = True):
         """``pricing``: until a round's Budget brings its own; ``trees``: DDTree branches
         beside the chain where the target verifies trees."""
-        block = model.config.block_size
-        super().__init__(pricing, min(block - 1, max_tokens or block - 1))
+        drafts = self.drafts_per_block(model.config.block_size)
+        super().__init__(pricing, min(drafts, max_tokens or drafts))
         self.model, self.target, self.trees = model, target, trees
         self.taps = model.config.taps
         self.cache = [KVCache() for _ in model.layers]  # the context's keys and values, committed tokens only
-        self.block: Optional[Tuple[mx.array, mx.array]] = None  # per position: top tokens, their log-probabilities
+        self.block: Optional[Tuple[mx.array, ...]] = None  # what ``draft`` drafted after the last root
         self.rounds = 0  # outcomes observed
         self._chain = 0  # nodes of the last proposal's chain (the rest are DDTree branches)
         self._layout: List[Tuple[int, ...]] = []  # per proposed node: its rank path
+
+    @staticmethod
+    def drafts_per_block(block_size: int) -> int:
+        """A block drafts every position after its root."""
+        return block_size - 1
 
     def reusable(self, common: int) -> int:
         return min(self.cache[0].offset, max(common - 1, 0))
@@ -72,21 +77,29 @@ class DFlashDrafter(ChainDrafter):
 
     def observe(self, outcome: Outcome) -> None:
         if outcome.proposal is not None and len(outcome.proposal):
-            taken = sum(1 for node in outcome.path if node < self._chain)
-            self.record_chain(0, self._chain, taken)
+            self.learn(outcome)
         keep_cache_entries(self.cache, outcome.start, [])
         self.model.read_context(outcome.states.read(self.taps), self.cache, outcome.start)
         self.block, self.rounds = None, self.rounds + 1
         if self.best_length(0, self.max_tokens, 1, 1.0) == 0 and self.rounds % self.PROBE:
             return  # no draft is expected to pay: no block either (but a probe now and then, to notice a change)
-        root = len(outcome.tokens) - 1  # the root's position
+        self.block = self.draft(outcome.tokens[-1], len(outcome.tokens) - 1)
+        mx.async_eval(*(part for part in self.block if part is not None))
+
+    def learn(self, outcome: Outcome) -> None:
+        """What of this drafter's proposal was accepted: the chain's acceptance by position."""
+        taken = sum(1 for node in outcome.path if node < self._chain)
+        self.record_chain(0, self._chain, taken)
+
+    def draft(self, root_token: int, root: int) -> Tuple[mx.array, ...]:
+        """The block after ``root_token`` at position ``root``: per position, its best
+        ``TOP_K`` tokens and their log-probabilities, best first (on the device)."""
         config = self.model.config
-        tokens = mx.array([outcome.tokens[-1]] + [config.mask_token_id] * (config.block_size - 1))
+        tokens = mx.array([root_token] + [config.mask_token_id] * (config.block_size - 1))
         logprobs = nn.log_softmax(self.model.block_logits(self.target, tokens, self.cache, root).astype(mx.float32))
         best = mx.argpartition(-logprobs, kth=TOP_K - 1, axis=-1)[:, :TOP_K]
         best = mx.take_along_axis(best, mx.argsort(-mx.take_along_axis(logprobs, best, axis=-1), axis=-1), axis=-1)
-        self.block = (best, mx.take_along_axis(logprobs, best, axis=-1))
-        mx.async_eval(*self.block)
+        return best, mx.take_along_axis(logprobs, best, axis=-1)
 
     def propose(self, budget: Budget) -> Optional[Proposal]:
         self.price(budget)
@@ -131,20 +144,26 @@ class DFlashDrafter(ChainDrafter):
 
 
 def accepts(draft: object) -> bool:
-    return isinstance(draft, DFlashModel)
+    return type(draft) is DFlashModel  # (a DSpark model is one too, with heads of its own: drafters/dspark.py)
 
 
 def source(draft: DFlashModel, model: nn.Module, settings: DraftSettings) -> DraftSource:
+    return block_source(draft, model, settings, NAME, lambda pricing, limit: DFlashDrafter(
+        draft, model, pricing, max_tokens=limit, trees=limit is None))
 
 
+def block_source(draft: DFlashModel, model: nn.Module, settings: DraftSettings, kind: str,
+                 make: Callable[[Callable[[int], float], Optional[int]], ChainDrafter]) -> DraftSource:
+    """A block drafter's source: ``make(pricing, limit)`` makes a conversation's drafter,
+    ``limit`` the --tree chain:K cap on its chains (None: any other tree, where trees may
+    branch)."""
     check_target(model, draft.config.taps)
-    name = f"dflash {Path(getattr(draft, 'directory', 'drafter')).name}, block {draft.config.block_size}"
+    name = f"{kind} {Path(getattr(draft, 'directory', 'drafter')).name}, block {draft.config.block_size}"
     tree = parse_tree(settings.tree) if isinstance(settings.tree, str) and settings.tree != "auto" else settings.tree
     if isinstance(tree, TreeSpec) and tree.kind == "none":
         return DraftSource(name, None, "tree none")
-    # --tree chain:K: chains of at most K drafts; any other tree: DDTree branches where they pay.
     chain = isinstance(tree, TreeSpec) and tree.kind == "static" and tree.paths == chain_paths(len(tree.paths))
     limit = len(tree.paths) if chain else None
     pricing = settings.costs.at()
-    return DraftSource(name + (f", chains of up to {limit}" if chain else ""),
-                       lambda: DFlashDrafter(draft, model, pricing, max_tokens=limit, trees=not chain), None, draft)
+    return DraftSource(name + (f", chains of up to {limit}" if chain else ""), lambda: make(pricing, limit), None,
+                       draft)

@@ -25,7 +25,7 @@ from .history import History
 #   accepts(draft) -> bool       whether a loaded draft (or an object the API is handed) is this kind's
 #   source(draft, model, settings) -> DraftSource   the drafter factory the plan keeps
 # The first that recognizes a path (or accepts a loaded draft, or ships for a model) takes it.
-KINDS = ("dflash", "mtp", "eagle", "draft_model", "lookup")
+KINDS = ("dspark", "dflash", "mtp", "eagle", "draft_model", "lookup")
 
 
 def kind_modules() -> List[ModuleType]:
