@@ -1,6 +1,7 @@
 """Drafters' checkpoints as their authors publish them, with random weights: DFlash block
-drafters in the z-lab layout, DSpark block drafters in DeepSpec's, models' own MTP modules under each family's names, and EAGLE
-heads under the official names, beside the tiny targets they draft for."""
+drafters in the z-lab layout, DSpark block drafters in DeepSpec's, models' own MTP modules
+under each family's names, and EAGLE heads under the official names, beside the tiny
+targets they draft for."""
 
 import json
 

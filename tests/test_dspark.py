@@ -134,8 +134,7 @@ def test_confidences_cut_the_chain_where_the_next_draft_would_not_pay(tmp_path):
         verified[logit] = []
         learn = drafter.learn
         drafter.learn = lambda outcome, log=verified[logit]: log.append(len(outcome.proposal)) or learn(outcome)
-        tokens, decoder = decode(target, drafter, PROMPT, 24)
-        assert tokens == plain_tokens(target, PROMPT, 24)
+        assert decode(target, drafter, PROMPT, 24)[0] == plain_tokens(target, PROMPT, 24)
     assert verified[30.0][0] == 6 and len(verified[30.0]) < 8  # then held back: its drafts were rejected
     assert verified[-30.0] == []
 
