@@ -23,6 +23,7 @@ from commands import run_generate
 from drafting import decode
 from plain import plain_tokens
 
+
 PROMPT = [5, 17, 33, 5, 17, 60, 2, 9, 41, 17, 5, 17, 33]
 SMOLLM_SIZES = {"num_hidden_layers": 1, "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64,
                 "intermediate_size": 256}
@@ -132,8 +133,8 @@ def test_confidences_cut_the_chain_where_the_next_draft_would_not_pay(tmp_path):
         wrong_on_purpose(directory, logit)
         drafter = DSparkDrafter(load(directory, target), target, lambda k: 1.0 + 0.3 * (k - 1))
         verified[logit] = []
-        learn = drafter.learn
-        drafter.learn = lambda outcome, log=verified[logit]: log.append(len(outcome.proposal)) or learn(outcome)
+        drafter.learn = lambda outcome, log=verified[logit], learn=drafter.learn: \
+            log.append(len(outcome.proposal)) or learn(outcome)
         assert decode(target, drafter, PROMPT, 24)[0] == plain_tokens(target, PROMPT, 24)
     assert verified[30.0][0] == 6 and len(verified[30.0]) < 8  # then held back: its drafts were rejected
     assert verified[-30.0] == []
