@@ -49,7 +49,7 @@ def checkpoint_tau(directory: Path, model_path, mask_token, turns: int, write=No
     decoded with a training checkpoint's drafter (built as the trainer built it)."""
     from mlx_eagle import load
     from mlx_eagle.data import mtbench_questions
-    from mlx_eagle.train.dflash import dflash_tau
+    from mlx_eagle.train.dflash import block_tau
     from mlx_eagle.train.families import drafter_to_train
     from mlx_eagle.train.recipe import TrainConfig
 
@@ -65,7 +65,7 @@ def checkpoint_tau(directory: Path, model_path, mask_token, turns: int, write=No
 
         save_dflash(drafter, write)
     prompts = [q["turns"][0] for q in mtbench_questions()[:turns]]
-    return dict(dflash_tau(model, drafter, tokenizer, prompts, 64), step=state["step"])
+    return dict(block_tau(model, drafter, tokenizer, prompts, 64), step=state["step"])
 
 
 def main(argv: Optional[List[str]] = None) -> None:

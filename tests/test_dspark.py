@@ -231,3 +231,19 @@ def test_the_converter_checks_casts_and_quantizes_a_dspark_checkpoint(smollm, tm
         write_dspark(tmp_path / "other", tiny_target(), [1, 3])
         convert_head(str(tmp_path / "other"), tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def test_the_trainer_reports_a_drafters_calibration_on_held_out_prompts(smollm, tmp_path):
+    """``mlx_eagle.train --family dspark``'s evaluation on the real SmolLM2: whole blocks
+    decoded, tau, acceptance by position, and predicted against observed acceptance by band."""
+    from mlx_eagle.train.families import FAMILIES
+    from mlx_eagle.train.recipe import TrainConfig
+
+    model, tokenizer = smollm
+    write_dspark(tmp_path / "dspark", model, [1, 14, 26], block=7, mask=0, rank=32, sizes=SMOLLM_SIZES)
+    config = TrainConfig(family="dspark", block_size=7)
+    result, line = FAMILIES["dspark"].code().evaluate(model, tokenizer, tmp_path / "dspark", ["Say hi."], config,
+                                                      False)
+    assert len(result["acceptance_by_position"]) == 7 and result["rounds"] > 0
+    assert sum(band["drafts"] for band in result["calibration"]) >= result["rounds"]  # each round verified one
+    assert "confidence calibration error" in line and 0 <= result["calibration_error"] <= 1

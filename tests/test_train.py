@@ -464,3 +464,39 @@ def test_dflash_training_sees_each_block_as_drafting_does(training_setup):
         drafter.read_context(features[:anchor], cache, 0)
         alone = drafter.block_logits(model, mx.array([int(tokens[anchor])] + [2] * 3), cache, anchor)
         assert mx.allclose(together[index], alone, atol=1e-4), anchor
+
+
+def test_a_dspark_drafter_learns_and_trains_each_block_as_it_drafts(training_setup, tmp_path):
+    """DSpark through the DFlash stages: the loss falls; each block position is trained as
+    the drafter drafts it (the Markov bias from the token before, teacher-forced, and the
+    confidence from the same features); what it writes loads."""
+    from mlx_lm.models.cache import KVCache
+
+    from mlx_eagle.train.dflash import blocks_states
+
+    from mlx_eagle.dspark_model import load as load_dspark, save_dspark
+    from mlx_eagle.target import lm_head
+
+    model, pieces, _ = training_setup
+    config = TrainConfig(family="dspark", steps=24, tokens_per_batch=128, grad_accum=2, lr=3e-3, warmup=3,
+                         checkpoint_every=8, block_size=4, anchors=6, dflash_layers=1, mask_token=2, markov_rank=16)
+    trainer = Trainer(model, drafter_to_train(model, config), pieces, config, tmp_path / "work", progress=False)
+    trainer.run()
+    log = [json.loads(line) for line in (tmp_path / "work" / "log.jsonl").read_text().splitlines()]
+    assert np.mean([r["loss"] for r in log[-4:]]) < 0.8 * np.mean([r["loss"] for r in log[:4]])
+    drafter = trainer.head
+    tokens = mx.array(pieces[0][0])
+    features = target_states(model, tokens[None], drafter.taps(4))[0][0]
+    anchor = 9
+    cache = [KVCache() for _ in drafter.layers]
+    drafter.read_context(features[:anchor], cache, 0)
+    drafted, confidences = drafter.draft_block(model, int(tokens[anchor]), cache, anchor)
+    states = blocks_states(drafter, model, tokens, features, mx.array([anchor]))[0]
+    previous = mx.concatenate([tokens[anchor:anchor + 1], drafted[:-1]])  # the drafts it chose, as labels
+    bias, embedding, _ = drafter.markov_head.step(previous, states, None)
+    assert (mx.argmax(lm_head(model, states) + bias, axis=-1) == drafted).all()
+    assert mx.allclose(mx.sigmoid(drafter.confidence_logits(states, embedding)), confidences, atol=1e-4)
+    reloaded = tmp_path / "dspark"
+    save_dspark(drafter, reloaded)
+    assert mx.array_equal(load_dspark(reloaded, model).markov_head.markov_w2.weight,
+                          drafter.markov_head.markov_w2.weight)

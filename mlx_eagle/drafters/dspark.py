@@ -65,6 +65,11 @@ class Calibration:
         self.predicted += other.predicted
         self.accepted += other.accepted
 
+    def error(self) -> float:
+        """The expected calibration error: the bands' |predicted - observed|, weighted by drafts."""
+        seen = self.count > 0
+        return float(np.abs(self.predicted[seen] - self.accepted[seen]).sum() / max(self.count.sum(), 1))
+
     def table(self) -> List[dict]:
         """The bands seen: their range, drafts, mean confidence and observed acceptance."""
         return [{"band": [b / self.BINS, (b + 1) / self.BINS], "drafts": int(self.count[b]),

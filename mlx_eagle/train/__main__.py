@@ -39,9 +39,11 @@ RECIPE_HELP = {  # TrainConfig's settings, as flags (a family's own are prefixed
     "clip": "gradient norm clip",
     "step_decay": "weight of unrolled step k's loss is this to the power k",
     "feature_noise": "uniform noise in (-X, X) on the target's states, as EAGLE-1 trains",
-    "block_size": "tokens a block holds (the root and block-size - 1 drafts)",
+    "block_size": "tokens a block holds: the root and its masks (DFlash drafts block-size - 1 tokens, DSpark "
+                  "block-size; DSpark's published blocks hold 7)",
     "anchors": "blocks trained per sequence, at random positions redrawn every step",
     "dflash_layers": "the drafter's decoder layers",
+    "markov_rank": "the Markov head's rank (the previous token's embedding width)",
     "mask_token": "the token id that fills a block after its root (default: the tokenizer's unknown token, else 0)",
     "mask_outside_draft": "positions whose target choice is no draft token do not count in the loss",
     "train_embeddings": "train an embedding of the head's own (a copy of the target's to start) instead of "

@@ -19,6 +19,8 @@ import numpy as np
 from ..decoder import SpeculativeDecoder
 from ..dflash_model import DFlashModel, load, new_dflash, save_dflash
 from ..drafters.dflash import DFlashDrafter
+from ..drafters.dspark import Calibration, DSparkDrafter
+from ..dspark_model import DSparkModel
 from ..errors import UserError
 from ..replies import chat_tokens
 from ..progress import progress_bar
@@ -26,7 +28,8 @@ from ..target import embed, lm_head
 from ..verify import Sampling
 from .ttt import shift
 
-__all__ = ["new_drafter", "loss", "save", "evaluate", "block_loss", "blocks_logits", "dflash_tau"]
+__all__ = ["new_drafter", "loss", "save", "evaluate", "block_loss", "blocks_logits", "blocks_states", "block_tau",
+           "anchors_of", "decay"]
 save = save_dflash
 
 
@@ -53,7 +56,7 @@ def loss(model, target, tokens, mask, features, last, used, key, config):
 
 def evaluate(target, tokenizer, out: Path, held_out: Sequence[str], config, progress: bool) -> Tuple[dict, str]:
     """Decoded, not unrolled: a block's drafts depend on the whole block, not a path to them."""
-    result = dflash_tau(target, load(out, target), tokenizer, held_out, 64, progress)
+    result = block_tau(target, load(out, target), tokenizer, held_out, 64, progress)
     return result, (f"held-out tau {result['tau']:.2f} on chains of {config.block_size - 1}, acceptance by block "
                     "position " + " ".join(f"{r:.2f}" for r in result["acceptance_by_position"]))
 
@@ -90,6 +93,13 @@ def blocks_logits(model: DFlashModel, target: nn.Module, tokens: mx.array, featu
     """One sequence's blocks at the anchors ``starts`` in one pass: logits [anchors,
     block - 1, vocab] for positions anchor + 1.., each block seeing the context before its
     anchor, as it would drafting there (``tokens`` [length], ``features`` [length, taps x hidden])."""
+    return lm_head(target, blocks_states(model, target, tokens, features, starts)[:, 1:]).astype(mx.float32)
+
+
+def blocks_states(model: DFlashModel, target: nn.Module, tokens: mx.array, features: mx.array,
+                  starts: mx.array) -> mx.array:
+    """The final (normed) states [anchors, block, hidden] of one sequence's blocks at the
+    anchors ``starts``, in one pass (see ``blocks_logits``)."""
     config = model.config
     block, length = config.block_size, tokens.shape[0]
     positions = starts[:, None] + mx.arange(block)[None]
@@ -99,7 +109,7 @@ def blocks_logits(model: DFlashModel, target: nn.Module, tokens: mx.array, featu
     attend = block_mask(starts, length, block, bool(config.is_causal))
     for layer in model.layers:
         h = layer(h, layer.self_attn.keys_values(context, mx.array(0)), positions.reshape(-1), attend)
-    return lm_head(target, model.norm(h).reshape(starts.shape[0], block, -1)[:, 1:]).astype(mx.float32)
+    return model.norm(h).reshape(starts.shape[0], block, -1)
 
 
 def block_loss(model: DFlashModel, target: nn.Module, tokens: mx.array, mask: mx.array, features: mx.array,
@@ -130,15 +140,19 @@ def block_loss(model: DFlashModel, target: nn.Module, tokens: mx.array, mask: mx
     return loss, [loss], [accuracy[i] for i in range(block - 1)]
 
 
-def dflash_tau(model: nn.Module, drafter, tokenizer, prompts: Sequence[str], max_tokens: int,
-               progress: bool = False) -> Dict[str, object]:
-    """A DFlash drafter's tau on chains of block - 1 drafts (as a flat cost curve sizes
-    them), greedy, over the held-out prompts, and its acceptance by block position."""
+def block_tau(model: nn.Module, drafter: DFlashModel, tokenizer, prompts: Sequence[str], max_tokens: int,
+              progress: bool = False) -> Dict[str, object]:
+    """A block drafter's tau on whole chains (block - 1 drafts for DFlash, block for DSpark,
+    as a flat cost curve sizes them), greedy, over the held-out prompts, and its acceptance
+    by block position; for a DSpark drafter with a confidence head, its calibration too:
+    predicted against observed acceptance by band of confidence (``Calibration.table``)."""
     generated = rounds = 0
     tried = accepted = 0
+    calibration = Calibration()
     for prompt in progress_bar(prompts, desc="held-out tau", unit="prompt", disable=not progress):
         ids = chat_tokens(tokenizer, [{"role": "user", "content": prompt}])
-        chains = DFlashDrafter(drafter, model, lambda tokens: 1.0, trees=False)
+        chains = DSparkDrafter(drafter, model, lambda tokens: 1.0) if isinstance(drafter, DSparkModel) else \
+            DFlashDrafter(drafter, model, lambda tokens: 1.0, trees=False)
         decoder = SpeculativeDecoder(model, chains, Sampling())
         tokens = [decoder.prefill(ids)]
         while len(tokens) < max_tokens and tokens[-1] not in tokenizer.eos_token_ids:
@@ -146,5 +160,11 @@ def dflash_tau(model: nn.Module, drafter, tokenizer, prompts: Sequence[str], max
             rounds += 1
         generated += len(tokens) - 1
         tried, accepted = tried + chains.tried[0], accepted + chains.accepted[0]
-    return {"tau": generated / max(rounds, 1), "acceptance_by_position": [float(a) for a in accepted / np.maximum(
+        if isinstance(chains, DSparkDrafter):
+            calibration.merge(chains.calibration)
+    result = {"tau": generated / max(rounds, 1), "acceptance_by_position": [float(a) for a in accepted / np.maximum(
         tried, 1)], "rounds": rounds, "prompts": len(prompts)}
+    if calibration.count.sum():
+        result["calibration"] = calibration.table()
+        result["calibration_error"] = calibration.error()
+    return result

@@ -47,6 +47,9 @@ FAMILIES: Dict[str, TrainedFamily] = {family.name: family for family in (
     TrainedFamily("eagle1", "EAGLE-1/2", "the last state, the target's LM head", "eagle1"),
     TrainedFamily("dflash", "DFlash", "a block drafter: five tapped states, one pass drafts a block", "dflash",
                   settings=("block_size", "anchors", "dflash_layers", "mask_token")),
+    TrainedFamily("dspark", "DSpark", "a block drafter with a Markov head and a confidence head that chooses what "
+                  "is verified", "dspark", settings=("block_size", "anchors", "dflash_layers", "mask_token",
+                                                     "markov_rank")),
 )}
 
 

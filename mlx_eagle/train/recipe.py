@@ -36,11 +36,12 @@ class TrainConfig:
     mask_outside_draft: bool = False  # positions whose target choice is outside the draft vocabulary do not count
     feature_noise: float = 0.0  # uniform noise in (-x, x) on the target's states, as EAGLE-1 trains
     train_embeddings: bool = False  # the head gets an embedding of its own (the target's to start), trained
-    # DFlash drafters (--family dflash):
-    block_size: int = 16  # tokens a block holds: the root and block_size - 1 drafts
+    # DFlash and DSpark drafters (--family dflash, dspark):
+    block_size: int = 16  # tokens a block holds: the root and its masks (DSpark's published blocks: 7)
     anchors: int = 64  # blocks trained per sequence, at random positions redrawn each step
     dflash_layers: int = 5  # the drafter's decoder layers (5 in the published drafters)
     mask_token: Optional[int] = None  # the id filling a block after its root (None: the tokenizer's unknown token)
+    markov_rank: int = 256  # DSpark: the Markov head's rank (256 published)
 
     def __post_init__(self) -> None:
         """One line naming a setting no run could train with."""
@@ -48,7 +49,7 @@ class TrainConfig:
             raise UserError(f"family must be one of {', '.join(FAMILIES)}, not {self.family!r}")
         at_least = {"steps": 1, "tokens_per_batch": 1, "grad_accum": 1, "seq_len": 2, "warmup": 0, "ttt_steps": 1,
                     "checkpoint_every": 1, "seed": 0, "pad_multiple": 1, "block_size": 2, "anchors": 1,
-                    "dflash_layers": 1}
+                    "dflash_layers": 1, "markov_rank": 1}
         for name, low in at_least.items():
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
