@@ -1,9 +1,9 @@
-"""A DFlash training run's tau against the tokens it has trained on, from its log.
+"""A DFlash or DSpark training run's tau against the tokens it has trained on, from its log.
 
     python benchmarks/dflash_curve.py WORK/log.jsonl [--out benchmarks/results/dflash-curve]
 
 The log holds, per step, the drafter's agreement with the target at each block position
-on that step's blocks. A chain of block - 1 drafts is expected to yield
+on that step's blocks. A chain of its drafts (block - 1 for DFlash, block for DSpark) yields
 tau = 1 + sum over k of a_1 ... a_k, taking the positions as independent (they are not:
 a right draft at position k is likelier after right ones before it, so this estimate is
 low), averaged over windows of 20 steps. Writes OUT.json and OUT.png; a measured tau is
@@ -60,10 +60,10 @@ def checkpoint_tau(directory: Path, model_path, mask_token, turns: int, write=No
         config = replace(config, mask_token=mask_token if mask_token is not None else (tokenizer.unk_token_id or 0))
     drafter = drafter_to_train(model, config)
     drafter.load_weights(str(directory / "head.safetensors"))
-    if write is not None:
-        from mlx_eagle.dflash_model import save_dflash
+    if write is not None:  # in the layout its --draft kind reads (a DFlash or a DSpark drafter)
+        from mlx_eagle.train.families import FAMILIES
 
-        save_dflash(drafter, write)
+        FAMILIES[config.family].code().save(drafter, write)
     prompts = [q["turns"][0] for q in mtbench_questions()[:turns]]
     return dict(block_tau(model, drafter, tokenizer, prompts, 64), step=state["step"])
 
@@ -106,7 +106,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     if args.measured:
         axis.scatter([cumulative_tokens(entries)[-1]], [result["measured"]["tau"]], color="red",
                      label="measured, held out")
-    axis.set(xlabel="training tokens", ylabel="tau, chain of block - 1", title="DFlash drafter for SmolLM2 (CPU)")
+    axis.set(xlabel="training tokens", ylabel="tau, chain of block - 1", title="block drafter for SmolLM2 (CPU)")
     axis.legend()
     figure.tight_layout()
     figure.savefig(args.out.with_suffix(".png"), dpi=110)

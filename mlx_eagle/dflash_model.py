@@ -47,6 +47,7 @@ class DFlashConfig:
     sliding_window: Optional[int] = None
     is_causal: Optional[bool] = None  # within the block; None: only sliding layers are (as z-lab's code)
     attention_bias: bool = False  # q/k/v/o projections with biases (a Qwen3 config's attention_bias)
+    rope_interleave: bool = False  # rotary pairs interleaved (GPT-J style, as LFM2.5's DSpark drafters), not halves
     extra: Dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -111,7 +112,7 @@ def backbone_fields(raw: dict, block: dict, source: Path, where: str, lowest_lay
         rope_scaling=raw.get("rope_scaling") if isinstance(raw.get("rope_scaling"), dict) else None,
         max_position_embeddings=_config_number(raw, "max_position_embeddings", int, 1, 1 << 24, source, 32768),
         layer_types=types, sliding_window=window, is_causal=causal if isinstance(causal, bool) else None,
-        attention_bias=raw.get("attention_bias") is True,
+        attention_bias=raw.get("attention_bias") is True, rope_interleave=raw.get("rope_interleave") is True,
     )
 
 
@@ -129,7 +130,7 @@ class DFlashAttention(nn.Module):
         self.o_proj = nn.Linear(self.n_heads * width, config.hidden_size, bias=bias)
         self.q_norm = nn.RMSNorm(width, eps=config.rms_norm_eps)
         self.k_norm = nn.RMSNorm(width, eps=config.rms_norm_eps)
-        self.rope = initialize_rope(width, config.rope_theta, False, config.rope_scaling,
+        self.rope = initialize_rope(width, config.rope_theta, config.rope_interleave, config.rope_scaling,
                                     config.max_position_embeddings)
 
     def keys_values(self, x: mx.array, positions: mx.array) -> Tuple[mx.array, mx.array]:
@@ -351,6 +352,7 @@ def backbone_json(config: DFlashConfig) -> Dict[str, Any]:
            "intermediate_size": config.intermediate_size, "vocab_size": config.vocab_size,
            "rms_norm_eps": config.rms_norm_eps, "rope_theta": config.rope_theta,
            "max_position_embeddings": config.max_position_embeddings, "attention_bias": config.attention_bias,
+           "rope_interleave": config.rope_interleave,
            "layer_types": list(config.layer_types), "tie_word_embeddings": False}
     if config.sliding_window is not None:
         raw["sliding_window"] = config.sliding_window

@@ -8,13 +8,15 @@ def rms(x, w, eps=1e-6):
     return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * w
 
 
-def rope(x, positions, theta=10000.0):
-    """x [n, heads, dim] rotated at ``positions`` (rotate-half, as Qwen3 and Llama)."""
+def rope(x, positions, theta=10000.0, interleaved=False):
+    """x [n, heads, dim] rotated at ``positions``: rotate-half, as Qwen3 and Llama, or with
+    each adjacent pair rotated (``interleaved``, GPT-J style)."""
     half = x.shape[-1] // 2
     angles = positions[:, None] * theta ** (-np.arange(half) / half)
     cos, sin = np.cos(angles)[:, None], np.sin(angles)[:, None]
-    x1, x2 = x[..., :half], x[..., half:]
-    return np.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1)
+    x1, x2 = (x[..., 0::2], x[..., 1::2]) if interleaved else (x[..., :half], x[..., half:])
+    y1, y2 = x1 * cos - x2 * sin, x1 * sin + x2 * cos
+    return np.stack([y1, y2], axis=-1).reshape(x.shape) if interleaved else np.concatenate([y1, y2], axis=-1)
 
 
 def reference_block_states(t, config, states, block_tokens, embed):
@@ -24,6 +26,7 @@ def reference_block_states(t, config, states, block_tokens, embed):
     n, length = len(context), len(block_tokens)
     h = embed[block_tokens]
     block_positions, context_positions = np.arange(n, n + length), np.arange(n)
+    interleaved = config.get("rope_interleave", False)
     for i in range(config["num_hidden_layers"]):
         p = f"layers.{i}."
         x = rms(h, t[p + "input_layernorm.weight"])
@@ -31,10 +34,11 @@ def reference_block_states(t, config, states, block_tokens, embed):
         def keys_values(source, positions, p=p):
             keys = rms((source @ t[p + "self_attn.k_proj.weight"].T).reshape(len(source), kv, dim),
                        t[p + "self_attn.k_norm.weight"])
-            return rope(keys, positions), (source @ t[p + "self_attn.v_proj.weight"].T).reshape(len(source), kv, dim)
+            values = (source @ t[p + "self_attn.v_proj.weight"].T).reshape(len(source), kv, dim)
+            return rope(keys, positions, interleaved=interleaved), values
 
         q = rope(rms((x @ t[p + "self_attn.q_proj.weight"].T).reshape(length, heads, dim),
-                     t[p + "self_attn.q_norm.weight"]), block_positions)
+                     t[p + "self_attn.q_norm.weight"]), block_positions, interleaved=interleaved)
         (kc, vc), (kb, vb) = keys_values(context, context_positions), keys_values(x, block_positions)
         keys = np.repeat(np.concatenate([kc, kb]), heads // kv, axis=1)
         values = np.repeat(np.concatenate([vc, vb]), heads // kv, axis=1)

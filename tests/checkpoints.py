@@ -94,7 +94,7 @@ def write_dspark(directory, target, layer_ids, block=6, mask=3, rank=16, markov=
         return (0.5 * rng.standard_normal(shape)).astype(np.float32)
 
     tensors.update({"markov_head.markov_w1.weight": w(vocab, rank), "markov_head.markov_w2.weight": w(vocab, rank)})
-    embedding = target.model.embed_tokens.weight
+    embedding = inner_model(target).embed_tokens.weight
     if mx.issubdtype(embedding.dtype, mx.floating):  # (a quantized target's are not copied)
         head = target.lm_head.weight if "lm_head" in target else embedding
         tensors.update({"embed_tokens.weight": np.array(embedding, dtype=np.float32),

@@ -61,14 +61,16 @@ def reference_draft(t, config, states, root, embed, head):
     return tokens, confidences
 
 
-@pytest.mark.parametrize("markov, confidence, with_markov", [
-    ("vanilla", True, True), ("vanilla", True, False), ("gated", True, True), ("rnn", False, False)])
-def test_the_drafted_block_equals_the_numpy_reference(tmp_path, markov, confidence, with_markov):
+@pytest.mark.parametrize("markov, confidence, with_markov, interleave", [
+    ("vanilla", True, True, False), ("vanilla", True, False, False), ("gated", True, True, False),
+    ("rnn", False, False, False), ("vanilla", True, True, True)])
+def test_the_drafted_block_equals_the_numpy_reference(tmp_path, markov, confidence, with_markov, interleave):
     """Context read in two rounds (its keys cached), then a block: the tokens and
-    confidences of one reference pass."""
+    confidences of one reference pass; each Markov head, the confidence head with and
+    without the previous token's embedding, and rotary pairs interleaved (LFM2.5's)."""
     target = tiny_target()
     config, tensors = write_dspark(tmp_path / "dspark", target, [-1, 3], markov=markov, confidence=confidence,
-                                   with_markov=with_markov)
+                                   with_markov=with_markov, rope_interleave=interleave)
     drafter = load(tmp_path / "dspark", target)
     assert drafter.config.taps == (0, 4)  # -1: the embedding output, the state entering layer 0
     rng = np.random.default_rng(1)

@@ -318,13 +318,22 @@ def test_an_eagle1_head_reads_the_post_norm_state_of_a_hybrid_losslessly(name):
     assert tokens == reference(model, count=24), name
 
 
-def test_dflash_drafts_chains_on_a_hybrid_losslessly(tmp_path):
-    from checkpoints import write_dflash
-    from mlx_eagle.drafters.dflash import DFlashDrafter, load
+@pytest.mark.parametrize("kind, family", [("dflash", "qwen3_next"), ("dspark", "qwen3_next"), ("dspark", "lfm2")])
+def test_block_drafters_draft_chains_on_a_hybrid_losslessly(tmp_path, kind, family):
+    """DFlash and DSpark block drafters on hybrid targets, a mixture of experts among them
+    (Qwen3-Next), and LFM2, whose published DSpark drafters interleave their rotary pairs."""
+    import checkpoints
+    from mlx_eagle.drafters import dflash, dspark
 
-    model = hybrids.build("qwen3_next")
-    write_dflash(tmp_path / "dflash", model, [0, 1], block=6, mask=3)
-    drafter = DFlashDrafter(load(tmp_path / "dflash", model), model, lambda k: 1.0)
+    model = hybrids.build(family)
+    if kind == "dflash":
+        checkpoints.write_dflash(tmp_path / kind, model, [0, 1], block=6, mask=3)
+        drafter = dflash.DFlashDrafter(dflash.load(tmp_path / kind, model), model, lambda k: 1.0)
+    else:
+        checkpoints.write_dspark(tmp_path / kind, model, [-1, 1], block=6, mask=3, rope_interleave=family == "lfm2")
+        loaded = dspark.load(tmp_path / kind, model)
+        assert loaded.config.rope_interleave == (family == "lfm2")
+        drafter = dspark.DSparkDrafter(loaded, model, lambda k: 1.0)
     tokens, decoder = decode(model, Composite([drafter, LookupDrafter(lambda k: 1.0)]), count=30)
     assert tokens == reference(model, count=30)
 
