@@ -21,7 +21,7 @@ model, not a measurement of wall time.
 import argparse
 import json
 from pathlib import Path
-from typing import Callable, Dict, List
+from typing import Callable, Dict, List, Optional
 
 import numpy as np
 
@@ -88,7 +88,7 @@ def simulate(rounds: List[dict], rule: str, curve: Callable[[int], float], block
     return {"tokens_per_forward": tokens / len(rounds), "speed_vs_plain": tokens / cost}
 
 
-def main() -> None:
+def main(argv: Optional[List[str]] = None) -> None:
     use_fast_blas()
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--draft", required=True, help="a DSpark drafter directory")
@@ -96,7 +96,7 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=10, help="MT-bench first turns")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "dspark-rules.json")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     from mlx_eagle.costs import verify_costs
     from mlx_eagle.data import mtbench_questions

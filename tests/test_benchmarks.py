@@ -247,6 +247,24 @@ def test_dflash_curve_reads_a_resumed_log(tmp_path):
     assert abs(points[0]["tau_estimate"] - (1 + 0.5 + 0.125)) < 1e-9 and (tmp_path / "curve.png").exists()
 
 
+@pytest.mark.slow  # the real model
+def test_dspark_rules_compares_the_verify_rules_on_the_same_drafts(tmp_path):
+    from checkpoints import write_dspark
+
+    from mlx_eagle.models import load_target
+
+    model, _, _ = load_target(None)
+    sizes = {"num_hidden_layers": 1, "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64,
+             "intermediate_size": 256}
+    write_dspark(tmp_path / "dspark", model, [1, 14, 26], block=5, mask=0, rank=16, sizes=sizes)
+    run("dspark_rules.py", "--draft", tmp_path / "dspark", "--prompts", 1, "--max-tokens", 8,
+        "--out", tmp_path / "rules.json")
+    result = json.loads((tmp_path / "rules.json").read_text())
+    assert result["rounds"] > 0 and "this CPU (measured)" in result["rules"]
+    for rules in result["rules"].values():
+        assert rules["whole block"]["tokens_per_forward"] >= rules["threshold p_min=0.7"]["tokens_per_forward"] >= 1
+
+
 def test_attention_cost(tmp_path):
     run("attention_cost.py", "--contexts", "64,128", "--rows", 4, "--out", tmp_path / "attention.json")
     result = json.loads((tmp_path / "attention.json").read_text())
