@@ -16,7 +16,8 @@ from .errors import UserError
 from .files import check_history_file
 from .progress import close_bars
 
-DRAFT_HELP = ("what drafts, beside drafts from the context: a drafter's directory (an EAGLE head, a DFlash drafter, "
+DRAFT_HELP = ("what drafts, beside drafts from the context: a drafter's directory (an EAGLE head, a DSpark or DFlash "
+              "drafter, "
               "or a draft model: a model directory, .gguf file or Hugging Face repo id with the model's tokenizer); "
               "your own drafter as package.module:Name or an installed mlx_eagle.drafters entry point; 'lookup' "
               "(drafts from the context alone, any mlx-lm model), or 'none' (plain decoding); default (auto): the "
