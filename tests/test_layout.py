@@ -269,7 +269,7 @@ FLOORS = [
     ("base", ("errors", "files", "progress", "blas", "cli", "configs", "architectures", "trees", "hub",
               "distributed")),
     ("model code and conversion", ("target", "rewind", "verify", "compiled", "costs", "heads", "dflash_model",
-                                   "mtp_model", "convert")),
+                                   "dspark_model", "mtp_model", "convert")),
     ("loading", ("models",)),
     ("drafting", ("drafters", "grammar", "thinking")),
     ("decoding", ("prompt_store", "prompt_cache", "decoder", "plan")),
