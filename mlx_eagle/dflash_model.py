@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -240,10 +240,14 @@ def recognizes(path: Path, config: Optional[dict]) -> bool:
 
 def load(directory: Path, model: nn.Module) -> DFlashModel:
     """The checkpoint in ``directory`` for the target ``model``, checked against it."""
+    return load_checkpoint(directory, model, build, "a DFlash checkpoint")
 
+
+def load_checkpoint(directory: Path, model: nn.Module, build: Callable, what: str) -> DFlashModel:
+    """A block drafter's checkpoint in ``directory`` (``what``: what its messages call it),
+    made by ``build(config, weights, model, source)``; it remembers where it came from."""
     directory = Path(directory)
-    drafter = build(read_json_config(directory, "a DFlash checkpoint"), read_safetensors(directory), model,
-                    directory / "config.json")
+    drafter = build(read_json_config(directory, what), read_safetensors(directory), model, directory / "config.json")
     drafter.directory = directory
     return drafter
 

@@ -30,11 +30,9 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import KVCache
 
-from .configs import read_config as read_json_config
 from .dflash_model import (DFlashConfig, DFlashModel, backbone_fields, backbone_json, check_fits, filled,
-                           new_backbone_fields, write_drafter)
+                           load_checkpoint, new_backbone_fields, write_drafter)
 from .errors import UserError
-from .heads import read_safetensors
 from .target import lm_head
 
 MARKOV_KINDS = ("vanilla", "gated", "rnn")
@@ -167,11 +165,7 @@ def recognizes(path: Path, config: Optional[dict]) -> bool:
 
 def load(directory: Path, model: nn.Module) -> DSparkModel:
     """The checkpoint in ``directory`` for the target ``model``, checked against it."""
-    directory = Path(directory)
-    drafter = build(read_json_config(directory, "a DSpark checkpoint"), read_safetensors(directory), model,
-                    directory / "config.json")
-    drafter.directory = directory
-    return drafter
+    return load_checkpoint(directory, model, build, "a DSpark checkpoint")
 
 
 def build(raw: dict, weights: Dict[str, mx.array], model: nn.Module, source) -> DSparkModel:

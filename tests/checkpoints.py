@@ -69,6 +69,19 @@ def write_dflash(directory, target, layer_ids, block=8, mask=3, seed=0, sizes=DF
     return config, tensors
 
 
+def refused_in_one_line(load, directory, target, config: dict, message: str) -> None:
+    """``config`` written over the checkpoint's in ``directory``: ``load`` refuses it in one
+    line matching ``message``."""
+    import pytest
+
+    from mlx_eagle.errors import UserError
+
+    (directory / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UserError, match=message) as caught:
+        load(directory, target)
+    assert "\n" not in str(caught.value) and len(str(caught.value)) < 400
+
+
 def write_dspark(directory, target, layer_ids, block=6, mask=3, rank=16, markov="vanilla", confidence=True,
                  with_markov=True, seed=0, sizes=DFLASH_SIZES, **changes):
     """A DSpark checkpoint for ``target`` as DeepSpec saves one: the target's Qwen3 config

@@ -18,7 +18,7 @@ from mlx_eagle.errors import UserError
 from commands import run_generate
 from drafting import decode
 from plain import plain_tokens
-from checkpoints import tiny_target, write_dflash
+from checkpoints import refused_in_one_line, tiny_target, write_dflash
 from block_reference import reference_block_states
 
 PROMPT = [5, 17, 33, 5, 17, 60, 2, 9, 41, 17, 5, 17, 33]
@@ -116,10 +116,7 @@ def test_a_bad_checkpoint_gets_one_line(tmp_path, change, message):
     config.update(change)
     if config.get("dflash_config") is None:
         config.pop("dflash_config")
-    (directory / "config.json").write_text(json.dumps(config))
-    with pytest.raises(UserError, match=message) as caught:
-        load(directory, target)
-    assert "\n" not in str(caught.value) and len(str(caught.value)) < 400
+    refused_in_one_line(load, directory, target, config, message)
 
 
 def test_the_converter_checks_casts_and_quantizes_a_dflash_checkpoint(smollm, tmp_path):

@@ -18,7 +18,7 @@ from mlx_eagle.drafters.dspark import Calibration, DSparkDrafter, load
 from mlx_eagle.drafters.lookup import LookupDrafter
 from mlx_eagle.errors import UserError
 from block_reference import reference_block_states
-from checkpoints import tiny_target, write_dspark
+from checkpoints import refused_in_one_line, tiny_target, write_dspark
 from commands import run_generate
 from drafting import decode
 from plain import plain_tokens
@@ -204,11 +204,8 @@ def test_a_bad_checkpoint_gets_one_line(tmp_path, change, message):
     directory = tmp_path / "dspark"
     config, tensors = write_dspark(directory, target, [1, 3])
     config.update(change)
-    config = {key: value for key, value in config.items() if value is not None}
-    (directory / "config.json").write_text(json.dumps(config))
-    with pytest.raises(UserError, match=message) as caught:
-        load(directory, target)
-    assert "\n" not in str(caught.value) and len(str(caught.value)) < 400
+    refused_in_one_line(load, directory, target, {key: value for key, value in config.items() if value is not None},
+                        message)
 
 
 def test_the_converter_checks_casts_and_quantizes_a_dspark_checkpoint(smollm, tmp_path):
