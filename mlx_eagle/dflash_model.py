@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -25,7 +25,7 @@ from mlx_lm.utils import dequantize_model
 from .configs import read_config as read_json_config
 from .errors import UserError
 from .heads import read_safetensors
-from .target import compute_dtype, embed, layer_count, lm_head, rotate
+from .target import compute_dtype, cuts_of, embed, layer_count, lm_head, rotate
 
 @dataclass
 class DFlashConfig:
@@ -141,16 +141,20 @@ class DFlashAttention(nn.Module):
         values = self.v_proj(x).reshape(batch, length, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
         return rotate(self.rope, keys, positions), values
 
-    def __call__(self, x: mx.array, context: Tuple[mx.array, mx.array], positions: mx.array,
-                 mask: Optional[mx.array]) -> mx.array:
-        """The block ``x`` attending to the ``context`` keys and values and to itself."""
+    def __call__(self, x: mx.array, contexts: Sequence[Tuple[mx.array, mx.array]], positions: mx.array,
+                 masks: Sequence[Optional[mx.array]], cuts: Sequence[int]) -> mx.array:
+        """Blocks packed in ``x`` [1, n, hidden], one per conversation between ``cuts``: each
+        attends to its conversation's ``contexts`` keys and values and to itself, under its
+        mask; everything else reads the packed tokens as one sequence."""
         batch, length, _ = x.shape
         queries = self.q_norm(self.q_proj(x).reshape(batch, length, self.n_heads, -1)).transpose(0, 2, 1, 3)
         queries = rotate(self.rope, queries, positions)
         keys, values = self.keys_values(x, positions)
-        keys = mx.concatenate([context[0], keys], axis=2)
-        values = mx.concatenate([context[1], values], axis=2)
-        out = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=self.scale, mask=mask)
+        out = mx.concatenate([
+            mx.fast.scaled_dot_product_attention(
+                queries[:, :, begin:end], mx.concatenate([context[0], keys[:, :, begin:end]], axis=2),
+                mx.concatenate([context[1], values[:, :, begin:end]], axis=2), scale=self.scale, mask=mask)
+            for context, mask, begin, end in zip(contexts, masks, cuts, cuts[1:])], axis=2)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(batch, length, -1))
 
     def block_mask(self, cached: int, start: int, length: int) -> Optional[mx.array]:
@@ -183,9 +187,9 @@ class DFlashLayer(nn.Module):
         self.post_attention_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.mlp = DFlashMLP(config.hidden_size, config.intermediate_size)
 
-    def __call__(self, x: mx.array, context: Tuple[mx.array, mx.array], positions: mx.array,
-                 mask: Optional[mx.array]) -> mx.array:
-        h = x + self.self_attn(self.input_layernorm(x), context, positions, mask)
+    def __call__(self, x: mx.array, contexts: Sequence[Tuple[mx.array, mx.array]], positions: mx.array,
+                 masks: Sequence[Optional[mx.array]], cuts: Sequence[int]) -> mx.array:
+        h = x + self.self_attn(self.input_layernorm(x), contexts, positions, masks, cuts)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -210,26 +214,43 @@ class DFlashModel(nn.Module):
     def read_context(self, states: mx.array, cache: List[KVCache], start: int) -> None:
         """Append the context keys and values of the target ``states`` [n, taps x hidden]
         (at positions start..start + n - 1) to each layer's ``cache``."""
-        context = self.context(states[None])
-        for layer, layer_cache in zip(self.layers, cache):
-            layer_cache.update_and_fetch(*layer.self_attn.keys_values(context, mx.array(start)))
+        self.read_contexts([(states, cache, start)])
+
+    def read_contexts(self, rows: Sequence[Tuple[mx.array, List[KVCache], int]]) -> None:
+        """``read_context`` for several conversations (states, cache, start) in one pass."""
+        cuts = cuts_of([states.shape[0] for states, _, _ in rows])
+        context = self.context(mx.concatenate([states for states, _, _ in rows])[None])
+        positions = mx.concatenate([start + mx.arange(states.shape[0]) for states, _, start in rows])
+        for index, layer in enumerate(self.layers):
+            keys, values = layer.self_attn.keys_values(context, positions)
+            for (_, cache, _), begin, end in zip(rows, cuts, cuts[1:]):
+                cache[index].update_and_fetch(keys[:, :, begin:end], values[:, :, begin:end])
 
     def block_logits(self, target: nn.Module, tokens: mx.array, cache: List[KVCache], start: int) -> mx.array:
         """Logits [block - 1, vocab] for the block ``tokens`` [block] (the root, then mask
         tokens) at positions start.., after the cached context: the drafts for positions
         start + 1 onwards."""
-        return lm_head(target, self.block_states(target, tokens, cache, start)[1:])
+        return lm_head(target, self.blocks_states(target, [(tokens, cache, start)])[0][1:])
 
-    def block_states(self, target: nn.Module, tokens: mx.array, cache: List[KVCache], start: int) -> mx.array:
-        """The final (normed) states [block, hidden] of the block ``tokens`` [block] at
-        positions start.., after the cached context."""
-        h = embed(target, tokens[None]).astype(self.fc.weight.dtype)
-        cached = cache[0].offset
-        for layer, layer_cache in zip(self.layers, cache):
-            context = (layer_cache.keys[..., :cached, :], layer_cache.values[..., :cached, :]) if cached else \
-                (mx.zeros((1, layer.self_attn.n_kv_heads, 0, layer.self_attn.q_norm.weight.shape[0]), h.dtype),) * 2
-            h = layer(h, context, mx.array(start), layer.self_attn.block_mask(cached, start, h.shape[1]))
-        return self.norm(h)[0]
+    def blocks_states(self, target: nn.Module, rows: Sequence[Tuple[mx.array, List[KVCache], int]]) -> mx.array:
+        """The final (normed) states [rows, block, hidden] of several conversations' blocks
+        (tokens [block], cache, start: the block at positions start.., after that cache's
+        context), in one pass."""
+        block = rows[0][0].size
+        h = embed(target, mx.concatenate([tokens for tokens, _, _ in rows])[None]).astype(self.fc.weight.dtype)
+        positions = mx.concatenate([start + mx.arange(block) for _, _, start in rows])
+        cuts = cuts_of([block] * len(rows))
+        for index, layer in enumerate(self.layers):
+            attention = layer.self_attn
+            contexts, masks = [], []
+            for _, cache, start in rows:
+                cached = cache[index].offset
+                contexts.append((cache[index].keys[..., :cached, :], cache[index].values[..., :cached, :]) if cached
+                                else (mx.zeros((1, attention.n_kv_heads, 0, attention.q_norm.weight.shape[0]),
+                                               h.dtype),) * 2)
+                masks.append(attention.block_mask(cached, start, block))
+            h = layer(h, contexts, positions, masks, cuts)
+        return self.norm(h).reshape(len(rows), block, -1)
 
 
 def recognizes(path: Path, config: Optional[dict]) -> bool:

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -137,24 +137,27 @@ class DSparkModel(DFlashModel):
         features = mx.concatenate([state, embedding], axis=-1) if self.config.confidence_with_markov else state
         return self.confidence_head(features)
 
-    def draft_block(self, target: nn.Module, root: int, cache: List[KVCache],
-                    start: int) -> Tuple[mx.array, Optional[mx.array]]:
-        """The block after the ``root`` token at position ``start`` (after the cached
-        context), drafted greedily left to right: (tokens [block], each one's confidence
-        [block], or None without a confidence head), still on the device."""
+    def draft_blocks(self, target: nn.Module, rows: Sequence[Tuple[int, List[KVCache], int]]
+                     ) -> Tuple[mx.array, Optional[mx.array]]:
+        """Several conversations' blocks (root token, cache, the root's position: the block
+        after that cache's context) in one pass, drafted greedily left to right: (tokens
+        [rows, block], each one's confidence [rows, block], or None without a confidence
+        head), still on the device."""
         config = self.config
-        block = mx.array([root] + [config.mask_token_id] * (config.block_size - 1))
-        states = self.block_states(target, block, cache, start)
+        masks = [config.mask_token_id] * (config.block_size - 1)
+        states = self.blocks_states(target, [(mx.array([root] + masks), cache, start) for root, cache, start in rows])
         base = lm_head(target, states)
-        previous, carried = mx.array(root), self.markov_head.start((), states.dtype)
+        previous = mx.array([root for root, _, _ in rows])
+        carried = self.markov_head.start((len(rows),), states.dtype)
         tokens, confidences = [], []
         for i in range(config.block_size):
-            bias, embedding, carried = self.markov_head.step(previous, states[i], carried)
-            previous = mx.argmax(base[i] + bias.astype(base.dtype)).astype(mx.int32)
+            bias, embedding, carried = self.markov_head.step(previous, states[:, i], carried)
+            previous = mx.argmax(base[:, i] + bias.astype(base.dtype), axis=-1).astype(mx.int32)
             tokens.append(previous)
             if self.confident:
-                confidences.append(self.confidence_logits(states[i], embedding))
-        return mx.stack(tokens), mx.sigmoid(mx.stack(confidences).astype(mx.float32)) if confidences else None
+                confidences.append(self.confidence_logits(states[:, i], embedding))
+        confidence = mx.sigmoid(mx.stack(confidences, axis=1).astype(mx.float32)) if confidences else None
+        return mx.stack(tokens, axis=1), confidence
 
 
 def recognizes(path: Path, config: Optional[dict]) -> bool:

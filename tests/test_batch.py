@@ -266,3 +266,58 @@ def test_one_head_drafts_every_conversation_together_as_each_alone(smollm, monke
         assert [offset for _, offset in together] == [offset for _, offset in alone]
         same = sum(a == b for (mine, _), (theirs, _) in zip(together, alone) for a, b in zip(mine, theirs))
         assert same >= 0.95 * sum(len(theirs) for theirs, _ in alone)  # (identical on this machine)
+
+
+@pytest.mark.parametrize("kind", ["dflash", "dspark"])
+def test_block_drafters_draft_every_conversation_together_as_each_alone(kind, tmp_path, monkeypatch):
+    """Four conversations of different lengths sharing one random block drafter, observing
+    a batched round's outcomes together (DFlashDrafter.observe_together): one pass reads
+    every conversation's new states and one drafts all their blocks, and each block is the
+    one it drafts alone, its context cache as alone, after a prompt and after a round."""
+    import copy
+
+    import mlx.core as mx
+
+    from checkpoints import write_dflash
+    from mlx_eagle.dflash_model import DFlashModel
+    from mlx_eagle.drafters import Outcome, TargetStates, observe_rows
+    from mlx_eagle.drafters import dflash, dspark
+    from mlx_eagle.target import make_cache, target_forward
+
+    model = tiny_target(0)
+    (write_dflash if kind == "dflash" else write_dspark)(tmp_path / kind, model, [1, 3])
+    module = dflash if kind == "dflash" else dspark
+    drafted_with = module.load(tmp_path / kind, model)
+    drafters = [module.DFlashDrafter(drafted_with, model, lambda k: 1.0) if kind == "dflash" else
+                module.DSparkDrafter(drafted_with, model, lambda k: 1.0) for _ in PROMPTS]
+    taps, caches, committed = drafters[0].taps, [make_cache(model) for _ in PROMPTS], [list(p) for p in PROMPTS]
+    passes = []
+    blocks_states = DFlashModel.blocks_states
+    monkeypatch.setattr(DFlashModel, "blocks_states", lambda self, *a: passes.append(1) or blocks_states(self, *a))
+    for new in (1, 3):  # the prompts, then a round that committed three tokens
+        outcomes = []
+        for tokens, cache in zip(committed, caches):
+            start, features = cache[0].offset, []
+            for _ in range(new):
+                read = tokens[cache[0].offset:]
+                out = target_forward(model, mx.array([read]), cache, cache[0].offset,
+                                     "causal" if len(read) > 1 else None, taps)
+                features.append(out.features[0])
+                tokens.append(int(mx.argmax(out.logits[0, -1])))
+            outcomes.append(Outcome(list(tokens), start, TargetStates(mx.concatenate(features), None, taps),
+                                    from_prompt=start == 0))
+        alone = []
+        for drafter, outcome in zip(drafters, outcomes):
+            twin = copy.copy(drafter)
+            twin.cache = copy.deepcopy(drafter.cache)
+            twin.observe(outcome)
+            alone.append(([np.array(part).tolist() for part in twin.block if part is not None], twin.cache[0].offset))
+        passes.clear()
+        assert observe_rows(drafters, outcomes) == [None] * len(PROMPTS)
+        assert len(passes) == 1  # one pass drafts every conversation's block
+        together = [([np.array(part).tolist() for part in d.block if part is not None], d.cache[0].offset)
+                    for d in drafters]
+        assert [offset for _, offset in together] == [offset for _, offset in alone]
+        assert [block[0] for block, _ in together] == [block[0] for block, _ in alone]  # the same drafts
+        for (mine, _), (theirs, _) in zip(together, alone):
+            assert np.allclose(mine[1], theirs[1], atol=1e-4)  # log-probabilities or confidences

@@ -78,7 +78,8 @@ def test_the_drafted_block_equals_the_numpy_reference(tmp_path, markov, confiden
     cache = [KVCache() for _ in drafter.layers]
     drafter.read_context(mx.array(states[:6]), cache, 0)
     drafter.read_context(mx.array(states[6:]), cache, 6)
-    tokens, confidences = drafter.draft_block(target, 41, cache, 9)
+    tokens, confidences = drafter.draft_blocks(target, [(41, cache, 9)])
+    tokens, confidences = tokens[0], None if confidences is None else confidences[0]
     want_tokens, want_confidences = reference_draft(tensors, config, states, 41,
                                                     np.array(target.model.embed_tokens.weight),
                                                     np.array(target.lm_head.weight))
@@ -224,7 +225,7 @@ def test_the_converter_checks_casts_and_quantizes_a_dspark_checkpoint(smollm, tm
         drafter = load(directory, model)
         cache = [KVCache() for _ in drafter.layers]
         drafter.read_context(states, cache, 0)
-        confidences.append(np.array(drafter.draft_block(model, 42, cache, 6)[1]))
+        confidences.append(np.array(drafter.draft_blocks(model, [(42, cache, 6)])[1][0]))
     assert np.abs(confidences[0] - confidences[1]).max() < 0.05
     with pytest.raises(UserError, match="vocabulary 97 vs the target's 49152"):
         write_dspark(tmp_path / "other", tiny_target(), [1, 3])

@@ -490,7 +490,7 @@ def test_a_dspark_drafter_learns_and_trains_each_block_as_it_drafts(training_set
     anchor = 9
     cache = [KVCache() for _ in drafter.layers]
     drafter.read_context(features[:anchor], cache, 0)
-    drafted, confidences = drafter.draft_block(model, int(tokens[anchor]), cache, anchor)
+    drafted, confidences = (part[0] for part in drafter.draft_blocks(model, [(int(tokens[anchor]), cache, anchor)]))
     states = blocks_states(drafter, model, tokens, features, mx.array([anchor]))[0]
     previous = mx.concatenate([tokens[anchor:anchor + 1], drafted[:-1]])  # the drafts it chose, as labels
     bias, embedding, _ = drafter.markov_head.step(previous, states, None)

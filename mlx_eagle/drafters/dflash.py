@@ -22,7 +22,7 @@ from __future__ import annotations
 import copy
 import heapq
 from pathlib import Path
-from typing import Callable, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -30,7 +30,7 @@ import numpy as np
 from mlx_lm.models.cache import KVCache
 
 from ..dflash_model import DFlashModel, load, recognizes  # noqa: F401 (the kind's hooks: its checkpoints)
-from ..target import check_target, keep_cache_entries
+from ..target import check_target, keep_cache_entries, lm_head
 from ..trees import DraftTree, TreeSpec, parse_tree
 from ..trees import chain as chain_paths
 from . import Budget, Outcome, Proposal
@@ -76,30 +76,55 @@ class DFlashDrafter(ChainDrafter):
         return twin
 
     def observe(self, outcome: Outcome) -> None:
-        if outcome.proposal is not None and len(outcome.proposal):
-            self.learn(outcome)
-        keep_cache_entries(self.cache, outcome.start, [])
-        self.model.read_context(outcome.states.read(self.taps), self.cache, outcome.start)
-        self.block, self.rounds = None, self.rounds + 1
-        if self.best_length(0, self.max_tokens, 1, 1.0) == 0 and self.rounds % self.PROBE:
-            return  # no draft is expected to pay: no block either (but a probe now and then, to notice a change)
-        self.block = self.draft(outcome.tokens[-1], len(outcome.tokens) - 1)
-        mx.async_eval(*(part for part in self.block if part is not None))
+        self.observe_together([self], [outcome])
+
+    @classmethod
+    def observe_together(cls, drafters: Sequence["DFlashDrafter"], outcomes: Sequence[Outcome]) -> None:
+        """Each drafter learns what of its proposal was accepted and reads the states the
+        target committed; then each that drafts (where its measured acceptance says nothing
+        pays, none does, but one probe in ``PROBE`` rounds) drafts its next block. Those
+        sharing one model and target do both together: one pass over every conversation's
+        new states, one over all their blocks."""
+        groups: Dict[Tuple[int, int], List[Tuple[DFlashDrafter, Outcome]]] = {}
+        for drafter, outcome in zip(drafters, outcomes):
+            groups.setdefault((id(drafter.model), id(drafter.target)), []).append((drafter, outcome))
+        for group in groups.values():
+            for drafter, outcome in group:
+                if outcome.proposal is not None and len(outcome.proposal):
+                    drafter.learn(outcome)
+                keep_cache_entries(drafter.cache, outcome.start, [])
+            group[0][0].model.read_contexts([(outcome.states.read(drafter.taps), drafter.cache, outcome.start)
+                                             for drafter, outcome in group])
+            drafting = []
+            for drafter, outcome in group:
+                drafter.block, drafter.rounds = None, drafter.rounds + 1
+                if drafter.best_length(0, drafter.max_tokens, 1, 1.0) or not drafter.rounds % drafter.PROBE:
+                    drafting.append((drafter, outcome.tokens[-1], len(outcome.tokens) - 1))
+            if drafting:
+                for (drafter, _, _), block in zip(drafting, cls.draft_rows(drafting)):
+                    drafter.block = block
+                mx.async_eval([part for drafter, _, _ in drafting for part in drafter.block if part is not None])
 
     def learn(self, outcome: Outcome) -> None:
         """What of this drafter's proposal was accepted: the chain's acceptance by position."""
         taken = sum(1 for node in outcome.path if node < self._chain)
         self.record_chain(0, self._chain, taken)
 
-    def draft(self, root_token: int, root: int) -> Tuple[mx.array, ...]:
-        """The block after ``root_token`` at position ``root``: per position, its best
-        ``TOP_K`` tokens and their log-probabilities, best first (on the device)."""
-        config = self.model.config
-        tokens = mx.array([root_token] + [config.mask_token_id] * (config.block_size - 1))
-        logprobs = nn.log_softmax(self.model.block_logits(self.target, tokens, self.cache, root).astype(mx.float32))
-        best = mx.argpartition(-logprobs, kth=TOP_K - 1, axis=-1)[:, :TOP_K]
+    @staticmethod
+    def draft_rows(drafting: Sequence[Tuple["DFlashDrafter", int, int]]) -> List[Tuple[mx.array, ...]]:
+        """The blocks of several conversations sharing one model (drafter, root token, the
+        root's position), in one pass: per block position, its best ``TOP_K`` tokens and
+        their log-probabilities, best first (on the device)."""
+        model, target = drafting[0][0].model, drafting[0][0].target
+        config = model.config
+        masks = [config.mask_token_id] * (config.block_size - 1)
+        states = model.blocks_states(target, [(mx.array([root_token] + masks), drafter.cache, root)
+                                              for drafter, root_token, root in drafting])
+        logprobs = nn.log_softmax(lm_head(target, states[:, 1:]).astype(mx.float32))
+        best = mx.argpartition(-logprobs, kth=TOP_K - 1, axis=-1)[..., :TOP_K]
         best = mx.take_along_axis(best, mx.argsort(-mx.take_along_axis(logprobs, best, axis=-1), axis=-1), axis=-1)
-        return best, mx.take_along_axis(logprobs, best, axis=-1)
+        chosen = mx.take_along_axis(logprobs, best, axis=-1)
+        return [(best[row], chosen[row]) for row in range(len(drafting))]
 
     def propose(self, budget: Budget) -> Optional[Proposal]:
         self.price(budget)

@@ -99,10 +99,15 @@ class DSparkDrafter(DFlashDrafter):
         twin.calibration.merge(self.calibration)
         return twin
 
-    def draft(self, root_token: int, root: int) -> Tuple[mx.array, Optional[mx.array]]:
-        """The block after ``root_token`` at position ``root``: its tokens, left to right
-        through the Markov head, and their confidences (None without a confidence head)."""
-        return self.model.draft_block(self.target, root_token, self.cache, root)
+    @staticmethod
+    def draft_rows(drafting: Sequence[Tuple["DSparkDrafter", int, int]]) -> List[Tuple[mx.array, Optional[mx.array]]]:
+        """The blocks of several conversations sharing one model (drafter, root token, the
+        root's position), in one pass: each block's tokens, left to right through the Markov
+        head, and their confidences (None without a confidence head)."""
+        model, target = drafting[0][0].model, drafting[0][0].target
+        tokens, confidences = model.draft_blocks(target, [(root_token, drafter.cache, root)
+                                                          for drafter, root_token, root in drafting])
+        return [(tokens[row], None if confidences is None else confidences[row]) for row in range(len(drafting))]
 
     def learn(self, outcome: Outcome) -> None:
         proposed = len(outcome.proposal)  # as admitted: the prefix that paid

@@ -108,7 +108,8 @@ def blocks_states(model: DFlashModel, target: nn.Module, tokens: mx.array, featu
     context = model.context(features[None].astype(mx.float32))
     attend = block_mask(starts, length, block, bool(config.is_causal))
     for layer in model.layers:
-        h = layer(h, layer.self_attn.keys_values(context, mx.array(0)), positions.reshape(-1), attend)
+        h = layer(h, [layer.self_attn.keys_values(context, mx.array(0))], positions.reshape(-1), [attend],
+                  [0, h.shape[1]])
     return model.norm(h).reshape(starts.shape[0], block, -1)
 
 
