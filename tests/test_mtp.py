@@ -255,3 +255,32 @@ def test_the_modules_tree_is_drafted_alike_compiled_and_eager(family):
     assert compiled.compiled is not None and eager.compiled is None
     drafted = [drafter.draft(out[:, -1], cache, 11)[1].tolist() for drafter in (compiled, eager)]
     assert drafted[0] == drafted[1] and cache[0].offset == 12
+
+
+@pytest.mark.parametrize("family", ["mimo", "glm4_moe"])
+def test_one_module_drafts_every_conversation_of_a_batch_together(family, monkeypatch):
+    """Conversations of one batch sharing the model's MTP module (EagleDrafter's
+    observe_together): each reply is plain decoding's, and the module steps once a depth for
+    all of them, not once per conversation."""
+    from mlx_eagle.decoder import SpeculativeDecoder, batched_round, batches
+    from mlx_eagle.verify import Sampling
+    from plain import plain_tokens
+
+    model = build(family)
+    module = module_for(model, mtp_tensors(new_module(model), model), "test")
+    prompts = [[5, 17, 33, 5, 17, 60, 2, 9, 41, 17, 5, 17, 33], [1, 2, 3, 1, 2, 3, 1, 2], [9, 8, 7, 6, 5, 9, 8, 7, 6]]
+    decoders = [SpeculativeDecoder(model, EagleDrafter(module, model, parse_tree("static:default")), Sampling())
+                for _ in prompts]
+    assert all(batches(decoder) for decoder in decoders)
+    replies = [[decoder.prefill(prompt)] for decoder, prompt in zip(decoders, prompts)]
+    steps = []
+    step = type(module).step
+    monkeypatch.setattr(type(module), "step", lambda self, *args: steps.append(1) or step(self, *args))
+    rounds = 0
+    while min(len(reply) for reply in replies) < 20:
+        for reply, result in zip(replies, batched_round(decoders, [40] * len(decoders))):
+            reply += result.tokens
+        rounds += 1
+    assert [reply[:20] for reply in replies] == [plain_tokens(model, prompt, 20) for prompt in prompts]
+    per_round = 1 + sum(level.grows for level in decoders[0].drafter.grower.levels)  # a read, then a pass a depth
+    assert len(steps) <= rounds * per_round < rounds * per_round * len(prompts)
