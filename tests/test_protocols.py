@@ -90,8 +90,10 @@ def test_a_tool_round_trip_through_messages_plain_and_streamed(claude, qwen_code
         events = [event.type for event in stream]
         streamed = stream.get_final_message()
     assert events[0] == "message_start" and events[-1] == "message_stop" and "content_block_delta" in events
-    assert streamed.stop_reason == "tool_use" and [(b.name, b.input) for b in streamed.content] == \
-        [("get_weather", {"city": "Paris"})]
+    # (A silence while the reply is made opens an empty text block, which Claude Code counts
+    # as activity: a slow machine may stream one ahead of the call.)
+    calls = [(block.name, block.input) for block in streamed.content if block.type != "text" or block.text]
+    assert streamed.stop_reason == "tool_use" and calls == [("get_weather", {"city": "Paris"})]
     answered = ask + [{"role": "assistant", "content": reply.content},
                       {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": RESULT}]}]
     final = claude.messages.create(model="claude-x", max_tokens=48, system=SYSTEM, messages=answered, tools=tools)
