@@ -32,7 +32,7 @@ APPLE_CURVES = {  # a forward over k tokens, in plain steps (as benchmarks/draft
     "Apple GPU (flat: 16 tokens ~ 1.3 steps)": lambda k: 1.0 + 0.02 * (k - 1),
     "Apple GPU, 4-bit, steep (8 tokens ~ 6 steps)": lambda k: 1.0 + 5.0 / 7.0 * (k - 1),
 }
-THRESHOLDS = (0.3, 0.5, 0.7)
+THRESHOLDS = (0.1, 0.3, 0.5, 0.7)
 
 
 def record_rounds(model, tokenizer, drafter, prompts: List[str], max_tokens: int) -> List[dict]:

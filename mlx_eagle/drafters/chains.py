@@ -28,8 +28,10 @@ class ChainDrafter(Drafter):
     PRICES_KEPT = 256
 
     def __init__(self, pricing: Callable[[int], float], max_tokens: int = 16, kinds: int = 1,
-                 step_cost: float = 0.0):
-        self.pricing, self.max_tokens, self.step_cost = pricing, max_tokens, step_cost
+                 step_cost: float = 0.0, round_cost: float = 0.0):
+        """``round_cost``: drafting a round's drafts at once (a block drafter's pass), in plain
+        decoding steps, paid whatever their number."""
+        self.pricing, self.max_tokens, self.step_cost, self.round_cost = pricing, max_tokens, step_cost, round_cost
         self._costs: Dict[Tuple[int, Callable], np.ndarray] = {}  # (verified, pricing) -> verifying 0.. more
         self.tried = np.zeros((kinds, max_tokens))  # by kind and position
         self.accepted = np.zeros((kinds, max_tokens))
@@ -55,21 +57,24 @@ class ChainDrafter(Drafter):
         if budget.pricing is not None:
             self.pricing = budget.pricing
 
-    def best_length(self, kind: int, limit: int, verified: int, expected: float) -> int:
+    def best_length(self, kind: int, limit: int, verified: int, expected: float, drafted: bool = True) -> int:
         """The draft length with the most expected tokens per unit of cost, beside
         ``verified`` tokens already in the round that yield ``expected`` tokens."""
-        return self.best_prefix(np.cumprod(self.acceptance(kind)[:limit]), verified, expected)
+        return self.best_prefix(np.cumprod(self.acceptance(kind)[:limit]), verified, expected, drafted)
 
-    def best_prefix(self, reach: np.ndarray, verified: int, expected: float) -> int:
+    def best_prefix(self, reach: np.ndarray, verified: int, expected: float, drafted: bool = True) -> int:
         """How many of a chain's drafts to verify, draft j reached (accepted with all before
-        it) with chance ``reach[j - 1]``: the most expected tokens per unit of cost."""
+        it) with chance ``reach[j - 1]``: the most expected tokens per unit of cost (where
+        the drafts are not ``drafted`` yet, making them, ``round_cost``, counted too)."""
         key = (verified, self.pricing)  # (a Pricing is a value: the context and the pass it prices)
         if key not in self._costs:
             if len(self._costs) >= self.PRICES_KEPT:
                 self._costs.clear()
             self._costs[key] = np.array([self.pricing(verified + n) + self.step_cost * n
                                          for n in range(self.max_tokens + 1)])
-        values = (expected + np.concatenate([[0.0], np.cumsum(reach)])) / self._costs[key][:len(reach) + 1]
+        making = 0.0 if drafted else self.round_cost  # (no draft: nothing to make)
+        costs = self._costs[key][:len(reach) + 1] + making * (np.arange(len(reach) + 1) > 0)
+        values = (expected + np.concatenate([[0.0], np.cumsum(reach)])) / costs
         return int(np.argmax(values))  # the shortest of equals: 0 (no draft) on a tie
 
     def record_chain(self, kind: int, proposed: int, accepted: int) -> None:

@@ -30,6 +30,7 @@ import numpy as np
 from mlx_lm.models.cache import KVCache
 
 from ..dflash_model import DFlashModel, load, recognizes  # noqa: F401 (the kind's hooks: its checkpoints)
+from ..costs import median_ms
 from ..target import check_target, keep_cache_entries, lm_head
 from ..trees import DraftTree, TreeSpec, parse_tree
 from ..trees import chain as chain_paths
@@ -44,16 +45,18 @@ TOP_K = 4  # tokens kept per block position: the tree's ranks
 class DFlashDrafter(ChainDrafter):
     """A DFlash drafter proposing chains (or DDTree trees) from the block it drafted as
     soon as the target committed its last tokens. Where its measured acceptance says no
-    draft pays, it drafts no block either, but one in ``PROBE`` rounds."""
+    draft pays for its verification and the block's own pass, it drafts no block, but one
+    in ``PROBE`` rounds."""
 
     PROBE = 16
 
     def __init__(self, model: DFlashModel, target: nn.Module, pricing: Callable[[int], float],
-                 max_tokens: Optional[int] = None, trees: bool = True):
+                 max_tokens: Optional[int] = None, trees: bool = True, block_cost: float = 0.0):
         """``pricing``: until a round's Budget brings its own; ``trees``: DDTree branches
-        beside the chain where the target verifies trees."""
+        beside the chain where the target verifies trees; ``block_cost``: drafting a block,
+        in plain decoding steps (``time_block``), which a block must be expected to pay for."""
         drafts = self.drafts_per_block(model.config.block_size)
-        super().__init__(pricing, min(drafts, max_tokens or drafts))
+        super().__init__(pricing, min(drafts, max_tokens or drafts), round_cost=block_cost)
         self.model, self.target, self.trees = model, target, trees
         self.taps = model.config.taps
         self.cache = [KVCache() for _ in model.layers]  # the context's keys and values, committed tokens only
@@ -98,7 +101,8 @@ class DFlashDrafter(ChainDrafter):
             drafting = []
             for drafter, outcome in group:
                 drafter.block, drafter.rounds = None, drafter.rounds + 1
-                if drafter.best_length(0, drafter.max_tokens, 1, 1.0) or not drafter.rounds % drafter.PROBE:
+                if drafter.best_length(0, drafter.max_tokens, 1, 1.0, drafted=False) or \
+                        not drafter.rounds % drafter.PROBE:
                     drafting.append((drafter, outcome.tokens[-1], len(outcome.tokens) - 1))
             if drafting:
                 for (drafter, _, _), block in zip(drafting, cls.draft_rows(drafting)):
@@ -173,15 +177,15 @@ def accepts(draft: object) -> bool:
 
 
 def source(draft: DFlashModel, model: nn.Module, settings: DraftSettings) -> DraftSource:
-    return block_source(draft, model, settings, NAME, lambda pricing, limit: DFlashDrafter(
-        draft, model, pricing, max_tokens=limit, trees=limit is None))
+    return block_source(draft, model, settings, NAME, lambda pricing, limit, block_cost: DFlashDrafter(
+        draft, model, pricing, max_tokens=limit, trees=limit is None, block_cost=block_cost))
 
 
 def block_source(draft: DFlashModel, model: nn.Module, settings: DraftSettings, kind: str,
-                 make: Callable[[Callable[[int], float], Optional[int]], ChainDrafter]) -> DraftSource:
-    """A block drafter's source: ``make(pricing, limit)`` makes a conversation's drafter,
-    ``limit`` the --tree chain:K cap on its chains (None: any other tree, where trees may
-    branch)."""
+                 make: Callable[[Callable[[int], float], Optional[int], float], ChainDrafter]) -> DraftSource:
+    """A block drafter's source: ``make(pricing, limit, block_cost)`` makes a conversation's
+    drafter, ``limit`` the --tree chain:K cap on its chains (None: any other tree, where
+    trees may branch), ``block_cost`` its block's pass in plain steps (timed once here)."""
     check_target(model, draft.config.taps)
     name = f"{kind} {Path(getattr(draft, 'directory', 'drafter')).name}, block {draft.config.block_size}"
     tree = parse_tree(settings.tree) if isinstance(settings.tree, str) and settings.tree != "auto" else settings.tree
@@ -189,6 +193,19 @@ def block_source(draft: DFlashModel, model: nn.Module, settings: DraftSettings, 
         return DraftSource(name, None, "tree none")
     chain = isinstance(tree, TreeSpec) and tree.kind == "static" and tree.paths == chain_paths(len(tree.paths))
     limit = len(tree.paths) if chain else None
-    pricing = settings.costs.at()
-    return DraftSource(name + (f", chains of up to {limit}" if chain else ""), lambda: make(pricing, limit), None,
-                       draft)
+    costs = settings.costs
+    pricing = costs.at()
+    block_cost = time_block(make(pricing, limit, 0.0)) / costs.plain_ms
+    return DraftSource(name + (f", chains of up to {limit}" if chain else ""),
+                       lambda: make(pricing, limit, block_cost), f"a block costs {block_cost:.2f} plain steps", draft)
+
+
+def time_block(drafter: DFlashDrafter, context: int = 64, repeats: int = 3) -> float:
+    """Milliseconds ``drafter`` takes to draft a block after ``context`` entries (its pass
+    and what it keeps of it), on a fresh drafter of its kind."""
+    model = drafter.model
+    width = model.fc.weight.shape[1]
+    model.read_context(mx.zeros((context, width), dtype=model.fc.weight.dtype), drafter.cache, 0)
+    root = min(100, model.config.vocab_size - 1)
+    return median_ms(lambda: mx.eval([part for part in type(drafter).draft_rows([(drafter, root, context)])[0]
+                                      if part is not None]), repeats)

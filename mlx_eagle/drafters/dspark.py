@@ -83,8 +83,8 @@ class DSparkDrafter(DFlashDrafter):
     last tokens, each draft with its (calibrated) confidence."""
 
     def __init__(self, model: DSparkModel, target: nn.Module, pricing: Callable[[int], float],
-                 max_tokens: Optional[int] = None):
-        super().__init__(model, target, pricing, max_tokens, trees=False)
+                 max_tokens: Optional[int] = None, block_cost: float = 0.0):
+        super().__init__(model, target, pricing, max_tokens, trees=False, block_cost=block_cost)
         self.calibration = Calibration()
         self._confidence: Optional[np.ndarray] = None  # the last proposal's raw confidences
 
@@ -140,5 +140,5 @@ def accepts(draft: object) -> bool:
 
 def source(draft: DSparkModel, model: nn.Module, settings: DraftSettings) -> DraftSource:
     # Chains only, as DSpark drafts them: --tree chain:K caps them at K drafts.
-    return block_source(draft, model, settings, NAME, lambda pricing, limit: DSparkDrafter(
-        draft, model, pricing, max_tokens=limit))
+    return block_source(draft, model, settings, NAME, lambda pricing, limit, block_cost: DSparkDrafter(
+        draft, model, pricing, max_tokens=limit, block_cost=block_cost))
