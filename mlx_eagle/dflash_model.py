@@ -237,7 +237,8 @@ class DFlashModel(nn.Module):
         (tokens [block], cache, start: the block at positions start.., after that cache's
         context), in one pass."""
         block = rows[0][0].size
-        h = embed(target, mx.concatenate([tokens for tokens, _, _ in rows])[None]).astype(self.fc.weight.dtype)
+        # (its norms' dtype is its compute dtype: a quantized drafter's projections hold packed integers)
+        h = embed(target, mx.concatenate([tokens for tokens, _, _ in rows])[None]).astype(self.norm.weight.dtype)
         positions = mx.concatenate([start + mx.arange(block) for _, _, start in rows])
         cuts = cuts_of([block] * len(rows))
         for index, layer in enumerate(self.layers):

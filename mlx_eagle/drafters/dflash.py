@@ -204,8 +204,8 @@ def time_block(drafter: DFlashDrafter, context: int = 64, repeats: int = 3) -> f
     """Milliseconds ``drafter`` takes to draft a block after ``context`` entries (its pass
     and what it keeps of it), on a fresh drafter of its kind."""
     model = drafter.model
-    width = model.fc.weight.shape[1]
-    model.read_context(mx.zeros((context, width), dtype=model.fc.weight.dtype), drafter.cache, 0)
+    width = len(model.config.taps) * drafter.target.args.hidden_size
+    model.read_context(mx.zeros((context, width), dtype=model.norm.weight.dtype), drafter.cache, 0)
     root = min(100, model.config.vocab_size - 1)
     return median_ms(lambda: mx.eval([part for part in type(drafter).draft_rows([(drafter, root, context)])[0]
                                       if part is not None]), repeats)
