@@ -25,7 +25,7 @@ from mlx_lm.utils import dequantize_model
 from .configs import read_config as read_json_config
 from .errors import UserError
 from .heads import read_safetensors
-from .target import compute_dtype, cuts_of, embed, layer_count, lm_head, rotate
+from .target import compute_dtype, cuts_of, embed, layer_count, rotate
 
 @dataclass
 class DFlashConfig:
@@ -226,19 +226,14 @@ class DFlashModel(nn.Module):
             for (_, cache, _), begin, end in zip(rows, cuts, cuts[1:]):
                 cache[index].update_and_fetch(keys[:, :, begin:end], values[:, :, begin:end])
 
-    def block_logits(self, target: nn.Module, tokens: mx.array, cache: List[KVCache], start: int) -> mx.array:
-        """Logits [block - 1, vocab] for the block ``tokens`` [block] (the root, then mask
-        tokens) at positions start.., after the cached context: the drafts for positions
-        start + 1 onwards."""
-        return lm_head(target, self.blocks_states(target, [(tokens, cache, start)])[0][1:])
-
-    def blocks_states(self, target: nn.Module, rows: Sequence[Tuple[mx.array, List[KVCache], int]]) -> mx.array:
+    def blocks_states(self, target: nn.Module, rows: Sequence[Tuple[int, List[KVCache], int]]) -> mx.array:
         """The final (normed) states [rows, block, hidden] of several conversations' blocks
-        (tokens [block], cache, start: the block at positions start.., after that cache's
-        context), in one pass."""
-        block = rows[0][0].size
+        (root token, cache, start: the block [root, mask, ..., mask] at positions start..,
+        after that cache's context), in one pass."""
+        block = self.config.block_size
+        tokens = mx.array([[root] + [self.config.mask_token_id] * (block - 1) for root, _, _ in rows]).reshape(1, -1)
         # (its norms' dtype is its compute dtype: a quantized drafter's projections hold packed integers)
-        h = embed(target, mx.concatenate([tokens for tokens, _, _ in rows])[None]).astype(self.norm.weight.dtype)
+        h = embed(target, tokens).astype(self.norm.weight.dtype)
         positions = mx.concatenate([start + mx.arange(block) for _, _, start in rows])
         cuts = cuts_of([block] * len(rows))
         for index, layer in enumerate(self.layers):

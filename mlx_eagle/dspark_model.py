@@ -144,8 +144,7 @@ class DSparkModel(DFlashModel):
         [rows, block], each one's confidence [rows, block], or None without a confidence
         head), still on the device."""
         config = self.config
-        masks = [config.mask_token_id] * (config.block_size - 1)
-        states = self.blocks_states(target, [(mx.array([root] + masks), cache, start) for root, cache, start in rows])
+        states = self.blocks_states(target, rows)
         base = lm_head(target, states)
         previous = mx.array([root for root, _, _ in rows])
         carried = self.markov_head.start((len(rows),), states.dtype)
@@ -177,9 +176,9 @@ def build(raw: dict, weights: Dict[str, mx.array], model: nn.Module, source) -> 
     published checkpoint carries."""
     config = dspark_config(raw, source)
     check_fits(config, model, Path(source).parent, "DSpark")
-    weights = {name[len("model."):] if name.startswith("model.") else name: value for name, value in weights.items()}
+    weights = dict(weights)
     shape = (config.vocab_size, config.hidden_size)
-    for name in [name for name in weights if name.startswith(SHARED)]:
+    for name in [name for name in weights if name.removeprefix("model.").startswith(SHARED)]:
         copy = weights.pop(name)
         if name.endswith(".weight") and mx.issubdtype(copy.dtype, mx.floating) and tuple(copy.shape) != shape:
             raise UserError(f"{Path(source).parent}: {name} is {tuple(copy.shape)}, not the target's {shape}")

@@ -15,6 +15,7 @@ from mlx_eagle.drafters.composite import Composite
 from mlx_eagle.drafters.dflash import DFlashDrafter, load
 from mlx_eagle.drafters.lookup import LookupDrafter
 from mlx_eagle.errors import UserError
+from mlx_eagle.target import lm_head
 from commands import run_generate
 from drafting import decode
 from plain import plain_tokens
@@ -35,7 +36,7 @@ def test_the_block_logits_equal_the_numpy_reference(tmp_path):
     cache = [KVCache() for _ in drafter.layers]
     drafter.read_context(mx.array(states[:6]), cache, 0)
     drafter.read_context(mx.array(states[6:]), cache, 6)
-    got = np.array(drafter.block_logits(target, mx.array(block), cache, 9))
+    got = np.array(lm_head(target, drafter.blocks_states(target, [(block[0], cache, 9)])[0][1:]))
     final = reference_block_states(tensors, config, states, block, np.array(target.model.embed_tokens.weight))
     expected = final[1:] @ np.array(target.lm_head.weight).T
     assert got.shape == (7, 97)
@@ -136,7 +137,7 @@ def test_the_converter_checks_casts_and_quantizes_a_dflash_checkpoint(smollm, tm
         drafter = load(directory, model)
         cache = [KVCache() for _ in drafter.layers]
         drafter.read_context(states, cache, 0)
-        logits.append(np.array(drafter.block_logits(model, mx.array([42] + [0] * 15), cache, 6)))
+        logits.append(np.array(lm_head(model, drafter.blocks_states(model, [(42, cache, 6)])[0][1:])))
     assert np.abs(logits[0] - logits[1]).max() < 0.05 * np.abs(logits[0]).max()
     with pytest.raises(UserError, match="vocabulary 97 vs the target's 49152"):
         write_dflash(tmp_path / "other", tiny_target(), [1, 3])

@@ -120,9 +120,7 @@ class DFlashDrafter(ChainDrafter):
         root's position), in one pass: per block position, its best ``TOP_K`` tokens and
         their log-probabilities, best first (on the device)."""
         model, target = drafting[0][0].model, drafting[0][0].target
-        config = model.config
-        masks = [config.mask_token_id] * (config.block_size - 1)
-        states = model.blocks_states(target, [(mx.array([root_token] + masks), drafter.cache, root)
+        states = model.blocks_states(target, [(root_token, drafter.cache, root)
                                               for drafter, root_token, root in drafting])
         logprobs = nn.log_softmax(lm_head(target, states[:, 1:]).astype(mx.float32))
         best = mx.argpartition(-logprobs, kth=TOP_K - 1, axis=-1)[..., :TOP_K]
