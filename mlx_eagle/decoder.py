@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import itertools
 from contextlib import ExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Callable, ContextManager, Iterator, List, Optional, Sequence, Tuple, Union
 
 import mlx.core as mx
@@ -44,6 +44,7 @@ from .drafters.admit import admit_or_warn
 from .distributed import check_same, shared_proposal, sharded
 from .errors import UserError
 from .grammar import Grammar, Shaped, mask_logits
+from .node_odds import NodeOdds, choose_across, slots
 from .thinking import ThinkingBudget
 from .prompt_cache import PromptCache, make_prompt_cache
 from .rewind import Rewind, needs_rewind
@@ -83,6 +84,17 @@ class Drafted:
     tree: DraftTree  # what is verified after the root (the proposal's tree, shaped)
     tokens: mx.array  # its tokens
     shaped: Optional[Shaped]  # a grammar's shaping of it
+    slots: List[Tuple[int, int]] = field(default_factory=list)  # per node: (depth - 1, sibling rank) (node_odds)
+    # Where a batch verifies only some of the proposal (node_odds.choose_across): its nodes
+    # kept; ``proposal``, ``tree`` and ``tokens`` are then those alone.
+    kept: Optional[List[int]] = None
+
+    def cut(self, keep: List[int]) -> "Drafted":
+        """Only the nodes ``keep`` verified (parents before children, in node order), and
+        the proposal the drafter learns from cut alike."""
+        proposal = self.proposal.only(keep)
+        return replace(self, proposal=proposal, tree=proposal.tree, tokens=proposal.tokens,
+                       slots=[self.slots[node] for node in keep], kept=keep)
 
 
 # The points of a round a phase hook hears about, in order (benchmarks time them).
@@ -132,6 +144,7 @@ class SpeculativeDecoder:
         self.read_chunk: Optional[int] = None  # prompt tokens the next pass reads (None: read_prompt's chunk)
         self.forwards = 0  # target forward passes, for tests and statistics
         self.rechecked = 0  # greedy positions too close to call in a block, decided by a one-row pass
+        self.odds = NodeOdds()  # what was accepted by depth and rank, for a batch's choice of nodes
         self._costs_of = costs
         self._costs: Optional[Costs] = None
         # How close a block row's top two logits may come (None: from the costs, when first needed).
@@ -286,7 +299,7 @@ class SpeculativeDecoder:
                                         nodes)
             tree, tokens = shaped.tree, shaped.tokens
         self.on_phase("drafted")
-        return Drafted(committed, unread, proposal, tree, tokens, shaped)
+        return Drafted(committed, unread, proposal, tree, tokens, shaped, slots(tree))
 
     def conclude(self, drafted: Drafted, out: TargetOutput, recorded: Optional[List]) -> Round:
         """A round's second half, after the verify pass gave ``out`` (``recorded``: what the
@@ -330,13 +343,16 @@ class SpeculativeDecoder:
         new = verdict.tokens + [verdict.bonus]
         if self.grammar is not None:
             self.grammar.commit(new, shaped, verdict.path)
+        if shaped is None and len(tree):
+            self.odds.record(drafted.slots, tree.parents, verdict.path)
         outcome = None
         if self.drafter is not None:
             states = None
             if self.reads_states:
                 states = TargetStates(out.features, out.hidden, self.taps, rows=mx.array(kept))
             path = (shaped.drafters_path(verdict.path) if shaped is not None else verdict.path) if proposal else []
-            outcome = Outcome(committed + new, start, states, proposal if proposal else None, path)
+            outcome = Outcome(committed + new, start, states, proposal if proposal else None, path,
+                              kept=drafted.kept if proposal else None)
         return Accepted(Round(tokens=new, drafted=len(tree), logits=chosen_from), committed + new, outcome)
 
     def settle_round(self, accepted: Accepted) -> Round:
@@ -476,17 +492,17 @@ def batched_round(decoders: Sequence[SpeculativeDecoder], rooms: Sequence[int]) 
     without it."""
     results: List[Union[Round, Exception, None]] = [None] * len(decoders)
     drafted: List[Tuple[int, Drafted]] = []
-    # What the pass verifies for the others as each drafts: the drafted blocks, and the
-    # roots (and unread tokens) of those still to draft.
+    # Each drafts up to its cap: priced as if the others verified their roots (and unread
+    # tokens) alone; then the pass keeps the nodes that pay across all rows (seat order
+    # decides nothing).
     waiting = [1 + decoder.state.unread for decoder in decoders]
     for index, (decoder, room) in enumerate(zip(decoders, rooms)):
-        others = sum(waiting) - waiting[index]
         try:
-            drafted.append((index, decoder.draft(room, beside=(others, len(decoders)))))
-            waiting[index] = 1 + len(drafted[-1][1].unread) + len(drafted[-1][1].tree)
+            drafted.append((index, decoder.draft(room, beside=(sum(waiting) - waiting[index], len(decoders)))))
         except Exception as error:
             results[index] = error
-            waiting[index] = 0
+    if len(drafted) > 1:
+        drafted = _chosen_across(decoders, drafted)
     if drafted:
         with ExitStack() as stack:
             recorded = [stack.enter_context(decoders[i]._before_verify(d)) for i, d in drafted]
@@ -514,3 +530,21 @@ def batched_round(decoders: Sequence[SpeculativeDecoder], rooms: Sequence[int]) 
             except Exception as error:  # (a round's phase callback is the caller's code)
                 results[index] = error
     return results
+
+
+def _chosen_across(decoders: Sequence[SpeculativeDecoder], drafted: List[Tuple[int, Drafted]]) -> \
+        List[Tuple[int, Drafted]]:
+    """The rows' drafted trees cut to the nodes that pay across the pass
+    (node_odds.choose_across), priced at the rows' mean context; a tree a grammar shaped is
+    verified whole. Unmeasured costs: as drafted."""
+    if decoders[drafted[0][0]]._costs_of is None:
+        return drafted
+    costs = decoders[drafted[0][0]]._measured()
+    free = [d.shaped is None and d.proposal is not None and len(d.tree) > 0 for _, d in drafted]
+    chances = [decoders[index].odds.chances(d.tree, d.slots, d.proposal.confidence) if cut else []
+               for (index, d), cut in zip(drafted, free)]
+    verified = sum(1 + len(d.unread) + (0 if cut else len(d.tree)) for (_, d), cut in zip(drafted, free))
+    attending = sum(len(d.committed) for _, d in drafted) // len(drafted)
+    kept = choose_across(chances, verified, lambda tokens: costs.verify(tokens, attending))
+    return [(index, d.cut(keep) if cut and len(keep) < len(d.tree) else d)
+            for (index, d), cut, keep in zip(drafted, free, kept)]

@@ -272,7 +272,7 @@ FLOORS = [
                                    "dspark_model", "mtp_model", "convert")),
     ("loading", ("models",)),
     ("drafting", ("drafters", "grammar", "thinking")),
-    ("decoding", ("prompt_store", "prompt_cache", "decoder", "plan")),
+    ("decoding", ("prompt_store", "prompt_cache", "node_odds", "decoder", "plan")),
     ("the API", ("options", "generation", "generate", "replies", "infill", "scheduler", "engine", "session")),
     ("tools and apps", ("", "generate.__main__", "convert.head", "convert.export", "bench", "tune", "train", "data",
                         "features", "chat", "protocols", "metrics", "server")),

@@ -91,6 +91,12 @@ class Proposal:
         return Proposal(DraftTree(tokens, list(range(-1, count - 1)), list(range(1, count + 1))),
                         mx.array(tokens, dtype=mx.int32), confidence)
 
+    def only(self, nodes: List[int]) -> "Proposal":
+        """Its ``nodes`` alone (each node's parent among them, in node order), renumbered."""
+        tokens = self.tokens[mx.array(nodes, dtype=mx.int32)] if nodes else self.tokens[:0]
+        confidence = None if self.confidence is None else [self.confidence[node] for node in nodes]
+        return Proposal(self.tree.subtree(nodes), tokens, confidence)
+
     def host_tokens(self) -> List[int]:
         if len(self.tree.tokens) != len(self.tree):
             self.tree.tokens = self.tokens.tolist()
@@ -136,7 +142,10 @@ class Outcome:
     none). ``proposal``: what this drafter proposed this round (None when it proposed
     nothing, or the prompt was read); ``path``: its nodes that were accepted, root's child
     first. ``from_prompt``: a prompt was read, and the tokens from ``start`` on may differ
-    from those the drafter saw before (a conversation that went another way)."""
+    from those the drafter saw before (a conversation that went another way). ``kept``:
+    where a batch's pass verified only some of what the drafter proposed (the nodes that
+    paid across its rows: node_odds.py), those nodes, in the numbering it proposed them
+    in; ``proposal`` and ``path`` are then of those alone, renumbered: what was verified."""
 
     tokens: List[int]
     start: int
@@ -144,6 +153,7 @@ class Outcome:
     proposal: Optional[Proposal] = None
     path: List[int] = field(default_factory=list)
     from_prompt: bool = False
+    kept: Optional[List[int]] = None
 
     @property
     def accepted(self) -> int:

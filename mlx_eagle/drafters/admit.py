@@ -18,7 +18,7 @@ links, so that no drafter, however it is written, can change the text.
   subtrees); then the nodes after the first ``budget.nodes`` kept, in the drafter's
   order (its best first); then, where the drafter gives each node a confidence, all but
   the most likely nodes: as many as give the most expected tokens for what verifying them
-  costs on this device.
+  costs on this device (their confidences kept, for the batch's choice: node_odds.py).
 A proposal that breaks any rule but the budget is malformed: ``Malformed`` says why,
 and the round goes on without it (``admit_or_warn``: one warning per drafter).
 """
@@ -83,7 +83,8 @@ def admit(proposal: object, budget: Budget) -> Optional[Proposal]:
         if len(keep) < len(tree):
             tree = tree.subtree(keep)
             node_tokens = node_tokens[mx.array(keep, dtype=mx.int32)] if keep else node_tokens[:0]
-    return Proposal(tree, node_tokens) if len(tree) else None
+            scores = [scores[node] for node in keep]
+    return Proposal(tree, node_tokens, scores) if len(tree) else None
 
 
 _warned: "weakref.WeakSet" = weakref.WeakSet()

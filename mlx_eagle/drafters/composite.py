@@ -107,17 +107,26 @@ class Composite(Drafter):
         """Each source, with the outcome as it sees it: its own part and its own accepted
         nodes (``outcome.path`` holds nodes of the merged tree); the statistics and
         yields counted."""
-        accepted = set(outcome.path)
+        # The merged tree's nodes verified, and where each is in what was verified (all of
+        # them, but where a batch kept only some: Outcome.kept).
+        verified = outcome.kept if outcome.kept is not None else range(len(self._owners))
+        place = {node: at for at, node in enumerate(verified)}
+        accepted = {verified[at] for at in outcome.path}
         if outcome.proposal is not None:
-            for owner in self._owners:
-                self.stats[owner].proposed += 1
-            for node in outcome.path:
+            for node in verified:
+                self.stats[self._owners[node]].proposed += 1
+            for node in accepted:
                 self.stats[self._owners[node]].accepted += 1
         learners = []
         for index, drafter in enumerate(self.drafters):
             part = self._parts[index] if outcome.proposal is not None else None
-            path = [own for own, node in enumerate(self._nodes[index]) if node in accepted] if part else []
+            kept, path = None, []
+            if part is not None and outcome.kept is not None:  # its own nodes the batch verified
+                kept = [own for own, node in enumerate(self._nodes[index]) if node in place]
+                part = part.only(kept) if kept else None
             if part is not None:
+                nodes = [self._nodes[index][own] for own in kept] if kept is not None else self._nodes[index]
+                path = [own for own, node in enumerate(nodes) if node in accepted]
                 self.yields[index] += YIELD_RATE * (1 + len(path) - self.yields[index])
-            learners += drafter.learners(replace(outcome, proposal=part, path=path))
+            learners += drafter.learners(replace(outcome, proposal=part, path=path, kept=kept if part else None))
         return learners
