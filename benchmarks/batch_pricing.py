@@ -1,21 +1,25 @@
 """The batch layout and its pricing: a packed pass (target.packed_forward: every row's new
 token through the dense layers together, each row's attention over its own cache) timed
 against mlx-lm's own batched forward over ``BatchKVCache``, for each number of rows; then
-what ``Pricing.steps`` makes of drafts in a batch: rows drafting in turn as batched_round
-has them (each beside the blocks drafted so far and the roots still to draft), with draft
-tokens each accepted ``--acceptance`` of the time, on this device's measured packed curve
-and on an Apple-GPU-like curve (a 16-token block costs about one step, then linear), as
-throughput against plain batching of the same rows.
+what the cost model makes of drafts in a batch whose rows' drafts are accepted at
+different rates (``--acceptance``, one per row in turn), on this device's measured packed
+curve and on an Apple-GPU-like curve (a 16-token block costs about one step, then
+linear), as throughput against plain batching of the same rows:
+- "across rows", as batched_round chooses: each row drafts up to its cap (priced beside the
+  others' roots), then the (row, node) pairs with the most expected tokens per unit of the
+  whole pass's cost are kept (node_odds.choose_across);
+- "in seat order", the rule it replaced (before b71b2a1): rows priced in turn, each beside
+  the drafts of the rows before it and the roots of those after.
 
     python benchmarks/batch_pricing.py [--model GGUF_OR_DIR] [--rows 1,2,4,8,16,32]
-        [--context 300] [--acceptance 0.7] [--out benchmarks/results/batch-pricing.json]
+        [--context 300] [--acceptance 0.8,0.3] [--out benchmarks/results/batch-pricing.json]
 """
 
 import argparse
 import json
 import time
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
@@ -66,29 +70,44 @@ def time_passes(model, rows: int, context: int, repeats: int) -> Dict[str, float
     return timed
 
 
-def priced(curve: Dict[int, float], rows: int, acceptance: float) -> Dict[str, float]:
-    """Rows drafting in turn as costs.Pricing sizes them: nodes per row, and throughput against
-    plain batching of the same rows."""
+def priced(curve: Dict[int, float], rows: int, acceptances: List[float]) -> Dict[str, Dict[str, float]]:
+    """Nodes per row and throughput against plain batching of the same rows, for drafts
+    chosen across rows and in seat order; row r's drafts each accepted with
+    ``acceptances[r % len(acceptances)]`` once the ones before it were."""
     from mlx_eagle.costs import Costs
     from mlx_eagle.drafters import Budget
     from mlx_eagle.drafters.lookup import LookupDraft, LookupDrafter
+    from mlx_eagle.node_odds import choose_across
 
     costs = Costs(dict(curve))
-    drafter = LookupDrafter(costs.at())
+    rates = [acceptances[row % len(acceptances)] for row in range(rows)]
     rng = np.random.default_rng(0)
-    for _ in range(400):  # a draft whose every token is accepted with ``acceptance``, given the ones before
-        accepted = 0
-        while accepted < MAX_DRAFT and rng.random() < acceptance:
-            accepted += 1
-        drafter.record(LookupDraft(list(range(MAX_DRAFT)), kind=1), accepted=accepted)
-    sizes: List[int] = []
-    for row in range(rows):
-        drafter.price(Budget(room=MAX_DRAFT, nodes=MAX_DRAFT,
-                             pricing=costs.at(beside=(sum(1 + n for n in sizes) + rows - row - 1, rows))))
-        sizes.append(drafter.best_length(1, MAX_DRAFT, verified=1, expected=1.0))
-    tokens = sum(1 + sum(acceptance ** j for j in range(1, n + 1)) for n in sizes)
-    return {"nodes_per_row": sum(sizes) / rows,
-            "vs_plain_batching": (tokens / costs.verify(rows + sum(sizes))) / (rows / costs.verify(rows))}
+    drafters = {}
+    for rate in set(rates):  # a drafter whose record shows its rate
+        drafters[rate] = LookupDrafter(costs.at())
+        for _ in range(400):
+            accepted = 0
+            while accepted < MAX_DRAFT and rng.random() < rate:
+                accepted += 1
+            drafters[rate].record(LookupDraft(list(range(MAX_DRAFT)), kind=1), accepted=accepted)
+
+    def length(rate: float, beside: Tuple[int, int]) -> int:
+        drafter = drafters[rate]
+        drafter.price(Budget(room=MAX_DRAFT, nodes=MAX_DRAFT, pricing=costs.at(beside=beside)))
+        return drafter.best_length(1, MAX_DRAFT, verified=1, expected=1.0)
+
+    def outcome(sizes: List[int]) -> Dict[str, float]:
+        tokens = sum(1 + sum(rate ** j for j in range(1, n + 1)) for rate, n in zip(rates, sizes))
+        return {"nodes_per_row": sum(sizes) / rows,
+                "vs_plain_batching": (tokens / costs.verify(rows + sum(sizes))) / (rows / costs.verify(rows))}
+
+    in_turn: List[int] = []
+    for row, rate in enumerate(rates):
+        in_turn.append(length(rate, (sum(1 + n for n in in_turn) + rows - row - 1, rows)))
+    caps = [length(rate, (rows - 1, rows)) for rate in rates]
+    kept = choose_across([[rate ** j for j in range(1, cap + 1)] for rate, cap in zip(rates, caps)], rows,
+                         costs.verify)
+    return {"across rows": outcome([len(nodes) for nodes in kept]), "in seat order": outcome(in_turn)}
 
 
 def main(argv: Optional[List[str]] = None) -> None:
@@ -99,7 +118,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--rows", default="1,2,4,8,16,32")
     parser.add_argument("--context", type=int, default=300, help="tokens cached per row")
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--acceptance", type=float, default=0.7)
+    parser.add_argument("--acceptance", default="0.8,0.3",
+                        help="each row's chance that a draft is accepted, one per row in turn, comma-separated")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "batch-pricing.json")
     args = parser.parse_args(argv)
     use_fast_blas()
@@ -107,19 +127,22 @@ def main(argv: Optional[List[str]] = None) -> None:
 
     model, _ = load(args.model)
     rows = [int(r) for r in args.rows.split(",")]
+    acceptances = [float(a) for a in args.acceptance.split(",")]
     passes = {r: time_passes(model, r, args.context, args.repeats) for r in rows}
     here = {r: passes[r]["packed"] for r in rows}
-    result = {"model": args.model, "context": args.context, "acceptance": args.acceptance, "passes_ms": passes,
-              "priced": {"this device": {r: priced(here, r, args.acceptance) for r in rows},
-                         "apple-gpu-like": {r: priced(GPU_LIKE, r, args.acceptance) for r in rows}}}
+    result = {"model": args.model, "context": args.context, "acceptance": acceptances, "passes_ms": passes,
+              "priced": {"this device": {r: priced(here, r, acceptances) for r in rows},
+                         "apple-gpu-like": {r: priced(GPU_LIKE, r, acceptances) for r in rows}}}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
-    print(f"{'rows':>4} {'packed ms':>10} {'mlx-lm ms':>10}   " + "   ".join(
-        f"{curve + ': nodes/row, vs plain':>38}" for curve in result["priced"]))
+    rules = ("across rows", "in seat order")
+    print(f"{'':26}" + "".join(f"{curve + ': nodes/row, vs plain':>48}" for curve in result["priced"]))
+    print(f"{'rows':>4} {'packed ms':>10} {'mlx-lm ms':>10}" + "".join(f"{rule:>24}" for _ in result["priced"]
+                                                                     for rule in rules))
     for r in rows:
-        cells = [result["priced"][curve][r] for curve in result["priced"]]
-        print(f"{r:4} {passes[r]['packed']:10.0f} {passes[r]['mlx_lm']:10.0f}   " + "   ".join(
-            f"{cell['nodes_per_row']:28.1f} {cell['vs_plain_batching']:8.2f}x" for cell in cells))
+        cells = [result["priced"][curve][r][rule] for curve in result["priced"] for rule in rules]
+        print(f"{r:4} {passes[r]['packed']:10.0f} {passes[r]['mlx_lm']:10.0f}" + "".join(
+            f"{cell['nodes_per_row']:15.1f} {cell['vs_plain_batching']:7.2f}x" for cell in cells))
     print(f"wrote {args.out}")
 
 

@@ -351,8 +351,10 @@ class SpeculativeDecoder:
             if self.reads_states:
                 states = TargetStates(out.features, out.hidden, self.taps, rows=mx.array(kept))
             path = (shaped.drafters_path(verdict.path) if shaped is not None else verdict.path) if proposal else []
-            outcome = Outcome(committed + new, start, states, proposal if proposal else None, path,
-                              kept=drafted.kept if proposal else None)
+            # (a proposal the batch cut to nothing is handed over empty: proposed, none verified)
+            verified = proposal if proposal or drafted.kept is not None else None
+            outcome = Outcome(committed + new, start, states, verified, path,
+                              kept=drafted.kept if verified is not None else None)
         return Accepted(Round(tokens=new, drafted=len(tree), logits=chosen_from), committed + new, outcome)
 
     def settle_round(self, accepted: Accepted) -> Round:

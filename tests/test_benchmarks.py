@@ -337,7 +337,8 @@ def test_batch_pricing(tmp_path, smollm_float32):
         "--out", tmp_path / "pricing.json")
     result = json.loads((tmp_path / "pricing.json").read_text())
     assert set(result["passes_ms"]["2"]) == {"packed", "mlx_lm"}
-    assert result["priced"]["apple-gpu-like"]["1"]["nodes_per_row"] > 0
+    gpu = result["priced"]["apple-gpu-like"]
+    assert gpu["1"]["across rows"]["nodes_per_row"] > 0 and set(gpu["2"]) == {"across rows", "in seat order"}
 
 
 def test_capture_requests_logs_what_a_client_sends_and_passes_the_reply_through(tmp_path):

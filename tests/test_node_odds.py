@@ -94,6 +94,10 @@ def test_each_source_of_a_merged_tree_learns_what_the_batch_verified_of_its_own_
     statistics = composite.statistics()
     assert (statistics["first"].proposed, statistics["first"].accepted) == (2, 2)
     assert (statistics["second"].proposed, statistics["second"].accepted) == (1, 0)
+    composite.propose(Budget(room=8, nodes=16))
+    composite.observe(Outcome([7, 1, 9], 0, None, merged.only([]), path=[], kept=[]))  # the batch kept none
+    assert [len(source.seen[-1].proposal) for source in (first, second)] == [0, 0]
+    assert all(source.seen[-1].kept == [] for source in (first, second))
 
 
 def test_greedy_rows_cut_across_the_batch_are_each_the_reply_alone(tmp_path, monkeypatch):
@@ -136,4 +140,5 @@ def test_a_round_of_rows_with_nothing_worth_verifying_is_plain_batching():
             assert result.drafted == 0 and len(result.tokens) == 1
             reply += result.tokens
     assert replies == [plain_tokens(model, prompt, count) for prompt, count in zip(PROMPTS, counts)]
-    assert all(not d.drafter.seen[-1].proposal for d in decoders)  # nothing verified: nothing to learn from
+    # each drafter hears that it proposed and none of it was verified (an EAGLE head then holds back)
+    assert all(d.drafter.seen[-1].proposal is not None and not d.drafter.seen[-1].proposal for d in decoders)

@@ -145,7 +145,8 @@ class Outcome:
     from those the drafter saw before (a conversation that went another way). ``kept``:
     where a batch's pass verified only some of what the drafter proposed (the nodes that
     paid across its rows: node_odds.py), those nodes, in the numbering it proposed them
-    in; ``proposal`` and ``path`` are then of those alone, renumbered: what was verified."""
+    in; ``proposal`` and ``path`` are then of those alone, renumbered: what was verified
+    (an empty proposal where none was)."""
 
     tokens: List[int]
     start: int

@@ -123,10 +123,10 @@ class Composite(Drafter):
             kept, path = None, []
             if part is not None and outcome.kept is not None:  # its own nodes the batch verified
                 kept = [own for own, node in enumerate(self._nodes[index]) if node in place]
-                part = part.only(kept) if kept else None
-            if part is not None:
+                part = part.only(kept)  # (empty where none was: proposed, none verified)
+            if part:
                 nodes = [self._nodes[index][own] for own in kept] if kept is not None else self._nodes[index]
                 path = [own for own, node in enumerate(nodes) if node in accepted]
                 self.yields[index] += YIELD_RATE * (1 + len(path) - self.yields[index])
-            learners += drafter.learners(replace(outcome, proposal=part, path=path, kept=kept if part else None))
+            learners += drafter.learners(replace(outcome, proposal=part, path=path, kept=kept))
         return learners

@@ -38,7 +38,9 @@ class EagleDrafter(Drafter):
     buys: once ``WARMUP`` rounds show its accepted tokens not paying for the nodes it adds,
     it drafts only every ``PROBE``-th round (to notice a change of topic), so a head whose
     recorded acceptance was wrong, or that has none, costs at most a probe round in ``PROBE``
-    on any device."""
+    on any device. In a batch, what it yields is what the pass verified of its tree (the
+    nodes that paid across the rows: node_odds.py), so a head whose trees the batch keeps
+    cutting away holds back too."""
 
     WARMUP = 8  # rounds measured before the tree may be held back
     PROBE = 16  # while held back, one round in this many drafts
