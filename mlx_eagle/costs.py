@@ -46,6 +46,12 @@ LONG_CONTEXT = 2048
 LONG_SIZES = (1, 4, 16)
 # Contexts are told apart in steps of this many tokens (what drafters keep per context).
 CONTEXT_STEP = 256
+# Packed passes of several conversations (target.packed_forward) are timed at these numbers
+# of rows, each row's block this many tokens long: a pass over r rows costs more than a
+# one-row forward over r tokens (each row attends over its own cache in a call of its own;
+# on this repository's CPU 16 rows of one token cost 1.8 times one row of 16).
+PACKED_ROWS = (2, 4, 8, 16)
+PACKED_PER_ROW = (1, 3)
 
 
 @dataclass
@@ -72,6 +78,11 @@ class Costs:
     # once the cache holds ``quantized_from`` entries and has turned quantized.
     quantized: Optional["Costs"] = None
     quantized_from: int = 0
+    # Packed passes: {rows: {tokens per row: ms}} at PACKED_ROWS x PACKED_PER_ROW (None: not
+    # timed yet, or not packing here), and what times them once (measure_packed).
+    packed_ms: Optional[Dict[int, Dict[int, float]]] = None
+    time_packed: Optional[Callable[[], Optional[Dict[int, Dict[int, float]]]]] = field(default=None, repr=False,
+                                                                                      compare=False)
 
     def __post_init__(self) -> None:
         self.verify_ms = {int(k): float(v) for k, v in sorted(self.verify_ms.items())}
@@ -95,6 +106,26 @@ class Costs:
             return near
         per_entry = max(_along(self.long_verify_ms, tokens) - near, 0.0) / (LONG_CONTEXT - CALIBRATION_CONTEXT)
         return near + per_entry * (attending - CALIBRATION_CONTEXT)
+
+    def pass_ms(self, rows: int, tokens: int, attending: int = CALIBRATION_CONTEXT) -> float:
+        """Milliseconds of a packed pass over ``tokens`` tokens in ``rows`` conversations'
+        blocks: along the timed packed passes (linear in the tokens at each timed number of
+        rows, and in the rows between and past them), scaled by what the context adds to a
+        one-row forward; a one-row forward over ``tokens`` where none were timed."""
+        if rows <= 1 or not self.packed_ms:
+            return self.verify(tokens, attending)
+        at_rows = {}
+        for timed_rows, by_length in self.packed_ms.items():
+            short, long = min(by_length), max(by_length)
+            slope = max((by_length[long] - by_length[short]) / ((long - short) * timed_rows), 0.0)
+            at_rows[timed_rows] = by_length[short] + slope * (tokens - short * timed_rows)
+        return _along(at_rows, rows) * self.verify(tokens, attending) / self.verify(tokens)
+
+    def measure_packed(self) -> None:
+        """Time packed passes where they are not yet (a few seconds, kept): when a first
+        round of several conversations is priced."""
+        if self.packed_ms is None and self.time_packed is not None:
+            self.packed_ms, self.time_packed = self.time_packed(), None
 
     def at(self, attending: int = CALIBRATION_CONTEXT, beside: Tuple[int, int] = (0, 1)) -> "Pricing":
         """What a round's forward costs for a conversation attending to ``attending`` entries
@@ -136,16 +167,18 @@ class Pricing:
         """A forward over ``tokens`` in plain decoding steps (one token = 1). In a packed
         pass (``beside``: ``others`` tokens of ``rows - 1`` other conversations), a block's
         share of the pass with its root alone plus all its other tokens add,
-        ``verify(others + 1) / rows + verify(others + tokens) - verify(others + 1)``, in
-        steps of a plain batched pass's row (its share of a pass over ``rows`` tokens): a
+        ``pass(others + 1) / rows + pass(others + tokens) - pass(others + 1)`` (the packed
+        pass's cost over ``rows`` rows: Costs.pass_ms), in steps of a plain batched pass's
+        row (its share of a pass over ``rows`` tokens): a
         node then pays where its chance of acceptance per unit of added cost beats the whole
         batch's tokens per unit of cost, as one budget for the batch asks. Under load only
         confident nodes are verified, and none where none pays: the round is plain batching."""
         others, rows = self.beside
         if rows <= 1:
             return self.verify(tokens) / self.verify(1)
-        root = self.verify(others + 1)
-        return (root / rows + self.verify(others + tokens) - root) / (self.verify(rows) / rows)
+        root = self.costs.pass_ms(rows, others + 1, self.attending)
+        return (root / rows + self.costs.pass_ms(rows, others + tokens, self.attending) - root) / \
+            (self.costs.pass_ms(rows, rows, self.attending) / rows)
 
     __call__ = steps  # what drafters size themselves with
 
@@ -237,6 +270,45 @@ def time_forwards(model: nn.Module, sizes: Sequence[int] = CALIBRATION_SIZES, co
     timed = [min(timings_ms(lambda size=size: verify(size), repeats))
              for size in progress_bar(sizes, desc="timing verification", disable=not progress)]
     return dict(zip(sizes, non_decreasing(timed)))
+
+
+def time_packed_passes(model: nn.Module, rows: Sequence[int] = PACKED_ROWS, per_row: Sequence[int] = PACKED_PER_ROW,
+                       context: int = CALIBRATION_CONTEXT, repeats: int = 2) -> Dict[int, Dict[int, float]]:
+    """Milliseconds of a packed pass (target.packed_forward) over each number of ``rows``
+    conversations, ``context`` cached each, each row's block ``per_row`` distinct new tokens
+    (a causal block, as a chain is verified): {rows: {tokens per row: ms}}, the fastest of
+    the repeats (see time_forwards)."""
+    tokens = ordinary_tokens(model.args.vocab_size, context + max(per_row), seed=2)
+    first = make_cache(model)
+    mx.eval(model(mx.array(tokens[None, :context]), cache=first))
+    caches = [first] + [copy.deepcopy(first) for _ in range(max(rows) - 1)]
+    block = mx.array(tokens[context:])
+
+    def packed(count: int, length: int) -> None:
+        outs = packed_forward(model, [Block(block[:length], cache, context, "causal" if length > 1 else None)
+                                      for cache in caches[:count]])
+        mx.eval([out.logits for out in outs])
+        for cache in caches[:count]:
+            trim_prompt_cache(cache, length)
+
+    return {count: {length: min(timings_ms(lambda count=count, length=length: packed(count, length), repeats))
+                    for length in per_row} for count in rows}
+
+
+def check_packed(value: object) -> Optional[Dict[int, Dict[int, float]]]:
+    """A calibration file's ``packed_ms`` as {rows: {tokens per row: ms}}, or None where
+    it is missing or damaged (then timed again when first needed)."""
+    if not isinstance(value, dict) or sorted(value) != sorted(str(r) for r in PACKED_ROWS):
+        return None
+    checked: Dict[int, Dict[int, float]] = {}
+    for rows in PACKED_ROWS:
+        by_length = value[str(rows)]
+        if not isinstance(by_length, dict) or sorted(by_length) != sorted(str(n) for n in PACKED_PER_ROW) or \
+                not all(isinstance(ms, (int, float)) and not isinstance(ms, bool) and 0 < ms < MAX_CALIBRATION_MS
+                        for ms in by_length.values()):
+            return None
+        checked[rows] = {length: float(by_length[str(length)]) for length in PACKED_PER_ROW}
+    return checked
 
 
 def logit_drift(model: nn.Module, context: int = 256, size: int = 16, kv: Optional[KVQuantization] = None,
@@ -420,11 +492,12 @@ def _measured(model: nn.Module, kv: Optional[KVQuantization]) -> Costs:
     if known is not None and known[0]() is model:
         return known[1]
     setting = device_key(model) + (f", {kv.bits}-bit KV cache" if kv is not None else "")
-    curve, drift, long_curve, record = None, None, None, {}
+    curve, drift, long_curve, packed, record = None, None, None, None, {}
     if path.exists():
         try:
             record = read_json(path)
             curve, drift = check_curve(record), check_drift(record.get("logit_drift"))
+            packed = check_packed(record.get("packed_ms"))
             if isinstance(record.get("long_verify_ms"), dict):
                 long_curve = check_curve({"verify_ms": record["long_verify_ms"]})
         except ValueError as exc:
@@ -447,7 +520,8 @@ def _measured(model: nn.Module, kv: Optional[KVQuantization]) -> Costs:
                 curve = timed  # kept if every attempt is disturbed: the best this machine gives now
     if drift is None:
         drift = logit_drift(model, kv=kv)
-    record = {"device": device_key(model), "verify_ms": curve, "logit_drift": drift, "long_verify_ms": long_curve}
+    record = {"device": device_key(model), "verify_ms": curve, "logit_drift": drift, "long_verify_ms": long_curve,
+              "packed_ms": packed}
 
     def keep() -> None:
         if writable(path.parent) and not write_json(path, record):
@@ -465,11 +539,24 @@ def _measured(model: nn.Module, kv: Optional[KVQuantization]) -> Costs:
         keep()
         return record["long_verify_ms"]
 
+    def time_packed() -> Optional[Dict[int, Dict[int, float]]]:
+        model = model_ref()
+        if model is None:
+            return None
+        print(f"timing this device's packed passes of several conversations, once ({setting})", file=sys.stderr)
+        record["packed_ms"] = time_packed_passes(model)
+        keep()
+        return record["packed_ms"]
+
     if timed_now:
         keep()
     if sharded():  # every rank sizes its drafts and rechecks by rank 0's numbers
         curve, drift, long_curve = _rank_0s(curve, drift, long_curve)
+    # (a packed pass runs a target driven whole on this machine, with plain KV caches)
+    packs_here = packs(model) and kv is None and not sharded()
     costs = Costs(curve, logit_drift=drift, long_verify_ms=long_curve,
-                  time_long=time_long if long_curve is None and not sharded() else None)
+                  time_long=time_long if long_curve is None and not sharded() else None,
+                  packed_ms=packed if packs_here else None,
+                  time_packed=time_packed if packed is None and packs_here else None)
     _keep((id(model), path, None), model, costs)
     return costs

@@ -537,16 +537,18 @@ def batched_round(decoders: Sequence[SpeculativeDecoder], rooms: Sequence[int]) 
 def _chosen_across(decoders: Sequence[SpeculativeDecoder], drafted: List[Tuple[int, Drafted]]) -> \
         List[Tuple[int, Drafted]]:
     """The rows' drafted trees cut to the nodes that pay across the pass
-    (node_odds.choose_across), priced at the rows' mean context; a tree a grammar shaped is
-    verified whole. Unmeasured costs: as drafted."""
+    (node_odds.choose_across), priced on this device's packed passes of as many rows
+    (Costs.pass_ms) at the rows' mean context; a tree a grammar shaped is verified whole.
+    Unmeasured costs: as drafted."""
     if decoders[drafted[0][0]]._costs_of is None:
         return drafted
     costs = decoders[drafted[0][0]]._measured()
+    costs.measure_packed()  # (once per device and target: the first batch's round waits for it)
     free = [d.shaped is None and d.proposal is not None and len(d.tree) > 0 for _, d in drafted]
     chances = [decoders[index].odds.chances(d.tree, d.slots, d.proposal.confidence) if cut else []
                for (index, d), cut in zip(drafted, free)]
     verified = sum(1 + len(d.unread) + (0 if cut else len(d.tree)) for (_, d), cut in zip(drafted, free))
     attending = sum(len(d.committed) for _, d in drafted) // len(drafted)
-    kept = choose_across(chances, verified, lambda tokens: costs.verify(tokens, attending))
+    kept = choose_across(chances, verified, lambda tokens: costs.pass_ms(len(drafted), tokens, attending))
     return [(index, d.cut(keep) if cut and len(keep) < len(d.tree) else d)
             for (index, d), cut, keep in zip(drafted, free, kept)]

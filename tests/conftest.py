@@ -54,12 +54,13 @@ def pytest_unconfigure(config):
 def fixed_costs():
     """The timers give this CPU's fixed costs (fixed_costs.py) for the whole session; a test
     about timing itself restores them with monkeypatch."""
-    from fixed_costs import fixed_draft_step_ms, fixed_forward_ms
+    from fixed_costs import fixed_draft_step_ms, fixed_forward_ms, fixed_packed_ms
 
     from mlx_eagle import costs
     from mlx_eagle.drafters import calibrate, draft_model
 
-    timers = [(costs, "time_forwards", fixed_forward_ms), (draft_model, "time_forwards", fixed_forward_ms),
+    timers = [(costs, "time_forwards", fixed_forward_ms), (costs, "time_packed_passes", fixed_packed_ms),
+              (draft_model, "time_forwards", fixed_forward_ms),
               (calibrate, "time_draft_step", fixed_draft_step_ms)]
     _REAL_TIMERS[:] = [(module, name, getattr(module, name)) for module, name, _ in timers]
     with pytest.MonkeyPatch.context() as patch:

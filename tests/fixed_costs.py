@@ -36,3 +36,14 @@ def fixed_forward_ms(model, sizes: Sequence[int] = CALIBRATION_SIZES, context: i
 
 def fixed_draft_step_ms(model, head, *_, **__) -> float:
     return HEAD_STEP_SHARE * fixed_forward_ms(model, (1,))[1]
+
+
+# SmolLM2's packed passes (target.packed_forward) over r rows of k tokens each, against its
+# one-row forward over one token, as timed on this repository's CPU (costs.time_packed_passes).
+PACKED_SHARE = {2: {1: 1.36, 3: 1.96}, 4: {1: 1.84, 3: 3.09}, 8: {1: 2.44, 3: 4.91}, 16: {1: 3.64, 3: 8.5}}
+
+
+def fixed_packed_ms(model, *_, **__) -> Dict[int, Dict[int, float]]:
+    one = fixed_forward_ms(model, (1,))[1]
+    return {rows: {length: share * one for length, share in by_length.items()}
+            for rows, by_length in PACKED_SHARE.items()}

@@ -127,3 +127,30 @@ def test_acceptance_is_kept_in_the_users_cache_never_beside_the_head(model, tmp_
     assert sorted(p.name for p in (tmp_path / "head").iterdir()) == before
     assert "acceptance recorded in acceptance.json" in auto_tree(model, head)[1]
     assert tuned_tree_file(tmp_path / "head", "x").is_relative_to(tmp_path / "cache")
+
+
+@pytest.mark.parametrize("damage", [None, "missing", {"2": {"1": -5, "3": 9}}, [1, 2]])
+def test_packed_passes_are_timed_once_when_first_priced_and_kept(model, damage, tmp_path, monkeypatch, capsys):
+    """A calibration without them (or with them damaged) times packed passes of several
+    rows when a batch's round first prices them, once, and keeps them beside the curve."""
+    monkeypatch.setenv("MLX_EAGLE_CACHE", str(tmp_path))
+    monkeypatch.setattr(mlx_eagle.costs, "_CURVES", {})
+    costs = verify_costs(model)
+    path = calibration_file(model)
+    if damage is not None:
+        record = json.loads(path.read_text())
+        if damage == "missing":
+            del record["packed_ms"]
+        else:
+            record["packed_ms"] = damage
+        path.write_text(json.dumps(record))
+        monkeypatch.setattr(mlx_eagle.costs, "_CURVES", {})
+        costs = verify_costs(model)
+    assert costs.packed_ms is None and costs.pass_ms(8, 8) == costs.verify(8)  # not yet: the one-row curve
+    costs.measure_packed()
+    kept = json.loads(path.read_text())["packed_ms"]
+    assert set(kept) == {"2", "4", "8", "16"} and "timing this device's packed passes" in capsys.readouterr().err
+    monkeypatch.setattr(mlx_eagle.costs, "_CURVES", {})
+    again = verify_costs(model)
+    assert again.packed_ms == costs.packed_ms and again.time_packed is None  # read back, not timed again
+    assert again.pass_ms(16, 16) == pytest.approx(costs.packed_ms[16][1])

@@ -142,3 +142,17 @@ def test_a_round_of_rows_with_nothing_worth_verifying_is_plain_batching():
     assert replies == [plain_tokens(model, prompt, count) for prompt, count in zip(PROMPTS, counts)]
     # each drafter hears that it proposed and none of it was verified (an EAGLE head then holds back)
     assert all(d.drafter.seen[-1].proposal is not None and not d.drafter.seen[-1].proposal for d in decoders)
+
+
+def test_a_packed_pass_is_priced_by_its_rows_and_tokens():
+    """Rows dearer than tokens (each attends in a call of its own): a pass over 16 rows costs
+    what was timed for 16 rows, not a one-row forward over 16 tokens; between and past the
+    timed shapes, along lines; a node beside 15 rows then costs fewer plain batched steps."""
+    packed = {2: {1: 12.0, 3: 16.0}, 4: {1: 16.0, 3: 24.0}, 8: {1: 24.0, 3: 40.0}, 16: {1: 40.0, 3: 72.0}}
+    costs = Costs({1: 10.0, 2: 10.5, 16: 14.0, 32: 22.0}, packed_ms=packed)
+    assert costs.pass_ms(1, 5) == costs.verify(5)
+    assert costs.pass_ms(16, 16) == 40.0 and costs.pass_ms(16, 48) == 72.0 and costs.pass_ms(16, 32) == 56.0
+    assert costs.pass_ms(12, 12) == 32.0 and costs.pass_ms(32, 32) == 72.0  # between; past, along the rows
+    one_row = Costs(costs.verify_ms)
+    beside = (15, 16)
+    assert costs.at(beside=beside)(4) < one_row.at(beside=beside)(4)
