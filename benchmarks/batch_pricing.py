@@ -2,9 +2,10 @@
 token through the dense layers together, each row's attention over its own cache) timed
 against mlx-lm's own batched forward over ``BatchKVCache``, for each number of rows; then
 what the cost model makes of drafts in a batch whose rows' drafts are accepted at
-different rates (``--acceptance``, one per row in turn), on this device's measured packed
-curve and on an Apple-GPU-like curve (a 16-token block costs about one step, then
-linear), as throughput against plain batching of the same rows:
+different rates (``--acceptance``, one per row in turn), on this device's costs (its
+one-row curve and its packed passes by shape, as the runtime times them: Costs.pass_ms)
+and on an Apple-GPU-like curve (a 16-token block costs about one step, then linear; rows
+priced as tokens), as throughput against plain batching of the same rows:
 - "across rows", as batched_round chooses: each row drafts up to its cap (priced beside the
   others' roots), then the (row, node) pairs with the most expected tokens per unit of the
   whole pass's cost are kept (node_odds.choose_across);
@@ -70,16 +71,14 @@ def time_passes(model, rows: int, context: int, repeats: int) -> Dict[str, float
     return timed
 
 
-def priced(curve: Dict[int, float], rows: int, acceptances: List[float]) -> Dict[str, Dict[str, float]]:
+def priced(costs, rows: int, acceptances: List[float]) -> Dict[str, Dict[str, float]]:
     """Nodes per row and throughput against plain batching of the same rows, for drafts
     chosen across rows and in seat order; row r's drafts each accepted with
     ``acceptances[r % len(acceptances)]`` once the ones before it were."""
-    from mlx_eagle.costs import Costs
     from mlx_eagle.drafters import Budget
     from mlx_eagle.drafters.lookup import LookupDraft, LookupDrafter
     from mlx_eagle.node_odds import choose_across
 
-    costs = Costs(dict(curve))
     rates = [acceptances[row % len(acceptances)] for row in range(rows)]
     rng = np.random.default_rng(0)
     drafters = {}
@@ -98,15 +97,16 @@ def priced(curve: Dict[int, float], rows: int, acceptances: List[float]) -> Dict
 
     def outcome(sizes: List[int]) -> Dict[str, float]:
         tokens = sum(1 + sum(rate ** j for j in range(1, n + 1)) for rate, n in zip(rates, sizes))
+        plain = rows / costs.pass_ms(rows, rows)
         return {"nodes_per_row": sum(sizes) / rows,
-                "vs_plain_batching": (tokens / costs.verify(rows + sum(sizes))) / (rows / costs.verify(rows))}
+                "vs_plain_batching": tokens / costs.pass_ms(rows, rows + sum(sizes)) / plain}
 
     in_turn: List[int] = []
     for row, rate in enumerate(rates):
         in_turn.append(length(rate, (sum(1 + n for n in in_turn) + rows - row - 1, rows)))
     caps = [length(rate, (rows - 1, rows)) for rate in rates]
     kept = choose_across([[rate ** j for j in range(1, cap + 1)] for rate, cap in zip(rates, caps)], rows,
-                         costs.verify)
+                         lambda tokens: costs.pass_ms(rows, tokens))
     return {"across rows": outcome([len(nodes) for nodes in kept]), "in seat order": outcome(in_turn)}
 
 
@@ -124,15 +124,17 @@ def main(argv: Optional[List[str]] = None) -> None:
     args = parser.parse_args(argv)
     use_fast_blas()
     from mlx_eagle import load
+    from mlx_eagle.costs import Costs, time_forwards, time_packed_passes
 
     model, _ = load(args.model)
     rows = [int(r) for r in args.rows.split(",")]
     acceptances = [float(a) for a in args.acceptance.split(",")]
     passes = {r: time_passes(model, r, args.context, args.repeats) for r in rows}
-    here = {r: passes[r]["packed"] for r in rows}
+    here = Costs(time_forwards(model, context=args.context), packed_ms=time_packed_passes(model, context=args.context))
     result = {"model": args.model, "context": args.context, "acceptance": acceptances, "passes_ms": passes,
+              "costs_ms": {"verify": here.verify_ms, "packed": here.packed_ms},
               "priced": {"this device": {r: priced(here, r, acceptances) for r in rows},
-                         "apple-gpu-like": {r: priced(GPU_LIKE, r, acceptances) for r in rows}}}
+                         "apple-gpu-like": {r: priced(Costs(GPU_LIKE), r, acceptances) for r in rows}}}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     rules = ("across rows", "in seat order")

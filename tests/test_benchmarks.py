@@ -281,6 +281,14 @@ def test_batch_generate(tmp_path):
                for name in ("ours, batched", "ours, batched, --draft none", "ours, batched, heads row by row"))
 
 
+def test_batch_commits(tmp_path):
+    """An earlier checkout (here this one) against this one, in one process."""
+    run("batch_commits.py", "--old", BENCHMARKS.parent, "--sizes", "2", "--max-tokens", 6, "--repeats", 1,
+        "--out", tmp_path / "commits.json")
+    (row,) = json.loads((tmp_path / "commits.json").read_text())["rows"]
+    assert row["identical"] and all(row[name]["tokens_per_s"] > 0 for name in ("earlier", "this", "this, --draft none"))
+
+
 def test_concurrency_runs_clients_at_once_against_a_server(tmp_path, qwen_coder_gguf):
     import socket
 
