@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import itertools
 from contextlib import ExitStack
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Callable, ContextManager, Iterator, List, Optional, Sequence, Tuple, Union
 
 import mlx.core as mx
@@ -84,9 +84,10 @@ class Drafted:
     tree: DraftTree  # what is verified after the root (the proposal's tree, shaped)
     tokens: mx.array  # its tokens
     shaped: Optional[Shaped]  # a grammar's shaping of it
-    slots: List[Tuple[int, int]] = field(default_factory=list)  # per node: (depth - 1, sibling rank) (node_odds)
-    # Where a batch verifies only some of the proposal (node_odds.choose_across): its nodes
-    # kept; ``proposal``, ``tree`` and ``tokens`` are then those alone.
+    # Where a batch chose its nodes across rows (node_odds): each node's (depth - 1, sibling
+    # rank) in the tree as drafted, and where it verifies only some of the proposal, its
+    # nodes kept (``proposal``, ``tree`` and ``tokens`` are then those alone).
+    slots: Optional[List[Tuple[int, int]]] = None
     kept: Optional[List[int]] = None
 
     def cut(self, keep: List[int]) -> "Drafted":
@@ -299,7 +300,7 @@ class SpeculativeDecoder:
                                         nodes)
             tree, tokens = shaped.tree, shaped.tokens
         self.on_phase("drafted")
-        return Drafted(committed, unread, proposal, tree, tokens, shaped, slots(tree))
+        return Drafted(committed, unread, proposal, tree, tokens, shaped)
 
     def conclude(self, drafted: Drafted, out: TargetOutput, recorded: Optional[List]) -> Round:
         """A round's second half, after the verify pass gave ``out`` (``recorded``: what the
@@ -343,7 +344,7 @@ class SpeculativeDecoder:
         new = verdict.tokens + [verdict.bonus]
         if self.grammar is not None:
             self.grammar.commit(new, shaped, verdict.path)
-        if shaped is None and len(tree):
+        if drafted.slots is not None and len(tree):  # (what a batch's next choice of nodes learns from)
             self.odds.record(drafted.slots, tree.parents, verdict.path)
         outcome = None
         if self.drafter is not None:
@@ -545,6 +546,7 @@ def _chosen_across(decoders: Sequence[SpeculativeDecoder], drafted: List[Tuple[i
     costs = decoders[drafted[0][0]]._measured()
     costs.measure_packed()  # (once per device and target: the first batch's round waits for it)
     free = [d.shaped is None and d.proposal is not None and len(d.tree) > 0 for _, d in drafted]
+    drafted = [(index, replace(d, slots=slots(d.tree)) if cut else d) for (index, d), cut in zip(drafted, free)]
     chances = [decoders[index].odds.chances(d.tree, d.slots, d.proposal.confidence) if cut else []
                for (index, d), cut in zip(drafted, free)]
     verified = sum(1 + len(d.unread) + (0 if cut else len(d.tree)) for (_, d), cut in zip(drafted, free))
