@@ -33,7 +33,7 @@ from __future__ import annotations
 import itertools
 from contextlib import ExitStack
 from dataclasses import dataclass, replace
-from typing import Callable, ContextManager, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Callable, ContextManager, Generator, Iterator, List, Optional, Sequence, Tuple, Union
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -49,7 +49,7 @@ from .thinking import ThinkingBudget
 from .prompt_cache import PromptCache, make_prompt_cache
 from .rewind import Rewind, needs_rewind
 from .compiled import compiles_verification, verify_block
-from .target import MLX_LM_PREFILL_STEP, Block, KVQuantization, TargetOutput, check_target, is_driven, \
+from .target import MLX_LM_PREFILL_STEP, Block, KVQuantization, Mask, TargetOutput, check_target, is_driven, \
     keep_cache_entries, lm_head, packed_forward, packs, tapped_forward, target_forward, tree_mask
 from .trees import MAX_TREE_NODES, DraftTree
 from .verify import Sampling, accept
@@ -98,6 +98,16 @@ class Drafted:
                        slots=[self.slots[node] for node in keep], kept=keep)
 
 
+@dataclass(eq=False)
+class PromptChunk:
+    """A span of a prompt to be read inside another's packed pass: read_prompt yields it
+    where its decoder ``rides``, the caller runs ``block`` in a pass (batched_round's
+    ``reading``), sets ``out`` and resumes the reading."""
+
+    block: Block
+    out: Optional[TargetOutput] = None
+
+
 # The points of a round a phase hook hears about, in order (benchmarks time them).
 PHASES = ("drafted", "verified", "observed")
 # Past this many unread tokens a round drafts nothing, so that its forward pass catches up.
@@ -143,6 +153,9 @@ class SpeculativeDecoder:
         self.state.bind(target, kv)
         self.reused = 0  # prompt tokens the last prefill found already in the caches
         self.read_chunk: Optional[int] = None  # prompt tokens the next pass reads (None: read_prompt's chunk)
+        # Whether the prompt's next span (but its last token) is read inside a batch's packed
+        # pass (read_prompt yields a PromptChunk; the scheduler sets it where such a pass runs).
+        self.rides = False
         self.forwards = 0  # target forward passes, for tests and statistics
         self.rechecked = 0  # greedy positions too close to call in a block, decided by a one-row pass
         self.odds = NodeOdds()  # what was accepted by depth and rank, for a batch's choice of nodes
@@ -214,8 +227,9 @@ class SpeculativeDecoder:
                 on_read(read, total)
         return self.root
 
-    def reading(self, prompt: List[int], chunk: int = 512) -> Iterator[Tuple[int, int]]:
-        """``prefill`` a chunk at a time (a server reads between rounds): ``read_prompt``."""
+    def reading(self, prompt: List[int], chunk: int = 512) -> Iterator[Union[Tuple[int, int], "PromptChunk"]]:
+        """``prefill`` a chunk at a time (a server reads between rounds, or inside their
+        passes): ``read_prompt``."""
         return read_prompt(self, prompt, chunk)
 
     def _held(self, logits: mx.array) -> mx.array:
@@ -371,11 +385,13 @@ class SpeculativeDecoder:
             self.root = self.state.tokens[-1]
 
 
-def read_prompt(decoder: SpeculativeDecoder, prompt: List[int], chunk: int = 512) -> Iterator[Tuple[int, int]]:
+def read_prompt(decoder: SpeculativeDecoder, prompt: List[int], chunk: int = 512) -> \
+        Iterator[Union[Tuple[int, int], PromptChunk]]:
     """Read ``prompt`` into the decoder's caches (what they do not already hold of it),
     ``chunk`` tokens a pass (with quantized KV caches, as plain mlx-lm reads it), choosing the
-    first root: (read, total) after each chunk. The decoder's first step, written apart from
-    its rounds."""
+    first root: (read, total) after each chunk; where the decoder ``rides``, a PromptChunk
+    before each chunk read in another's pass (_read_pass). The decoder's first step, written
+    apart from its rounds."""
     decoder.reused = decoder.state.reusable(prompt, decoder.drafter)
     decoder.state.begin()
     last = len(prompt) - 1
@@ -391,8 +407,7 @@ def read_prompt(decoder: SpeculativeDecoder, prompt: List[int], chunk: int = 512
     yield from _chunk_read(decoder, prompt, decoder.reused, features, hidden)
     if not decoder.reads_states:  # as mlx-lm reads a prompt: only the last token's logits are computed
         for begin, end in _spans(decoder, last, chunk):
-            decoder.forwards += 1
-            decoder.target(mx.array([prompt[begin:end]]), cache=decoder.target_cache)
+            yield from _read_pass(decoder, prompt, begin, end, features, hidden, _model_pass)
             decoder.state.quantize_when_due()
             mx.eval([layer_cache.state for layer_cache in decoder.target_cache])
             decoder.state.keep_beginning(end, prompt)
@@ -407,7 +422,7 @@ def read_prompt(decoder: SpeculativeDecoder, prompt: List[int], chunk: int = 512
         spans = itertools.chain(_spans(decoder, last, chunk), [(last, len(prompt))]) if last_alone \
             else _spans(decoder, len(prompt), chunk)
         for begin, end in spans:
-            out = decoder._forward(mx.array(prompt[begin:end]), begin, "causal" if end - begin > 1 else None)
+            out = yield from _read_pass(decoder, prompt, begin, end, features, hidden, SpeculativeDecoder._forward)
             features.append(out.features)
             hidden.append(out.hidden)
             # The prompt's own logits are never needed: only the last. (A recurrent state is
@@ -445,14 +460,55 @@ def _chunk_read(decoder: SpeculativeDecoder, prompt: List[int], end: int, featur
     try:
         yield end - decoder.reused, len(prompt) - decoder.reused
     except GeneratorExit:
-        if end < len(prompt):  # (read whole, the last token's choice not made: nothing to keep)
-            tokens = list(prompt[:end + 1])
-            if decoder.drafter is not None and end > decoder.reused:  # (nothing read: nothing new to observe)
-                states = TargetStates(mx.concatenate(features), mx.concatenate(hidden), decoder.taps) \
-                    if decoder.reads_states else None
-                decoder.drafter.observe(Outcome(tokens, decoder.reused, states, from_prompt=True))
-            decoder.state.settle(tokens)
+        _keep_read(decoder, prompt, end, features, hidden)
         raise
+
+
+def _keep_read(decoder: SpeculativeDecoder, prompt: List[int], end: int, features: List[mx.array],
+               hidden: List[mx.array]) -> None:
+    """A reading stopped with the caches holding ``prompt[:end]``: kept (_chunk_read)."""
+    if end < len(prompt):  # (read whole, the last token's choice not made: nothing to keep)
+        tokens = list(prompt[:end + 1])
+        if decoder.drafter is not None and end > decoder.reused:  # (nothing read: nothing new to observe)
+            states = TargetStates(mx.concatenate(features), mx.concatenate(hidden), decoder.taps) \
+                if decoder.reads_states else None
+            decoder.drafter.observe(Outcome(tokens, decoder.reused, states, from_prompt=True))
+        decoder.state.settle(tokens)
+
+
+def _model_pass(decoder: SpeculativeDecoder, tokens: mx.array, positions: int, mask: Mask) -> None:
+    """``tokens`` read into the caches by the model's own forward pass, as mlx-lm reads a
+    prompt (its logits never used; its positions and mask are the cache's and causal)."""
+    decoder.forwards += 1
+    decoder.target(tokens[None], cache=decoder.target_cache)
+
+
+def _read_pass(decoder: SpeculativeDecoder, prompt: List[int], begin: int, end: int, features: List[mx.array],
+               hidden: List[mx.array],
+               alone: Callable[[SpeculativeDecoder, mx.array, int, Mask], Optional[TargetOutput]]) -> \
+        Generator[PromptChunk, None, Optional[TargetOutput]]:
+    """The target's pass over ``prompt[begin:end]``, appended to the caches: ``alone`` (given
+    the decoder, the tokens, their first position and mask), or
+    inside a batch's packed pass where the decoder ``rides`` and the span leaves the prompt's
+    last token (whose logits choose the first root) to a pass of its own. Then a PromptChunk
+    is yielded and its ``out`` set before the reading resumes. Stopped there before the pass
+    ran, the reading keeps what the caches hold, as between chunks; after a failed pass, it
+    keeps nothing (the caches' state is unknown: left unfinished, nothing reuses them)."""
+    tokens, mask = mx.array(prompt[begin:end]), "causal" if end - begin > 1 else None
+    if not decoder.rides or end >= len(prompt):
+        return alone(decoder, tokens, begin, mask)
+    offsets = [layer_cache.offset for layer_cache in decoder.target_cache]
+    chunk = PromptChunk(Block(tokens, decoder.target_cache, begin, mask, decoder.taps or None, logits=False))
+    try:
+        yield chunk
+    except GeneratorExit:
+        if chunk.out is None and offsets == [layer_cache.offset for layer_cache in decoder.target_cache]:
+            _keep_read(decoder, prompt, begin, features, hidden)
+        raise
+    if chunk.out is None:
+        raise RuntimeError("a prompt's chunk was resumed before the pass that reads it ran")
+    decoder.forwards += 1
+    return chunk.out
 
 def _spans(decoder: SpeculativeDecoder, end: int, chunk: int) -> Iterator[Tuple[int, int]]:
     """The (begin, end) spans of the prompt up to ``end`` read by one forward pass each,
@@ -483,7 +539,8 @@ def rounds_pack(model: nn.Module, cache: List, shards: bool) -> bool:
     return packs(model) and not needs_rewind(cache) and not shards
 
 
-def batched_round(decoders: Sequence[SpeculativeDecoder], rooms: Sequence[int]) -> List[Union[Round, Exception]]:
+def batched_round(decoders: Sequence[SpeculativeDecoder], rooms: Sequence[int],
+                  reading: Sequence[PromptChunk] = ()) -> List[Union[Round, Exception]]:
     """One round for several conversations of one target (each ``batches``): each drafts on
     its own, their blocks are verified in one packed forward pass (target.packed_forward),
     each accepts and commits its own, and their drafters observe together (observe_rows: a
@@ -492,25 +549,30 @@ def batched_round(decoders: Sequence[SpeculativeDecoder], rooms: Sequence[int]) 
     greedy near-ties are decided by a one-row pass as a block's are. A conversation whose
     drafting, accepting or observing fails has its error in its place (its caches are left
     unfinished: nothing later reuses them), and the others' rounds are what they would be
-    without it."""
+    without it. ``reading``: new prompts' chunks read in the same pass (each chunk's ``out``
+    set; the pass's failure raises, and ends every reading)."""
     results: List[Union[Round, Exception, None]] = [None] * len(decoders)
     drafted: List[Tuple[int, Drafted]] = []
     # Each drafts up to its cap: priced as if the others verified their roots (and unread
-    # tokens) alone; then the pass keeps the nodes that pay across all rows (seat order
-    # decides nothing).
+    # tokens, and the chunks read beside them) alone; then the pass keeps the nodes that pay
+    # across all rows (seat order decides nothing).
     waiting = [1 + decoder.state.unread for decoder in decoders]
+    read = sum(chunk.block.tokens.size for chunk in reading)
     for index, (decoder, room) in enumerate(zip(decoders, rooms)):
         try:
-            drafted.append((index, decoder.draft(room, beside=(sum(waiting) - waiting[index], len(decoders)))))
+            drafted.append((index, decoder.draft(room, beside=(sum(waiting) - waiting[index] + read,
+                                                               len(decoders) + len(reading)))))
         except Exception as error:
             results[index] = error
-    if len(drafted) > 1:
-        drafted = _chosen_across(decoders, drafted)
-    if drafted:
+    if len(drafted) + len(reading) > 1:
+        drafted = _chosen_across(decoders, drafted, reading)
+    if drafted or reading:
         with ExitStack() as stack:
             recorded = [stack.enter_context(decoders[i]._before_verify(d)) for i, d in drafted]
             outs = packed_forward(decoders[0].target, [decoders[i]._block(d.tree, d.tokens, d.unread)
-                                                       for i, d in drafted])
+                                                       for i, d in drafted] + [chunk.block for chunk in reading])
+        for chunk, out in zip(reading, outs[len(drafted):]):
+            chunk.out = out
         accepted: List[Tuple[int, Accepted]] = []
         for (index, round_drafted), out, rows in zip(drafted, outs, recorded):
             decoders[index].forwards += 1
@@ -535,13 +597,13 @@ def batched_round(decoders: Sequence[SpeculativeDecoder], rooms: Sequence[int]) 
     return results
 
 
-def _chosen_across(decoders: Sequence[SpeculativeDecoder], drafted: List[Tuple[int, Drafted]]) -> \
-        List[Tuple[int, Drafted]]:
+def _chosen_across(decoders: Sequence[SpeculativeDecoder], drafted: List[Tuple[int, Drafted]],
+                   reading: Sequence[PromptChunk]) -> List[Tuple[int, Drafted]]:
     """The rows' drafted trees cut to the nodes that pay across the pass
     (node_odds.choose_across), priced on this device's packed passes of as many rows
-    (Costs.pass_ms) at the rows' mean context; a tree a grammar shaped is verified whole.
-    Unmeasured costs: as drafted."""
-    if decoders[drafted[0][0]]._costs_of is None:
+    (Costs.pass_ms, the prompts' chunks read in it among them) at the rows' mean context;
+    a tree a grammar shaped is verified whole. Unmeasured costs: as drafted."""
+    if not drafted or decoders[drafted[0][0]]._costs_of is None:
         return drafted
     costs = decoders[drafted[0][0]]._measured()
     costs.measure_packed()  # (once per device and target: the first batch's round waits for it)
@@ -549,8 +611,10 @@ def _chosen_across(decoders: Sequence[SpeculativeDecoder], drafted: List[Tuple[i
     drafted = [(index, replace(d, slots=slots(d.tree)) if cut else d) for (index, d), cut in zip(drafted, free)]
     chances = [decoders[index].odds.chances(d.tree, d.slots, d.proposal.confidence) if cut else []
                for (index, d), cut in zip(drafted, free)]
-    verified = sum(1 + len(d.unread) + (0 if cut else len(d.tree)) for (_, d), cut in zip(drafted, free))
+    verified = sum(1 + len(d.unread) + (0 if cut else len(d.tree)) for (_, d), cut in zip(drafted, free)) + \
+        sum(chunk.block.tokens.size for chunk in reading)
     attending = sum(len(d.committed) for _, d in drafted) // len(drafted)
-    kept = choose_across(chances, verified, lambda tokens: costs.pass_ms(len(drafted), tokens, attending))
+    rows = len(drafted) + len(reading)
+    kept = choose_across(chances, verified, lambda tokens: costs.pass_ms(rows, tokens, attending))
     return [(index, d.cut(keep) if cut and len(keep) < len(d.tree) else d)
             for (index, d), cut, keep in zip(drafted, free, kept)]

@@ -17,7 +17,7 @@ import mlx.nn as nn
 from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, NaiveStreamingDetokenizer, SPMStreamingDetokenizer
 
 from .costs import LONG_CONTEXT
-from .decoder import Round, SpeculativeDecoder
+from .decoder import PromptChunk, Round, SpeculativeDecoder
 from .distributed import Watchdog, shared_seed
 from .errors import UserError
 from .grammar import grammar_for
@@ -284,9 +284,10 @@ class Generation:
         self.drafting_off = self.off_here  # and the drafters that failed during the conversation
         self._reading: Optional[Iterator[Tuple[int, int]]] = None  # the prompt's reading, while it goes on
 
-    def read(self) -> Iterator[Tuple[int, int]]:
+    def read(self) -> Iterator[Union[Tuple[int, int], PromptChunk]]:
         """Read the prompt, a chunk at a time: (read, total) after each, as stream_generate's
-        prompt_progress_callback hears them."""
+        prompt_progress_callback hears them; where the decoder ``rides``, a PromptChunk
+        before each chunk read in a batch's pass (the caller runs it, then reads on)."""
         self._reading = reading = self.decoder.reading(self.ids)
         seconds = 0.0
         while True:
@@ -296,7 +297,10 @@ class Generation:
             self.watchdog.kick()
             if progress is None:
                 break
+            tic = time.perf_counter()
             yield progress
+            if isinstance(progress, PromptChunk):  # (its pass, shared with the rounds, counts as the reading's)
+                seconds += time.perf_counter() - tic
         self._reading = None
         self.prompt_tps = (len(self.ids) - self.decoder.reused) / max(seconds, 1e-9)
         if self.plan.active and len(self.ids) >= LONG_CONTEXT:  # rounds this deep are priced by forwards timed

@@ -10,9 +10,11 @@ worker then:
    the one with the least left to read first, in passes sized to that time, so a long prompt
    never holds the replies in progress back by more than that a turn, and a request that
    arrives waits for at most one pass of it (``ALONE_PASS_SECONDS`` while it is read alone);
+   while replies decode in a packed pass, a prompt's chunk is read inside it instead, sized
+   to add ``RIDE_SHARE`` of its time (``RIDE_PROMPTS``);
 4. gives every reply in progress one round, their blocks verified in one packed forward pass
-   (decoder.batched_round) where the target allows, each alone where not (a hybrid's
-   recurrent layers, a sharded model).
+   (decoder.batched_round, with that chunk) where the target allows, each alone where not (a
+   hybrid's recurrent layers, a sharded model).
 Each conversation keeps its own drafters, sampling noise, grammar, stops and cache slot: its
 reply is the one it gets served alone (tests/test_batch.py, tests/test_engine_batch.py).
 
@@ -33,7 +35,7 @@ from typing import Any, Callable, Deque, Iterator, List, Optional, Sequence, Tup
 
 import mlx.nn as nn
 
-from .decoder import batched_round, batches
+from .decoder import PromptChunk, batched_round, batches
 from .drafters import common_prefix
 from .errors import Busy, UserError
 from .generation import Generation, GenerationResponse, check_prompt, prompt_ids
@@ -56,6 +58,12 @@ PASS_SECONDS = 0.5
 ALONE_PASS_SECONDS = 0.5
 MIN_CHUNK = 1
 FIRST_CHUNK = 64
+# Where replies decode in a packed pass, a new prompt's chunk is read inside it (one pass
+# over the weights for both), sized to add at most RIDE_SHARE of the pass's time without it:
+# the replies' time between tokens grows by about that much while a long prompt is read
+# beside them, not by a pass of PASS_SECONDS. (benchmarks/riding_prompts.py compares.)
+RIDE_PROMPTS = True
+RIDE_SHARE = 0.5
 KEEPALIVE_SECONDS = 5.0  # a waiting caller's on_wait is called this often (a server's keep-alive)
 # A beginning this long, shared with a prompt being read, is copied once read rather than read again.
 SHARED_READ = PROMPT_TOKENS_PER_TURN
@@ -116,7 +124,10 @@ class Scheduler:
         self.waiting: Deque[ReplyJob] = deque()  # on the worker: handed in, not yet seated
         self.live: List[ReplyJob] = []  # seated: reading its prompt or replying
         self.progress_at: Optional[float] = None  # when a reply in progress last moved (None: none in progress)
-        self.stats = {"rounds": 0, "rows": 0, "alone": 0}  # packed passes, the rows they held, rounds alone
+        # packed passes, the rows they held, prompts' chunks read inside them, rounds alone
+        self.stats = {"rounds": 0, "rows": 0, "chunks": 0, "alone": 0}
+        self.riding: List[Tuple[ReplyJob, PromptChunk]] = []  # prompts' chunks this turn's packed pass reads
+        self.decode_seconds: Optional[float] = None  # a packed pass of rounds alone, smoothed
         self._unseated = 0  # submitted and not yet seated or dropped (any thread)
         self._lock = threading.Lock()
         # Seconds recent replies held their seats, smoothed (what Retry-After is estimated from;
@@ -240,48 +251,90 @@ class Scheduler:
         tokens), the prompt with the least left to read first, each pass sized to that time
         at the prompt's measured pace: a request that arrives, or a reply in progress, waits
         for at most one such pass of another's long prompt, never for all of it (deep in a
-        27k-token prompt a 512-token pass takes over a minute on a slow machine)."""
+        27k-token prompt a 512-token pass takes over a minute on a slow machine). Where
+        replies decode in a packed pass, a prompt's chunk is read inside it instead
+        (RIDE_PROMPTS), sized to add RIDE_SHARE of that pass's time, and ends the turn's
+        reading."""
         budget = PROMPT_TOKENS_PER_TURN
         reading = [r for r in self.live if r.reading is not None]
         seconds = PASS_SECONDS if len(self.live) > 1 or self.waiting else ALONE_PASS_SECONDS
+        packed = RIDE_PROMPTS and any(batches(r.generation.decoder) for r in self._rows())
         began = time.perf_counter()
         for request in sorted(reading, key=lambda r: len(r.ids) if r.unread is None else r.unread):
             while budget > 0 and not request.stopped:
-                request.generation.decoder.read_chunk = FIRST_CHUNK if request.pace is None else \
-                    max(MIN_CHUNK, int(min(PROMPT_TOKENS_PER_TURN, request.pace * seconds)))
+                decoder = request.generation.decoder
+                decoder.rides = packed and batches(decoder) and decoder.kv is None
+                span = RIDE_SHARE * self.decode_seconds if decoder.rides and self.decode_seconds else seconds
+                decoder.read_chunk = FIRST_CHUNK if request.pace is None else \
+                    max(MIN_CHUNK, int(min(PROMPT_TOKENS_PER_TURN, request.pace * span)))
                 tic = time.perf_counter()
                 try:
                     progress = next(request.reading, None)
                 except Exception as error:
                     self._fail(request, error)
                     break
-                if progress is None:
-                    request.reading = None
-                    self._hand_out(request, request.generation.first())
+                if isinstance(progress, PromptChunk):  # read in this turn's packed pass (_decode)
+                    self.riding.append((request, progress))
+                    return
+                read = self._took(request, progress, time.perf_counter() - tic)
+                if read is None:
                     break
-                read, total = progress
-                if read > request.read:
-                    request.pace = (read - request.read) / max(time.perf_counter() - tic, 1e-6)
-                budget -= read - request.read
-                request.read, request.unread = read, total - read
-                if not request.cancel.is_set():
-                    request.out.put(Progress(read, total))
+                budget -= read
                 if time.perf_counter() - began >= seconds:
                     return
 
+    def _took(self, request: ReplyJob, progress: Optional[Tuple[int, int]], seconds: float) -> Optional[int]:
+        """A step of ``request``'s reading that took ``seconds``, handed on: the tokens it
+        read (None: the reading is over, its first token handed out)."""
+        if progress is None:
+            request.reading = None
+            self._hand_out(request, request.generation.first())
+            return None
+        read, total = progress
+        if read > request.read:
+            request.pace = (read - request.read) / max(seconds, 1e-6)
+        new, request.read, request.unread = read - request.read, read, total - read
+        if not request.cancel.is_set():
+            request.out.put(Progress(read, total))
+        return new
+
+    def _rows(self) -> List[ReplyJob]:
+        """The replies decoding (their prompts read)."""
+        return [r for r in self.live if r.reading is None and r.generation is not None]
+
     def _decode(self) -> None:
-        rows = [r for r in self.live if r.reading is None and r.generation is not None]
-        together = [r for r in rows if batches(r.generation.decoder)] if len(rows) > 1 else []
+        rows = self._rows()
+        riding, self.riding = self.riding, []
+        together = [r for r in rows if batches(r.generation.decoder)] if len(rows) > 1 or riding else []
         if together:
+            tic = time.perf_counter()
             try:
                 rounds = batched_round([r.generation.decoder for r in together],
-                                       [r.generation.room() for r in together])
+                                       [r.generation.room() for r in together], [chunk for _, chunk in riding])
             except Exception as error:  # the shared pass itself failed: every row's reply ends with it
                 rounds = [error] * len(together)
+                for request, _ in riding:
+                    self._fail(request, error)
+                riding = []
+            seconds = time.perf_counter() - tic
             self.stats["rounds"] += 1
             self.stats["rows"] += len(together)
+            self.stats["chunks"] += len(riding)
             for request, result in zip(together, rounds):
                 self._conclude(request, result)
+            if not riding:
+                self.decode_seconds = seconds if self.decode_seconds is None else \
+                    0.7 * self.decode_seconds + 0.3 * seconds
+            # A chunk's pace: its tokens over what it added to the pass (the pass's time past
+            # the rounds' own, at least a tenth of the pass).
+            added = max(seconds - (self.decode_seconds or 0.0), 0.1 * seconds) / max(len(riding), 1)
+            for request, _ in riding:
+                try:
+                    progress = next(request.reading, None)
+                except Exception as error:
+                    self._fail(request, error)
+                    continue
+                self._took(request, progress, added)
         for request in [r for r in rows if r not in together]:
             self.stats["alone"] += 1
             try:

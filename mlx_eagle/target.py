@@ -164,7 +164,7 @@ def decoder_layer(layer: nn.Module, x: mx.array, cache, positions: Positions, ma
 
 @dataclass
 class TargetOutput:
-    logits: mx.array  # [batch, tokens, vocab]
+    logits: Optional[mx.array]  # [batch, tokens, vocab] (None: a packed block that wanted none)
     features: mx.array  # [batch, tokens, feature width]: what the draft head reads
     hidden: Optional[mx.array] = None  # [batch, tokens, hidden]: the post-norm last state
 
@@ -391,13 +391,16 @@ class Block:
     """One conversation's part of a packed forward pass: its ``tokens`` [n], appended to its
     own ``cache`` at ``positions`` (the first token's, a chain's running on from there, or
     one per token), attending under ``mask``; ``taps``: the layers whose entering states it
-    reads (None: the post-norm last hidden state, as target_forward gives them)."""
+    reads (None: the post-norm last hidden state, as target_forward gives them).
+    ``logits``: whether its rows' logits are wanted (a prompt's chunk read inside the pass
+    wants none: the LM head then skips its rows)."""
 
     tokens: mx.array
     cache: List
     positions: Positions
     mask: Mask
     taps: Optional[Sequence[int]] = None
+    logits: bool = True
 
     def position_of_each(self) -> mx.array:
         if isinstance(self.positions, int):
@@ -471,13 +474,19 @@ def packed_forward(model: nn.Module, blocks: Sequence[Block]) -> List[TargetOutp
                              [block_masks[window] for block_masks in masks], layer.self_attn.get("sinks"))
         h = decoder_layer(layer, h, packed, positions, None)
     h = inner.norm(h)
-    logits = lm_head(model, h)
+    wanted = [(begin, end) for block, begin, end in zip(blocks, cuts, cuts[1:]) if block.logits]
+    logits = lm_head(model, h) if len(wanted) == len(blocks) else \
+        lm_head(model, mx.concatenate([h[:, begin:end] for begin, end in wanted], axis=1)) if wanted else None
+    at = cuts_of([end - begin for begin, end in wanted])  # where each wanted block's rows are in ``logits``
     outputs = []
     for block, begin, end in zip(blocks, cuts, cuts[1:]):
         hidden = h[0, begin:end]
         features = hidden if block.taps is None else \
             mx.concatenate([entering[i][0, begin:end] for i in block.taps], axis=-1)
-        outputs.append(TargetOutput(logits=logits[0, begin:end], features=features, hidden=hidden))
+        rows = None
+        if block.logits:
+            rows, at = logits[0, at[0]:at[1]], at[1:]
+        outputs.append(TargetOutput(logits=rows, features=features, hidden=hidden))
     return outputs
 
 

@@ -3,6 +3,8 @@ scheduler.batch_generate): each conversation's reply is exactly the one it gets 
 same tokens when greedy and the same distribution when sampling, whatever else shares the
 pass, with prompts of different lengths and conversations that end at different rounds."""
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -321,3 +323,58 @@ def test_block_drafters_draft_every_conversation_together_as_each_alone(kind, tm
         assert [block[0] for block, _ in together] == [block[0] for block, _ in alone]  # the same drafts
         for (mine, _), (theirs, _) in zip(together, alone):
             assert np.allclose(mine[1], theirs[1], atol=1e-4)  # log-probabilities or confidences
+
+
+@pytest.mark.parametrize("drafting", ["SmolLM2's shipped head (the reading keeps its states)",
+                                      "context lookup (no states read)"])
+def test_a_prompt_read_inside_the_rounds_passes_gives_the_reply_alone(drafting, smollm):
+    """A long prompt read in chunks inside the packed passes of two replies decoding
+    (decoder.rides: read_prompt yields each chunk, batched_round reads it beside the
+    rounds), then decoding beside them: all three replies are plain decoding's, and the
+    chunks did ride. A reading stopped at a chunk before its pass ran keeps what it had
+    read, as between chunks."""
+    from mlx_eagle.decoder import PromptChunk
+    from mlx_eagle.drafters.eagle import shipped
+
+    model, tokenizer = smollm
+    prompts = [chat_tokens(tokenizer, [{"role": "user", "content": question}]) for question in (
+        "Name three rivers of Europe.", "Write a haiku about rain.")]
+    import mlx_eagle.verify
+
+    long_prompt = tokenizer.encode(Path(mlx_eagle.verify.__file__).read_text())[:600]  # (text a reply depends on)
+    counts = [40, 40, 12]
+
+    def make():
+        if "lookup" in drafting:
+            return SpeculativeDecoder(model, LookupDrafter(lambda k: 1.0), Sampling())
+        return make_decoder(model, shipped(model), "static:default", Sampling(), lookup=LookupDrafter(lambda k: 1.0))
+
+    decoders = [make() for _ in range(3)]
+    replies = [[decoder.prefill(prompt)] for decoder, prompt in zip(decoders[:2], prompts)]
+    reader = decoders[2]
+    reader.rides, reader.read_chunk = True, 96
+    reading, rode = reader.reading(long_prompt), 0
+    for step in reading:
+        if isinstance(step, PromptChunk):
+            rode += 1
+            for reply, result in zip(replies, batched_round(decoders[:2], [80] * 2, [step])):
+                reply += result.tokens
+    assert rode >= 4 and all(len(reply) > 5 for reply in replies)
+    replies.append([reader.root])
+    while active := [i for i, reply in enumerate(replies) if len(reply) < counts[i]]:
+        for i, result in zip(active, batched_round([decoders[i] for i in active],
+                                                   [counts[i] - len(replies[i]) for i in active])):
+            replies[i] += result.tokens
+    expected = [plain_tokens(model, prompt, count) for prompt, count in zip(prompts + [long_prompt], counts)]
+    assert [reply[:count] for reply, count in zip(replies, counts)] == expected
+
+    stopped = make()
+    stopped.rides, stopped.read_chunk = True, 96
+    reading = stopped.reading(long_prompt)
+    assert next(reading) == (0, len(long_prompt))
+    batched_round(decoders[:1], [80], [next(reading)])  # the first chunk read in a pass
+    assert next(reading) == (96, len(long_prompt))
+    assert isinstance(next(reading), PromptChunk)
+    reading.close()  # stopped before the second chunk's pass
+    stopped.rides = False
+    assert stopped.prefill(long_prompt) == expected[2][0] and stopped.reused == 96

@@ -237,7 +237,8 @@ def test_a_short_request_does_not_wait_behind_another_s_long_prompt(smollm, monk
     """A long prompt is being read when a short request arrives: the short one is read next
     (least left to read first) and answers before the long prompt's reading ends, the long
     one read meanwhile in passes bounded by time (here a bound no pass meets: the smallest,
-    32 tokens here); both replies are plain decoding's."""
+    32 tokens here), and inside the short reply's passes once it decodes; both replies are
+    plain decoding's."""
     from mlx_eagle import scheduler
 
     monkeypatch.setattr(scheduler, "PASS_SECONDS", 1e-6)
@@ -271,6 +272,7 @@ def test_a_short_request_does_not_wait_behind_another_s_long_prompt(smollm, monk
         long_caller.join()
         assert first_token["short"] < first_token["long"]
         assert scheduler.MIN_CHUNK in {b - a for a, b in zip(read, read[1:])}, read  # bounded passes
+        assert engine.scheduler.stats["chunks"] > 0  # read inside the short reply's passes
         assert tokens["short"] == plain(model, short_ids, 24, tokenizer.eos_token_ids).tokens
         assert tokens["long"] == plain(model, long_ids, 6, tokenizer.eos_token_ids).tokens
     finally:
