@@ -554,18 +554,17 @@ def batched_round(decoders: Sequence[SpeculativeDecoder], rooms: Sequence[int],
     results: List[Union[Round, Exception, None]] = [None] * len(decoders)
     drafted: List[Tuple[int, Drafted]] = []
     # Each drafts up to its cap: priced as if the others verified their roots (and unread
-    # tokens, and the chunks read beside them) alone; then the pass keeps the nodes that pay
-    # across all rows (seat order decides nothing).
+    # tokens) alone; then the pass keeps the nodes that pay across all rows (seat order
+    # decides nothing). Priced without the prompts' chunks: they are sized to the rounds'
+    # pass (scheduler.RIDE_SHARE), not the rounds to them.
     waiting = [1 + decoder.state.unread for decoder in decoders]
-    read = sum(chunk.block.tokens.size for chunk in reading)
     for index, (decoder, room) in enumerate(zip(decoders, rooms)):
         try:
-            drafted.append((index, decoder.draft(room, beside=(sum(waiting) - waiting[index] + read,
-                                                               len(decoders) + len(reading)))))
+            drafted.append((index, decoder.draft(room, beside=(sum(waiting) - waiting[index], len(decoders)))))
         except Exception as error:
             results[index] = error
-    if len(drafted) + len(reading) > 1:
-        drafted = _chosen_across(decoders, drafted, reading)
+    if len(drafted) > 1:
+        drafted = _chosen_across(decoders, drafted)
     if drafted or reading:
         with ExitStack() as stack:
             recorded = [stack.enter_context(decoders[i]._before_verify(d)) for i, d in drafted]
@@ -597,13 +596,13 @@ def batched_round(decoders: Sequence[SpeculativeDecoder], rooms: Sequence[int],
     return results
 
 
-def _chosen_across(decoders: Sequence[SpeculativeDecoder], drafted: List[Tuple[int, Drafted]],
-                   reading: Sequence[PromptChunk]) -> List[Tuple[int, Drafted]]:
+def _chosen_across(decoders: Sequence[SpeculativeDecoder], drafted: List[Tuple[int, Drafted]]) -> \
+        List[Tuple[int, Drafted]]:
     """The rows' drafted trees cut to the nodes that pay across the pass
     (node_odds.choose_across), priced on this device's packed passes of as many rows
-    (Costs.pass_ms, the prompts' chunks read in it among them) at the rows' mean context;
-    a tree a grammar shaped is verified whole. Unmeasured costs: as drafted."""
-    if not drafted or decoders[drafted[0][0]]._costs_of is None:
+    (Costs.pass_ms) at the rows' mean context; a tree a grammar shaped is verified whole.
+    Unmeasured costs: as drafted."""
+    if decoders[drafted[0][0]]._costs_of is None:
         return drafted
     costs = decoders[drafted[0][0]]._measured()
     costs.measure_packed()  # (once per device and target: the first batch's round waits for it)
@@ -611,10 +610,8 @@ def _chosen_across(decoders: Sequence[SpeculativeDecoder], drafted: List[Tuple[i
     drafted = [(index, replace(d, slots=slots(d.tree)) if cut else d) for (index, d), cut in zip(drafted, free)]
     chances = [decoders[index].odds.chances(d.tree, d.slots, d.proposal.confidence) if cut else []
                for (index, d), cut in zip(drafted, free)]
-    verified = sum(1 + len(d.unread) + (0 if cut else len(d.tree)) for (_, d), cut in zip(drafted, free)) + \
-        sum(chunk.block.tokens.size for chunk in reading)
+    verified = sum(1 + len(d.unread) + (0 if cut else len(d.tree)) for (_, d), cut in zip(drafted, free))
     attending = sum(len(d.committed) for _, d in drafted) // len(drafted)
-    rows = len(drafted) + len(reading)
-    kept = choose_across(chances, verified, lambda tokens: costs.pass_ms(rows, tokens, attending))
+    kept = choose_across(chances, verified, lambda tokens: costs.pass_ms(len(drafted), tokens, attending))
     return [(index, d.cut(keep) if cut and len(keep) < len(d.tree) else d)
             for (index, d), cut, keep in zip(drafted, free, kept)]

@@ -64,6 +64,9 @@ FIRST_CHUNK = 64
 # beside them, not by a pass of PASS_SECONDS. (benchmarks/riding_prompts.py compares.)
 RIDE_PROMPTS = True
 RIDE_SHARE = 0.5
+FIRST_RIDE = 16  # a chunk read inside a pass before the prompt's pace is known
+RIDE_DECAY = 0.8  # how much a chunk read in a pass weighs in the pace of the next (the rest: its own)
+RIDE_REFRESH = 8  # after this many passes in a row with a chunk, one without (the rounds' own time, as it grows)
 KEEPALIVE_SECONDS = 5.0  # a waiting caller's on_wait is called this often (a server's keep-alive)
 # A beginning this long, shared with a prompt being read, is copied once read rather than read again.
 SHARED_READ = PROMPT_TOKENS_PER_TURN
@@ -100,6 +103,7 @@ class ReplyJob:
     read: int = 0
     unread: Optional[int] = None  # prompt tokens still to read (None: not known before its first chunk)
     pace: Optional[float] = None  # prompt tokens a second its last chunk was read at
+    ridden: Tuple[float, float] = (0.0, 0.0)  # prompt tokens read inside passes, and seconds they added: decayed
 
     @property
     def stopped(self) -> bool:
@@ -128,6 +132,7 @@ class Scheduler:
         self.stats = {"rounds": 0, "rows": 0, "chunks": 0, "alone": 0}
         self.riding: List[Tuple[ReplyJob, PromptChunk]] = []  # prompts' chunks this turn's packed pass reads
         self.decode_seconds: Optional[float] = None  # a packed pass of rounds alone, smoothed
+        self.rode = 0  # packed passes in a row that read a prompt's chunk
         self._unseated = 0  # submitted and not yet seated or dropped (any thread)
         self._lock = threading.Lock()
         # Seconds recent replies held their seats, smoothed (what Retry-After is estimated from;
@@ -259,13 +264,15 @@ class Scheduler:
         reading = [r for r in self.live if r.reading is not None]
         seconds = PASS_SECONDS if len(self.live) > 1 or self.waiting else ALONE_PASS_SECONDS
         packed = RIDE_PROMPTS and any(batches(r.generation.decoder) for r in self._rows())
+        if packed and self.rode >= RIDE_REFRESH:  # rounds alone now and then: their pass's time as it grows
+            return
         began = time.perf_counter()
         for request in sorted(reading, key=lambda r: len(r.ids) if r.unread is None else r.unread):
             while budget > 0 and not request.stopped:
                 decoder = request.generation.decoder
                 decoder.rides = packed and batches(decoder) and decoder.kv is None
                 span = RIDE_SHARE * self.decode_seconds if decoder.rides and self.decode_seconds else seconds
-                decoder.read_chunk = FIRST_CHUNK if request.pace is None else \
+                decoder.read_chunk = (FIRST_RIDE if decoder.rides else FIRST_CHUNK) if request.pace is None else \
                     max(MIN_CHUNK, int(min(PROMPT_TOKENS_PER_TURN, request.pace * span)))
                 tic = time.perf_counter()
                 try:
@@ -306,8 +313,8 @@ class Scheduler:
         rows = self._rows()
         riding, self.riding = self.riding, []
         together = [r for r in rows if batches(r.generation.decoder)] if len(rows) > 1 or riding else []
+        tic = time.perf_counter()
         if together:
-            tic = time.perf_counter()
             try:
                 rounds = batched_round([r.generation.decoder for r in together],
                                        [r.generation.room() for r in together], [chunk for _, chunk in riding])
@@ -316,25 +323,11 @@ class Scheduler:
                 for request, _ in riding:
                     self._fail(request, error)
                 riding = []
-            seconds = time.perf_counter() - tic
             self.stats["rounds"] += 1
             self.stats["rows"] += len(together)
             self.stats["chunks"] += len(riding)
             for request, result in zip(together, rounds):
                 self._conclude(request, result)
-            if not riding:
-                self.decode_seconds = seconds if self.decode_seconds is None else \
-                    0.7 * self.decode_seconds + 0.3 * seconds
-            # A chunk's pace: its tokens over what it added to the pass (the pass's time past
-            # the rounds' own, at least a tenth of the pass).
-            added = max(seconds - (self.decode_seconds or 0.0), 0.1 * seconds) / max(len(riding), 1)
-            for request, _ in riding:
-                try:
-                    progress = next(request.reading, None)
-                except Exception as error:
-                    self._fail(request, error)
-                    continue
-                self._took(request, progress, added)
         for request in [r for r in rows if r not in together]:
             self.stats["alone"] += 1
             try:
@@ -342,6 +335,23 @@ class Scheduler:
             except Exception as error:
                 result = error
             self._conclude(request, result)
+        seconds = time.perf_counter() - tic
+        self.rode = self.rode + 1 if riding else 0
+        if rows and not riding:
+            self.decode_seconds = seconds if self.decode_seconds is None else 0.7 * self.decode_seconds + 0.3 * seconds
+        # A chunk's pace: the tokens read inside passes over what they added to them (each
+        # turn's time past the rounds' own, at least a tenth of it), decayed: one pass's excess
+        # is as much the rounds' own variation as the chunk's.
+        added = max(seconds - (self.decode_seconds or 0.0), 0.1 * seconds) / max(len(riding), 1)
+        for request, chunk in riding:
+            try:
+                progress = next(request.reading, None)
+            except Exception as error:
+                self._fail(request, error)
+                continue
+            tokens = chunk.block.tokens.size
+            request.ridden = (RIDE_DECAY * request.ridden[0] + tokens, RIDE_DECAY * request.ridden[1] + added)
+            self._took(request, progress, tokens * request.ridden[1] / request.ridden[0])
 
     def _conclude(self, request: ReplyJob, result: Any) -> None:
         """A round's result handed to its reply; an error, the round's or the reply's own in
