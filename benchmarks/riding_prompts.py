@@ -11,9 +11,9 @@ at a busy server), on one Engine as the server runs it, three ways in one run:
     python benchmarks/riding_prompts.py [--model GGUF_OR_DIR] [--rows 4] [--long 6000]
         [--out benchmarks/results/riding_prompts.json]
 
-Under each rule ``--rows`` replies (prompts of 200 tokens of this package's source, default
-drafting) decode until every one has 32 tokens; then a long prompt (``--long`` tokens, other
-text under each rule, one token asked for) is sent and read for at most ``--window``
+Under each rule, its caches emptied first, the same ``--rows`` replies (prompts of 200 tokens
+of this package's source, default drafting) decode until every one has 32 tokens; then the
+same long prompt (``--long`` tokens of other source, one token asked for) is sent and read for at most ``--window``
 seconds (then it leaves), and the replies go on for 32 more tokens and leave. Measured: the
 gaps between a reply's deliveries (a round's tokens arrive together) before the long prompt
 and while it is read, p50 and p99 over every reply; the replies' tokens a second meanwhile;
@@ -42,6 +42,9 @@ from mlx_eagle.models import resolve_model  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 RULES = ["between rounds, 0.5 s", "between rounds, +50%", "inside the rounds' pass"]
 WARM, AFTER = 32, 32  # each reply's tokens before the long prompt is sent, and after its first token
+
+
+DEFAULTS = (scheduler.RIDE_PROMPTS, scheduler.PASS_SECONDS)
 
 
 def use_rule(rule: str, engine) -> None:
@@ -119,15 +122,17 @@ def main(argv: Optional[List[str]] = None) -> None:
 
     engine = Engine(str(resolve_model(args.model)) if args.model else None, max_concurrency=args.rows + 1,
                     history=False)
-    pieces = texts(engine.tokenizer, args.long, 2 * len(RULES))
+    long_prompt, short_text = texts(engine.tokenizer, args.long, 2)
+    shorts = [short_text[200 * i:200 * (i + 1)] for i in range(args.rows)]
+    measure(engine, RULES[2], shorts, long_prompt[:500], args.window)  # warm: timings, head, first shapes
     rows = []
     print(f"{args.rows} replies decoding, a {args.long}-token prompt read beside them ({engine.drafting})")
     print(f"{'rule':26} | {'gaps before p50/p99 ms':>22} | {'gaps during p50/p99 ms':>22} | "
           f"{'replies tok/s':>13} | long prompt read at")
     try:
-        for number, rule in enumerate(RULES):
-            shorts = [pieces[len(RULES) + number][200 * i:200 * (i + 1)] for i in range(args.rows)]
-            row = measure(engine, rule, shorts, pieces[number], args.window)
+        for rule in RULES:
+            engine.reset_cache()  # (the same prompts, replies and reading under every rule)
+            row = measure(engine, rule, shorts, long_prompt, args.window)
             rows.append(row)
             before, during = row["gaps_before"], row["gaps_during"]
             print(f"{rule:26} | {before['p50_ms']:>10} / {before['p99_ms']:<9} | {during['p50_ms']:>10} / "
@@ -136,6 +141,7 @@ def main(argv: Optional[List[str]] = None) -> None:
                                                                  if row["long_ttft_s"] else ""),
                   flush=True)
     finally:
+        scheduler.RIDE_PROMPTS, scheduler.PASS_SECONDS = DEFAULTS
         engine.close()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"model": args.model, "rows": args.rows, "ride_share": scheduler.RIDE_SHARE,

@@ -340,6 +340,20 @@ def test_fair_reading(tmp_path, smollm_float32):
                and row["long_alone_tokens_per_s"] > 0 for row in rows)
 
 
+@pytest.mark.slow  # the real model
+def test_riding_prompts(tmp_path):
+    """The three rules in one run on the default model: replies decode before and while a
+    long prompt is read, and the prompt is read under each (the scheduler's settings put back)."""
+    from mlx_eagle import scheduler
+
+    run("riding_prompts.py", "--rows", 2, "--long", 300, "--window", 6, "--out", tmp_path / "riding.json")
+    rows = json.loads((tmp_path / "riding.json").read_text())["results"]
+    assert [row["ride"] for row in rows] == [False, False, True]
+    assert all(row["gaps_before"]["p50_ms"] > 0 and row["gaps_during"]["p99_ms"] and row["long_read_tokens_per_s"] > 0
+               for row in rows)
+    assert (scheduler.RIDE_PROMPTS, scheduler.PASS_SECONDS) == (True, 0.5)
+
+
 def test_batch_pricing(tmp_path, smollm_float32):
     run("batch_pricing.py", "--model", smollm_float32, "--rows", "1,2", "--context", 8, "--repeats", 1,
         "--out", tmp_path / "pricing.json")
