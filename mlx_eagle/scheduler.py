@@ -208,6 +208,7 @@ class Scheduler:
             self._read_prompts()
             self._decode()
         except Exception as error:  # a fault of the loop's own: every reply in progress ends with it
+            self.riding = []  # (a chunk held for a pass that never ran: its reading ends too)
             for request in list(self.live):
                 self._fail(request, error)
         self.progress_at = time.monotonic() if self.live else None
