@@ -42,14 +42,13 @@ from mlx_eagle.models import resolve_model  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 RULES = ["between rounds, 0.5 s", "between rounds, +50%", "inside the rounds' pass"]
 WARM, AFTER = 32, 32  # each reply's tokens before the long prompt is sent, and after its first token
-
-
 DEFAULTS = (scheduler.RIDE_PROMPTS, scheduler.PASS_SECONDS)
 
 
 def use_rule(rule: str, engine) -> None:
     scheduler.RIDE_PROMPTS = rule == RULES[2]
-    scheduler.PASS_SECONDS = scheduler.RIDE_SHARE * engine.scheduler.decode_seconds if rule == RULES[1] else 0.5
+    scheduler.PASS_SECONDS = scheduler.RIDE_SHARE * engine.scheduler.decode_seconds if rule == RULES[1] \
+        else DEFAULTS[1]
 
 
 def percentiles(gaps: List[float]) -> Dict[str, Optional[float]]:
@@ -124,12 +123,12 @@ def main(argv: Optional[List[str]] = None) -> None:
                     history=False)
     long_prompt, short_text = texts(engine.tokenizer, args.long, 2)
     shorts = [short_text[200 * i:200 * (i + 1)] for i in range(args.rows)]
-    measure(engine, RULES[2], shorts, long_prompt[:500], args.window)  # warm: timings, head, first shapes
     rows = []
-    print(f"{args.rows} replies decoding, a {args.long}-token prompt read beside them ({engine.drafting})")
-    print(f"{'rule':26} | {'gaps before p50/p99 ms':>22} | {'gaps during p50/p99 ms':>22} | "
-          f"{'replies tok/s':>13} | long prompt read at")
     try:
+        measure(engine, RULES[2], shorts, long_prompt[:500], args.window)  # warm: timings, head, first shapes
+        print(f"{args.rows} replies decoding, a {args.long}-token prompt read beside them ({engine.drafting})")
+        print(f"{'rule':26} | {'gaps before p50/p99 ms':>22} | {'gaps during p50/p99 ms':>22} | "
+              f"{'replies tok/s':>13} | long prompt read at")
         for rule in RULES:
             engine.reset_cache()  # (the same prompts, replies and reading under every rule)
             row = measure(engine, rule, shorts, long_prompt, args.window)

@@ -474,18 +474,19 @@ def packed_forward(model: nn.Module, blocks: Sequence[Block]) -> List[TargetOutp
                              [block_masks[window] for block_masks in masks], layer.self_attn.get("sinks"))
         h = decoder_layer(layer, h, packed, positions, None)
     h = inner.norm(h)
-    wanted = [(begin, end) for block, begin, end in zip(blocks, cuts, cuts[1:]) if block.logits]
-    logits = lm_head(model, h) if len(wanted) == len(blocks) else \
-        lm_head(model, mx.concatenate([h[:, begin:end] for begin, end in wanted], axis=1)) if wanted else None
-    at = cuts_of([end - begin for begin, end in wanted])  # where each wanted block's rows are in ``logits``
-    outputs = []
+    wanted = [h[:, begin:end] for block, begin, end in zip(blocks, cuts, cuts[1:]) if block.logits]
+    if len(wanted) == len(blocks):  # (every block's rows: no copy)
+        logits = lm_head(model, h)
+    else:
+        logits = lm_head(model, mx.concatenate(wanted, axis=1)) if wanted else None
+    outputs, row = [], 0  # (where the next wanted block's rows begin in ``logits``)
     for block, begin, end in zip(blocks, cuts, cuts[1:]):
         hidden = h[0, begin:end]
         features = hidden if block.taps is None else \
             mx.concatenate([entering[i][0, begin:end] for i in block.taps], axis=-1)
         rows = None
         if block.logits:
-            rows, at = logits[0, at[0]:at[1]], at[1:]
+            rows, row = logits[0, row:row + end - begin], row + end - begin
         outputs.append(TargetOutput(logits=rows, features=features, hidden=hidden))
     return outputs
 
