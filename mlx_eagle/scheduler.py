@@ -10,8 +10,9 @@ worker then:
    the one with the least left to read first, in passes sized to that time, so a long prompt
    never holds the replies in progress back by more than that a turn, and a request that
    arrives waits for at most one pass of it (``ALONE_PASS_SECONDS`` while it is read alone);
-   while replies decode in a packed pass, a prompt's chunk is read inside it instead, sized
-   to add ``RIDE_SHARE`` of its time (``RIDE_PROMPTS``);
+   while replies decode in a packed pass, prompts' chunks are read inside it instead, sized
+   to add ``RIDE_SHARE`` of its time, or a prompt's whole rest where that adds at most a
+   pass's time (``RIDE_PROMPTS``);
 4. gives every reply in progress one round, their blocks verified in one packed forward pass
    (decoder.batched_round, with that chunk) where the target allows, each alone where not (a
    hybrid's recurrent layers, a sharded model).
@@ -258,23 +259,27 @@ class Scheduler:
         at the prompt's measured pace: a request that arrives, or a reply in progress, waits
         for at most one such pass of another's long prompt, never for all of it (deep in a
         27k-token prompt a 512-token pass takes over a minute on a slow machine). Where
-        replies decode in a packed pass, a prompt's chunk is read inside it instead
-        (RIDE_PROMPTS), sized to add RIDE_SHARE of that pass's time, and ends the turn's
-        reading."""
+        replies decode in a packed pass, prompts' chunks are read inside it instead
+        (RIDE_PROMPTS, _ride_chunk)."""
         budget = PROMPT_TOKENS_PER_TURN
         reading = [r for r in self.live if r.reading is not None]
         seconds = PASS_SECONDS if len(self.live) > 1 or self.waiting else ALONE_PASS_SECONDS
         packed = RIDE_PROMPTS and any(batches(r.generation.decoder) for r in self._rows())
         if packed and self.rode >= RIDE_REFRESH:  # rounds alone now and then: their pass's time as it grows
             return
-        began = time.perf_counter()
+        began, riding = time.perf_counter(), 0.0  # (seconds the chunks held for the pass are to add to it)
         for request in sorted(reading, key=lambda r: len(r.ids) if r.unread is None else r.unread):
             while budget > 0 and not request.stopped:
                 decoder = request.generation.decoder
                 decoder.rides = packed and batches(decoder) and decoder.kv is None
-                span = RIDE_SHARE * self.decode_seconds if decoder.rides and self.decode_seconds else seconds
-                decoder.read_chunk = (FIRST_RIDE if decoder.rides else FIRST_CHUNK) if request.pace is None else \
-                    max(MIN_CHUNK, int(min(PROMPT_TOKENS_PER_TURN, request.pace * span)))
+                if decoder.rides:
+                    decoder.read_chunk = min(budget, self._ride_chunk(request, seconds - (time.perf_counter() - began),
+                                                                      riding))
+                    if not decoder.read_chunk:
+                        break
+                else:
+                    decoder.read_chunk = FIRST_CHUNK if request.pace is None else \
+                        max(MIN_CHUNK, int(min(PROMPT_TOKENS_PER_TURN, request.pace * seconds)))
                 tic = time.perf_counter()
                 try:
                     progress = next(request.reading, None)
@@ -283,13 +288,29 @@ class Scheduler:
                     break
                 if isinstance(progress, PromptChunk):  # read in this turn's packed pass (_decode)
                     self.riding.append((request, progress))
-                    return
+                    tokens = progress.block.tokens.size
+                    riding += tokens / request.pace if request.pace else RIDE_SHARE * (self.decode_seconds or 0.0)
+                    budget -= tokens
+                    break
                 read = self._took(request, progress, time.perf_counter() - tic)
                 if read is None:
                     break
                 budget -= read
-                if time.perf_counter() - began >= seconds:
+                if time.perf_counter() - began + riding >= seconds:
                     return
+
+    def _ride_chunk(self, request: ReplyJob, seconds: float, riding: float) -> int:
+        """The tokens of ``request``'s prompt to read inside this turn's packed pass, beside
+        chunks that add ``riding`` seconds to it: as many as add RIDE_SHARE of the pass's own
+        time, or the whole rest where that adds at most ``seconds`` (a short prompt, or a long
+        one's end, read in one pass: its first token comes that much sooner, and the replies
+        wait once for it, as long as for a pass of its own); 0: none this turn."""
+        if request.pace is None or self.decode_seconds is None:
+            return FIRST_RIDE if not riding else 0
+        if request.unread is not None and riding + request.unread / request.pace <= seconds:
+            return request.unread
+        share = RIDE_SHARE * self.decode_seconds - riding
+        return 0 if share <= 0 else max(0 if riding else MIN_CHUNK, int(request.pace * share))
 
     def _took(self, request: ReplyJob, progress: Optional[Tuple[int, int]], seconds: float) -> Optional[int]:
         """A step of ``request``'s reading that took ``seconds``, handed on: the tokens it
@@ -343,7 +364,8 @@ class Scheduler:
         # A chunk's pace: the tokens read inside passes over what they added to them (each
         # turn's time past the rounds' own, at least a tenth of it), decayed: one pass's excess
         # is as much the rounds' own variation as the chunk's.
-        added = max(seconds - (self.decode_seconds or 0.0), 0.1 * seconds) / max(len(riding), 1)
+        added = max(seconds - (self.decode_seconds or 0.0), 0.1 * seconds)  # (shared by the chunks' tokens)
+        riders = sum(chunk.block.tokens.size for _, chunk in riding)
         for request, chunk in riding:
             try:
                 progress = next(request.reading, None)
@@ -351,7 +373,8 @@ class Scheduler:
                 self._fail(request, error)
                 continue
             tokens = chunk.block.tokens.size
-            request.ridden = (RIDE_DECAY * request.ridden[0] + tokens, RIDE_DECAY * request.ridden[1] + added)
+            request.ridden = (RIDE_DECAY * request.ridden[0] + tokens,
+                              RIDE_DECAY * request.ridden[1] + added * tokens / riders)
             self._took(request, progress, tokens * request.ridden[1] / request.ridden[0])
 
     def _conclude(self, request: ReplyJob, result: Any) -> None:

@@ -8,6 +8,7 @@ request alone, token for token. A full queue refuses with Busy."""
 import random
 import threading
 import time
+from contextlib import contextmanager
 
 import pytest
 
@@ -32,6 +33,21 @@ class Injected(Exception):
 
 
 TREES = [None, "chain:2", "static:default", "none"]  # the engine's tree, two others, context drafts alone
+
+
+@contextmanager
+def seated_together(engine, count):
+    """The requests the block makes are seated in one turn, whatever the machine's load: the
+    worker waits (on a job of its own) until ``count`` are queued."""
+    gate = threading.Event()
+    engine._jobs.put(lambda: gate.wait(300))
+    try:
+        yield
+        deadline = time.monotonic() + 300
+        while engine.scheduler.queued < count and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        gate.set()
 
 
 def caller(engine, ids, max_tokens, action, rng, results, index):
@@ -181,8 +197,9 @@ def test_concurrent_chats_on_qwen_are_each_the_reply_alone(qwen_coder):
                                                                max_tokens=16)]
 
         threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(conversations))]
-        for thread in threads:
-            thread.start()
+        with seated_together(engine, len(threads)):
+            for thread in threads:
+                thread.start()
         for thread in threads:
             thread.join(300)
         for (messages, tools), tokens in zip(conversations, results):
@@ -222,8 +239,9 @@ def test_a_seed_reproduces_its_reply_whatever_drafts_it(smollm):
             results[index] = reply(engine, ids, seed=1234 if index == 5 else index)
 
         threads = [threading.Thread(target=call, args=(index,)) for index in range(8)]
-        for thread in threads:
-            thread.start()
+        with seated_together(engine, len(threads)):
+            for thread in threads:
+                thread.start()
         for thread in threads:
             thread.join()
         assert results[5] == expected
