@@ -2,14 +2,17 @@
 (edit-style and MT-bench first turns, alternating) answered by batch_generate with default
 drafting, by the same drafting one prompt after another (stream_generate), and by mlx-lm's
 own batch_generate (plain batching, no speculation), for each batch size B; and, batched,
-with ``--draft none`` (plain batching, ours) and with the heads drafting one conversation
-after another (the lever of drafting the batch together turned off: EagleDrafter's
-``observe_together`` as the Drafter default). Our batched methods run ``--repeats`` times,
+with ``--draft none`` (plain batching, ours) and with the drafters backed by a model (heads,
+draft models, DFlash and DSpark) drafting one conversation after another (the lever of
+drafting the batch together turned off: their ``observe_together`` as the Drafter
+default). ``--model`` and ``--draft`` as for mlx_eagle.generate (default: the default
+model, drafting as by default). Our batched methods run ``--repeats`` times,
 alternating, and report their mean. Reports each method's aggregate tokens/s and its ratio
 to mlx-lm's, whether every batched text is the one in turn (plain decoding's), and whether
 mlx-lm's batched texts are too.
 
     python benchmarks/batch_generate.py [--sizes 1,2,4,8] [--max-tokens 64] [--repeats 2] [--out FILE.json]
+        [--model MODEL] [--draft DRAFT]
 """
 
 import argparse
@@ -29,38 +32,48 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=2, help="runs of each batched method, alternating")
     parser.add_argument("--out", type=Path, default=HERE / "results" / "batch-generate.json")
+    parser.add_argument("--model", help="the target (default: the default model)")
+    parser.add_argument("--draft", default="auto", help="the drafting, as mlx_eagle.generate's --draft")
     args = parser.parse_args(argv)
     use_fast_blas()
     from mlx_lm import batch_generate as mlx_lm_batch_generate
 
     from mlx_eagle import batch_generate, load, stream_generate
+    from mlx_eagle.plan import load_draft
     from mlx_eagle.bench import first_turns
     from mlx_eagle.replies import chat_tokens
 
-    model, tokenizer = load()
+    model, tokenizer = load(args.model) if args.model else load()
     sizes = [int(size) for size in args.sizes.split(",")]
     sets = first_turns(HERE / "prompts" / "edit.jsonl", max(sizes))
     texts = [text for pair in zip(sets["edit"], sets["mt-bench"]) for text in pair]
     prompts = [chat_tokens(tokenizer, [{"role": "user", "content": text}]) for text in texts]
-    batch_generate(model, tokenizer, prompts[:1], max_tokens=4)  # (timings and trees made once, before any is timed)
+    # (a drafter loaded once, as a server holds it)
+    draft = args.draft if args.draft in ("none", "lookup") else load_draft(args.draft, model)
+    batch_generate(model, tokenizer, prompts[:1], max_tokens=4, draft=draft)  # (timings and trees made once)
 
     from mlx_eagle.drafters import Drafter
+    from mlx_eagle.drafters.dflash import DFlashDrafter
+    from mlx_eagle.drafters.draft_model import DraftModelDrafter
     from mlx_eagle.drafters.eagle import EagleDrafter
 
-    def ours(batch, draft="auto"):
-        return batch_generate(model, tokenizer, batch, max_tokens=args.max_tokens, draft=draft).texts
+    def ours(batch, drafting=draft):
+        return batch_generate(model, tokenizer, batch, max_tokens=args.max_tokens, draft=drafting).texts
 
-    def heads_row_by_row(batch):
-        together = EagleDrafter.observe_together
-        EagleDrafter.observe_together = Drafter.observe_together  # the lever off, for this run only
+    def drafters_row_by_row(batch):
+        kinds = (EagleDrafter, DFlashDrafter, DraftModelDrafter)  # (DSpark's drafter is a DFlashDrafter)
+        together = [kind.__dict__["observe_together"] for kind in kinds]
+        for kind in kinds:  # the lever off, for this run only
+            kind.observe_together = Drafter.observe_together
         try:
             return ours(batch)
         finally:
-            EagleDrafter.observe_together = together
+            for kind, method in zip(kinds, together):
+                kind.observe_together = method
 
     def in_turn(batch):
         return ["".join(r.text for r in stream_generate(model, tokenizer, ids, max_tokens=args.max_tokens,
-                                                        history=False)) for ids in batch]
+                                                        draft=draft, history=False)) for ids in batch]
 
     def mlx_lm(batch):
         return mlx_lm_batch_generate(model, tokenizer, batch, max_tokens=args.max_tokens).texts
@@ -73,7 +86,7 @@ def main(argv: Optional[List[str]] = None) -> None:
         return {"seconds": seconds, "tokens_per_s": tokens / seconds, "texts": answers}
 
     batched = {"ours, batched": ours, "ours, batched, --draft none": lambda batch: ours(batch, "none"),
-               "ours, batched, heads row by row": heads_row_by_row}
+               "ours, batched, drafters row by row": drafters_row_by_row}
     rows = []
     for size in sizes:
         batch, row = prompts[:size], {"batch": size}
@@ -99,7 +112,8 @@ def main(argv: Optional[List[str]] = None) -> None:
               + f"   identical {row['identical']} (mlx-lm's batch: {row['mlx_lm_batch_identical']})", flush=True)
         rows.append(row)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    result = {"max_tokens": args.max_tokens, "repeats": args.repeats, "rows": rows}
+    result = {"model": args.model, "draft": args.draft, "max_tokens": args.max_tokens, "repeats": args.repeats,
+              "rows": rows}
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {args.out}")
 

@@ -13,6 +13,7 @@ from drafting import decoder as make_decoder, swap_close_calls
 from mlx_eagle import batch_generate
 from mlx_eagle.decoder import SpeculativeDecoder, batched_round, batches
 from mlx_eagle.drafters.composite import Composite
+from mlx_eagle.drafters.draft_model import DraftModelDrafter
 from mlx_eagle.drafters.dspark import DSparkDrafter, load as load_dspark
 from mlx_eagle.drafters.lookup import LookupDrafter
 from mlx_eagle.heads import new_head
@@ -39,17 +40,22 @@ def batched(decoders, prompts, counts):
 
 @pytest.mark.parametrize("drafting", ["context lookup", "a random EAGLE-3 head's trees", "an EAGLE-1 head's chains",
                                       "one EAGLE-3 head drafting every conversation's trees together",
-                                      "a random DSpark drafter's chains, cut by its confidences"])
+                                      "a random DSpark drafter's chains, cut by its confidences",
+                                      "one draft model drafting every conversation's chains together"])
 def test_greedy_replies_in_one_pass_are_each_the_reply_alone(drafting, tmp_path):
     """Prompts of different lengths, replies of different lengths (so conversations leave
     the batch at different rounds), trees and chains, heads reading states at taps."""
     model = tiny_target(0)
     counts = [40, 12, 33, 25]
     shared = new_head(model, "eagle3", draft_vocab_size=64)  # one head: every row drafted in one pass a depth
+    small = tiny_target(1)  # one draft model: likewise
 
     def decoder(index):
         if drafting == "context lookup":
             return SpeculativeDecoder(model, LookupDrafter(lambda k: 1.0), Sampling())
+        if "draft model" in drafting:
+            return SpeculativeDecoder(model, Composite([DraftModelDrafter(small, lambda k: 1.0, 0.0, max_tokens=4),
+                                                        LookupDrafter(lambda k: 1.0)]), Sampling())
         if "DSpark" in drafting:
             directory = tmp_path / "dspark"
             if not directory.exists():
@@ -323,6 +329,48 @@ def test_block_drafters_draft_every_conversation_together_as_each_alone(kind, tm
         assert [block[0] for block, _ in together] == [block[0] for block, _ in alone]  # the same drafts
         for (mine, _), (theirs, _) in zip(together, alone):
             assert np.allclose(mine[1], theirs[1], atol=1e-4)  # log-probabilities or confidences
+
+
+def test_one_draft_model_drafts_every_conversation_together_as_each_alone(smollm, monkeypatch):
+    """SmolLM2 as the draft model of four conversations whose chains differ in length, as a
+    batched round's drafters observe (DraftModelDrafter.observe_together): one packed pass
+    of the draft model reads every conversation's new tokens and one a depth drafts every
+    chain still growing, and each chain is the one drafted alone, its cache left as alone,
+    after a prompt and after a round."""
+    import mlx.core as mx
+
+    from mlx_eagle.drafters import Outcome, observe_rows
+    from mlx_eagle.drafters import draft_model
+
+    model, tokenizer = smollm
+    texts = ["def fib(n):\n    return", "The capital of France is", "Once upon a time there was a little",
+             "Write a haiku about the sea."]
+    lengths = [2, 3, 4, 5]  # (a flat price: each drafts as long as it may)
+    drafters = [DraftModelDrafter(model, lambda k: 1.0, 0.0, max_tokens=n) for n in lengths]
+    committed = [tokenizer.encode(text) for text in texts]
+    passes = []
+    packed = draft_model.packed_forward
+    monkeypatch.setattr(draft_model, "packed_forward", lambda *a: passes.append(len(a[1])) or packed(*a))
+    for new in (1, 3):  # the prompts, then a round that committed three tokens
+        outcomes = []
+        for tokens in committed:
+            start = len(tokens) - 1 if new > 1 else 0
+            for _ in range(new):
+                tokens.append(int(mx.argmax(model(mx.array([tokens]))[0, -1])))
+            outcomes.append(Outcome(list(tokens), start, from_prompt=new == 1))
+        alone = []
+        for drafter, outcome in zip(drafters, outcomes):
+            twin = drafter.branch()
+            twin.observe(outcome)
+            alone.append((twin.queued[0].tolist(), twin.cache[0].offset))
+        passes.clear()
+        assert observe_rows(drafters, outcomes) == [None] * len(texts)
+        assert passes == [4, 4, 3, 2]  # the reads, then each depth's rows drafting together; the last alone
+        together = [(d.queued[0].tolist(), d.cache[0].offset) for d in drafters]
+        assert [offset for _, offset in together] == [offset for _, offset in alone]
+        assert [len(chain) for chain, _ in together] == lengths
+        same = sum(a == b for (mine, _), (theirs, _) in zip(together, alone) for a, b in zip(mine, theirs))
+        assert same >= 0.95 * sum(lengths)  # (identical on this machine)
 
 
 @pytest.mark.parametrize("drafting", ["SmolLM2's shipped head (the reading keeps its states)",

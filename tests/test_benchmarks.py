@@ -278,7 +278,7 @@ def test_batch_generate(tmp_path):
     rows = json.loads((tmp_path / "batch.json").read_text())["rows"]
     assert [row["batch"] for row in rows] == [1, 2] and all(row["identical"] for row in rows)
     assert all(row[name]["tokens_per_s"] > 0 for row in rows
-               for name in ("ours, batched", "ours, batched, --draft none", "ours, batched, heads row by row"))
+               for name in ("ours, batched", "ours, batched, --draft none", "ours, batched, drafters row by row"))
 
 
 def test_batch_commits(tmp_path):

@@ -54,7 +54,7 @@ def test_the_draft_cache_holds_the_accepted_prefix_after_every_round():
     decoder.prefill(PROMPT)
     for _ in range(6):
         decoder.round(40)
-        assert drafter.cache[0].offset == len(drafter.held)
+        assert drafter.cache[0].offset == len(drafter.holding())
     # Cut back to what was committed and read on, the cache gives the draft model's own logits.
     logits = drafter._read(decoder.state.tokens)
     fresh = drafting(mx.array([decoder.state.tokens]))[0, -1]

@@ -1,13 +1,16 @@
 """A small model with the target's tokenizer as the drafter: mlx-lm's --draft-model,
 behind the seam, so that it merges with the other drafters and sizes its chain each round.
 
-Each round the draft model reads what was committed since its cache last agreed with
-the target (its cache is cut back to the accepted prefix, as a KV cache can be; a hybrid
-draft model's recurrent state goes back to the snapshot taken at that length, since it
-drafts one token per forward and a snapshot is free: rewind.py), then
-drafts greedily, one token per forward, as many tokens as are expected to pay off: the
-chain's measured acceptance by position against what verifying it costs on this device
-plus what drafting it costs (a draft step, timed once, in target steps). Beside each chain
+As each round's outcome comes, the draft model reads what was committed since its cache
+last agreed with the target (its cache is cut back to the accepted prefix, as a KV cache
+can be; a hybrid draft model's recurrent state goes back to the snapshot taken at that
+length, since it drafts one token per forward and a snapshot is free: rewind.py), then
+drafts the next round's chain ahead, greedily, one token per forward, as many tokens as are
+expected to pay off: the chain's measured acceptance by position against what verifying it
+costs on this device plus what drafting it costs (a draft step, timed once, in target
+steps); the round's own budget then cuts it. In a batch, the conversations drafting with
+one draft model read and draft together: one packed pass a depth over all of them
+(observe_together). Beside each chain
 token its runner-up (the draft model's second choice at that depth, from the same forward)
 may stand as a leaf, where it is expected to pay for its place in the verification: its
 measured acceptance where the chain token was refused, against the cost curve (on a CPU,
@@ -22,7 +25,7 @@ import copy
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -33,6 +36,7 @@ from ..costs import time_forwards
 from ..errors import UserError
 from ..models import load_target
 from ..rewind import Rewind
+from ..target import Block, packed_forward, packs
 from ..trees import DraftTree
 from . import Budget, Outcome, Proposal, common_prefix
 from .chains import ChainDrafter
@@ -66,8 +70,10 @@ class DraftModelDrafter(ChainDrafter):
         self.snapshots: Dict[int, Any] = {0: self.rewind.snapshot()} if self.rewind else {}
         self.held: List[int] = []  # the tokens the draft cache holds, in order
         self.committed: List[int] = []  # what the target committed, the root last
-        self.whole = False  # the last chain was accepted whole
-        self._kind = 0
+        # The next round's chain, drafted ahead when the last round's outcome came, and each
+        # depth's runner-up, on the device (None: none drafted; propose cuts it to the budget).
+        self.queued: Optional[Tuple[mx.array, mx.array]] = None
+        self._kind = 0  # this round's kind of draft: whether the last chain was accepted whole
         self._layout: List[Tuple[int, bool]] = []  # per proposed node: (depth, is a runner-up)
         self.runner_up_tried = np.zeros(max_tokens)  # by depth: chain token refused, a runner-up there
         self.runner_up_taken = np.zeros(max_tokens)  # ... and the runner-up accepted
@@ -76,14 +82,21 @@ class DraftModelDrafter(ChainDrafter):
         if self.rewind is not None:  # (a recurrent draft model: fresh, reading the prompt again)
             return None
         twin = self.twin()
-        twin.cache, twin.held, twin.committed = copy.deepcopy(self.cache), list(self.held), list(self.committed)
+        twin.cache, twin.held, twin.committed = copy.deepcopy(self.cache), list(self.holding()), list(self.committed)
         twin.runner_up_tried, twin.runner_up_taken = self.runner_up_tried.copy(), self.runner_up_taken.copy()
         return twin
 
-    def _read(self, tokens: List[int]) -> Optional[mx.array]:
-        """Bring the cache to hold ``tokens``: cut it back to where it agrees with them, then
-        read the rest; the logits after the last token read (None if none was)."""
-        common = common_prefix(self.held, tokens)
+    def holding(self) -> List[int]:
+        """The tokens the draft cache holds, in order (a chain drafted ahead read to the host)."""
+        if self.queued is not None:
+            self.held, self.queued = self.committed + self.queued[0].tolist()[:-1], None
+        return self.held
+
+    def _unread(self, tokens: List[int]) -> List[int]:
+        """Bring the cache towards holding ``tokens``: cut it back to where it agrees with
+        them, then read all but the last PREFILL_CHUNK of the rest; returns what is left to
+        read: at least the last token, whose logits the next draft begins from."""
+        common = min(common_prefix(self.holding(), tokens), len(tokens) - 1)
         if self.rewind is None:
             trim_prompt_cache(self.cache, len(self.held) - common)
         else:
@@ -91,9 +104,16 @@ class DraftModelDrafter(ChainDrafter):
             self.rewind.restore(self.snapshots[common])
             self.snapshots = {0: self.snapshots[0]}
         self.held = list(tokens)
-        logits = None
-        for start in range(common, len(tokens), PREFILL_CHUNK):
-            logits = self.model(mx.array([tokens[start:start + PREFILL_CHUNK]]), cache=self.cache)[0, -1]
+        while len(tokens) - common > PREFILL_CHUNK:
+            self.model(mx.array([tokens[common:common + PREFILL_CHUNK]]), cache=self.cache)
+            common += PREFILL_CHUNK
+        return tokens[common:]
+
+    def _read(self, tokens: List[int]) -> Optional[mx.array]:
+        """Bring the cache to hold ``tokens``; the logits after the last token read (None if
+        none was)."""
+        rest = self._unread(tokens)
+        logits = self.model(mx.array([rest]), cache=self.cache)[0, -1] if rest else None
         self._snapshot(len(tokens))
         return logits
 
@@ -102,52 +122,84 @@ class DraftModelDrafter(ChainDrafter):
         if self.rewind is not None:
             self.snapshots[length] = self.rewind.snapshot()
 
-    def observe(self, outcome: Outcome) -> None:
+    def _learn(self, outcome: Outcome) -> int:
+        """The bookkeeping of ``observe``: the chain's yield counted, the prompt read where the
+        outcome is the prompt's; returns the length of the chain to draft ahead for the next
+        round (alone in its block, at this conversation's last prices: ``propose`` cuts it
+        to the round's budget)."""
+        self.holding()
+        whole = False
         if outcome.proposal is not None and len(outcome.proposal):
-            proposed = outcome.proposal.host_tokens()
-            chain = [t for t, (_, runner_up) in zip(proposed, self._layout) if not runner_up]
+            chain = sum(1 for _, runner_up in self._layout if not runner_up)
             taken = sum(1 for i in outcome.path if not self._layout[i][1])  # chain tokens accepted
-            self.record_chain(self._kind, len(chain), taken)
-            self.whole = taken == len(chain)
+            self.record_chain(self._kind, chain, taken)
+            whole = taken == chain
             if any(depth == taken + 1 and runner_up for depth, runner_up in self._layout):
                 self.runner_up_tried[taken] += 1
                 self.runner_up_taken[taken] += bool(outcome.path) and self._layout[outcome.path[-1]][1]
-            self.held = self.committed + chain[:-1]  # what drafting left in the cache
+        self._kind = int(whole)
         self.committed = list(outcome.tokens)
         if outcome.from_prompt:  # read the prompt now, as the target just did, not in the first round
             self._read(self.committed[:-1])
             mx.eval([c.state for c in self.cache])
+        return self.best_length(self._kind, self.max_tokens, 1, 1.0)
+
+    def observe(self, outcome: Outcome) -> None:
+        """Learn the outcome and draft the next round's chain ahead, queued on the device."""
+        length = self._learn(outcome)
+        logits = self._read(self.committed) if length else None
+        if logits is not None:
+            _draft_chains([self], [logits], [length])
+
+    @classmethod
+    def observe_together(cls, drafters: Sequence["DraftModelDrafter"], outcomes: Sequence[Outcome]) -> None:
+        """Each drafter learns its outcome; those sharing one draft model that packs (no
+        recurrent layers) read what was committed and draft their next chains together: one
+        packed pass of the draft model for every conversation's reads, then one a depth
+        (target.packed_forward: each conversation's own cache and positions)."""
+        groups: Dict[int, List[Tuple["DraftModelDrafter", int]]] = {}
+        for drafter, outcome in zip(drafters, outcomes):
+            length = drafter._learn(outcome)
+            if length:
+                key = id(drafter.model) if drafter.rewind is None and packs(drafter.model) else id(drafter)
+                groups.setdefault(key, []).append((drafter, length))
+        for group in groups.values():
+            if len(group) == 1:
+                drafter, length = group[0]
+                logits = drafter._read(drafter.committed)
+                if logits is not None:
+                    _draft_chains([drafter], [logits], [length])
+                continue
+            rests = [(drafter, length, drafter._unread(drafter.committed)) for drafter, length in group]
+            rests = [(drafter, length, rest) for drafter, length, rest in rests if rest]
+            outs = packed_forward(rests[0][0].model, [
+                Block(mx.array(rest), drafter.cache, drafter.cache[0].offset, "causal" if len(rest) > 1 else None)
+                for drafter, _, rest in rests]) if rests else []
+            _draft_chains([d for d, _, _ in rests], [out.logits[-1] for out in outs], [n for _, n, _ in rests])
 
     def propose(self, budget: Budget) -> Optional[Proposal]:
         self.price(budget)
-        self._kind, self.whole = int(self.whole), False
-        limit = min(budget.room, budget.nodes, self.max_tokens)
+        if self.queued is None:  # none drafted ahead: none expected to pay
+            return None
+        chain, runners_up = self.queued
+        limit = min(budget.room, budget.nodes, chain.size)
         length = self.best_length(self._kind, limit, budget.verified, budget.expected) if limit >= 1 else 0
         if not length:
             return None
-        logits = self._read(self.committed)
-        if logits is None:  # nothing new since the last round: cannot happen between observes
-            return None
         leaves = set() if budget.chain else \
             self.runner_up_depths(length, min(budget.nodes, self.max_tokens) - length, budget)
-        drafted, tree, chain_node = [], DraftTree(), -1
+        tree, chain_node, picked = DraftTree(), -1, []
         self._layout = []
         for depth in range(1, length + 1):
-            if depth > 1:  # the draft model reads the chain token before
-                logits = self.model(drafted[chain_node].reshape(1, 1), cache=self.cache)[0, -1]
-                self._snapshot(len(self.committed) + depth - 1)
-            parent, token = chain_node, mx.argmax(logits)
-            chain_node = tree.add(0, parent)
-            drafted.append(token)
+            parent, chain_node = chain_node, tree.add(0, chain_node)
+            picked.append(depth - 1)
             self._layout.append((depth, False))
             if depth in leaves:  # the runner-up, a leaf beside the chain token
                 tree.add(0, parent)
-                drafted.append(mx.argmax(mx.where(mx.arange(logits.shape[-1]) == token, -mx.inf, logits)))
+                picked.append(chain.size + depth - 1)
                 self._layout.append((depth, True))
         tree.tokens = []  # on the device until read
-        tokens = mx.stack(drafted).astype(mx.int32)
-        mx.async_eval(tokens)
-        return Proposal(tree, tokens)
+        return Proposal(tree, mx.concatenate([chain, runners_up])[mx.array(picked)])
 
     def runner_up_depths(self, length: int, room: int, budget: Budget) -> set:
         """The depths whose runner-up is expected to pay for its place beside a ``length``
@@ -166,6 +218,33 @@ class DraftModelDrafter(ChainDrafter):
             expected, nodes = expected + gains[depth], nodes + 1
             chosen.add(int(depth) + 1)
         return chosen
+
+
+def _draft_chains(drafters: Sequence[DraftModelDrafter], logits: List[mx.array], lengths: Sequence[int]) -> None:
+    """Each drafter's next chain, ``lengths`` tokens greedily from ``logits`` (its model's
+    after what it read), queued with each depth's runner-up: one forward a depth for every
+    drafter still drafting, packed where several are (one draft model, each its own cache)."""
+    chains: List[List[mx.array]] = [[] for _ in drafters]
+    runners_up: List[List[mx.array]] = [[] for _ in drafters]
+    for depth in range(1, max(lengths, default=0) + 1):
+        rows = [row for row, length in enumerate(lengths) if length >= depth]
+        if depth > 1 and len(rows) == 1:  # the draft model reads the chain token before
+            drafter = drafters[rows[0]]
+            logits[rows[0]] = drafter.model(chains[rows[0]][-1].reshape(1, 1), cache=drafter.cache)[0, -1]
+            drafter._snapshot(len(drafter.committed) + depth - 1)
+        elif depth > 1:
+            outs = packed_forward(drafters[rows[0]].model, [
+                Block(chains[row][-1].reshape(1), drafters[row].cache, drafters[row].cache[0].offset, None)
+                for row in rows])
+            for row, out in zip(rows, outs):
+                logits[row] = out.logits[-1]
+        for row in rows:
+            token = mx.argmax(logits[row])
+            chains[row].append(token)
+            runners_up[row].append(mx.argmax(mx.where(mx.arange(logits[row].shape[-1]) == token, -mx.inf, logits[row])))
+    for drafter, chain, runner_up in zip(drafters, chains, runners_up):
+        drafter.queued = (mx.stack(chain).astype(mx.int32), mx.stack(runner_up).astype(mx.int32))
+    mx.async_eval([array for drafter in drafters for array in drafter.queued])
 
 
 def recognizes(path: Path, config: Optional[dict]) -> bool:
