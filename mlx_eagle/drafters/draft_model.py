@@ -68,7 +68,7 @@ class DraftModelDrafter(ChainDrafter):
         # A recurrent state cannot be cut back: snapshots of the caches by how many tokens they held.
         self.rewind = None if can_trim_prompt_cache(self.cache) else Rewind(model, self.cache, replay=False)
         self.snapshots: Dict[int, Any] = {0: self.rewind.snapshot()} if self.rewind else {}
-        self.held: List[int] = []  # the tokens the draft cache holds, in order
+        self.held: List[int] = []  # the tokens the draft cache holds, in order (but a chain drafted ahead: holding())
         self.committed: List[int] = []  # what the target committed, the root last
         # The next round's chain, drafted ahead when the last round's outcome came, and each
         # depth's runner-up, on the device (None: none drafted; propose cuts it to the budget).
