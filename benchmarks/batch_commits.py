@@ -4,11 +4,12 @@ in under another name (its imports are relative), and for each batch size the ea
 default, this default and this ``--draft none`` run in rotating order, ``--repeats`` times
 each. B prompts (edit-style and MT-bench first turns, alternating), greedy. Reports each
 method's mean tokens/s, the ratios, the forward passes each took, and whether every text
-was the same.
+was the same. ``--model`` and ``--draft`` as for mlx_eagle.generate (a draft model is loaded
+once and handed to both commits as a model).
 
     git worktree add /tmp/old <commit>
     python benchmarks/batch_commits.py --old /tmp/old [--sizes 2,4,8,16] [--repeats 3]
-        [--max-tokens 64] [--out benchmarks/results/batch-commits.json]
+        [--max-tokens 64] [--out benchmarks/results/batch-commits.json] [--model MODEL] [--draft DRAFT]
 """
 
 import argparse
@@ -35,6 +36,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--out", type=Path, default=HERE / "results" / "batch-commits.json")
+    parser.add_argument("--model", help="the target (default: the default model)")
+    parser.add_argument("--draft", default="auto", help="the drafting, as mlx_eagle.generate's --draft")
     args = parser.parse_args(argv)
     if not (args.old / "mlx_eagle" / "__init__.py").exists():
         sys.exit(f"error: --old {args.old}: no mlx_eagle package there; give a checkout of the earlier commit")
@@ -48,13 +51,16 @@ def main(argv: Optional[List[str]] = None) -> None:
     from mlx_eagle.bench import first_turns
     from mlx_eagle.replies import chat_tokens
 
-    model, tokenizer = mlx_eagle.load()
+    model, tokenizer = mlx_eagle.load(args.model) if args.model else mlx_eagle.load()
+    draft = args.draft if args.draft in ("auto", "none", "lookup") else mlx_eagle.load(args.draft)[0]
     sizes = [int(size) for size in args.sizes.split(",")]
     sets = first_turns(HERE / "prompts" / "edit.jsonl", max(sizes))
     texts = [text for pair in zip(sets["edit"], sets["mt-bench"]) for text in pair]
     prompts = [chat_tokens(tokenizer, [{"role": "user", "content": text}]) for text in texts]
-    runs = {"earlier": lambda batch: earlier.batch_generate(model, tokenizer, batch, max_tokens=args.max_tokens),
-            "this": lambda batch: mlx_eagle.batch_generate(model, tokenizer, batch, max_tokens=args.max_tokens),
+    runs = {"earlier": lambda batch: earlier.batch_generate(model, tokenizer, batch, max_tokens=args.max_tokens,
+                                                            draft=draft),
+            "this": lambda batch: mlx_eagle.batch_generate(model, tokenizer, batch, max_tokens=args.max_tokens,
+                                                           draft=draft),
             "this, --draft none": lambda batch: mlx_eagle.batch_generate(model, tokenizer, batch,
                                                                           max_tokens=args.max_tokens, draft="none")}
     for run in runs.values():  # (timings and trees made once, before any is timed)
@@ -80,7 +86,8 @@ def main(argv: Optional[List[str]] = None) -> None:
               flush=True)
         rows.append(row)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"old": str(args.old), "max_tokens": args.max_tokens, "repeats": args.repeats,
+    args.out.write_text(json.dumps({"old": str(args.old), "model": args.model, "draft": args.draft,
+                                    "max_tokens": args.max_tokens, "repeats": args.repeats,
                                     "rows": rows}, indent=1) + "\n")
     print(f"wrote {args.out}")
 

@@ -308,7 +308,7 @@ class Scheduler:
         if request.pace is None or self.decode_seconds is None:
             return FIRST_RIDE if not riding else 0
         if request.unread is not None and riding + request.unread / request.pace <= seconds:
-            return request.unread
+            return max(request.unread, MIN_CHUNK)  # (none left: the step that chooses its first token)
         share = RIDE_SHARE * self.decode_seconds - riding
         return 0 if share <= 0 else max(0 if riding else MIN_CHUNK, int(request.pace * share))
 

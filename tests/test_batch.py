@@ -373,6 +373,29 @@ def test_one_draft_model_drafts_every_conversation_together_as_each_alone(smollm
         assert same >= 0.95 * sum(lengths)  # (identical on this machine)
 
 
+def test_a_prompt_riding_a_pass_gets_a_share_its_whole_rest_or_its_last_step():
+    """Scheduler._ride_chunk: a long prompt's chunk adds RIDE_SHARE of the rounds' pass; a
+    rest that adds at most a pass's time rides whole; another chunk's share taken, none
+    this turn; and a reading with every token read (an EAGLE head's reading yields that
+    before it chooses the first token) still gets its step: it once waited for ever for a
+    chunk of nothing (benchmarks/riding_prompts.py found it)."""
+    import queue
+    import threading
+
+    from mlx_eagle.scheduler import RIDE_SHARE, ReplyJob, Scheduler
+
+    scheduler = Scheduler(queue.Queue(), 4, 4)
+    scheduler.decode_seconds = 0.2
+    request = ReplyJob([1, 2, 3], lambda slot: None, threading.Event())
+    request.pace, request.unread = 100.0, 4000  # tokens a second inside a pass; left to read
+    assert scheduler._ride_chunk(request, 0.5, 0.0) == int(100.0 * RIDE_SHARE * 0.2)
+    assert scheduler._ride_chunk(request, 0.5, RIDE_SHARE * 0.2) == 0
+    request.unread = 40
+    assert scheduler._ride_chunk(request, 0.5, 0.0) == 40
+    request.unread = 0
+    assert scheduler._ride_chunk(request, 0.5, 0.0) == 1
+
+
 @pytest.mark.parametrize("drafting", ["SmolLM2's shipped head (the reading keeps its states)",
                                       "context lookup (no states read)"])
 def test_a_prompt_read_inside_the_rounds_passes_gives_the_reply_alone(drafting, smollm):
