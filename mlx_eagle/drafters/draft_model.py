@@ -146,7 +146,10 @@ class DraftModelDrafter(ChainDrafter):
 
     def observe(self, outcome: Outcome) -> None:
         """Learn the outcome and draft the next round's chain ahead, queued on the device."""
-        length = self._learn(outcome)
+        self._draft_ahead(self._learn(outcome))
+
+    def _draft_ahead(self, length: int) -> None:
+        """Read what was committed and draft a ``length``-token chain from it, alone."""
         logits = self._read(self.committed) if length else None
         if logits is not None:
             _draft_chains([self], [logits], [length])
@@ -165,10 +168,7 @@ class DraftModelDrafter(ChainDrafter):
                 groups.setdefault(key, []).append((drafter, length))
         for group in groups.values():
             if len(group) == 1:
-                drafter, length = group[0]
-                logits = drafter._read(drafter.committed)
-                if logits is not None:
-                    _draft_chains([drafter], [logits], [length])
+                group[0][0]._draft_ahead(group[0][1])
                 continue
             rests = [(drafter, length, drafter._unread(drafter.committed)) for drafter, length in group]
             rests = [(drafter, length, rest) for drafter, length, rest in rests if rest]
