@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Deque, Iterator, List, Optional, Sequence, Tuple, Union
 
 import mlx.nn as nn
+import numpy as np
 
 from .decoder import PromptChunk, batched_round, batches
 from .drafters import common_prefix
@@ -68,6 +69,7 @@ RIDE_SHARE = 0.5
 FIRST_RIDE = 16  # a chunk read inside a pass before the prompt's pace is known
 RIDE_DECAY = 0.8  # how much a chunk read in a pass weighs in the pace of the next (the rest: its own)
 RIDE_REFRESH = 8  # after this many passes in a row with a chunk, one without (the rounds' own time, as it grows)
+PASSES_KEPT = 16  # a prompt's passes of its own its next chunk is sized from
 KEEPALIVE_SECONDS = 5.0  # a waiting caller's on_wait is called this often (a server's keep-alive)
 # A beginning this long, shared with a prompt being read, is copied once read rather than read again.
 SHARED_READ = PROMPT_TOKENS_PER_TURN
@@ -75,6 +77,25 @@ SHARED_READ = PROMPT_TOKENS_PER_TURN
 # a few hundred tokens at the speeds of a small model on a CPU.
 REPLY_SECONDS_PRIOR = 30.0
 MAX_RETRY_AFTER = 600  # seconds
+
+
+def chunk_for(seconds: float, passes: Sequence[Tuple[int, float]]) -> Optional[int]:
+    """The prompt tokens a pass of its own reads in about ``seconds``, from its last
+    ``passes`` (tokens, seconds): along a line fitted through them, a pass's floor (the
+    weights read once, whatever it holds) plus a time per token; through the origin where
+    they all held as many tokens. Where the floor passes half the bound (a large model on a
+    slow device: on this CPU, Qwen2.5-Coder-1.5B's floor is about 0.7 s), a pass of twice
+    its floor: the bound cannot be met, and passes sized to it by their pace alone shrank to
+    a token or two, reading a 657-token prompt 7 times slower (measured with SmolLM2 and a
+    bound of 0.05 s). None: no pass yet."""
+    if not passes:
+        return None
+    tokens = np.array([n for n, _ in passes], dtype=np.float64)
+    times = np.array([t for _, t in passes], dtype=np.float64)
+    per_token, floor = np.polyfit(tokens, times, 1) if np.ptp(tokens) > 0 else (0.0, 0.0)
+    if per_token <= 0 or floor < 0:  # (all alike, or noise: in proportion)
+        per_token, floor = times.sum() / tokens.sum(), 0.0
+    return int(max(seconds - floor, floor) / max(per_token, 1e-9))
 
 
 @dataclass
@@ -105,6 +126,8 @@ class ReplyJob:
     unread: Optional[int] = None  # prompt tokens still to read (None: not known before its first chunk)
     pace: Optional[float] = None  # prompt tokens a second its last chunk was read at
     ridden: Tuple[float, float] = (0.0, 0.0)  # prompt tokens read inside passes, and seconds they added: decayed
+    # The last passes of its own its prompt was read in: (tokens, seconds) each (chunk_for).
+    passes: Deque[Tuple[int, float]] = field(default_factory=lambda: deque(maxlen=PASSES_KEPT))
 
     @property
     def stopped(self) -> bool:
@@ -278,8 +301,9 @@ class Scheduler:
                     if not decoder.read_chunk:
                         break
                 else:
-                    decoder.read_chunk = FIRST_CHUNK if request.pace is None else \
-                        max(MIN_CHUNK, int(min(PROMPT_TOKENS_PER_TURN, request.pace * seconds)))
+                    sized = chunk_for(seconds, request.passes)
+                    decoder.read_chunk = FIRST_CHUNK if sized is None else \
+                        max(MIN_CHUNK, min(PROMPT_TOKENS_PER_TURN, sized))
                 tic = time.perf_counter()
                 try:
                     progress = next(request.reading, None)
@@ -292,7 +316,7 @@ class Scheduler:
                     riding += tokens / request.pace if request.pace else RIDE_SHARE * (self.decode_seconds or 0.0)
                     budget -= tokens
                     break
-                read = self._took(request, progress, time.perf_counter() - tic)
+                read = self._took(request, progress, time.perf_counter() - tic, alone=True)
                 if read is None:
                     break
                 budget -= read
@@ -312,9 +336,11 @@ class Scheduler:
         share = RIDE_SHARE * self.decode_seconds - riding
         return 0 if share <= 0 else max(0 if riding else MIN_CHUNK, int(request.pace * share))
 
-    def _took(self, request: ReplyJob, progress: Optional[Tuple[int, int]], seconds: float) -> Optional[int]:
-        """A step of ``request``'s reading that took ``seconds``, handed on: the tokens it
-        read (None: the reading is over, its first token handed out)."""
+    def _took(self, request: ReplyJob, progress: Optional[Tuple[int, int]], seconds: float,
+              alone: bool = False) -> Optional[int]:
+        """A step of ``request``'s reading that took ``seconds`` (``alone``: in a pass of its
+        own), handed on: the tokens it read (None: the reading is over, its first token
+        handed out)."""
         if progress is None:
             request.reading = None
             self._hand_out(request, request.generation.first())
@@ -322,6 +348,8 @@ class Scheduler:
         read, total = progress
         if read > request.read:
             request.pace = (read - request.read) / max(seconds, 1e-6)
+            if alone:
+                request.passes.append((read - request.read, seconds))
         new, request.read, request.unread = read - request.read, read, total - read
         if not request.cancel.is_set():
             request.out.put(Progress(read, total))

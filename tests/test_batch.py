@@ -373,6 +373,23 @@ def test_one_draft_model_drafts_every_conversation_together_as_each_alone(smollm
         assert same >= 0.95 * sum(lengths)  # (identical on this machine)
 
 
+def test_a_prompt_read_in_passes_of_its_own_is_sized_past_the_pass_floor():
+    """scheduler.chunk_for: passes of a floor plus a time per token, the chunk that fills
+    the bound past the floor; where the floor passes half the bound, a pass of twice the
+    floor, not the token or two that sizing by pace alone shrank to (a large model on a slow
+    device read its prompt several times slower)."""
+    from mlx_eagle.scheduler import chunk_for
+
+    def passes(floor, per_token, sizes):
+        return [(n, floor + per_token * n) for n in sizes]
+
+    assert chunk_for(0.5, []) is None
+    assert chunk_for(0.5, passes(0.1, 0.01, [64])) == int(0.5 / (0.74 / 64))  # one size: in proportion
+    assert abs(chunk_for(0.5, passes(0.1, 0.01, [64, 30, 45])) - 40) <= 1  # (0.5 - 0.1) / 0.01
+    assert abs(chunk_for(0.5, passes(0.7, 0.02, [64, 20, 5])) - 35) <= 1  # floor 0.7 past the bound: 0.7 / 0.02
+    assert chunk_for(0.5, [(64, 0.9), (32, 0.95)]) == int(0.5 / (1.85 / 96))  # noise: in proportion
+
+
 def test_a_prompt_riding_a_pass_gets_a_share_its_whole_rest_or_its_last_step():
     """Scheduler._ride_chunk: a long prompt's chunk adds RIDE_SHARE of the rounds' pass; a
     rest that adds at most a pass's time rides whole; another chunk's share taken, none
