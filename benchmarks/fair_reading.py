@@ -73,7 +73,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     engine = Engine(str(resolve_model(args.model)), history=False)
     long_prompt, *shorts = texts(engine.tokenizer, args.long, 1 + len(depths) * len(RULES))
     long_prompt = long_prompt[:args.long]
-    reached, done, rows = threading.Condition(), [], []
+    reached, done, failed, rows = threading.Condition(), [], [], []
     position = [0, 0.0]  # tokens read, when the last pass ended
 
     def progress(read: int, total: int) -> None:
@@ -89,6 +89,11 @@ def main(argv: Optional[List[str]] = None) -> None:
                 pass
         except Left:
             pass
+        except Exception as error:  # (reported by the main thread)
+            failed.append(error)
+        finally:  # (a reading that failed or ended wakes the waits, which see it is over)
+            with reached:
+                reached.notify_all()
 
     reader = threading.Thread(target=read_long)
     reader.start()
@@ -96,6 +101,8 @@ def main(argv: Optional[List[str]] = None) -> None:
         for depth in depths:
             with reached:
                 reached.wait_for(lambda depth=depth: position[0] >= depth or not reader.is_alive())
+            if failed:
+                raise SystemExit(f"error: the long prompt's reading failed: {failed[0]!r}")
             for rule in RULES:
                 use_rule(rule)
                 with reached:  # the pass in flight, sized under the other rule, ends; then one of this

@@ -87,7 +87,8 @@ def chunk_for(seconds: float, passes: Sequence[Tuple[int, float]]) -> Optional[i
     slow device: on this CPU, Qwen2.5-Coder-1.5B's floor is about 0.7 s), a pass of twice
     its floor: the bound cannot be met, and passes sized to it by their pace alone shrank to
     a token or two, reading a 657-token prompt 7 times slower (measured with SmolLM2 and a
-    bound of 0.05 s). None: no pass yet."""
+    bound of 0.05 s). At most PROMPT_TOKENS_PER_TURN (``seconds`` may be infinite: no bound);
+    None: no pass yet."""
     if not passes:
         return None
     tokens = np.array([n for n, _ in passes], dtype=np.float64)
@@ -95,7 +96,7 @@ def chunk_for(seconds: float, passes: Sequence[Tuple[int, float]]) -> Optional[i
     per_token, floor = np.polyfit(tokens, times, 1) if np.ptp(tokens) > 0 else (0.0, 0.0)
     if per_token <= 0 or floor < 0:  # (all alike, or noise: in proportion)
         per_token, floor = times.sum() / tokens.sum(), 0.0
-    return int(max(seconds - floor, floor) / max(per_token, 1e-9))
+    return int(min(max(seconds - floor, floor) / max(per_token, 1e-9), PROMPT_TOKENS_PER_TURN))
 
 
 @dataclass
@@ -302,8 +303,7 @@ class Scheduler:
                         break
                 else:
                     sized = chunk_for(seconds, request.passes)
-                    decoder.read_chunk = FIRST_CHUNK if sized is None else \
-                        max(MIN_CHUNK, min(PROMPT_TOKENS_PER_TURN, sized))
+                    decoder.read_chunk = FIRST_CHUNK if sized is None else max(MIN_CHUNK, sized)
                 tic = time.perf_counter()
                 try:
                     progress = next(request.reading, None)

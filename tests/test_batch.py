@@ -388,6 +388,7 @@ def test_a_prompt_read_in_passes_of_its_own_is_sized_past_the_pass_floor():
     assert abs(chunk_for(0.5, passes(0.1, 0.01, [64, 30, 45])) - 40) <= 1  # (0.5 - 0.1) / 0.01
     assert abs(chunk_for(0.5, passes(0.7, 0.02, [64, 20, 5])) - 35) <= 1  # floor 0.7 past the bound: 0.7 / 0.02
     assert chunk_for(0.5, [(64, 0.9), (32, 0.95)]) == int(0.5 / (1.85 / 96))  # noise: in proportion
+    assert chunk_for(float("inf"), passes(0.1, 0.01, [64, 30])) == 512  # no bound: PROMPT_TOKENS_PER_TURN
 
 
 def test_a_prompt_riding_a_pass_gets_a_share_its_whole_rest_or_its_last_step():
