@@ -127,7 +127,11 @@ class EagleDrafter(Drafter):
             # A probe's outcome weighs more: while held back, it is all there is to go on.
             weight = 0.0 if not self.rounds else 0.5 if self.probing else self.MEMORY
             self.accepted = weight * self.accepted + (1 - weight) * outcome.accepted
-            self.nodes = weight * self.nodes + (1 - weight) * len(outcome.proposal.tree)
+            if len(outcome.proposal.tree) or not self.rounds:
+                # A tree the batch's pass cut to nothing (node_odds) yielded nothing, and still
+                # cost its drafting: counted as its nodes were, a head that the batch keeps
+                # cutting holds back, rather than drafting trees no pass verifies.
+                self.nodes = weight * self.nodes + (1 - weight) * len(outcome.proposal.tree)
             self.rounds += 1
         if self.held >= self.PROBE - 1 and not self.could_pay():
             # A probe that would not pay were every node accepted (beside many rows, on a
