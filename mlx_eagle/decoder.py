@@ -44,7 +44,7 @@ from .drafters.admit import admit_or_warn
 from .distributed import check_same, shared_proposal, sharded
 from .errors import UserError
 from .grammar import Grammar, Shaped, mask_logits
-from .node_odds import DraftCharge, NodeOdds, choose_across, slots
+from .node_odds import NodeOdds, choose_across, slots
 from .thinking import ThinkingBudget
 from .prompt_cache import PromptCache, make_prompt_cache
 from .rewind import Rewind, needs_rewind
@@ -540,8 +540,7 @@ def rounds_pack(model: nn.Module, cache: List, shards: bool) -> bool:
 
 
 def batched_round(decoders: Sequence[SpeculativeDecoder], rooms: Sequence[int],
-                  reading: Sequence[PromptChunk] = (), charge: Optional[DraftCharge] = None) \
-        -> List[Union[Round, Exception]]:
+                  reading: Sequence[PromptChunk] = ()) -> List[Union[Round, Exception]]:
     """One round for several conversations of one target (each ``batches``): each drafts on
     its own, their blocks are verified in one packed forward pass (target.packed_forward),
     each accepts and commits its own, and their drafters observe together (observe_rows: a
@@ -551,9 +550,7 @@ def batched_round(decoders: Sequence[SpeculativeDecoder], rooms: Sequence[int],
     drafting, accepting or observing fails has its error in its place (its caches are left
     unfinished: nothing later reuses them), and the others' rounds are what they would be
     without it. ``reading``: new prompts' chunks read in the same pass (each chunk's ``out``
-    set; the pass's failure raises, and ends every reading). ``charge``: what drafting costs
-    a round past its pass, charged to the nodes the pass takes (node_odds.DraftCharge; the
-    caller tells it the round's time)."""
+    set; the pass's failure raises, and ends every reading)."""
     results: List[Union[Round, Exception, None]] = [None] * len(decoders)
     drafted: List[Tuple[int, Drafted]] = []
     # Each drafts up to its cap: priced as if the others verified their roots (and unread
@@ -567,7 +564,7 @@ def batched_round(decoders: Sequence[SpeculativeDecoder], rooms: Sequence[int],
         except Exception as error:
             results[index] = error
     if len(drafted) > 1:
-        drafted = _chosen_across(decoders, drafted, charge)
+        drafted = _chosen_across(decoders, drafted)
     if drafted or reading:
         with ExitStack() as stack:
             recorded = [stack.enter_context(decoders[i]._before_verify(d)) for i, d in drafted]
@@ -599,13 +596,12 @@ def batched_round(decoders: Sequence[SpeculativeDecoder], rooms: Sequence[int],
     return results
 
 
-def _chosen_across(decoders: Sequence[SpeculativeDecoder], drafted: List[Tuple[int, Drafted]],
-                   charge: Optional[DraftCharge] = None) -> List[Tuple[int, Drafted]]:
+def _chosen_across(decoders: Sequence[SpeculativeDecoder], drafted: List[Tuple[int, Drafted]]) -> \
+        List[Tuple[int, Drafted]]:
     """The rows' drafted trees cut to the nodes that pay across the pass
     (node_odds.choose_across), priced on this device's packed passes of as many rows
-    (Costs.pass_ms) at the rows' mean context, plus ``charge``'s measured cost of drafting
-    where any node is taken; a tree a grammar shaped is verified whole. Unmeasured costs:
-    as drafted."""
+    (Costs.pass_ms) at the rows' mean context; a tree a grammar shaped is verified whole.
+    Unmeasured costs: as drafted."""
     if decoders[drafted[0][0]]._costs_of is None:
         return drafted
     costs = decoders[drafted[0][0]]._measured()
@@ -616,14 +612,6 @@ def _chosen_across(decoders: Sequence[SpeculativeDecoder], drafted: List[Tuple[i
                for (index, d), cut in zip(drafted, free)]
     verified = sum(1 + len(d.unread) + (0 if cut else len(d.tree)) for (_, d), cut in zip(drafted, free))
     attending = sum(len(d.committed) for _, d in drafted) // len(drafted)
-    if all(decoders[index].drafter is None for index, _ in drafted):
-        charge = None  # (plain batching: nothing to charge, nor to learn it from)
-    drafting = charge.charge(len(drafted)) if charge is not None else 0.0
-    kept = [[] for _ in drafted] if drafting is None else \
-        choose_across(chances, verified, lambda tokens: costs.pass_ms(len(drafted), tokens, attending), drafting)
-    if charge is not None:
-        taken = sum(len(keep) for keep in kept)
-        charge.priced(len(drafted), costs.pass_ms(len(drafted), verified + taken, attending),
-                      bool(taken) or verified > sum(1 + len(d.unread) for _, d in drafted))
+    kept = choose_across(chances, verified, lambda tokens: costs.pass_ms(len(drafted), tokens, attending))
     return [(index, d.cut(keep) if cut and len(keep) < len(d.tree) else d)
             for (index, d), cut, keep in zip(drafted, free, kept)]

@@ -41,7 +41,6 @@ from .decoder import PromptChunk, batched_round, batches
 from .drafters import common_prefix
 from .errors import Busy, UserError
 from .generation import Generation, GenerationResponse, check_prompt, prompt_ids
-from .node_odds import charge_of
 from .options import ReplyOptions
 from .plan import plan_drafts
 from .prompt_cache import PromptCache, PromptCaches
@@ -365,12 +364,10 @@ class Scheduler:
         riding, self.riding = self.riding, []
         together = [r for r in rows if batches(r.generation.decoder)] if len(rows) > 1 or riding else []
         tic = time.perf_counter()
-        charge = charge_of(together[0].generation.decoder.target) if together else None
         if together:
             try:
                 rounds = batched_round([r.generation.decoder for r in together],
-                                       [r.generation.room() for r in together], [chunk for _, chunk in riding],
-                                       charge)
+                                       [r.generation.room() for r in together], [chunk for _, chunk in riding])
             except Exception as error:  # the shared pass itself failed: every row's reply ends with it
                 rounds = [error] * len(together)
                 for request, _ in riding:
@@ -389,8 +386,6 @@ class Scheduler:
                 result = error
             self._conclude(request, result)
         seconds = time.perf_counter() - tic
-        if charge is not None:
-            charge.took(seconds if not riding and len(together) == len(rows) else None)
         self.rode = self.rode + 1 if riding else 0
         if rows and not riding:
             self.decode_seconds = seconds if self.decode_seconds is None else 0.7 * self.decode_seconds + 0.3 * seconds

@@ -19,7 +19,7 @@ from mlx_eagle.drafters.dspark import DSparkDrafter, load as load_dspark
 from mlx_eagle.drafters.eagle import EagleDrafter
 from mlx_eagle.drafters.lookup import LookupDrafter
 from mlx_eagle.heads import new_head
-from mlx_eagle.node_odds import DraftCharge, NodeOdds, choose_across, slots
+from mlx_eagle.node_odds import NodeOdds, choose_across, slots
 from mlx_eagle.trees import DraftTree, parse_tree
 from mlx_eagle.verify import Sampling
 from plain import plain_tokens
@@ -41,34 +41,6 @@ def test_where_no_node_pays_the_pass_verifies_the_roots_alone():
     steep = lambda tokens: float(tokens)  # every token costs a whole step: no draft pays  # noqa: E731
     assert choose_across([[0.9, 0.8], [0.7]], 2, steep) == [[], []]
     assert choose_across([[0.9, 0.8], [0.7]], 2, lambda tokens: 1.0) == [[0, 1], [0]]  # free: every node
-
-
-def test_drafting_is_charged_what_a_round_with_drafts_measurably_costs_past_its_pass():
-    """DraftCharge: the measured time of rounds with drafts past their pass's price, less
-    that of rounds without, charged to the first node a pass takes; where it outweighs what
-    the nodes save, the batch verifies its roots alone. One round in PLAIN_EVERY of a size
-    verifies roots alone, and the charge fades while no round with drafts is measured."""
-    rows = [[0.9, 0.8], [0.7]]
-    assert choose_across(rows, 2, CPU, drafting=0.0) == choose_across(rows, 2, CPU) == [[0, 1], [0]]
-    assert choose_across(rows, 2, CPU, drafting=CPU(2)) == [[], []]  # a whole pass's worth: nothing pays
-
-    charge = DraftCharge()
-    assert charge.charge(8) == 0.0  # unmeasured: drafts priced by their pass alone
-    charge.priced(8, 120.0, True)
-    charge.took(0.131)  # 11 ms past its pass
-    assert charge.charge(8) == 0.0  # (no round without drafts measured yet)
-    charge.priced(8, 97.0, False)
-    charge.took(0.099)  # 2 ms past its pass
-    charge.priced(8, 97.0, False)
-    charge.took(None)  # (a prompt's chunk rode it: not counted)
-    assert charge.charge(8) == pytest.approx(9.0 * DraftCharge.FADE)  # one round without since
-    assert charge.charge(4) == 0.0  # each size its own
-    forced = [charge.charge(8) for _ in range(2 * DraftCharge.PLAIN_EVERY)]
-    assert forced.count(None) == 2  # roots alone, one round in PLAIN_EVERY
-    charge.priced(8, 120.0, True)
-    charge.took(0.141)  # a round with drafts: 21 ms past; the charge back, unfaded
-    expected = 0.8 * 11 + 0.2 * 21 - 2
-    assert charge.charge(8) in (None, pytest.approx(expected))
 
 
 def test_a_childs_chance_never_passes_its_parents_so_kept_trees_stay_trees():
@@ -173,35 +145,26 @@ def test_a_round_of_rows_with_nothing_worth_verifying_is_plain_batching():
     assert all(d.drafter.seen[-1].proposal is not None and not d.drafter.seen[-1].proposal for d in decoders)
 
 
-def test_a_batch_whose_drafting_costs_more_than_it_saves_runs_as_plain_batching():
-    """Rounds with drafts measured 60 ms past their pass, rounds without 2 ms (DraftCharge):
-    where the drafts pay by the pass alone (the first round without the charge verifies
-    some), every round verifies the roots alone, the text is the target's, and EAGLE heads
-    whose trees the pass keeps cutting hold back, however well their trees paid before (a
-    tree cut to nothing counts as its nodes unaccepted, not as no nodes)."""
+def test_an_eagle_head_whose_trees_the_pass_keeps_cutting_holds_back():
+    """Heads whose own prices say their trees pay (2 of 10 nodes accepted a round, as if
+    alone), in a batch whose learned odds say none of their nodes will be accepted: every
+    round verifies the roots alone, the text is the target's, and the heads hold back,
+    rather than grow trees no pass verifies (fails where a tree cut to nothing counts as
+    no nodes: its yield and its size then fade together, and its own price keeps saying
+    it pays)."""
     model = tiny_target(0)
     costs = lambda: Costs(CPU_COSTS.verify_ms)  # noqa: E731
     spec = parse_tree("static:default")
-
-    def heads():
-        return [SpeculativeDecoder(model, EagleDrafter(new_head(model, "eagle3", draft_vocab_size=64, seed=index),
+    decoders = [SpeculativeDecoder(model, EagleDrafter(new_head(model, "eagle3", draft_vocab_size=64, seed=index),
                                                        model, spec, CPU_COSTS.at()), Sampling(), costs=costs)
                 for index in range(len(PROMPTS))]
-
-    uncharged = heads()
-    for decoder, prompt in zip(uncharged, PROMPTS):
-        decoder.prefill(prompt)
-    assert sum(result.drafted for result in batched_round(uncharged, [20] * len(PROMPTS))) > 0
-
-    decoders, charge, count = heads(), DraftCharge(), 40
-    for drafted, residue in ((True, 60.0), (False, 2.0)):
-        charge.residues[len(PROMPTS), drafted] = residue
+    count = 40
     replies = [[decoder.prefill(prompt)] for decoder, prompt in zip(decoders, PROMPTS)]
-    for decoder in decoders:  # as if each head's trees had paid alone: 2 of its 10 nodes accepted a round
+    for decoder in decoders:
         decoder.drafter.rounds, decoder.drafter.accepted, decoder.drafter.nodes = 20, 2.0, 10.0
+        decoder.odds.tried[:], decoder.odds.accepted[:] = 1000, 0  # none of its nodes accepted, ever
     while min(map(len, replies)) < count:
-        results = batched_round(decoders, [count + 1] * len(decoders), charge=charge)
-        charge.took(None)  # (the charge kept as set)
+        results = batched_round(decoders, [count + 1] * len(decoders))
         assert sum(result.drafted for result in results) == 0
         for reply, result in zip(replies, results):
             reply += result.tokens
