@@ -128,9 +128,9 @@ class EagleDrafter(Drafter):
             weight = 0.0 if not self.rounds else 0.5 if self.probing else self.MEMORY
             self.accepted = weight * self.accepted + (1 - weight) * outcome.accepted
             if len(outcome.proposal.tree) or not self.rounds:
-                # A tree the batch's pass cut to nothing (node_odds) yielded nothing, and still
-                # cost its drafting: counted as its nodes were, a head that the batch keeps
-                # cutting holds back, rather than drafting trees no pass verifies.
+                # A tree the batch's pass cut to nothing (node_odds) keeps the size it was last
+                # verified at: its yield fades and its size does not, so a head the batch keeps
+                # cutting holds back, rather than growing trees no pass verifies.
                 self.nodes = weight * self.nodes + (1 - weight) * len(outcome.proposal.tree)
             self.rounds += 1
         if self.held >= self.PROBE - 1 and not self.could_pay():
