@@ -16,9 +16,10 @@ Workloads:
 One server is measured at a time (the others idle), the order rotating per level.
 
 Reported per server, workload and level: aggregate completion tokens/s (all clients' tokens
-over the level's wall time), p50 and p95 request latency, p50 time to first token (chat;
-streamed), and whether every reply was the same text on every server and at every level
-(each request's reply alone: the level-1 replies are the reference where they overlap).
+over the level's wall time), p50 and p95 request latency, p50 time to first token and p99 time
+between a reply's deliveries (chat; streamed: a round's tokens may arrive together), and
+whether every reply was the same text on every server and at every level (each request's
+reply alone: the level-1 replies are the reference where they overlap).
 A table on standard output, the JSON in ``--out``, and a plot of tokens/s and p50 latency
 against clients (``--plot``).
 """
@@ -53,9 +54,10 @@ def chat_prompts(count: int, skip: int = 0) -> List[str]:
 
 
 def chat_request(client: openai.OpenAI, prompt: str, max_tokens: int) -> dict:
-    """One streamed chat request: its text, tokens, latency and time to first token."""
+    """One streamed chat request: its text, tokens, latency, time to first token and the gaps
+    between its deliveries after the first (a round's tokens may arrive together)."""
     tic = time.perf_counter()
-    first, text, tokens = None, "", None
+    first, text, tokens, gaps, last = None, "", None, [], None
     stream = client.chat.completions.create(model="default_model", messages=[{"role": "user", "content": prompt}],
                                             max_tokens=max_tokens, temperature=0, stream=True,
                                             stream_options={"include_usage": True})
@@ -64,11 +66,14 @@ def chat_request(client: openai.OpenAI, prompt: str, max_tokens: int) -> dict:
         if chunk.usage is not None:
             tokens = chunk.usage.completion_tokens
         if chunk.choices and chunk.choices[0].delta.content:
-            first = first if first is not None else time.perf_counter() - tic
+            now = time.perf_counter()
+            first = first if first is not None else now - tic
+            gaps += [now - last] if last is not None else []
+            last = now
             text += chunk.choices[0].delta.content
             chunks += 1
     return {"prompt": prompt, "text": text, "tokens": tokens if tokens is not None else chunks,
-            "seconds": time.perf_counter() - tic, "first_token": first}
+            "seconds": time.perf_counter() - tic, "first_token": first, "gaps": gaps}
 
 
 def agent_request(client: openai.OpenAI, task: str, max_tokens: int) -> dict:
@@ -76,7 +81,7 @@ def agent_request(client: openai.OpenAI, task: str, max_tokens: int) -> dict:
     tic = time.perf_counter()
     transcript, requests = run_task(client, task, max_tokens)
     return {"prompt": task, "text": json.dumps(transcript), "tokens": sum(r["tokens"] for r in requests),
-            "seconds": time.perf_counter() - tic, "first_token": None}
+            "seconds": time.perf_counter() - tic, "first_token": None, "gaps": []}
 
 
 def run_level(client: openai.OpenAI, workload: str, clients: int, requests: int, max_tokens: int,
@@ -112,10 +117,12 @@ def run_level(client: openai.OpenAI, workload: str, clients: int, requests: int,
     replies = [reply for client_replies in done for reply in client_replies]
     latencies = sorted(r["seconds"] for r in replies)
     firsts = sorted(r["first_token"] for r in replies if r["first_token"] is not None)
+    gaps = sorted(gap for r in replies for gap in r["gaps"])
     return {"clients": clients, "wall_seconds": wall, "tokens": sum(r["tokens"] for r in replies),
             "tokens_per_s": sum(r["tokens"] for r in replies) / wall,
             "p50_latency": statistics.median(latencies), "p95_latency": percentile(latencies, 0.95),
             "p50_first_token": statistics.median(firsts) if firsts else None,
+            "p99_between_tokens": percentile(gaps, 0.99) if gaps else None,
             "replies": {r["prompt"]: r["text"] for r in replies}}
 
 
@@ -191,15 +198,17 @@ def main(argv: Optional[List[str]] = None) -> None:
     base = "mlx-lm" if "mlx-lm" in kinds else kinds[0]
     print(f"identical replies on every server and at every level: {identical}")
     print(f"{'workload':8} {'clients':>7} {'server':10} {'tokens/s':>9} {'vs ' + base:>10} {'p50 s':>7} {'p95 s':>7} "
-          f"{'p50 TTFT':>9}")
+          f"{'p50 TTFT':>9} {'p99 gap':>8}")
     for workload in workloads:
         for index, level in enumerate(levels):
             for kind in kinds:
                 run = runs[workload][kind][index]
                 ratio = run["tokens_per_s"] / runs[workload][base][index]["tokens_per_s"]
                 first = f"{run['p50_first_token']:9.2f}" if run["p50_first_token"] is not None else f"{'':9}"
+                gap = run["p99_between_tokens"]
+                gap = f"{gap:8.2f}" if gap is not None else f"{'':8}"
                 print(f"{workload:8} {level:7} {kind:10} {run['tokens_per_s']:9.1f} {ratio:9.2f}x "
-                      f"{run['p50_latency']:7.1f} {run['p95_latency']:7.1f} {first}")
+                      f"{run['p50_latency']:7.1f} {run['p95_latency']:7.1f} {first} {gap}")
     if args.plot:
         plot(result, args.plot)
         print(f"wrote {args.plot}")
