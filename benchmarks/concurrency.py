@@ -67,8 +67,10 @@ def chat_request(client: openai.OpenAI, prompt: str, max_tokens: int) -> dict:
             tokens = chunk.usage.completion_tokens
         if chunk.choices and chunk.choices[0].delta.content:
             now = time.perf_counter()
-            first = first if first is not None else now - tic
-            gaps += [now - last] if last is not None else []
+            if last is None:
+                first = now - tic
+            else:
+                gaps.append(now - last)
             last = now
             text += chunk.choices[0].delta.content
             chunks += 1
