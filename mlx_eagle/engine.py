@@ -224,6 +224,17 @@ class Engine:
         rounds one after another: a hybrid's recurrent layers, latent attention, shards)."""
         return rounds_pack(self.model, make_cache(self.model), self.shards) and self.scheduler.max_concurrency > 1
 
+    def time_batches(self) -> None:
+        """Time this device's packed passes now, where the engine verifies drafted rounds of
+        several conversations together and they are not timed yet (once per device and
+        target, kept on disk; on a CPU up to about 20 s): else the first round of several
+        conversations times them, every client waiting (the server calls this before serving)."""
+        def measure() -> None:
+            if self.batches and self.plan().active:  # (never sharded: no collective to pair)
+                self.plan().settings.costs.measure_packed()
+
+        self._call(measure)
+
     @property
     def context_length(self) -> Optional[int]:
         return getattr(self.model.args, "max_position_embeddings", None)

@@ -12,7 +12,9 @@ from contextlib import contextmanager
 
 import pytest
 
+import mlx_eagle.costs
 import mlx_eagle.decoder
+from mlx_eagle.costs import verify_costs
 from mlx_eagle.errors import Busy
 from mlx_eagle.plan import load_draft
 from mlx_eagle.replies import chat_tokens
@@ -322,5 +324,22 @@ def test_agents_starting_together_on_one_long_prefix_read_it_once(smollm):
         assert reused[0] == 0 and reused[1] >= len(prefix) - 16  # the beginning read once
         for ids, responses in zip(asks, results):
             assert [r.token for r in responses] == plain(model, ids, 6, tokenizer.eos_token_ids).tokens
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("concurrency, draft, timed", [(4, "lookup", True), (1, "lookup", False), (4, "none", False)])
+def test_an_engine_that_batches_drafts_times_packed_passes_before_serving(smollm, concurrency, draft, timed, tmp_path,
+                                                                          monkeypatch):
+    """time_batches (the server's, before it serves) times the packed passes that price a
+    round of several conversations, so that the first such round keeps no client waiting;
+    an engine that never verifies drafted rounds together times none."""
+    monkeypatch.setenv("MLX_EAGLE_CACHE", str(tmp_path))
+    monkeypatch.setattr(mlx_eagle.costs, "_CURVES", {})
+    model, tokenizer = smollm
+    engine = Engine(loaded=(model, tokenizer, None), draft=draft, history=False, max_concurrency=concurrency)
+    try:
+        engine.time_batches()
+        assert (verify_costs(model).packed_ms is not None) == timed
     finally:
         engine.close()

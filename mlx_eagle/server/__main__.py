@@ -134,6 +134,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         print(f"warning: listening on {host}, reachable from other machines; the API has no authentication",
               file=sys.stderr)
     card = server.model_card()  # (what drafts, asked now: a worker busy later would keep /v1/models waiting)
+    engine.time_batches()
     shards = f", {sharding(engine.model)}" if sharding(engine.model) else ""
     together = (f"up to {args.max_concurrency} requests at once, their rounds verified together" if engine.batches
                 else f"up to {args.max_concurrency} requests at once, their rounds one after another (this model's "
