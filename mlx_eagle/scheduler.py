@@ -58,10 +58,6 @@ PROMPT_TOKENS_PER_TURN = 512  # new prompts' tokens read a turn, all together (t
 # and an arrival waits about a second more (benchmarks/fair_reading.py).
 PASS_SECONDS = 0.5
 ALONE_PASS_SECONDS = 0.5
-# A pass read alone holds at least this many of its floors (chunk_for), so that a prompt
-# read alone reads at 4/5 of its pace or more: on this CPU Qwen2.5-Coder-0.5B's floor is
-# about 0.2 s, and passes of 0.5 s read a 600-token prompt at about 60% of its pace.
-ALONE_PASS_FLOORS = 5
 MIN_CHUNK = 1
 FIRST_CHUNK = 64
 # Where replies decode in a packed pass, a new prompt's chunk is read inside it (one pass
@@ -83,16 +79,16 @@ REPLY_SECONDS_PRIOR = 30.0
 MAX_RETRY_AFTER = 600  # seconds
 
 
-def chunk_for(seconds: float, passes: Sequence[Tuple[int, float]], floors: int = 2) -> Optional[int]:
+def chunk_for(seconds: float, passes: Sequence[Tuple[int, float]]) -> Optional[int]:
     """The prompt tokens a pass of its own reads in about ``seconds``, from its last
     ``passes`` (tokens, seconds): along a line fitted through them, a pass's floor (the
     weights read once, whatever it holds) plus a time per token; through the origin where
-    they all held as many tokens. Where ``floors`` floors pass the bound (a large model on a
-    slow device: on this CPU, Qwen2.5-Coder-1.5B's floor is about 0.7 s), a pass of that
-    many floors: the bound cannot be met, and passes sized to it by their pace alone shrank
-    to a token or two, reading a 657-token prompt 7 times slower (measured with SmolLM2 and
-    a bound of 0.05 s). At most PROMPT_TOKENS_PER_TURN (``seconds`` may be infinite: no
-    bound); None: no pass yet."""
+    they all held as many tokens. Where the floor passes half the bound (a large model on a
+    slow device: on this CPU, Qwen2.5-Coder-1.5B's floor is about 0.7 s), a pass of twice
+    its floor: the bound cannot be met, and passes sized to it by their pace alone shrank to
+    a token or two, reading a 657-token prompt 7 times slower (measured with SmolLM2 and a
+    bound of 0.05 s). At most PROMPT_TOKENS_PER_TURN (``seconds`` may be infinite: no bound);
+    None: no pass yet."""
     if not passes:
         return None
     tokens = np.array([n for n, _ in passes], dtype=np.float64)
@@ -100,7 +96,7 @@ def chunk_for(seconds: float, passes: Sequence[Tuple[int, float]], floors: int =
     per_token, floor = np.polyfit(tokens, times, 1) if np.ptp(tokens) > 0 else (0.0, 0.0)
     if per_token <= 0 or floor < 0:  # (all alike, or noise: in proportion)
         per_token, floor = times.sum() / tokens.sum(), 0.0
-    return int(min(max(seconds - floor, (floors - 1) * floor) / max(per_token, 1e-9), PROMPT_TOKENS_PER_TURN))
+    return int(min(max(seconds - floor, floor) / max(per_token, 1e-9), PROMPT_TOKENS_PER_TURN))
 
 
 @dataclass
@@ -291,8 +287,7 @@ class Scheduler:
         (RIDE_PROMPTS, _ride_chunk)."""
         budget = PROMPT_TOKENS_PER_TURN
         reading = [r for r in self.live if r.reading is not None]
-        alone = len(self.live) == 1 and not self.waiting
-        seconds, floors = (ALONE_PASS_SECONDS, ALONE_PASS_FLOORS) if alone else (PASS_SECONDS, 2)
+        seconds = PASS_SECONDS if len(self.live) > 1 or self.waiting else ALONE_PASS_SECONDS
         packed = RIDE_PROMPTS and any(batches(r.generation.decoder) for r in self._rows())
         if packed and self.rode >= RIDE_REFRESH:  # rounds alone now and then: their pass's time as it grows
             return
@@ -307,7 +302,7 @@ class Scheduler:
                     if not decoder.read_chunk:
                         break
                 else:
-                    sized = chunk_for(seconds, request.passes, floors)
+                    sized = chunk_for(seconds, request.passes)
                     decoder.read_chunk = FIRST_CHUNK if sized is None else max(MIN_CHUNK, sized)
                 tic = time.perf_counter()
                 try:
