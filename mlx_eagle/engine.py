@@ -230,8 +230,9 @@ class Engine:
         target, kept on disk; on a CPU up to about 20 s): else the first round of several
         conversations times them, every client waiting (the server calls this before serving)."""
         def measure() -> None:
-            if self.batches and self.plan().active:  # (never sharded: no collective to pair)
-                self.plan().settings.costs.measure_packed()
+            plan = self.plan() if self.batches else None  # (never sharded: no collective to pair)
+            if plan is not None and plan.active:
+                plan.settings.costs.measure_packed()
 
         self._call(measure)
 
