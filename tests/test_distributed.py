@@ -20,6 +20,7 @@ from mlx_lm import stream_generate as mlx_lm_stream_generate
 
 from mlx_eagle import load, stream_generate
 from mlx_eagle.costs import calibration_file, verify_costs
+from mlx_eagle.engine import STOP_SECONDS
 from mlx_eagle.replies import chat_tokens
 from mlx_eagle.heads import new_head, save_head
 from mlx_eagle.target import layer_count, make_cache, tapped_forward
@@ -284,6 +285,15 @@ def test_the_server_on_rank_0_answers_as_plain_decoding(sharp_llama):
                                               max_tokens=200, temperature=0, stream=True)
         next(iter(left))
         left.close()  # rank 0 stops handing it out; both ranks finish it together, and go on in step
+        reply = client.chat.completions.create(model="m", messages=messages, max_tokens=30, temperature=0)
+        assert reply.choices[0].message.content == expected
+        # Ctrl-C reaches each rank at its own moment: rank 1 first, by far here. It goes on
+        # following, past the seconds a closing engine waits, until rank 0 closes it (it
+        # ended on its own before, and under load left rank 0 and itself waiting).
+        (follower,) = [pid for pid in ranks_running(process.pid)
+                       if "MLX_RANK=1" in Path(f"/proc/{pid}/environ").read_text().split("\0")]
+        os.kill(int(follower), signal.SIGINT)
+        time.sleep(STOP_SECONDS + 2)
         reply = client.chat.completions.create(model="m", messages=messages, max_tokens=30, temperature=0)
         assert reply.choices[0].message.content == expected
         os.killpg(process.pid, signal.SIGINT)  # Ctrl-C in the terminal mlx.launch runs in: every rank ends
