@@ -14,6 +14,7 @@ conversations' ``PromptCaches``: a request that continues one reads only its new
 from __future__ import annotations
 
 import queue
+import signal
 import threading
 import time
 import weakref
@@ -131,7 +132,12 @@ class Engine:
 
     def follow(self) -> None:
         """On a rank other than 0 of a sharded model: do what rank 0's engine does (read
-        prompts, plan, generate, forget caches) until it closes."""
+        prompts, plan, generate, forget caches) until it closes. Call it on the main thread:
+        Ctrl-C reaches every rank, each at its own moment, and is rank 0's to answer (the
+        server closes, which closes this engine; chat stops showing a reply, which the ranks
+        finish together). Ending here on our own would leave rank 0's next collectives
+        unpaired, and both ranks waiting."""
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         def job() -> None:
             while True:
                 step, *args = share_message(None)

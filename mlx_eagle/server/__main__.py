@@ -110,12 +110,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                       escape_special_text=args.escape_special_text, **kv_options(args))
 
     if rank():  # a sharded model: rank 0 serves, this rank does what its engine does
-        follower = make_engine()
-        # Ctrl-C reaches every rank, each at its own moment. Rank 0 answers it by closing its
-        # engine, which tells this one to close; stopping here on our own instead would leave
-        # rank 0's last collectives unpaired, and both ranks waiting.
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        follower.follow()
+        make_engine().follow()
         return
     try:
         server = Server((args.host, args.port), None, args.tree, args.max_tokens, quiet=args.quiet,
