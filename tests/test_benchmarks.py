@@ -333,7 +333,7 @@ def test_editor_sends_fill_in_the_middle_requests(tmp_path, qwen_coder_gguf):
 
 
 def test_fair_reading(tmp_path, smollm_float32):
-    run("fair_reading.py", "--model", smollm_float32, "--long", 4000, "--short", 20, "--depths", 512,
+    run("fair_reading.py", "--model", smollm_float32, "--long", 2600, "--short", 20, "--depths", 512,
         "--out", tmp_path / "fair.json")
     rows = json.loads((tmp_path / "fair.json").read_text())["rows"]
     assert [row["rule"] for row in rows] == ["512-token chunks", "passes of 0.5 s (default)",
@@ -420,5 +420,7 @@ def test_agent_clients_runs_a_clients_sessions_across_a_restart(tmp_path, qwen_c
     rows = result["results"]["agents"]["on"]
     assert [row["session"] for row in rows] == ["first", "second", "after restart"]
     assert all(row["ok"] and row["requests"] for row in rows), rows
+    # (test_agent_clients.py leaves this client to this test: a call the model makes reaches its tool and goes back)
+    assert all(row["result_returned"] for row in rows if row["tool_called"]), rows
     first = rows[0]["requests"][0]
     assert first["read"] == first["prompt_tokens"] and first["time_to_first_token"] > 0
