@@ -260,11 +260,18 @@ def test_the_server_on_rank_0_answers_as_plain_decoding(sharp_llama):
 
     model_dir, _ = sharp_llama
     port = str(random.randrange(20000, 60000, 16))
-    process = subprocess.Popen([str(LAUNCHER), "-n", "2", "--backend", "ring", "--starting-port", port, "--",
-                                sys.executable, "-m", "mlx_eagle.server", "--model", str(model_dir), "--draft",
-                                "lookup", "--port", "0", "--quiet"],
-                               stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": RANK_PATH},
-                               start_new_session=True)
+    # Started as a terminal's foreground job is, Ctrl-C not ignored: a shell that runs the suite
+    # in the background (CI's, under nohup) has every process it starts ignore it, and a server
+    # that inherits that rightly goes on serving. (A handled signal is default across exec.)
+    ignored = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        process = subprocess.Popen([str(LAUNCHER), "-n", "2", "--backend", "ring", "--starting-port", port, "--",
+                                    sys.executable, "-m", "mlx_eagle.server", "--model", str(model_dir), "--draft",
+                                    "lookup", "--port", "0", "--quiet"],
+                                   stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": RANK_PATH},
+                                   start_new_session=True)
+    finally:
+        signal.signal(signal.SIGINT, ignored)
     try:
         for line in process.stderr:
             match = re.search(r"at http://127\.0\.0\.1:(\d+)/v1", line)
