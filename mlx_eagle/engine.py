@@ -138,6 +138,7 @@ class Engine:
         finish together). Ending here on our own would leave rank 0's next collectives
         unpaired, and both ranks waiting."""
         signal.signal(signal.SIGINT, signal.SIG_IGN)
+
         def job() -> None:
             while True:
                 step, *args = share_message(None)

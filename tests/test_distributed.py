@@ -296,7 +296,7 @@ def test_the_server_on_rank_0_answers_as_plain_decoding(sharp_llama):
         assert reply.choices[0].message.content == expected
         # Ctrl-C reaches each rank at its own moment: rank 1 first, by far here. It goes on
         # following, past the seconds a closing engine waits, until rank 0 closes it (it
-        # ended on its own before, and under load left rank 0 and itself waiting).
+        # ended on its own before, and rank 0's next request found no one to pair with).
         (follower,) = [pid for pid in ranks_running(process.pid)
                        if "MLX_RANK=1" in Path(f"/proc/{pid}/environ").read_text().split("\0")]
         os.kill(int(follower), signal.SIGINT)
