@@ -344,16 +344,22 @@ def test_fair_reading(tmp_path, smollm_float32):
 
 @pytest.mark.slow  # the real model
 def test_riding_prompts(tmp_path):
-    """The three rules in one run on the default model: replies decode before and while a
-    long prompt is read, and the prompt is read under each (the scheduler's settings put back)."""
+    """The three rules and the control in one run on the default model, the rule inside the
+    pass at two shares: replies decode before and while a long prompt is read, the prompt is
+    read under each rule and not in the control, chunks ride only inside the pass, and the
+    scheduler's settings are put back."""
     from mlx_eagle import scheduler
 
-    run("riding_prompts.py", "--rows", 2, "--long", 300, "--window", 6, "--out", tmp_path / "riding.json")
+    run("riding_prompts.py", "--rows", 2, "--long", 300, "--window", 6, "--shares", "0.5,0.3",
+        "--out", tmp_path / "riding.json")
     rows = json.loads((tmp_path / "riding.json").read_text())["results"]
-    assert [row["ride"] for row in rows] == [False, False, True]
-    assert all(row["gaps_before"]["p50_ms"] > 0 and row["gaps_during"]["p99_ms"] and row["long_read_tokens_per_s"] > 0
-               for row in rows)
-    assert (scheduler.RIDE_PROMPTS, scheduler.PASS_SECONDS) == (True, 0.5)
+    assert [(row["ride"], row["ride_share"]) for row in rows] == [(False, 0.5), (False, 0.5), (True, 0.5),
+                                                                  (True, 0.3), (True, 0.5)]
+    assert all(row["gaps_before"]["p50_ms"] > 0 and row["gaps_during"]["p99_ms"] for row in rows)
+    assert all(row["long_read_tokens_per_s"] > 0 for row in rows[:4]) and rows[4]["long_read_tokens_per_s"] == 0
+    assert [bool(row["passes_during"]["with_chunk"]["passes"]) for row in rows] == [False, False, True, True, False]
+    assert all(rows[i]["passes_during"]["without"]["passes"] for i in (0, 1, 4))  # (a chunk may ride in every pass)
+    assert (scheduler.RIDE_PROMPTS, scheduler.PASS_SECONDS, scheduler.RIDE_SHARE) == (True, 0.5, 0.5)
 
 
 def test_batch_pricing(tmp_path, smollm_float32):
