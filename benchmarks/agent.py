@@ -1,6 +1,7 @@
 """An agent's tool loop against three OpenAI-compatible servers on this machine, side by
 side: mlx-lm's own (``python -m mlx_lm.server``), ours with default settings and ours with
-``--draft none`` (plain decoding through our loop).
+``--draft none`` (plain decoding through our loop); also ``ours-rows`` and ``ours-no-ride``,
+ours with one of the batch's levers off (benchmarks/levers.py).
 
     python benchmarks/agent.py [--model GGUF_OR_DIR] [--tasks 4] [--max-tokens 160]
         [--servers mlx-lm,ours,ours-none] [--out benchmarks/results/agent.json]
@@ -37,11 +38,13 @@ from typing import Dict, Iterator, List, Optional, Tuple
 
 import openai
 
+from levers import LEVERS
 from mlx_eagle.blas import find_openblas
 from mlx_eagle.models import resolve_model
 from mlx_eagle.replies import bare_calls
 
-ROOT = Path(__file__).resolve().parent.parent
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
 SYSTEM = ("You are a coding assistant working in the user's project. Use the tools to read files before you "
           "answer questions about them, to write files when asked to change them (always write the whole "
           "file), and to run the tests. Keep answers short and quote code exactly.")
@@ -120,9 +123,11 @@ def start(kind: str, model_dir: Path, port: int) -> subprocess.Popen:
         env["LD_PRELOAD"] = library
     if kind == "mlx-lm":
         command = [sys.executable, "-m", "mlx_lm.server", "--model", str(model_dir), "--port", str(port)]
-    else:
-        command = [sys.executable, "-m", "mlx_eagle.server", "--model", str(model_dir), "--port", str(port),
-                   "--quiet"] + (["--draft", "none"] if kind == "ours-none" else [])
+    else:  # ours, ours-none (--draft none), or ours-<lever>: one of the batch's levers off (levers.py)
+        lever = kind.removeprefix("ours-")
+        server = [str(HERE / "levers.py"), lever] if lever in LEVERS else ["-m", "mlx_eagle.server"]
+        command = [sys.executable, *server, "--model", str(model_dir), "--port", str(port), "--quiet"] \
+            + (["--draft", "none"] if kind == "ours-none" else [])
     return subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT)
 
 

@@ -21,6 +21,8 @@ import time
 from pathlib import Path
 from typing import List, Optional
 
+from levers import lever_off
+
 from mlx_eagle.cli import use_fast_blas
 
 HERE = Path(__file__).resolve().parent
@@ -52,24 +54,12 @@ def main(argv: Optional[List[str]] = None) -> None:
     draft = args.draft if args.draft in ("none", "lookup") else load_draft(args.draft, model)
     batch_generate(model, tokenizer, prompts[:1], max_tokens=4, draft=draft)  # (timings and trees made once)
 
-    from mlx_eagle.drafters import Drafter
-    from mlx_eagle.drafters.dflash import DFlashDrafter
-    from mlx_eagle.drafters.draft_model import DraftModelDrafter
-    from mlx_eagle.drafters.eagle import EagleDrafter
-
     def ours(batch, drafting=draft):
         return batch_generate(model, tokenizer, batch, max_tokens=args.max_tokens, draft=drafting).texts
 
     def drafters_row_by_row(batch):
-        kinds = (EagleDrafter, DFlashDrafter, DraftModelDrafter)  # (DSpark's drafter is a DFlashDrafter)
-        together = [kind.__dict__["observe_together"] for kind in kinds]
-        for kind in kinds:  # the lever off, for this run only
-            kind.observe_together = Drafter.observe_together
-        try:
+        with lever_off("rows"):  # (for this run only)
             return ours(batch)
-        finally:
-            for kind, method in zip(kinds, together):
-                kind.observe_together = method
 
     def in_turn(batch):
         return ["".join(r.text for r in stream_generate(model, tokenizer, ids, max_tokens=args.max_tokens,

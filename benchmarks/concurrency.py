@@ -1,6 +1,8 @@
 """Concurrent clients against three OpenAI-compatible servers on this machine, side by side:
 mlx-lm's own (``python -m mlx_lm.server``, batching by default), ours with default settings
-and ours with ``--draft none``.
+and ours with ``--draft none``; also, by ``--servers``, ``ours-rows`` and ``ours-no-ride``:
+ours with one of the batch's levers off (benchmarks/levers.py: the drafters drafting one
+conversation after another; new prompts read between the rounds, not inside their pass).
 
     python benchmarks/concurrency.py [--model GGUF_OR_DIR] [--clients 1,2,4,8,16]
         [--workloads chat,agent] [--requests 2] [--max-tokens 64]
