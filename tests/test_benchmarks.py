@@ -33,6 +33,51 @@ def test_every_benchmark_script_has_a_smoke_test_here():
     assert scripts and scripts == tested, scripts - tested
 
 
+def test_levers_turns_each_lever_off_within_its_block_and_serves_with_it_off():
+    """benchmarks/levers.py ("levers.py"): each lever off inside the block and on again after
+    it, a lever it does not know refused with one line, and its server run as a script."""
+    spec = importlib.util.spec_from_file_location("benchmark_levers", BENCHMARKS / "levers.py")
+    levers = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(levers)
+    from mlx_eagle import scheduler
+    from mlx_eagle.drafters import Drafter
+    from mlx_eagle.drafters.dflash import DFlashDrafter
+    from mlx_eagle.drafters.draft_model import DraftModelDrafter
+    from mlx_eagle.drafters.eagle import EagleDrafter
+
+    def together() -> list:  # each kind's own drafting of the batch (the decoder's test: its class method's function)
+        return [kind.observe_together.__func__ for kind in (EagleDrafter, DFlashDrafter, DraftModelDrafter)]
+
+    own, default = together(), Drafter.observe_together.__func__
+    assert default not in own
+    with levers.lever_off("rows"):
+        assert together() == [default] * 3 and scheduler.RIDE_PROMPTS
+    with levers.lever_off("no-ride"):
+        assert not scheduler.RIDE_PROMPTS and together() == own
+    assert scheduler.RIDE_PROMPTS and together() == own
+    with pytest.raises(SystemExit, match="no lever 'seat'; the levers are rows, no-ride"):
+        with levers.lever_off("seat"):
+            pass
+    sys.path.insert(0, str(BENCHMARKS))
+    from agent import start  # the server agent.py and concurrency.py start for "ours-no-ride"
+
+    class Launch(Exception):
+        pass
+
+    def launched(command, **kwargs):
+        raise Launch(command)
+
+    import subprocess
+
+    original, subprocess.Popen = subprocess.Popen, launched
+    try:
+        with pytest.raises(Launch) as started:
+            start("ours-no-ride", Path("model"), 8000)
+    finally:
+        subprocess.Popen = original
+    assert started.value.args[0][1:3] == [str(BENCHMARKS / "levers.py"), "no-ride"]
+
+
 def test_agent_runs_a_tool_loop_against_a_server(tmp_path, qwen_coder_gguf):
     import socket
 
