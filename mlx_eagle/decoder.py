@@ -422,6 +422,7 @@ def read_prompt(decoder: SpeculativeDecoder, prompt: List[int], chunk: int = 512
         spans = itertools.chain(_spans(decoder, last, chunk), [(last, len(prompt))]) if last_alone \
             else _spans(decoder, len(prompt), chunk)
         for begin, end in spans:
+            rode = decoder.rides  # (whether this span is read inside another's pass: _read_pass)
             out = yield from _read_pass(decoder, prompt, begin, end, features, hidden, SpeculativeDecoder._forward)
             features.append(out.features)
             hidden.append(out.hidden)
@@ -433,7 +434,8 @@ def read_prompt(decoder: SpeculativeDecoder, prompt: List[int], chunk: int = 512
             yield from _chunk_read(decoder, prompt, end, features, hidden)
         # (For a model's own forward pass, its LM head: models scale their logits their own ways.)
         logits = decoder._held(lm_head(decoder.target, out.hidden[-1]) if decoder.drives_target else out.logits[-1])
-        if end - begin > 1 and decoder._unsure(logits, len(prompt)):  # read the last token alone, as plain decoding
+        # Read the last token alone, as plain decoding, where a row of a larger pass may choose otherwise.
+        if (end - begin > 1 or rode) and decoder._unsure(logits, len(prompt)):
             keep_cache_entries(decoder.target_cache, last, [])
             out = decoder._forward(mx.array(prompt[-1:]), last, None)
             features[-1] = mx.concatenate([features[-1][:-1], out.features])
@@ -488,14 +490,16 @@ def _read_pass(decoder: SpeculativeDecoder, prompt: List[int], begin: int, end: 
                alone: Callable[[SpeculativeDecoder, mx.array, int, Mask], Optional[TargetOutput]]) -> \
         Generator[PromptChunk, None, Optional[TargetOutput]]:
     """The target's pass over ``prompt[begin:end]``, appended to the caches: ``alone`` (given
-    the decoder, the tokens, their first position and mask), or
-    inside a batch's packed pass where the decoder ``rides`` and the span leaves the prompt's
-    last token (whose logits choose the first root) to a pass of its own. Then a PromptChunk
+    the decoder, the tokens, their first position and mask), or inside a batch's packed pass
+    where the decoder ``rides`` and either the span leaves the prompt's last token (whose
+    logits choose the first root) to a pass of its own, or the decoder drives its target
+    (the root's logits are then its LM head over the pass's last hidden state, rechecked
+    alone on a near-tie as a block's are: read_prompt). Then a PromptChunk
     is yielded and its ``out`` set before the reading resumes. Stopped there before the pass
     ran, the reading keeps what the caches hold, as between chunks; after a failed pass, it
     keeps nothing (the caches' state is unknown: left unfinished, nothing reuses them)."""
     tokens, mask = mx.array(prompt[begin:end]), "causal" if end - begin > 1 else None
-    if not decoder.rides or end >= len(prompt):
+    if not decoder.rides or (end >= len(prompt) and not decoder.drives_target):
         return alone(decoder, tokens, begin, mask)
     offsets = [layer_cache.offset for layer_cache in decoder.target_cache]
     chunk = PromptChunk(Block(tokens, decoder.target_cache, begin, mask, decoder.taps or None, logits=False))

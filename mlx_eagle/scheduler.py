@@ -66,7 +66,7 @@ FIRST_CHUNK = 64
 # beside them, not by a pass of PASS_SECONDS. (benchmarks/riding_prompts.py compares.)
 RIDE_PROMPTS = True
 RIDE_SHARE = 0.5
-FIRST_RIDE = 16  # a chunk read inside a pass before the prompt's pace is known
+FIRST_RIDE = 16  # a chunk read inside a pass before any prompt has ridden (no pace known: _ride_chunk)
 RIDE_DECAY = 0.8  # how much a chunk read in a pass weighs in the pace of the next (the rest: its own)
 RIDE_REFRESH = 8  # after this many passes in a row with a chunk, one without (the rounds' own time, as it grows)
 PASSES_KEPT = 16  # a prompt's passes of its own its next chunk is sized from
@@ -158,6 +158,9 @@ class Scheduler:
         self.riding: List[Tuple[ReplyJob, PromptChunk]] = []  # prompts' chunks this turn's packed pass reads
         self.decode_seconds: Optional[float] = None  # a packed pass of rounds alone, smoothed
         self.rode = 0  # packed passes in a row that read a prompt's chunk
+        # The pace the last chunk read inside a pass was read at: a new prompt's first chunk is
+        # sized at it (its own is not known yet), so that a short prompt rides whole at once.
+        self.ride_pace: Optional[float] = None
         self._unseated = 0  # submitted and not yet seated or dropped (any thread)
         self._lock = threading.Lock()
         # Seconds recent replies held their seats, smoothed (what Retry-After is estimated from;
@@ -313,7 +316,8 @@ class Scheduler:
                 if isinstance(progress, PromptChunk):  # read in this turn's packed pass (_decode)
                     self.riding.append((request, progress))
                     tokens = progress.block.tokens.size
-                    riding += tokens / request.pace if request.pace else RIDE_SHARE * (self.decode_seconds or 0.0)
+                    pace = request.pace or self.ride_pace
+                    riding += tokens / pace if pace else RIDE_SHARE * (self.decode_seconds or 0.0)
                     budget -= tokens
                     break
                 read = self._took(request, progress, time.perf_counter() - tic, alone=True)
@@ -328,13 +332,18 @@ class Scheduler:
         chunks that add ``riding`` seconds to it: as many as add RIDE_SHARE of the pass's own
         time, or the whole rest where that adds at most ``seconds`` (a short prompt, or a long
         one's end, read in one pass: its first token comes that much sooner, and the replies
-        wait once for it, as long as for a pass of its own); 0: none this turn."""
-        if request.pace is None or self.decode_seconds is None:
+        wait once for it, as long as for a pass of its own); 0: none this turn. A prompt's
+        first chunk is sized at the pace the last prompt's chunk rode at (``ride_pace``), its
+        whole length taken as its rest (what the caches hold of it is not known yet);
+        FIRST_RIDE tokens where no prompt has ridden yet."""
+        pace = request.pace or self.ride_pace
+        if pace is None or self.decode_seconds is None:
             return FIRST_RIDE if not riding else 0
-        if request.unread is not None and riding + request.unread / request.pace <= seconds:
-            return max(request.unread, MIN_CHUNK)  # (none left: the step that chooses its first token)
+        unread = len(request.ids) if request.unread is None else request.unread
+        if riding + unread / pace <= seconds:
+            return max(unread, MIN_CHUNK)  # (none left: the step that chooses its first token)
         share = RIDE_SHARE * self.decode_seconds - riding
-        return 0 if share <= 0 else max(0 if riding else MIN_CHUNK, int(request.pace * share))
+        return 0 if share <= 0 else max(0 if riding else MIN_CHUNK, int(pace * share))
 
     def _took(self, request: ReplyJob, progress: Optional[Tuple[int, int]], seconds: float,
               alone: bool = False) -> Optional[int]:
@@ -404,6 +413,7 @@ class Scheduler:
             request.ridden = (RIDE_DECAY * request.ridden[0] + tokens,
                               RIDE_DECAY * request.ridden[1] + added * tokens / riders)
             self._took(request, progress, tokens * request.ridden[1] / request.ridden[0])
+            self.ride_pace = request.pace or self.ride_pace
 
     def _conclude(self, request: ReplyJob, result: Any) -> None:
         """A round's result handed to its reply; an error, the round's or the reply's own in

@@ -396,11 +396,12 @@ def test_a_prompt_riding_a_pass_gets_a_share_its_whole_rest_or_its_last_step():
     rest that adds at most a pass's time rides whole; another chunk's share taken, none
     this turn; and a reading with every token read (an EAGLE head's reading yields that
     before it chooses the first token) still gets its step: it once waited for ever for a
-    chunk of nothing (benchmarks/riding_prompts.py found it)."""
+    chunk of nothing (benchmarks/riding_prompts.py found it). A new prompt's first chunk is
+    sized at the pace the last prompt rode at."""
     import queue
     import threading
 
-    from mlx_eagle.scheduler import RIDE_SHARE, ReplyJob, Scheduler
+    from mlx_eagle.scheduler import FIRST_RIDE, RIDE_SHARE, ReplyJob, Scheduler
 
     scheduler = Scheduler(queue.Queue(), 4, 4)
     scheduler.decode_seconds = 0.2
@@ -412,6 +413,13 @@ def test_a_prompt_riding_a_pass_gets_a_share_its_whole_rest_or_its_last_step():
     assert scheduler._ride_chunk(request, 0.5, 0.0) == 40
     request.unread = 0
     assert scheduler._ride_chunk(request, 0.5, 0.0) == 1
+    # A new prompt, its pace not known: FIRST_RIDE tokens until a prompt has ridden, then
+    # sized at that one's pace, its whole length as its rest (a short one rides whole at once).
+    short, long = (ReplyJob(list(range(n)), lambda slot: None, threading.Event()) for n in (30, 4000))
+    assert scheduler._ride_chunk(short, 0.5, 0.0) == FIRST_RIDE
+    scheduler.ride_pace = 100.0
+    assert scheduler._ride_chunk(short, 0.5, 0.0) == 30
+    assert scheduler._ride_chunk(long, 0.5, 0.0) == int(100.0 * RIDE_SHARE * 0.2)
 
 
 @pytest.mark.parametrize("drafting", ["SmolLM2's shipped head (the reading keeps its states)",
@@ -421,7 +429,8 @@ def test_a_prompt_read_inside_the_rounds_passes_gives_the_reply_alone(drafting, 
     (decoder.rides: read_prompt yields each chunk, batched_round reads it beside the
     rounds), then decoding beside them: all three replies are plain decoding's, and the
     chunks did ride. A reading stopped at a chunk before its pass ran keeps what it had
-    read, as between chunks."""
+    read, as between chunks. With the head, the prompt's last chunk rides as well: no pass of
+    its own at all."""
     from mlx_eagle.decoder import PromptChunk
     from mlx_eagle.drafters.eagle import shipped
 
@@ -449,6 +458,9 @@ def test_a_prompt_read_inside_the_rounds_passes_gives_the_reply_alone(drafting, 
             for reply, result in zip(replies, batched_round(decoders[:2], [80] * 2, [step])):
                 reply += result.tokens
     assert rode >= 4 and all(len(reply) > 5 for reply in replies)
+    # Its last chunk rode too where the reader drives its target (its root's logits are the LM
+    # head over that pass's last state); with no states read, its last token is read alone.
+    assert reader.forwards == rode + ("lookup" in drafting)
     replies.append([reader.root])
     while active := [i for i, reply in enumerate(replies) if len(reply) < counts[i]]:
         for i, result in zip(active, batched_round([decoders[i] for i in active],
