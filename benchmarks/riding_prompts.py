@@ -126,11 +126,12 @@ def measure(engine, rule: str, shorts: List[List[int]], long_prompt: List[int], 
     timer = threading.Timer(window, leave.set)
     timer.start()
     first = None
-    if rule == RULES[3]:
+    if rule == RULES[3]:  # (the control: nothing sent, the replies alone for the window)
         leave.wait()
-    for _ in [] if rule == RULES[3] else engine.generate(long_prompt, max_tokens=1, cancel=leave,
-                                                         on_prompt_read=lambda done, total: read.__setitem__(0, done)):
-        first = first or time.perf_counter()
+    else:
+        for _ in engine.generate(long_prompt, max_tokens=1, cancel=leave,
+                                 on_prompt_read=lambda done, total: read.__setitem__(0, done)):
+            first = first or time.perf_counter()
     timer.cancel()
     ended, read_counts = time.perf_counter(), list(counts)
     del engine.scheduler._decode  # (the class's own again)

@@ -422,7 +422,7 @@ def read_prompt(decoder: SpeculativeDecoder, prompt: List[int], chunk: int = 512
         spans = itertools.chain(_spans(decoder, last, chunk), [(last, len(prompt))]) if last_alone \
             else _spans(decoder, len(prompt), chunk)
         for begin, end in spans:
-            rode = decoder.rides  # (whether this span is read inside another's pass: _read_pass)
+            rode = _rides(decoder, end, len(prompt))
             out = yield from _read_pass(decoder, prompt, begin, end, features, hidden, SpeculativeDecoder._forward)
             features.append(out.features)
             hidden.append(out.hidden)
@@ -485,6 +485,13 @@ def _model_pass(decoder: SpeculativeDecoder, tokens: mx.array, positions: int, m
     decoder.target(tokens[None], cache=decoder.target_cache)
 
 
+def _rides(decoder: SpeculativeDecoder, end: int, length: int) -> bool:
+    """Whether a span of a ``length``-token prompt ending at ``end`` is read inside another's
+    pass (_read_pass): where the decoder ``rides``, and the span leaves the last token to a
+    pass of its own or the decoder drives its target."""
+    return decoder.rides and (end < length or decoder.drives_target)
+
+
 def _read_pass(decoder: SpeculativeDecoder, prompt: List[int], begin: int, end: int, features: List[mx.array],
                hidden: List[mx.array],
                alone: Callable[[SpeculativeDecoder, mx.array, int, Mask], Optional[TargetOutput]]) -> \
@@ -499,7 +506,7 @@ def _read_pass(decoder: SpeculativeDecoder, prompt: List[int], begin: int, end: 
     ran, the reading keeps what the caches hold, as between chunks; after a failed pass, it
     keeps nothing (the caches' state is unknown: left unfinished, nothing reuses them)."""
     tokens, mask = mx.array(prompt[begin:end]), "causal" if end - begin > 1 else None
-    if not decoder.rides or (end >= len(prompt) and not decoder.drives_target):
+    if not _rides(decoder, end, len(prompt)):
         return alone(decoder, tokens, begin, mask)
     offsets = [layer_cache.offset for layer_cache in decoder.target_cache]
     chunk = PromptChunk(Block(tokens, decoder.target_cache, begin, mask, decoder.taps or None, logits=False))

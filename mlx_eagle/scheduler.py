@@ -316,7 +316,7 @@ class Scheduler:
                 if isinstance(progress, PromptChunk):  # read in this turn's packed pass (_decode)
                     self.riding.append((request, progress))
                     tokens = progress.block.tokens.size
-                    pace = request.pace or self.ride_pace
+                    pace = self._ride_pace(request)
                     riding += tokens / pace if pace else RIDE_SHARE * (self.decode_seconds or 0.0)
                     budget -= tokens
                     break
@@ -327,6 +327,11 @@ class Scheduler:
                 if time.perf_counter() - began + riding >= seconds:
                     return
 
+    def _ride_pace(self, request: ReplyJob) -> Optional[float]:
+        """The pace ``request``'s next chunk inside a pass is read at: its own, or before it has
+        one, the last prompt's (``ride_pace``); None: no prompt has ridden yet."""
+        return request.pace or self.ride_pace
+
     def _ride_chunk(self, request: ReplyJob, seconds: float, riding: float) -> int:
         """The tokens of ``request``'s prompt to read inside this turn's packed pass, beside
         chunks that add ``riding`` seconds to it: as many as add RIDE_SHARE of the pass's own
@@ -336,7 +341,7 @@ class Scheduler:
         first chunk is sized at the pace the last prompt's chunk rode at (``ride_pace``), its
         whole length taken as its rest (what the caches hold of it is not known yet);
         FIRST_RIDE tokens where no prompt has ridden yet."""
-        pace = request.pace or self.ride_pace
+        pace = self._ride_pace(request)
         if pace is None or self.decode_seconds is None:
             return FIRST_RIDE if not riding else 0
         unread = len(request.ids) if request.unread is None else request.unread

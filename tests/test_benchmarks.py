@@ -33,7 +33,7 @@ def test_every_benchmark_script_has_a_smoke_test_here():
     assert scripts and scripts == tested, scripts - tested
 
 
-def test_levers_turns_each_lever_off_within_its_block_and_serves_with_it_off():
+def test_levers_turns_each_lever_off_within_its_block_and_serves_with_it_off(monkeypatch):
     """benchmarks/levers.py ("levers.py"): each lever off inside the block and on again after
     it, a lever it does not know refused with one line, and its server run as a script."""
     spec = importlib.util.spec_from_file_location("benchmark_levers", BENCHMARKS / "levers.py")
@@ -58,24 +58,15 @@ def test_levers_turns_each_lever_off_within_its_block_and_serves_with_it_off():
     with pytest.raises(SystemExit, match="no lever 'seat'; the levers are rows, no-ride"):
         with levers.lever_off("seat"):
             pass
-    sys.path.insert(0, str(BENCHMARKS))
-    from agent import start  # the server agent.py and concurrency.py start for "ours-no-ride"
-
-    class Launch(Exception):
-        pass
-
-    def launched(command, **kwargs):
-        raise Launch(command)
-
     import subprocess
 
-    original, subprocess.Popen = subprocess.Popen, launched
-    try:
-        with pytest.raises(Launch) as started:
-            start("ours-no-ride", Path("model"), 8000)
-    finally:
-        subprocess.Popen = original
-    assert started.value.args[0][1:3] == [str(BENCHMARKS / "levers.py"), "no-ride"]
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    from agent import start  # the server agent.py and concurrency.py start for "ours-no-ride"
+
+    launched = []
+    monkeypatch.setattr(subprocess, "Popen", lambda command, **kwargs: launched.append(command))
+    start("ours-no-ride", Path("model"), 8000)
+    assert launched[0][1:3] == [str(BENCHMARKS / "levers.py"), "no-ride"]
 
 
 def test_agent_runs_a_tool_loop_against_a_server(tmp_path, qwen_coder_gguf):
