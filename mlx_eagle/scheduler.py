@@ -11,8 +11,9 @@ worker then:
    never holds the replies in progress back by more than that a turn, and a request that
    arrives waits for at most one pass of it (``ALONE_PASS_SECONDS`` while it is read alone);
    while replies decode in a packed pass, prompts' chunks are read inside it instead, sized
-   to add ``RIDE_SHARE`` of its time, or a prompt's whole rest where that adds at most a
-   pass's time (``RIDE_PROMPTS``);
+   to add ``RIDE_SHARE`` of its time (more where prompts outnumber the replies:
+   ``ride_share``), or a prompt's whole rest where that adds at most a pass's time
+   (``RIDE_PROMPTS``);
 4. gives every reply in progress one round, their blocks verified in one packed forward pass
    (decoder.batched_round, with that chunk) where the target allows, each alone where not (a
    hybrid's recurrent layers, a sharded model).
@@ -64,6 +65,7 @@ FIRST_CHUNK = 64
 # over the weights for both), sized to add at most RIDE_SHARE of the pass's time without it:
 # the replies' time between tokens grows by about that much while a long prompt is read
 # beside them, not by a pass of PASS_SECONDS. (benchmarks/riding_prompts.py compares.)
+# Where prompts outnumber the replies, more (ride_share).
 RIDE_PROMPTS = True
 RIDE_SHARE = 0.5
 FIRST_RIDE = 16  # a chunk read inside a pass before any prompt has ridden (no pace known: _ride_chunk)
@@ -97,6 +99,20 @@ def chunk_for(seconds: float, passes: Sequence[Tuple[int, float]]) -> Optional[i
     if per_token <= 0 or floor < 0:  # (all alike, or noise: in proportion)
         per_token, floor = times.sum() / tokens.sum(), 0.0
     return int(min(max(seconds - floor, floor) / max(per_token, 1e-9), PROMPT_TOKENS_PER_TURN))
+
+
+def ride_share(reading: int, rows: int) -> float:
+    """The share of the rounds' packed pass over ``rows`` replies that the chunks of the
+    ``reading`` prompts read inside it may add: RIDE_SHARE, or where more prompts are read
+    than replies decode, that share for each prompt a reply has beside it (seven prompts
+    beside one reply: 3.5 passes' worth). A pass's floor is most of its cost (on this CPU,
+    Qwen2.5-Coder-0.5B: 0.25 s for one token, 9 ms for each token more), so a reply decoding
+    beside a seat full of prompts gains little from short passes, while each prompt read
+    adds a row to every later pass: at RIDE_SHARE alone, an agent's 330-token turn was read
+    8 tokens a pass beside one reply, and 8 agents ran 1.7 times slower (docs/benchmarks.md,
+    "Prompts beside few replies"). With as many replies as prompts or more (a long prompt
+    beside replies in progress) it is RIDE_SHARE, which bounds their time between tokens."""
+    return RIDE_SHARE * max(1.0, reading / rows) if rows else 0.0
 
 
 @dataclass
@@ -291,7 +307,8 @@ class Scheduler:
         budget = PROMPT_TOKENS_PER_TURN
         reading = [r for r in self.live if r.reading is not None]
         seconds = PASS_SECONDS if len(self.live) > 1 or self.waiting else ALONE_PASS_SECONDS
-        packed = RIDE_PROMPTS and any(batches(r.generation.decoder) for r in self._rows())
+        rows = sum(batches(r.generation.decoder) for r in self._rows()) if RIDE_PROMPTS else 0
+        packed, share = rows > 0, ride_share(len(reading), rows)
         if packed and self.rode >= RIDE_REFRESH:  # rounds alone now and then: their pass's time as it grows
             return
         began, riding = time.perf_counter(), 0.0  # (seconds the chunks held for the pass are to add to it)
@@ -301,7 +318,7 @@ class Scheduler:
                 decoder.rides = packed and batches(decoder) and decoder.kv is None
                 if decoder.rides:
                     decoder.read_chunk = min(budget, self._ride_chunk(request, seconds - (time.perf_counter() - began),
-                                                                      riding))
+                                                                      riding, share))
                     if not decoder.read_chunk:
                         break
                 else:
@@ -317,7 +334,7 @@ class Scheduler:
                     self.riding.append((request, progress))
                     tokens = progress.block.tokens.size
                     pace = self._ride_pace(request)
-                    riding += tokens / pace if pace else RIDE_SHARE * (self.decode_seconds or 0.0)
+                    riding += tokens / pace if pace else share * (self.decode_seconds or 0.0)
                     budget -= tokens
                     break
                 read = self._took(request, progress, time.perf_counter() - tic, alone=True)
@@ -332,9 +349,9 @@ class Scheduler:
         one, the last prompt's (``ride_pace``); None: no prompt has ridden yet."""
         return request.pace or self.ride_pace
 
-    def _ride_chunk(self, request: ReplyJob, seconds: float, riding: float) -> int:
+    def _ride_chunk(self, request: ReplyJob, seconds: float, riding: float, share: float) -> int:
         """The tokens of ``request``'s prompt to read inside this turn's packed pass, beside
-        chunks that add ``riding`` seconds to it: as many as add RIDE_SHARE of the pass's own
+        chunks that add ``riding`` seconds to it: as many as add ``share`` of the pass's own
         time, or the whole rest where that adds at most ``seconds`` (a short prompt, or a long
         one's end, read in one pass: its first token comes that much sooner, and the replies
         wait once for it, as long as for a pass of its own); 0: none this turn. A prompt's
@@ -347,8 +364,8 @@ class Scheduler:
         unread = len(request.ids) if request.unread is None else request.unread
         if riding + unread / pace <= seconds:
             return max(unread, MIN_CHUNK)  # (none left: the step that chooses its first token)
-        share = RIDE_SHARE * self.decode_seconds - riding
-        return 0 if share <= 0 else max(0 if riding else MIN_CHUNK, int(pace * share))
+        left = share * self.decode_seconds - riding
+        return 0 if left <= 0 else max(0 if riding else MIN_CHUNK, int(pace * left))
 
     def _took(self, request: ReplyJob, progress: Optional[Tuple[int, int]], seconds: float,
               alone: bool = False) -> Optional[int]:

@@ -397,29 +397,35 @@ def test_a_prompt_riding_a_pass_gets_a_share_its_whole_rest_or_its_last_step():
     this turn; and a reading with every token read (an EAGLE head's reading yields that
     before it chooses the first token) still gets its step: it once waited for ever for a
     chunk of nothing (benchmarks/riding_prompts.py found it). A new prompt's first chunk is
-    sized at the pace the last prompt rode at."""
+    sized at the pace the last prompt rode at. Where prompts outnumber the replies decoding,
+    their share grows with them (ride_share): one reply beside seven prompts once read an
+    agent's turn 8 tokens a pass."""
     import queue
     import threading
 
-    from mlx_eagle.scheduler import FIRST_RIDE, RIDE_SHARE, ReplyJob, Scheduler
+    from mlx_eagle.scheduler import FIRST_RIDE, RIDE_SHARE, ReplyJob, Scheduler, ride_share
 
     scheduler = Scheduler(queue.Queue(), 4, 4)
     scheduler.decode_seconds = 0.2
     request = ReplyJob([1, 2, 3], lambda slot: None, threading.Event())
     request.pace, request.unread = 100.0, 4000  # tokens a second inside a pass; left to read
-    assert scheduler._ride_chunk(request, 0.5, 0.0) == int(100.0 * RIDE_SHARE * 0.2)
-    assert scheduler._ride_chunk(request, 0.5, RIDE_SHARE * 0.2) == 0
+    assert scheduler._ride_chunk(request, 0.5, 0.0, RIDE_SHARE) == int(100.0 * RIDE_SHARE * 0.2)
+    assert scheduler._ride_chunk(request, 0.5, RIDE_SHARE * 0.2, RIDE_SHARE) == 0
     request.unread = 40
-    assert scheduler._ride_chunk(request, 0.5, 0.0) == 40
+    assert scheduler._ride_chunk(request, 0.5, 0.0, RIDE_SHARE) == 40
     request.unread = 0
-    assert scheduler._ride_chunk(request, 0.5, 0.0) == 1
+    assert scheduler._ride_chunk(request, 0.5, 0.0, RIDE_SHARE) == 1
     # A new prompt, its pace not known: FIRST_RIDE tokens until a prompt has ridden, then
     # sized at that one's pace, its whole length as its rest (a short one rides whole at once).
     short, long = (ReplyJob(list(range(n)), lambda slot: None, threading.Event()) for n in (30, 4000))
-    assert scheduler._ride_chunk(short, 0.5, 0.0) == FIRST_RIDE
+    assert scheduler._ride_chunk(short, 0.5, 0.0, RIDE_SHARE) == FIRST_RIDE
     scheduler.ride_pace = 100.0
-    assert scheduler._ride_chunk(short, 0.5, 0.0) == 30
-    assert scheduler._ride_chunk(long, 0.5, 0.0) == int(100.0 * RIDE_SHARE * 0.2)
+    assert scheduler._ride_chunk(short, 0.5, 0.0, RIDE_SHARE) == 30
+    assert scheduler._ride_chunk(long, 0.5, 0.0, RIDE_SHARE) == int(100.0 * RIDE_SHARE * 0.2)
+    assert ride_share(1, 4) == ride_share(4, 4) == RIDE_SHARE  # a long prompt beside replies: bounded
+    assert ride_share(7, 1) == 7 * RIDE_SHARE and ride_share(6, 3) == 2 * RIDE_SHARE
+    assert ride_share(3, 0) == 0.0  # no pass to ride
+    assert scheduler._ride_chunk(long, 0.5, 0.0, ride_share(7, 1)) == int(100.0 * 7 * RIDE_SHARE * 0.2)
 
 
 @pytest.mark.parametrize("drafting", ["SmolLM2's shipped head (the reading keeps its states)",
