@@ -257,6 +257,12 @@ class PromptCaches:
         self.evict(keep=[slot, *busy])
         return slot
 
+    def held(self, prompt: List[int]) -> int:
+        """How many leading tokens of ``prompt`` the slots kept in memory hold (what ``take``
+        would start it from, short of a copy on disk)."""
+        return max((min(common_prefix(slot.tokens, prompt), len(slot.tokens) - 1 - slot.unread)
+                    for slot in self.slots if slot.tokens and not slot.unfinished), default=0)
+
     def _beginning_of(self, prompt: List[int]) -> Optional[PromptCache]:
         """The slot keeping the longest beginning that ``prompt`` begins with (None: none)."""
         fits = [slot for slot in self.slots if slot.beginning is not None

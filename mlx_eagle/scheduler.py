@@ -73,8 +73,12 @@ RIDE_DECAY = 0.8  # how much a chunk read in a pass weighs in the pace of the ne
 RIDE_REFRESH = 8  # after this many passes in a row with a chunk, one without (the rounds' own time, as it grows)
 PASSES_KEPT = 16  # a prompt's passes of its own its next chunk is sized from
 KEEPALIVE_SECONDS = 5.0  # a waiting caller's on_wait is called this often (a server's keep-alive)
-# A beginning this long, shared with a prompt being read, is copied once read rather than read again.
-SHARED_READ = PROMPT_TOKENS_PER_TURN
+# A beginning at least this long, shared with a prompt being read and not yet held in the
+# caches, is copied once that reading ends rather than read again beside it, where the reading
+# has at most SHARED_WAIT times as many tokens left: agents starting together share their
+# system prompt and tools, while a short request never waits long for another's long prompt.
+SHARED_READ = 64
+SHARED_WAIT = 2
 # A reply's time in its seat assumed before any has finished (Retry-After's first estimate):
 # a few hundred tokens at the speeds of a small model on a CPU.
 REPLY_SECONDS_PRIOR = 30.0
@@ -278,12 +282,21 @@ class Scheduler:
         self.waiting.extendleft(reversed(deferred))
 
     def _being_read(self, request: ReplyJob) -> bool:
-        """Whether a prompt being read shares a long beginning with ``request``'s (agents
-        started together, sub-agents of one client): then ``request`` waits for that reading
-        to end and starts from a copy of its caches (PromptCaches.take), instead of reading
-        the same beginning beside it."""
-        return any(other.reading is not None and common_prefix(other.ids, request.ids) >= SHARED_READ
-                   for other in self.live)
+        """Whether a prompt being read shares a beginning with ``request``'s that the caches
+        do not hold yet, of SHARED_READ tokens or more, with at most SHARED_WAIT times that
+        left to read (agents started together on one system prompt and tools, sub-agents of
+        one client): then ``request`` waits for that reading to end and starts from a copy of
+        its caches (PromptCaches.take), instead of reading the same beginning beside it."""
+        held = None
+        for other in self.live:
+            shared = common_prefix(other.ids, request.ids) if other.reading is not None else 0
+            if shared < SHARED_READ:
+                continue
+            held = self.caches.held(request.ids) if held is None else held
+            left = len(other.ids) if other.unread is None else other.unread
+            if shared - held >= SHARED_READ and left <= SHARED_WAIT * (shared - held):
+                return True
+        return False
 
     def _unseat(self, request: ReplyJob) -> None:
         """``request`` no longer waits (seated, or dropped: it then never starts)."""

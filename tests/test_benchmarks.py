@@ -343,6 +343,19 @@ def test_concurrency_runs_clients_at_once_against_a_server(tmp_path, qwen_coder_
     assert agent["tokens"] > 0 and agent["p99_between_tokens"] is None
 
 
+def test_seat_timeline_logs_the_workers_turns_at_each_level(tmp_path, smollm_float32):
+    """Two levels on one server, each its own chat prompts: every level's passes, the
+    replies and prompts in them, and the prompt tokens read against those held, summed up."""
+    printed = run("seat_timeline.py", "--model", smollm_float32, "--workloads", "chat", "--clients", "2,2",
+                  "--max-tokens", 4, "--port", free_port(), "--out", tmp_path / "timeline.json",
+                  "--", "--draft", "none")
+    levels = json.loads((tmp_path / "timeline.json").read_text())["levels"]
+    assert [level["clients"] for level in levels] == [2, 2] and "longest states" in printed
+    for level in levels:
+        assert level["requests"] == 2 and 0 <= level["held_tokens"] < level["prompt_tokens"]
+        assert sum(level["seconds"].values()) > 0 and 0 < level["mean_rows"] <= 2
+
+
 def free_port() -> int:
     import socket
 

@@ -135,3 +135,38 @@ def test_the_default_bound_is_sized_from_the_model_and_the_machine(model, monkey
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     assert PromptCaches(model).max_bytes == min(memory // 8, 2 * weights)
     assert PromptCaches(model, 5).max_bytes == 5
+
+
+def test_a_request_waits_for_a_reading_it_shares_enough_with_and_not_for_a_long_one(model):
+    """Scheduler._being_read: a waiting request whose beginning a prompt being read shares
+    (agents starting together on one system prompt and tools) waits to copy it, where that
+    beginning is SHARED_READ tokens or more past what the kept slots hold and the reading has
+    at most SHARED_WAIT times that left; not behind a long prompt sharing a short beginning,
+    nor for a beginning its own conversation's slot holds."""
+    import queue
+    import threading
+
+    from mlx_eagle.prompt_cache import PromptCaches
+    from mlx_eagle.scheduler import SHARED_READ, SHARED_WAIT, ReplyJob, Scheduler
+
+    caches = PromptCaches(model, 1 << 30)
+    scheduler = Scheduler(queue.Queue(), 4, 4, caches=caches)
+    shared = [n % 40 + 1 for n in range(300)]  # (token ids of the tiny model's vocabulary)
+
+    def job(ids, reading=False):
+        request = ReplyJob(ids, lambda slot: None, threading.Event())
+        request.reading = iter(()) if reading else None
+        return request
+
+    first = job(shared + [41, 42], reading=True)
+    scheduler.live.append(first)
+    assert scheduler._being_read(job(shared + [43]))  # 300 shared, 302 left: waits
+    assert not scheduler._being_read(job(shared[:SHARED_READ - 1] + [49]))  # too short a beginning
+    first.unread = SHARED_WAIT * 100 + 1  # (a longer prompt's rest)
+    assert scheduler._being_read(job(shared[:100 + SHARED_READ] + [49]))
+    assert not scheduler._being_read(job(shared[:100] + [49]))  # waiting would cost more than it saves
+    first.unread = None
+    caches.slots.append(filled(model, shared[:250]))  # its own conversation holds 249 of them
+    assert not scheduler._being_read(job(shared + [43]))  # 51 more to share: read beside it
+    first.reading = None  # read: nothing to wait for
+    assert not scheduler._being_read(job(shared + [43]))
