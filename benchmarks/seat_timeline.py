@@ -12,7 +12,7 @@ left in the caches, as concurrency.py's levels do); the clients are concurrency.
 as ``seat_timeline.py --serve LOG [server arguments]`` it is that server: mlx_eagle.server
 with the scheduler's turns written to LOG, one JSON line each.
 
-Reported per level: tokens/s, the worker's seconds in passes of replies alone, in passes
+Reported per level: tokens/s, p50 time to first token (chat), the worker's seconds in passes of replies alone, in passes
 with prompts' chunks inside and in prompts' passes of their own, the passes' mean replies
 and prompts being read (weighted by time), the prompt tokens read against those held, and
 the five (replies decoding, prompts being read) states that took longest.
@@ -90,6 +90,7 @@ def summarize(lines: List[dict], level: dict) -> dict:
     ends = [line for line in lines if line["step"] == "end"]
     passes = seconds["replies alone"] + seconds["replies, chunks inside"]
     return {"clients": level["clients"], "wall_seconds": level["wall_seconds"], "tokens_per_s": level["tokens_per_s"],
+            "p50_first_token": level["p50_first_token"],
             "seconds": dict(seconds), "mean_rows": rows / passes if passes else 0.0,
             "mean_reading": reading / passes if passes else 0.0,
             "prompt_tokens": sum(e["prompt"] for e in ends), "held_tokens": sum(e["held"] for e in ends),
@@ -131,7 +132,8 @@ def main(argv: Optional[List[str]] = None) -> None:
                 skip += clients * args.requests
                 lines = [json.loads(line) for line in log_path.read_text().splitlines()]
                 levels.append(summarize([line for line in lines if line["t"] >= began], level))
-                print(f"{clients:3} clients: {level['tokens_per_s']:5.1f} tokens/s", file=sys.stderr, flush=True)
+                first = f", p50 first token {level['p50_first_token']:.2f} s" if level["p50_first_token"] else ""
+                print(f"{clients:3} clients: {level['tokens_per_s']:5.1f} tokens/s{first}", file=sys.stderr, flush=True)
         finally:
             process.terminate()
             process.wait(timeout=60)

@@ -58,9 +58,10 @@ def check_nesting(value, what: str, limit: int = MAX_NESTING):
 MAX_SEED = (1 << 63) - 1  # a seed is a signed 64-bit whole number, as OpenAI's is
 
 
-# Replies in progress at once, by default (their rounds share forward passes): 16 agents made
-# 1.3 times what 8 seats and a queue did with --draft none (docs/benchmarks.md, "Prompts
-# beside few replies"); mlx-lm's server decodes up to 32.
+# Replies in progress at once, by default (their rounds share forward passes): 16 SmolLM2 chat
+# clients made 1.17 times the tokens of 8 seats and a queue, their first token after 1.3 s
+# against 11 s (docs/benchmarks.md, "Prompts beside few replies"); mlx-lm's server decodes
+# up to 32 at once.
 MAX_CONCURRENCY = 16
 MAX_QUEUE = 64  # requests waiting for a seat, by default; past that one is refused with Busy
 PROMPT_DISK_BYTES = 8 << 30  # the server's long prompts kept on disk, by default (prompt_store.py)

@@ -109,13 +109,13 @@ def ride_share(reading: int, rows: int) -> float:
     """The share of the rounds' packed pass over ``rows`` replies that the chunks of the
     ``reading`` prompts read inside it may add: RIDE_SHARE, or where more prompts are read
     than replies decode, that share for each prompt a reply has beside it (seven prompts
-    beside one reply: 3.5 passes' worth). A pass's floor is most of its cost (on this CPU,
-    Qwen2.5-Coder-0.5B: 0.25 s for one token, 9 ms for each token more), so a reply decoding
-    beside a seat full of prompts gains little from short passes, while each prompt read
-    adds a row to every later pass: at RIDE_SHARE alone, an agent's 330-token turn was read
-    8 tokens a pass beside one reply, and 8 agents ran 1.7 times slower (docs/benchmarks.md,
-    "Prompts beside few replies"). With as many replies as prompts or more (a long prompt
-    beside replies in progress) it is RIDE_SHARE, which bounds their time between tokens."""
+    beside one reply: 3.5 passes' worth). A pass's floor (the weights read once) is most of
+    its cost, so a reply decoding beside seats full of prompts gains little from short
+    passes, while each prompt read adds a row to every later pass: at RIDE_SHARE alone, an
+    agent's 330-token turn was read about 8 tokens a pass beside one reply, and 16 agents
+    spent a third of their time so (docs/benchmarks.md, "Prompts beside few replies"). With
+    as many replies as prompts or more (a long prompt beside replies in progress) it is
+    RIDE_SHARE, which bounds their time between tokens."""
     return RIDE_SHARE * max(1.0, reading / rows) if rows else 0.0
 
 
