@@ -38,10 +38,12 @@ from typing import Dict, Iterator, List, Optional, Tuple
 
 import openai
 
-from levers import LEVERS
-from mlx_eagle.blas import find_openblas
-from mlx_eagle.models import resolve_model
-from mlx_eagle.replies import bare_calls
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from levers import LEVERS  # noqa: E402 (the sibling script's levers, wherever this one is loaded from)
+
+from mlx_eagle.blas import find_openblas  # noqa: E402
+from mlx_eagle.models import resolve_model  # noqa: E402
+from mlx_eagle.replies import bare_calls  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent

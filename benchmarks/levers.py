@@ -18,7 +18,7 @@ Run as a script, it starts our server with one lever off (what ``agent.py`` and
 import runpy
 import sys
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Iterator, List
 
 LEVERS = ("rows", "no-ride")
 
@@ -48,12 +48,17 @@ def lever_off(lever: str) -> Iterator[None]:
         scheduler.RIDE_PROMPTS = riding
 
 
+def run_server(arguments: List[str]) -> None:
+    """mlx_eagle.server with ``arguments``, in this process (and whatever it has patched)."""
+    sys.argv = ["mlx_eagle.server", *arguments]
+    runpy.run_module("mlx_eagle.server", run_name="__main__", alter_sys=True)
+
+
 def main() -> None:
     if len(sys.argv) < 2 or sys.argv[1] not in LEVERS:
         raise SystemExit(f"usage: python benchmarks/levers.py {{{','.join(LEVERS)}}} [mlx_eagle.server's arguments]")
-    lever, sys.argv = sys.argv[1], ["mlx_eagle.server", *sys.argv[2:]]
-    with lever_off(lever):
-        runpy.run_module("mlx_eagle.server", run_name="__main__", alter_sys=True)
+    with lever_off(sys.argv[1]):
+        run_server(sys.argv[2:])
 
 
 if __name__ == "__main__":

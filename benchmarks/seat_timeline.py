@@ -21,7 +21,6 @@ the five (replies decoding, prompts being read) states that took longest.
 import argparse
 import json
 import os
-import runpy
 import subprocess
 import sys
 import tempfile
@@ -35,6 +34,7 @@ import openai
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from agent import add_model_argument, wait_ready  # noqa: E402 (the sibling scripts' servers and clients)
 from concurrency import run_level  # noqa: E402
+from levers import run_server  # noqa: E402
 
 from mlx_eagle.blas import find_openblas  # noqa: E402
 from mlx_eagle.models import resolve_model  # noqa: E402
@@ -70,8 +70,7 @@ def serve(log_path: str, server_args: List[str]) -> None:
 
     Scheduler._read_prompts, Scheduler._decode = logged(read_prompts, "read"), logged(decode, "decode")
     Scheduler._finish = finished
-    sys.argv = ["mlx_eagle.server", *server_args]
-    runpy.run_module("mlx_eagle.server", run_name="__main__", alter_sys=True)
+    run_server(server_args)
 
 
 def summarize(lines: List[dict], level: dict) -> dict:

@@ -58,6 +58,11 @@ class PromptCache:
     rewind: Optional[Rewind] = field(default=None, repr=False)
     last_round: Optional[Tuple[object, int, int]] = field(default=None, repr=False)
 
+    @property
+    def cached(self) -> int:
+        """The committed tokens the target cache holds: all but the root and the unread."""
+        return len(self.tokens) - 1 - self.unread if self.tokens else 0
+
     def begin(self) -> List[int]:
         """A prompt read or a round begins: until ``settle``, nothing the caches hold is
         certain (one that never settles leaves the slot ``unfinished``, never reused). The
@@ -91,7 +96,7 @@ class PromptCache:
         prompt continues all it holds; a quantized cache cut back before where plain
         decoding's would turn starts again unquantized."""
         common = common_prefix(self.tokens, prompt)
-        cached = len(self.tokens) - 1 - self.unread if self.tokens else 0
+        cached = self.cached
         reuse = min(common, cached, len(prompt) - 1)
         if drafter is not None:
             reuse = min(reuse, drafter.reusable(common))
@@ -236,7 +241,7 @@ class PromptCaches:
             slot.turns += 1
         else:
             slot = make_prompt_cache(self.model)
-            cached = min(shared, len(best.tokens) - 1 - best.unread) if best is not None else 0
+            cached = min(shared, best.cached) if best is not None else 0
             if self.kv is not None and best is not None and not self.kv.holds_as_plain(best.target, cached,
                                                                                       len(prompt)):
                 cached = 0
@@ -260,8 +265,8 @@ class PromptCaches:
     def held(self, prompt: List[int]) -> int:
         """How many leading tokens of ``prompt`` the slots kept in memory hold (what ``take``
         would start it from, short of a copy on disk)."""
-        return max((min(common_prefix(slot.tokens, prompt), len(slot.tokens) - 1 - slot.unread)
-                    for slot in self.slots if slot.tokens and not slot.unfinished), default=0)
+        return max((min(common_prefix(slot.tokens, prompt), slot.cached) for slot in self.slots
+                    if not slot.unfinished), default=0)
 
     def _beginning_of(self, prompt: List[int]) -> Optional[PromptCache]:
         """The slot keeping the longest beginning that ``prompt`` begins with (None: none)."""

@@ -288,8 +288,8 @@ class Scheduler:
         one client): then ``request`` waits for that reading to end and starts from a copy of
         its caches (PromptCaches.take), instead of reading the same beginning beside it."""
         held = None
-        for other in self.live:
-            shared = common_prefix(other.ids, request.ids) if other.reading is not None else 0
+        for other in (r for r in self.live if r.reading is not None):
+            shared = common_prefix(other.ids, request.ids)
             if shared < SHARED_READ:
                 continue
             held = self.caches.held(request.ids) if held is None else held
