@@ -127,7 +127,7 @@ class SpeculativeDecoder:
                  seed: Optional[int] = None, cache: Optional[PromptCache] = None,
                  on_phase: Optional[Callable[[str], None]] = None, costs: Optional[Callable[[], Costs]] = None,
                  grammar: Union[Grammar, ThinkingBudget, None] = None, kv: Optional[KVQuantization] = None,
-                 keep_logits: bool = False):
+                 keep_logits: bool = False, odds: Optional[NodeOdds] = None):
         """``drafter``: what drafts each round (None: plain decoding through the same loop).
         ``on_phase``: called with each of PHASES as a round passes it. ``costs``: this
         device's measured costs for the target (asked for when a round first needs them),
@@ -136,7 +136,8 @@ class SpeculativeDecoder:
         (thinking.py); None: free text.
         ``kv``: quantized KV caches (target.KVQuantization), checked against the caches.
         ``keep_logits``: keep the rows each committed token was chosen from (``Round.logits``,
-        ``root_logits``), for log-probabilities."""
+        ``root_logits``), for log-probabilities. ``odds``: what a batch's choice of nodes
+        starts from (None: node_odds' prior alone)."""
         self.reads_states = drafter is not None and drafter.taps is not None
         if self.reads_states:
             check_target(target, drafter.taps)
@@ -153,12 +154,13 @@ class SpeculativeDecoder:
         self.state.bind(target, kv)
         self.reused = 0  # prompt tokens the last prefill found already in the caches
         self.read_chunk: Optional[int] = None  # prompt tokens the next pass reads (None: read_prompt's chunk)
-        # Whether the prompt's next span (but its last token) is read inside a batch's packed
-        # pass (read_prompt yields a PromptChunk; the scheduler sets it where such a pass runs).
+        # Whether the prompt's next span is read inside a batch's packed pass (read_prompt
+        # yields a PromptChunk; the scheduler sets it where such a pass runs). The span that
+        # ends the prompt rides where target.py drives the target (_rides).
         self.rides = False
         self.forwards = 0  # target forward passes, for tests and statistics
         self.rechecked = 0  # greedy positions too close to call in a block, decided by a one-row pass
-        self.odds = NodeOdds()  # what was accepted by depth and rank, for a batch's choice of nodes
+        self.odds = odds or NodeOdds()  # what was accepted by depth and rank, for a batch's choice of nodes
         self._costs_of = costs
         self._costs: Optional[Costs] = None
         # How close a block row's top two logits may come (None: from the costs, when first needed).
@@ -406,13 +408,31 @@ def read_prompt(decoder: SpeculativeDecoder, prompt: List[int], chunk: int = 512
     # known now that the caches' reusable beginning is.
     yield from _chunk_read(decoder, prompt, decoder.reused, features, hidden)
     if not decoder.reads_states:  # as mlx-lm reads a prompt: only the last token's logits are computed
-        for begin, end in _spans(decoder, last, chunk):
-            yield from _read_pass(decoder, prompt, begin, end, features, hidden, _model_pass)
+        # Where target.py drives the target, the span that ends the prompt may ride inside a
+        # batch's pass too, so that no reply waits on a pass of the last token's own (an
+        # agent's turn whose beginning the caches hold is that token and a few more): the
+        # root's logits are then the LM head over that pass's last state, rechecked alone on
+        # a near tie. A span that ends the prompt read alone leaves its last token to a pass
+        # of its own, as mlx-lm reads it.
+        ending = None  # (the pass that read the prompt's last token inside a batch's)
+        for begin, end in _spans(decoder, len(prompt) if decoder.drives_target and decoder.kv is None else last,
+                                 chunk):
+            if end == len(prompt) and not _rides(decoder, end, len(prompt)):
+                end = last
+                if end == begin:
+                    break
+            out = yield from _read_pass(decoder, prompt, begin, end, features, hidden, _model_pass)
+            ending = out if end == len(prompt) else None
             decoder.state.quantize_when_due()
             mx.eval([layer_cache.state for layer_cache in decoder.target_cache])
             decoder.state.keep_beginning(end, prompt)
             yield from _chunk_read(decoder, prompt, end, features, hidden)
-        logits = decoder._held(decoder._forward(mx.array(prompt[-1:]), last, None).logits[-1])
+        if ending is not None:
+            logits = decoder._held(lm_head(decoder.target, ending.hidden[-1]))
+            if decoder._unsure(logits, len(prompt)):
+                logits = decoder._held(_last_alone(decoder, prompt).logits[-1])
+        else:
+            logits = decoder._held(decoder._forward(mx.array(prompt[-1:]), last, None).logits[-1])
         decoder.state.quantize_when_due()
         decoder.root = decoder._choose(logits, len(prompt))
     else:
@@ -436,12 +456,10 @@ def read_prompt(decoder: SpeculativeDecoder, prompt: List[int], chunk: int = 512
         logits = decoder._held(lm_head(decoder.target, out.hidden[-1]) if decoder.drives_target else out.logits[-1])
         # Read the last token alone, as plain decoding, where a row of a larger pass may choose otherwise.
         if (end - begin > 1 or rode) and decoder._unsure(logits, len(prompt)):
-            keep_cache_entries(decoder.target_cache, last, [])
-            out = decoder._forward(mx.array(prompt[-1:]), last, None)
+            out = _last_alone(decoder, prompt)
             features[-1] = mx.concatenate([features[-1][:-1], out.features])
             hidden[-1] = mx.concatenate([hidden[-1][:-1], out.hidden])
             logits = decoder._held(lm_head(decoder.target, out.hidden[-1]) if decoder.drives_target else out.logits[-1])
-            decoder.rechecked += 1
         decoder.root = decoder._choose(logits, len(prompt))
         states = TargetStates(mx.concatenate(features), mx.concatenate(hidden), decoder.taps)
     decoder.root_logits = logits if decoder.keep_logits else None
@@ -451,6 +469,15 @@ def read_prompt(decoder: SpeculativeDecoder, prompt: List[int], chunk: int = 512
     if decoder.drafter is not None:
         decoder.drafter.observe(Outcome(tokens, decoder.reused, states, from_prompt=True))
     decoder.state.settle(tokens)
+
+
+def _last_alone(decoder: SpeculativeDecoder, prompt: List[int]) -> TargetOutput:
+    """The prompt's last token read again in a pass of its own, as plain decoding reads it
+    (its choice from a larger pass's row was too close to call)."""
+    keep_cache_entries(decoder.target_cache, len(prompt) - 1, [])
+    decoder.rechecked += 1
+    return decoder._forward(mx.array(prompt[-1:]), len(prompt) - 1, None)
+
 
 def _chunk_read(decoder: SpeculativeDecoder, prompt: List[int], end: int, features: List[mx.array],
                 hidden: List[mx.array]) -> Iterator[Tuple[int, int]]:

@@ -21,6 +21,7 @@ from .decoder import PromptChunk, Round, SpeculativeDecoder
 from .distributed import Watchdog, shared_seed
 from .errors import UserError
 from .grammar import grammar_for
+from .node_odds import NodeOdds
 from .options import DEFAULT_MAX_TOKENS, ReplyOptions
 from .plan import DraftPlan, drafters_failed, plan_drafts, source_statistics
 from .prompt_cache import PromptCache, make_prompt_cache
@@ -270,7 +271,8 @@ class Generation:
             cache.drafter, cache.plan_key = plan.drafter(), plan.key
         self.decoder = SpeculativeDecoder(model, cache.drafter, options.sampling, shared_seed(options.seed), cache,
                                           costs=(lambda: plan.settings.costs) if plan.active else None,
-                                          grammar=self.grammar, kv=plan.settings.kv, keep_logits=options.logprobs)
+                                          grammar=self.grammar, kv=plan.settings.kv, keep_logits=options.logprobs,
+                                          odds=NodeOdds(prior=plan.odds))
         self.eos = set(tokenizer.eos_token_ids) | set(options.stop_tokens)
         self.stops = StopMatcher(options.stop)
         self.detokenizer = continuing_detokenizer(tokenizer, self.ids[-1])

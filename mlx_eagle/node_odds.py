@@ -7,8 +7,10 @@ conversation's budget asks of its own round (drafters/admit.py): taking nodes in
 their chance of acceptance, across every row, how many give the most expected tokens per
 millisecond of the pass? A node's chance is the product of its path's conditional
 chances: the drafter's confidences where it gives them, otherwise what this conversation
-saw accepted at the node's depth and rank among its siblings (``NodeOdds``). Where no node
-pays, the pass verifies the roots alone: plain batching.
+saw accepted at the node's depth and rank among its siblings (``NodeOdds``), starting from
+what its plan's conversations saw (an agent's new turn is a new conversation, whose drafts
+from its earlier turns are as sure as theirs were). Where no node pays, the pass verifies
+the roots alone: plain batching.
 """
 
 from __future__ import annotations
@@ -22,6 +24,9 @@ from .trees import DraftTree
 # Depths and sibling ranks told apart; deeper or later ones share the last.
 DEPTHS = 32
 RANKS = 16
+# A plan's odds, which its conversations' own start from, weigh about its last 50 trees:
+# each tree recorded multiplies the older ones' weight by this.
+PLAN_DECAY = 0.98
 
 
 def slots(tree: DraftTree) -> List[Tuple[int, int]]:
@@ -45,13 +50,22 @@ class NodeOdds:
     PRIOR_RATE = 0.5
     PRIOR_WEIGHT = 2.0
 
-    def __init__(self):
+    def __init__(self, prior: Optional["NodeOdds"] = None, decay: float = 1.0):
+        """``prior``: the odds a new conversation starts from (every conversation's of one
+        plan, recent ones weighing most: ``decay`` per tree recorded), which also learn what
+        this one records. None: the chain of PRIOR_RATE above."""
         self.tried = np.zeros((DEPTHS, RANKS))
         self.accepted = np.zeros((DEPTHS, RANKS))
+        self.prior, self.decay = prior, decay
         self._rates: Optional[np.ndarray] = None
 
     def record(self, node_slots: Sequence[Tuple[int, int]], parents: Sequence[int], path: Sequence[int]) -> None:
         """A verified tree (its nodes' slots and parents) and its accepted ``path``."""
+        if self.prior is not None:
+            self.prior.record(node_slots, parents, path)
+        if self.decay < 1.0:
+            self.tried *= self.decay
+            self.accepted *= self.decay
         on_path = set(path)
         for node, ((depth, rank), parent) in enumerate(zip(node_slots, parents)):
             if parent < 0 or parent in on_path:
@@ -61,6 +75,8 @@ class NodeOdds:
 
     def rates(self) -> np.ndarray:
         """P(accepted | parent accepted), [DEPTHS, RANKS]."""
+        if self.prior is not None:  # (not kept: the prior learns from the others too)
+            return (self.accepted + self.PRIOR_WEIGHT * self.prior.rates()) / (self.tried + self.PRIOR_WEIGHT)
         if self._rates is None:
             rates = np.empty((DEPTHS, RANKS))
             first = np.empty(RANKS)

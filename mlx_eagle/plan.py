@@ -48,6 +48,7 @@ from .drafters.kinds import DraftSettings, DraftSource, kind_modules
 from .errors import UserError, did_you_mean
 from .hub import from_hub
 from .models import load_target, resolve_model
+from .node_odds import PLAN_DECAY, NodeOdds
 from .target import KVQuantization, kv_quantization
 from .trees import TreeSpec
 
@@ -62,6 +63,9 @@ class DraftPlan:
     sources: List[DraftSource]
     settings: DraftSettings
     key: Tuple = field(default=())  # what the plan was made from: equal keys, equal plans
+    # What its conversations' batched rounds saw accepted, by depth and rank, recent ones
+    # weighing most: a new conversation's odds start from it (node_odds.NodeOdds).
+    odds: NodeOdds = field(default_factory=lambda: NodeOdds(decay=PLAN_DECAY), compare=False, repr=False)
 
     @property
     def active(self) -> List[DraftSource]:

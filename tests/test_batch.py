@@ -464,9 +464,9 @@ def test_a_prompt_read_inside_the_rounds_passes_gives_the_reply_alone(drafting, 
             for reply, result in zip(replies, batched_round(decoders[:2], [80] * 2, [step])):
                 reply += result.tokens
     assert rode >= 4 and all(len(reply) > 5 for reply in replies)
-    # Its last chunk rode too where the reader drives its target (its root's logits are the LM
-    # head over that pass's last state); with no states read, its last token is read alone.
-    assert reader.forwards == rode + ("lookup" in drafting)
+    # Its last chunk rode too, the reader driving its target (its root's logits are the LM head
+    # over that pass's last state): no pass of its own but to recheck a near tie.
+    assert reader.forwards == rode + reader.rechecked
     replies.append([reader.root])
     while active := [i for i, reply in enumerate(replies) if len(reply) < counts[i]]:
         for i, result in zip(active, batched_round([decoders[i] for i in active],
@@ -474,6 +474,13 @@ def test_a_prompt_read_inside_the_rounds_passes_gives_the_reply_alone(drafting, 
             replies[i] += result.tokens
     expected = [plain_tokens(model, prompt, count) for prompt, count in zip(prompts + [long_prompt], counts)]
     assert [reply[:count] for reply, count in zip(replies, counts)] == expected
+
+    unsure = make()  # every choice too close to call: the last token is read again alone
+    unsure.rides, unsure.read_chunk, unsure.tolerance = True, 1000, float("inf")
+    for step in unsure.reading(long_prompt):
+        if isinstance(step, PromptChunk):
+            batched_round(decoders[:1], [1], [step])
+    assert unsure.rechecked == 1 and unsure.root == expected[2][0]
 
     stopped = make()
     stopped.rides, stopped.read_chunk = True, 96

@@ -68,6 +68,26 @@ def test_acceptance_by_depth_and_rank_is_learned_and_confidences_take_its_place(
     assert odds.chances(tree, node_slots, [0.5, 0.2, 0.4]) == pytest.approx([0.5, 0.2, 0.2])
 
 
+def test_a_new_conversation_starts_from_what_its_plans_conversations_saw_accepted():
+    """A conversation's odds shrink towards its plan's (every conversation's, recent ones
+    weighing most), which learn from each of them: an agent's fresh turn whose earlier
+    turns' drafts were all accepted prices its deep nodes as likely, not at the halving
+    prior, and a plan whose drafts stopped being accepted forgets that."""
+    plan = NodeOdds(decay=0.98)
+    chain = DraftTree([1, 2, 3, 4], [-1, 0, 1, 2], [1, 2, 3, 4])
+    node_slots = slots(chain)
+    for _ in range(40):  # earlier conversations: every node accepted
+        NodeOdds(prior=plan).record(node_slots, chain.parents, [0, 1, 2, 3])
+    fresh, alone = NodeOdds(prior=plan), NodeOdds()
+    assert fresh.chances(chain, node_slots)[3] > 0.8 > 0.1 > alone.chances(chain, node_slots)[3]
+    for _ in range(3):  # its own rounds: none accepted; it learns, and so does the plan
+        fresh.record(node_slots, chain.parents, [])
+    assert fresh.rates()[0, 0] < 0.5 and plan.rates()[0, 0] < 0.99
+    for _ in range(300):
+        NodeOdds(prior=plan).record(node_slots, chain.parents, [])
+    assert plan.rates()[0, 0] < 0.05  # (recent trees weigh most)
+
+
 class Fixed(Drafter):
     """Proposes ``tokens`` as a chain every round; keeps what it observes."""
 
