@@ -1,6 +1,6 @@
 """An agent's tool loop against three OpenAI-compatible servers on this machine, side by
 side: mlx-lm's own (``python -m mlx_lm.server``), ours with default settings and ours with
-``--draft none`` (plain decoding through our loop); also ``ours-rows`` and ``ours-no-ride``,
+``--draft none`` (plain decoding through our loop); also ``ours-rows``, ``ours-no-ride`` and ``ours-own-odds``,
 ours with one of the batch's levers off (benchmarks/levers.py).
 
     python benchmarks/agent.py [--model GGUF_OR_DIR] [--tasks 4] [--max-tokens 160]

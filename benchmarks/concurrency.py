@@ -1,8 +1,9 @@
 """Concurrent clients against three OpenAI-compatible servers on this machine, side by side:
 mlx-lm's own (``python -m mlx_lm.server``, batching by default), ours with default settings
-and ours with ``--draft none``; also, by ``--servers``, ``ours-rows`` and ``ours-no-ride``:
-ours with one of the batch's levers off (benchmarks/levers.py: the drafters drafting one
-conversation after another; new prompts read between the rounds, not inside their pass).
+and ours with ``--draft none``; also, by ``--servers``, ``ours-rows``, ``ours-no-ride`` and
+``ours-own-odds``: ours with one of the batch's levers off (benchmarks/levers.py: the
+drafters drafting one conversation after another; new prompts read between the rounds, not
+inside their pass; a new conversation's odds for the batch's nodes not its plan's).
 
     python benchmarks/concurrency.py [--model GGUF_OR_DIR] [--clients 1,2,4,8,16]
         [--workloads chat,agent] [--requests 2] [--max-tokens 64]

@@ -15,7 +15,8 @@ with the scheduler's turns written to LOG, one JSON line each.
 Reported per level: tokens/s, p50 time to first token (chat), the worker's seconds in passes of replies alone, in passes
 with prompts' chunks inside and in prompts' passes of their own, the passes' mean replies
 and prompts being read (weighted by time), the prompt tokens read against those held, and
-the five (replies decoding, prompts being read) states that took longest.
+the five (replies decoding, prompts being read) states that took longest; in the JSON, each
+packed pass's rows, drafted nodes verified and tokens committed.
 """
 
 import argparse
@@ -45,7 +46,8 @@ ROOT = Path(__file__).resolve().parent.parent
 def serve(log_path: str, server_args: List[str]) -> None:
     """mlx_eagle.server with every turn's prompt reading and decoding pass, and every
     request's end, written to ``log_path``."""
-    from mlx_eagle.scheduler import Scheduler
+    import mlx_eagle.scheduler as scheduler
+    from mlx_eagle.scheduler import Scheduler, batched_round
 
     log = open(log_path, "a", buffering=1)
     read_prompts, decode, finish = Scheduler._read_prompts, Scheduler._decode, Scheduler._finish
@@ -68,8 +70,17 @@ def serve(log_path: str, server_args: List[str]) -> None:
                                   "held": request.generation.decoder.reused}) + "\n")
         finish(self, request)
 
+    def packed(decoders, rooms, reading=()):
+        """scheduler.batched_round, each packed pass's rows, drafted nodes and tokens logged."""
+        results = batched_round(decoders, rooms, reading)
+        rounds = [result for result in results if not isinstance(result, Exception)]
+        log.write(json.dumps({"t": time.time(), "step": "pass", "rows": len(decoders),
+                              "drafted": sum(r.drafted for r in rounds), "tokens": sum(len(r.tokens) for r in rounds)})
+                  + "\n")
+        return results
+
     Scheduler._read_prompts, Scheduler._decode = logged(read_prompts, "read"), logged(decode, "decode")
-    Scheduler._finish = finished
+    Scheduler._finish, scheduler.batched_round = finished, packed
     run_server(server_args)
 
 
@@ -94,7 +105,10 @@ def summarize(lines: List[dict], level: dict) -> dict:
             "mean_reading": reading / passes if passes else 0.0,
             "prompt_tokens": sum(e["prompt"] for e in ends), "held_tokens": sum(e["held"] for e in ends),
             "requests": len(ends),
-            "longest_states": sorted(states.items(), key=lambda kv: -kv[1])[:5]}
+            "longest_states": sorted(states.items(), key=lambda kv: -kv[1])[:5],
+            # each packed pass of rounds: [rows, drafted nodes verified, tokens committed]
+            "passes": [[line["rows"], line["drafted"], line["tokens"]] for line in lines
+                       if line["step"] == "pass" and line["rows"]]}
 
 
 def main(argv: Optional[List[str]] = None) -> None:

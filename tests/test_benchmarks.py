@@ -54,8 +54,13 @@ def test_levers_turns_each_lever_off_within_its_block_and_serves_with_it_off(mon
         assert together() == [default] * 3 and scheduler.RIDE_PROMPTS
     with levers.lever_off("no-ride"):
         assert not scheduler.RIDE_PROMPTS and together() == own
-    assert scheduler.RIDE_PROMPTS and together() == own
-    with pytest.raises(SystemExit, match="no lever 'seat'; the levers are rows, no-ride"):
+    from mlx_eagle import generation
+    from mlx_eagle.node_odds import NodeOdds
+
+    with levers.lever_off("own-odds"):  # a conversation's odds made without its plan's
+        assert generation.NodeOdds(prior=NodeOdds()).prior is None and scheduler.RIDE_PROMPTS
+    assert scheduler.RIDE_PROMPTS and together() == own and generation.NodeOdds is NodeOdds
+    with pytest.raises(SystemExit, match="no lever 'seat'; the levers are rows, no-ride, own-odds"):
         with levers.lever_off("seat"):
             pass
     import subprocess
@@ -345,7 +350,8 @@ def test_concurrency_runs_clients_at_once_against_a_server(tmp_path, qwen_coder_
 
 def test_seat_timeline_logs_the_workers_turns_at_each_level(tmp_path, smollm_float32):
     """Two levels on one server, each its own chat prompts: every level's passes, the
-    replies and prompts in them, and the prompt tokens read against those held, summed up."""
+    replies and prompts in them, and the prompt tokens read against those held, summed up;
+    each packed pass's rows, drafted nodes and tokens."""
     printed = run("seat_timeline.py", "--model", smollm_float32, "--workloads", "chat", "--clients", "2,2",
                   "--max-tokens", 4, "--port", free_port(), "--out", tmp_path / "timeline.json",
                   "--", "--draft", "none")
@@ -354,6 +360,8 @@ def test_seat_timeline_logs_the_workers_turns_at_each_level(tmp_path, smollm_flo
     for level in levels:
         assert level["requests"] == 2 and 0 <= level["held_tokens"] < level["prompt_tokens"]
         assert sum(level["seconds"].values()) > 0 and 0 < level["mean_rows"] <= 2
+    passes = [p for level in levels for p in level["passes"]]  # (draft none: no node drafted, a token a row)
+    assert passes and all(1 <= rows <= 2 and drafted == 0 and tokens == rows for rows, drafted, tokens in passes)
 
 
 def free_port() -> int:
