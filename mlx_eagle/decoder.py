@@ -160,7 +160,8 @@ class SpeculativeDecoder:
         self.rides = False
         self.forwards = 0  # target forward passes, for tests and statistics
         self.rechecked = 0  # greedy positions too close to call in a block, decided by a one-row pass
-        self.odds = odds or NodeOdds()  # what was accepted by depth and rank, for a batch's choice of nodes
+        # What was accepted by depth and rank, for a batch's choice of nodes.
+        self.odds = odds if odds is not None else NodeOdds()
         self._costs_of = costs
         self._costs: Optional[Costs] = None
         # How close a block row's top two logits may come (None: from the costs, when first needed).
@@ -428,9 +429,7 @@ def read_prompt(decoder: SpeculativeDecoder, prompt: List[int], chunk: int = 512
             decoder.state.keep_beginning(end, prompt)
             yield from _chunk_read(decoder, prompt, end, features, hidden)
         if ending is not None:
-            logits = decoder._held(lm_head(decoder.target, ending.hidden[-1]))
-            if decoder._unsure(logits, len(prompt)):
-                logits = decoder._held(_last_alone(decoder, prompt).logits[-1])
+            logits, _ = _root_logits(decoder, prompt, ending, check=True)
         else:
             logits = decoder._held(decoder._forward(mx.array(prompt[-1:]), last, None).logits[-1])
         decoder.state.quantize_when_due()
@@ -452,14 +451,10 @@ def read_prompt(decoder: SpeculativeDecoder, prompt: List[int], chunk: int = 512
             mx.eval(out.features, out.hidden, [] if decoder.drives_target else [c.state for c in decoder.target_cache])
             decoder.state.keep_beginning(end, prompt)
             yield from _chunk_read(decoder, prompt, end, features, hidden)
-        # (For a model's own forward pass, its LM head: models scale their logits their own ways.)
-        logits = decoder._held(lm_head(decoder.target, out.hidden[-1]) if decoder.drives_target else out.logits[-1])
-        # Read the last token alone, as plain decoding, where a row of a larger pass may choose otherwise.
-        if (end - begin > 1 or rode) and decoder._unsure(logits, len(prompt)):
-            out = _last_alone(decoder, prompt)
-            features[-1] = mx.concatenate([features[-1][:-1], out.features])
-            hidden[-1] = mx.concatenate([hidden[-1][:-1], out.hidden])
-            logits = decoder._held(lm_head(decoder.target, out.hidden[-1]) if decoder.drives_target else out.logits[-1])
+        logits, alone = _root_logits(decoder, prompt, out, check=end - begin > 1 or rode)
+        if alone is not None:
+            features[-1] = mx.concatenate([features[-1][:-1], alone.features])
+            hidden[-1] = mx.concatenate([hidden[-1][:-1], alone.hidden])
         decoder.root = decoder._choose(logits, len(prompt))
         states = TargetStates(mx.concatenate(features), mx.concatenate(hidden), decoder.taps)
     decoder.root_logits = logits if decoder.keep_logits else None
@@ -471,12 +466,23 @@ def read_prompt(decoder: SpeculativeDecoder, prompt: List[int], chunk: int = 512
     decoder.state.settle(tokens)
 
 
-def _last_alone(decoder: SpeculativeDecoder, prompt: List[int]) -> TargetOutput:
-    """The prompt's last token read again in a pass of its own, as plain decoding reads it
-    (its choice from a larger pass's row was too close to call)."""
+def _root_logits(decoder: SpeculativeDecoder, prompt: List[int], out: TargetOutput, check: bool) -> \
+        Tuple[mx.array, Optional[TargetOutput]]:
+    """The first root's logits from the pass that read the prompt's last token (``out``: the
+    LM head over its last state where target.py drives the target, as models scale their
+    logits their own ways). Where ``check`` (a row of a larger pass, which may choose
+    otherwise) and the choice is too close to call, the last token is read again in a pass
+    of its own, as plain decoding reads it: its logits then, and that pass's output."""
+    def held(row: TargetOutput) -> mx.array:
+        return decoder._held(lm_head(decoder.target, row.hidden[-1]) if decoder.drives_target else row.logits[-1])
+
+    logits = held(out)
+    if not (check and decoder._unsure(logits, len(prompt))):
+        return logits, None
     keep_cache_entries(decoder.target_cache, len(prompt) - 1, [])
     decoder.rechecked += 1
-    return decoder._forward(mx.array(prompt[-1:]), len(prompt) - 1, None)
+    alone = decoder._forward(mx.array(prompt[-1:]), len(prompt) - 1, None)
+    return held(alone), alone
 
 
 def _chunk_read(decoder: SpeculativeDecoder, prompt: List[int], end: int, features: List[mx.array],
